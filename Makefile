@@ -1,0 +1,29 @@
+# Every target creates .venv on first use. torch==2.13.0 (a local CPU build) goes in first,
+# so that the bare "torch" requirement never pulls a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: test demo lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+demo: $(VENV)/.installed
+	$(PY) -m kvflow.demo
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check kvflow tests benchmarks
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/scheduler_overhead.py
+
+clean:
+	rm -rf $(VENV) *.egg-info
