@@ -1,0 +1,121 @@
+"""Every message that crosses the scheduler <-> worker boundary.
+
+The scheduler sends a `SchedulerOutput` per step; the worker answers with a `ModelRunnerOutput`. A step's message
+carries what changed in that step only: a request's full token list travels when the worker cannot have it
+(a new request, a slot-runner resume) or, for the persistent-batch protocol, when its copy may be stale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvflow.request import Request
+    from kvflow.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has no state for: it takes a slot (slot runner) and gets everything it needs.
+
+    `num_computed_tokens` is the count before this step (prefix-cache hits included). `prefill_token_ids` is set
+    only for slot-runner resumes: the prompt plus the outputs so far, all of which must be recomputed.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+    prefill_token_ids: list[int] | None = None
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: tuple[list[int], ...],
+                     prefill_token_ids: list[int] | None = None) -> NewRequestData:
+        return cls(
+            req_id=request.request_id,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            block_ids=block_ids,
+            num_computed_tokens=request.num_computed_tokens,
+            prefill_token_ids=prefill_token_ids,
+        )
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already holds, as parallel lists indexed like `req_ids`.
+
+    * `new_token_ids[i]`: tokens the worker has not seen (a streaming session's next chunk); empty in steady
+      decoding, where the worker feeds its own sampled token.
+    * `new_block_ids[i]`: blocks appended this step (or, for ids in `resumed_req_ids`, the replacement block
+      table); None when nothing changed.
+    * `all_token_ids`: persistent-batch protocol only, for requests not scheduled in the previous step.
+    * `num_computed_tokens[i]`: the count before this step; `num_output_tokens[i]`: outputs so far (in-flight
+      placeholders included).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    all_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @classmethod
+    def make_empty(cls) -> CachedRequestData:
+        return cls()
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan.
+
+    The worker applies it in this order: release `finished_req_ids | preempted_req_ids`, add
+    `scheduled_new_reqs`, update `scheduled_cached_reqs`; then runs `num_scheduled_tokens[req_id]` tokens per
+    request (in that dict's order). `preempted_req_ids` reports every preemption since the previous output, each
+    exactly once.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    num_common_prefix_blocks: list[int] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @classmethod
+    def make_empty(cls) -> SchedulerOutput:
+        return cls([], CachedRequestData.make_empty(), {}, 0)
+
+
+@dataclass
+class LogprobsLists:
+    """Sampled-token logprobs per sampled row: top-k token ids, their logprobs, and the sampled token's rank."""
+
+    logprob_token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_token_ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced: `sampled_token_ids[req_id_to_index[req_id]]` (empty for a partial prefill)."""
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: LogprobsLists | None = None
+    prompt_logprobs_dict: dict[str, object] | None = None
+
+    @classmethod
+    def make_empty(cls) -> ModelRunnerOutput:
+        return cls([], {}, [])

@@ -1,0 +1,217 @@
+"""The scheduler's view of one request: its tokens, progress and lifecycle status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvflow.sampling_params import SamplingParams
+
+BlockHasher = Callable[["Request"], list[Any]]
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
+
+    WAITING = enum.auto()
+    WAITING_FOR_STREAMING_REQ = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        """The OpenAI-style finish reason of a finished status ("stop", "length", "abort")."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "abort",
+}
+
+
+class ConstantList(Sequence):
+    """A read-only view of a list: indexing, slicing, len and iteration, but no mutation."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: list[int]) -> None:
+        self._items = items
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._items[index]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ConstantList):
+            return self._items == other._items
+        return self._items == other
+
+    def __hash__(self) -> int:  # lists are unhashable; so is a view of one
+        raise TypeError("unhashable type: 'ConstantList'")
+
+    def copy(self) -> list[int]:
+        return self._items.copy()
+
+    def __repr__(self) -> str:
+        return f"ConstantList({self._items!r})"
+
+
+@dataclass
+class StreamingUpdate:
+    """One more chunk of prompt for a streaming-input session (None in a queue means: session ends)."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+    @classmethod
+    def from_request(cls, request: Request) -> StreamingUpdate | None:
+        """The update a same-id request carries; None when it closes the session (not resumable, no tokens)."""
+        if not request.resumable and not request.prompt_token_ids:
+            return None
+        return cls(list(request.prompt_token_ids), request.sampling_params, request.arrival_time)
+
+
+class Request:
+    """A request as the scheduler tracks it.
+
+    Invariants:
+      * `all_token_ids == prompt_token_ids + output_token_ids`; both views are read-only, tokens are added only
+        through `append_output_token_ids` (which also extends `block_hashes` for every newly full block).
+      * `num_computed_tokens <= num_tokens + num_output_placeholders`: tokens whose KV is (or is being) written.
+      * `num_output_placeholders` counts sampled tokens in flight (async scheduling) that are not yet appended;
+        `async_tokens_to_discard` counts stale in-flight frames (from before a forced preemption) to drop.
+      * `block_hashes[i]` is the chained hash of the i-th full block of `all_token_ids`.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        resumable: bool = False,
+        block_hasher: BlockHasher | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self.priority = priority
+        self.resumable = resumable
+        self.cache_salt = cache_salt
+
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self._output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids = ConstantList(self._output_token_ids)
+        self.all_token_ids = ConstantList(self._all_token_ids)
+
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 until admitted
+        self.spec_token_ids: list[int] = []
+        self.num_output_placeholders = 0
+        self.async_tokens_to_discard = 0
+        self.num_preemptions = 0
+        self.streaming_queue: deque[StreamingUpdate | None] | None = deque() if resumable else None
+
+        self.block_hashes: list[Any] = []
+        self._block_hasher: BlockHasher | None = None
+        if block_hasher is not None:
+            self.set_block_hasher(block_hasher)
+
+    # ----------------------------------------------------------------------------------------------- tokens
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self._all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self._output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self._output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
+        self.update_block_hashes()
+
+    def set_block_hasher(self, block_hasher: BlockHasher) -> None:
+        """Attach the hasher (the scheduler does this on add) and hash every full block so far."""
+        self._block_hasher = block_hasher
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))
+
+    def extend_prompt(self, token_ids: list[int]) -> None:
+        """Streaming sessions: fold outputs into the prompt, drop the last sampled token, append a new chunk.
+
+        The last sampled token was never fed back to the model (its KV does not exist), so it is dropped; every
+        earlier output becomes prompt. Block hashes of full blocks that survive the cut stay valid.
+        """
+        num_kept = self.num_tokens - 1 if self._output_token_ids else self.num_tokens
+        del self._all_token_ids[num_kept:]
+        self._output_token_ids.clear()
+        self.prompt_token_ids[:] = self._all_token_ids
+        self.prompt_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        # A block that held the dropped token is stale: keep only hashes of blocks that are still full.
+        block_size = getattr(self._block_hasher, "block_size", None)
+        del self.block_hashes[num_kept // block_size if block_size else 0:]
+        self.update_block_hashes()
+
+    # ----------------------------------------------------------------------------------------------- status
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")
