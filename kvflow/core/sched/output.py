@@ -119,3 +119,23 @@ class ModelRunnerOutput:
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
         return cls([], {}, [])
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the engine reports about one request after a step.
+
+    `finish_reason` is "stop", "length" or "abort" when generation ended. For a streaming-input session a chunk
+    can end while the session stays open: then `session_continues` is True and the request is not finished.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    session_continues: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None and not self.session_continues

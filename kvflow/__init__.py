@@ -1,0 +1,18 @@
+"""kvflow: an LLM inference and serving engine (vLLM-V1-style core: paged KV cache, continuous batching)."""
+
+from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.sampling_params import SamplingParams
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):  # lazy: importing the engine pulls in torch
+    if name == "LLM":
+        from kvflow.entrypoints.llm import LLM
+
+        return LLM
+    if name == "AsyncLLM":
+        from kvflow.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
+    raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

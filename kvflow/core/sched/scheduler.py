@@ -1,0 +1,538 @@
+"""The scheduler: one loop per step over running then waiting requests, under a token budget."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, cdiv
+from kvflow.core.kv_cache_utils import RequestBlockHasher
+from kvflow.core.sched.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from kvflow.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from kvflow.core.sched.stop import check_stop
+from kvflow.request import Request, RequestStatus, StreamingUpdate
+
+
+class PauseState(enum.Enum):
+    UNPAUSED = "unpaused"
+    PAUSED_NEW = "paused_new"  # running requests continue; nothing is admitted
+    PAUSED_ALL = "paused_all"  # nothing is scheduled
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups at admission: prompt tokens queried and tokens found in the cache."""
+
+    num_queries: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+@dataclass
+class _StepPlan:
+    """What one `schedule()` call decided, before it is turned into a `SchedulerOutput`."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    running: list[Request] = field(default_factory=list)  # already on the worker: sent as cached
+    new: list[Request] = field(default_factory=list)
+    resumed: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, new_blocks: KVCacheBlocks) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.req_to_new_blocks[request.request_id] = new_blocks
+        self.token_budget -= num_tokens
+
+    def undo(self, request: Request) -> None:
+        """Take back a running request scheduled earlier in this step (it is being preempted)."""
+        self.running.remove(request)
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.req_to_new_blocks.pop(request.request_id)
+
+
+class Scheduler:
+    """Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+    Invariants (checked by the randomized tests after every step):
+      * every request in `requests` is in exactly one of: `running`, `waiting`, or (idle streaming sessions)
+        `WAITING_FOR_STREAMING_REQ` outside both queues; finished requests are gone from `requests`.
+      * worker slot holders are `running` plus sessions in `_waiting_slot_holders`; there are never more
+        than `max_num_running_reqs`. A preempted or finished request gives its slot back in the very next
+        `SchedulerOutput` (`preempted_req_ids` / `finished_req_ids`), which the worker applies before admitting,
+        so at admission time the holders above are exactly what the worker holds.
+      * each step schedules at most `max_num_scheduled_tokens` tokens, and a step that preempted admits nothing.
+      * per-step cost grows with the number of scheduled requests, not with their token histories: full token
+        lists are copied only for requests the worker cannot know (new, slot-runner resumes) or, for the
+        persistent-batch protocol, requests not scheduled in the previous step.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
+                 num_kv_blocks: int | None = None, use_v2_model_runner: bool = True) -> None:
+        num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
+        if num_blocks is None:
+            raise ValueError("the scheduler needs cache_config.num_kv_blocks (or num_kv_blocks=)")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.use_v2_model_runner = use_v2_model_runner
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.max_model_len = scheduler_config.max_model_len
+        self.block_size = cache_config.block_size
+        self.policy = SchedulingPolicy(scheduler_config.policy)
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
+                                               enable_caching=cache_config.enable_prefix_caching,
+                                               max_model_len=self.max_model_len)
+        self.block_hasher = RequestBlockHasher(cache_config.block_size)
+
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Reported to the worker in the next SchedulerOutput, then cleared.
+        self.finished_req_ids: set[str] = set()
+        self.reset_preempted_req_ids: set[str] = set()
+        self.prev_step_scheduled_req_ids: set[str] = set()
+        self.num_waiting_for_streaming_input = 0
+        # Streaming sessions outside `running` that still hold a worker slot and their KV blocks.
+        self._waiting_slot_holders: set[str] = set()
+        # Sessions whose next prompt chunk the worker has not received yet.
+        self._unsent_chunk_req_ids: set[str] = set()
+        self._pause_state = PauseState.UNPAUSED
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # ------------------------------------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        """Queue a new request, or feed the next chunk to the streaming session with the same id."""
+        existing = self.requests.get(request.request_id)
+        if existing is not None:
+            self._add_streaming_update(existing, request)
+            return
+        self._validate_prompt_length(request.request_id, len(request.prompt_token_ids))
+        request.set_block_hasher(self.block_hasher)
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def _validate_prompt_length(self, request_id: str, num_tokens: int) -> None:
+        if num_tokens == 0:
+            raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {num_tokens} tokens is longer than "
+                             f"max_model_len={self.max_model_len}")
+        num_blocks_needed = cdiv(num_tokens, self.block_size)
+        if num_blocks_needed > self.kv_cache_manager.num_blocks:
+            raise ValueError(f"request {request_id!r}: prompt of {num_tokens} tokens needs {num_blocks_needed} "
+                             f"KV blocks but the cache has only {self.kv_cache_manager.num_blocks}")
+
+    def _add_streaming_update(self, session: Request, request: Request) -> None:
+        """A same-id request feeds a streaming session: a resumable one adds a chunk; a non-resumable one is the
+        last chunk (or, with no tokens, just closes the session)."""
+        if session.streaming_queue is None:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        update = StreamingUpdate.from_request(request)
+        closes_session = not request.resumable
+        if session.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
+            session.streaming_queue.append(update)  # applied when the current chunk stops
+            if closes_session and update is not None:
+                session.streaming_queue.append(None)
+            return
+        if update is None:
+            self.finish_requests(session.request_id, RequestStatus.FINISHED_STOPPED)
+            return
+        if not self._chunk_fits(session, update):
+            raise ValueError(f"request {request.request_id!r}: the streaming session would grow past "
+                             f"max_model_len={self.max_model_len}")
+        self.num_waiting_for_streaming_input -= 1
+        self._apply_chunk(session, update)
+        if closes_session:
+            session.streaming_queue.append(None)
+
+    def _chunk_fits(self, session: Request, update: StreamingUpdate) -> bool:
+        num_kept = session.num_tokens - 1 if session.num_output_tokens else session.num_tokens
+        return num_kept + len(update.prompt_token_ids) <= self.max_model_len
+
+    def _apply_chunk(self, session: Request, update: StreamingUpdate) -> None:
+        """Fold the session's outputs into its prompt, append the chunk, and queue it for scheduling."""
+        session.extend_prompt(update.prompt_token_ids)
+        # With async scheduling a frame past the stop may have computed the dropped token: forget it.
+        num_kept = session.num_tokens - len(update.prompt_token_ids)
+        session.num_computed_tokens = min(session.num_computed_tokens, num_kept)
+        session.sampling_params = update.sampling_params
+        session.arrival_time = update.arrival_time
+        session.stop_reason = None
+        holds_slot = session.request_id in self._waiting_slot_holders
+        # A session that kept its slot continues on the worker; one that lost it resumes like a preempted one.
+        session.status = RequestStatus.WAITING if holds_slot else RequestStatus.PREEMPTED
+        if holds_slot:
+            self._unsent_chunk_req_ids.add(session.request_id)
+        self.waiting.add_request(session)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort, session close). Safe for any id in any state; idempotent."""
+        assert RequestStatus.is_finished(finished_status), finished_status
+        ids = (request_ids,) if isinstance(request_ids, str) else request_ids
+        running_to_remove: set[Request] = set()
+        waiting_to_remove: list[Request] = []
+        to_free: list[Request] = []
+        for request_id in ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                running_to_remove.add(request)
+            elif request.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
+                self.num_waiting_for_streaming_input -= 1
+            else:
+                waiting_to_remove.append(request)
+            request.status = finished_status
+            to_free.append(request)
+        if running_to_remove:
+            self.running = [request for request in self.running if request not in running_to_remove]
+        if waiting_to_remove:
+            self.waiting.remove_requests(waiting_to_remove)
+        for request in to_free:
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        request_id = request.request_id
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request_id)
+        self.reset_preempted_req_ids.discard(request_id)  # reported once, as finished
+        self._waiting_slot_holders.discard(request_id)
+        self._unsent_chunk_req_ids.discard(request_id)
+        del self.requests[request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests with work to do (idle streaming sessions excluded), including those held while paused."""
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_pending_reports(self) -> bool:
+        """True when the worker still has to hear about finished or preempted requests."""
+        return bool(self.finished_req_ids or self.reset_preempted_req_ids)
+
+    @property
+    def pause_state(self) -> PauseState:
+        return self._pause_state
+
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        self._pause_state = pause_state
+
+    @property
+    def num_slot_holders(self) -> int:
+        """Requests holding a worker slot: running ones plus streaming sessions that kept theirs."""
+        return len(self.running) + len(self._waiting_slot_holders)
+
+    # ------------------------------------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_scheduled_tokens if self._pause_state != PauseState.PAUSED_ALL else 0
+        plan = _StepPlan(token_budget=budget)
+        timestamp = time.monotonic()
+        self._schedule_running(plan, timestamp)
+        if not plan.preempted and self._pause_state == PauseState.UNPAUSED:
+            self._schedule_waiting(plan)
+        assert plan.token_budget >= 0
+        assert self.num_slot_holders <= self.max_num_running_reqs
+        output = self._build_output(plan)
+        self._update_after_schedule(output)
+        return output
+
+    def _num_new_tokens_for_running(self, request: Request, token_budget: int) -> int:
+        num_new_tokens = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        return min(num_new_tokens, token_budget)
+
+    def _schedule_running(self, plan: _StepPlan, timestamp: float) -> None:
+        req_index = 0
+        while req_index < len(self.running) and plan.token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_new_tokens_for_running(request, plan.token_budget)
+            if num_new_tokens <= 0:
+                req_index += 1  # nothing to compute now (e.g. async: the last token is in flight)
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_preemption_victim()
+                self.running.remove(victim)
+                if victim.request_id in plan.num_scheduled_tokens:
+                    plan.undo(victim)
+                    req_index -= 1
+                self._preempt_request(victim, timestamp)
+                plan.preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            plan.running.append(request)
+            plan.add(request, num_new_tokens, new_blocks)
+            req_index += 1
+
+    def _pick_preemption_victim(self) -> Request:
+        """FCFS: the most recently admitted request. PRIORITY: the worst (priority, arrival_time)."""
+        if self.policy == SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda request: (request.priority, request.arrival_time))
+        return self.running[-1]
+
+    def _preempt_request(self, request: Request, timestamp: float) -> None:
+        """Free a running request's blocks and put it back at the head of the waiting queue (recompute later).
+
+        The caller removes it from `running` first.
+        """
+        assert request.status == RequestStatus.RUNNING, f"only running requests can be preempted: {request}"
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        skipped = create_request_queue(self.policy)
+        while self.waiting and plan.token_budget > 0:
+            request = self.waiting.peek_request()
+            holds_slot = request.request_id in self._waiting_slot_holders
+            if not holds_slot and self.num_slot_holders >= self.max_num_running_reqs:
+                if not self._waiting_slot_holders:
+                    break
+                # Full, but a session further back holds a slot of its own: look for it.
+                skipped.add_request(self.waiting.pop_request())
+                continue
+            if not self._try_admit(request, plan):
+                break
+        if skipped:
+            self.waiting.prepend_requests(skipped)
+
+    def _try_admit(self, request: Request, plan: _StepPlan) -> bool:
+        """Schedule the head of the waiting queue. Returns False when it does not fit (stop admitting)."""
+        computed_blocks: KVCacheBlocks | None = None
+        num_hit_tokens = 0
+        if request.num_computed_tokens == 0:
+            computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        num_computed_tokens = request.num_computed_tokens + num_hit_tokens
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if 0 < threshold < num_new_tokens:
+            num_new_tokens = threshold
+        if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > plan.token_budget:
+            return False
+        num_new_tokens = min(num_new_tokens, plan.token_budget)
+        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_hit_tokens, computed_blocks)
+        if new_blocks is None:
+            return False
+
+        self.waiting.pop_request()
+        self.running.append(request)
+        if request.request_id in self._waiting_slot_holders:
+            self._waiting_slot_holders.discard(request.request_id)
+            plan.running.append(request)  # a session continuing in its own slot
+        elif request.status == RequestStatus.PREEMPTED:
+            plan.resumed.append(request)
+        else:
+            plan.new.append(request)
+        if computed_blocks is not None:
+            self._record_prefix_lookup(request, num_hit_tokens)
+        plan.add(request, num_new_tokens, new_blocks)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        return True
+
+    def _record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        stats = self.prefix_cache_stats
+        stats.num_queries += 1
+        stats.num_query_tokens += request.num_tokens
+        stats.num_hit_tokens += num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+
+    # ------------------------------------------------------------------------------------------------ output
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_reqs_data = [NewRequestData.from_request(request, kv.get_block_ids(request.request_id))
+                         for request in plan.new]
+        cached_resumed = plan.resumed
+        if self.use_v2_model_runner:
+            # The slot runner dropped a preempted request's state: it comes back as a new request.
+            new_reqs_data += [
+                NewRequestData.from_request(request, kv.get_block_ids(request.request_id),
+                                            prefill_token_ids=request.all_token_ids.copy())
+                for request in plan.resumed
+            ]
+            cached_resumed = []
+        cached_reqs_data = self._make_cached_request_data(
+            plan.running, cached_resumed, plan.num_scheduled_tokens, {}, plan.req_to_new_blocks)
+        preempted_req_ids = {request.request_id for request in plan.preempted} | self.reset_preempted_req_ids
+        num_common_prefix_blocks = (
+            kv.get_num_common_prefix_blocks(self.running[0].request_id, len(self.running)) if self.running else [0])
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached_reqs_data,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens={},
+            num_common_prefix_blocks=num_common_prefix_blocks,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted_req_ids,
+        )
+
+    def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
+                                  num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]],
+                                  req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
+        """Per-request deltas for requests the worker holds; resumed ones only in the persistent-batch protocol.
+
+        Cost is O(1) per request in steady decoding: new block ids and counters, no token history. A full
+        token list goes out only to the persistent-batch runner, for requests it did not run in the previous
+        step (its copy may be stale); a streaming session's new chunk goes out once as `new_token_ids`.
+        """
+        data = CachedRequestData()
+        send_all_tokens = not self.use_v2_model_runner
+        num_running = len(running_reqs)
+        for position, request in enumerate(itertools.chain(running_reqs, resumed_reqs)):
+            request_id = request.request_id
+            is_resumed = position >= num_running
+            data.req_ids.append(request_id)
+            chunk: list[int] = []
+            if send_all_tokens and (is_resumed or request_id not in self.prev_step_scheduled_req_ids):
+                data.all_token_ids[request_id] = request.all_token_ids.copy()
+                self._unsent_chunk_req_ids.discard(request_id)
+            elif request_id in self._unsent_chunk_req_ids:
+                self._unsent_chunk_req_ids.discard(request_id)
+                chunk = list(request.all_token_ids[request.num_computed_tokens:])
+            data.new_token_ids.append(chunk)
+            if is_resumed:
+                data.resumed_req_ids.add(request_id)
+                data.new_block_ids.append(self.kv_cache_manager.get_block_ids(request_id))
+            else:
+                new_blocks = req_to_new_blocks.get(request_id)
+                data.new_block_ids.append(new_blocks.get_block_ids() if new_blocks and not new_blocks.is_empty
+                                          else None)
+            data.num_computed_tokens.append(request.num_computed_tokens)
+            data.num_output_tokens.append(request.num_output_tokens + request.num_output_placeholders)
+        return data
+
+    def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        """Advance computed counts right away, so the next step can be planned before this one's output."""
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        self.prev_step_scheduled_req_ids = set(output.num_scheduled_tokens)
+        # New set objects: the output keeps the old ones.
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+
+    # ------------------------------------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, run stop checks, finish or park stopped requests; return per-request outputs."""
+        outputs: list[EngineCoreOutput] = []
+        stopped_running: set[Request] = set()
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        req_id_to_index = model_runner_output.req_id_to_index
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            index = req_id_to_index.get(request_id)
+            generated = sampled_token_ids[index] if index is not None else []
+            if not generated:
+                continue
+            status_before = request.status
+            new_token_ids, stopped = self._update_request_with_output(request, list(generated))
+            output = EngineCoreOutput(request_id, new_token_ids, num_cached_tokens=max(request.num_cached_tokens, 0))
+            if stopped:
+                output.finish_reason = request.get_finished_reason()
+                output.stop_reason = request.stop_reason
+                if status_before == RequestStatus.RUNNING:
+                    stopped_running.add(request)
+                else:  # preempted by a forced reset after this step was planned (rare)
+                    self.waiting.remove_requests([request])
+                output.session_continues = not self._handle_stopped_request(request, status_before)
+            outputs.append(output)
+        if stopped_running:
+            self.running = [request for request in self.running if request not in stopped_running]
+        return outputs
+
+    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+        """Append tokens one by one, stopping at the first that ends the request (later ones are dropped)."""
+        stopped = False
+        for num_appended, token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(token_id)
+            stopped = check_stop(request, self.max_model_len)
+            if stopped:
+                del new_token_ids[num_appended:]
+                break
+        return new_token_ids, stopped
+
+    def _handle_stopped_request(self, request: Request, status_before: RequestStatus) -> bool:
+        """Finish a stopped request, or park a streaming session for its next chunk. True if finished.
+
+        The caller has taken the request out of (or will filter it from) `running` / `waiting`.
+        """
+        if not request.resumable:
+            self._free_request(request)
+            return True
+        if status_before == RequestStatus.RUNNING:
+            self._waiting_slot_holders.add(request.request_id)  # keeps its slot and KV blocks between chunks
+        if not request.streaming_queue:
+            request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+            self.num_waiting_for_streaming_input += 1
+            return False
+        update = request.streaming_queue.popleft()
+        if update is None:
+            self._free_request(request)
+            return True
+        if not self._chunk_fits(request, update):
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            self._free_request(request)
+            return True
+        self._apply_chunk(request, update)
+        return False
+
+    # ------------------------------------------------------------------------------------------------ reset
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Clear the prefix cache. Returns False while blocks are in use, unless `reset_running_requests`:
+        then every running request (and every session holding blocks) is preempted first, keeping FIFO order
+        in `waiting`, and reported in the next output's `preempted_req_ids`.
+        """
+        if reset_running_requests:
+            timestamp = time.monotonic()
+            while self.running:
+                request = self.running.pop()
+                self._preempt_request(request, timestamp)
+                self.reset_preempted_req_ids.add(request.request_id)
+            for request_id in list(self._waiting_slot_holders):
+                self._release_session(self.requests[request_id])
+            self.prev_step_scheduled_req_ids.clear()
+        reset_ok = self.kv_cache_manager.reset_prefix_cache()
+        if reset_running_requests and not reset_ok:
+            raise RuntimeError("KV blocks still in use after preempting every running request")
+        return reset_ok
+
+    def _release_session(self, session: Request) -> None:
+        """Drop a parked streaming session's KV blocks and worker slot; it will resume by recompute."""
+        self.kv_cache_manager.free(session)
+        session.num_computed_tokens = 0
+        session.num_preemptions += 1
+        self._waiting_slot_holders.discard(session.request_id)
+        self._unsent_chunk_req_ids.discard(session.request_id)
+        self.reset_preempted_req_ids.add(session.request_id)
+        if session.status == RequestStatus.WAITING:
+            session.status = RequestStatus.PREEMPTED
