@@ -78,7 +78,7 @@ class SchedulerConfig:
         _require(self.long_prefill_token_threshold >= 0,
                  f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         _require(self.policy in ("fcfs", "priority"),
-                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+                 f"policy (scheduling_policy) must be 'fcfs' or 'priority', got {self.policy!r}")
         _require(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
                  "without chunked prefill, max_num_batched_tokens "
                  f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")

@@ -60,14 +60,17 @@ class BlockPool:
 
         Blocks reaching ref_cnt 0 with a hash go to the LRU tail (reusable as prefix); unhashed ones to the head.
         """
+        unhashed: list[KVCacheBlock] = []
         for block in ordered_blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"double free of {block}"
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    self.free_block_queue.appendleft(block)
+                    unhashed.append(block)
                 else:
                     self.free_block_queue.append(block)
+        for block in reversed(unhashed):  # keep eviction priority among the unhashed ones too
+            self.free_block_queue.appendleft(block)
 
     def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_cached_blocks: int,
                           num_full_blocks: int) -> None:
