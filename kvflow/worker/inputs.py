@@ -1,0 +1,38 @@
+"""The tensors one forward pass reads: what the model runner builds from a `SchedulerOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchInputs:
+    """One step's flattened batch, requests in `num_scheduled_tokens` order.
+
+    Request `r` owns the flat token range `[query_start_loc[r], query_start_loc[r + 1])`; token `t` of it sits at
+    `positions[t]` of its sequence and its KV goes to cache slot `slot_mapping[t]`. `seq_lens[r]` counts the
+    request's tokens with KV after this step; `block_tables[r, :ceil(seq_lens[r] / block_size)]` are valid (the rest
+    is padding). `logits_indices[k]` is the flat index of the last scheduled token of request
+    `sampled_req_indices[k]`, one entry per request that samples this step (partial prefills do not).
+    """
+
+    req_ids: list[str]
+    block_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_in_batch] int32
+    logits_indices: torch.Tensor  # [num_sampled] int64
+    sampled_req_indices: torch.Tensor  # [num_sampled] int64
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

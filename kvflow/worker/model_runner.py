@@ -1,0 +1,235 @@
+"""The model runner: applies each `SchedulerOutput` to the worker's request slots, builds the batch, runs the model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from kvflow.core.sched.output import ModelRunnerOutput
+from kvflow.worker.inputs import BatchInputs
+from kvflow.worker.states import RequestSlots
+
+if TYPE_CHECKING:
+    from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from kvflow.sampling_params import SamplingParams
+
+
+class RunnerModel(Protocol):
+    """What the runner needs of a model: a KV cache factory and a forward pass over a `BatchInputs`.
+
+    `forward` returns either sampled token ids (int64, one per `batch.logits_indices` entry: a model that
+    samples itself, such as the hash model) or, for a real model, logits `[len(logits_indices), vocab]`.
+    """
+
+    def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor: ...
+
+    def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class _ParkedRequest:
+    """A preempted request's state kept by the persistent-batch protocol until it resumes (outside any slot)."""
+
+    token_ids: list[int]
+    sampling_params: SamplingParams | None
+
+
+@dataclass
+class _StepArrays:
+    """Numpy views of one step's batch that the post-forward state update needs."""
+
+    slot_indices: np.ndarray  # [num_reqs] slot of each batch row
+    num_scheduled: np.ndarray  # [num_reqs]
+    sampled_rows: np.ndarray  # [num_sampled] batch rows that sample
+
+
+def _cdiv(a: np.ndarray | int, b: int) -> np.ndarray | int:
+    return -(-a // b)
+
+
+class ModelRunner:
+    """Turns `SchedulerOutput`s into forward passes over a paged KV cache owned by the runner.
+
+    Invariants:
+      * every request the scheduler may schedule holds a slot in `slots` (`slots.req_id_to_index`); with the
+        persistent-batch protocol (`use_v2_model_runner=False`) a preempted request instead sits in `parked`
+        (tokens kept, no slot, no blocks) until it returns in `resumed_req_ids`;
+      * a held request's token buffer includes its last sampled token: the worker feeds that token into the next
+        step itself, the scheduler never sends it back;
+      * each step costs O(scheduled tokens + batch requests * blocks in the batch), never O(request history).
+    """
+
+    def __init__(self, model: RunnerModel, *, max_num_reqs: int, max_model_len: int, block_size: int,
+                 num_blocks: int, use_v2_model_runner: bool = True, device: str | torch.device = "cpu") -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.use_v2_model_runner = use_v2_model_runner
+        self.device = torch.device(device)
+        self.slots = RequestSlots(max_num_reqs, max_model_len, int(_cdiv(max_model_len, block_size)))
+        self.parked: dict[str, _ParkedRequest] = {}
+        self.kv_cache = model.make_kv_cache(num_blocks, block_size).to(self.device)
+
+    # ------------------------------------------------------------------------------------------ step
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply one step's plan (release, add, update), run the scheduled tokens and return what was sampled."""
+        self._release(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
+        self._add_new_requests(scheduler_output.scheduled_new_reqs)
+        self._update_cached_requests(scheduler_output.scheduled_cached_reqs)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput.make_empty()
+        batch, arrays = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
+        model_output = self.model.forward(batch, self.kv_cache)
+        sampled = self._sample(model_output, batch)
+        return self._update_states(batch, arrays, sampled)
+
+    # ------------------------------------------------------------------------------------------ a. release
+    def _release(self, finished_req_ids: set[str], preempted_req_ids: set[str]) -> None:
+        """Finished requests are dropped; preempted ones free their slot (slot protocol) or are parked."""
+        for req_id in sorted(finished_req_ids):
+            self.slots.remove(req_id)
+            self.parked.pop(req_id, None)
+        for req_id in sorted(preempted_req_ids - finished_req_ids):
+            if self.use_v2_model_runner:
+                self.slots.remove(req_id)
+            elif req_id in self.slots:
+                self.parked[req_id] = _ParkedRequest(self.slots.get_token_ids(req_id),
+                                                     self.slots.sampling_params[self.slots.req_id_to_index[req_id]])
+                self.slots.remove(req_id)
+
+    # ------------------------------------------------------------------------------------------ b. add
+    def _add_new_requests(self, new_reqs: Iterable[NewRequestData]) -> None:
+        """Give each new request a slot; a same-id add replaces whatever the worker held for that id."""
+        for new_req in new_reqs:
+            self.slots.remove(new_req.req_id)
+            self.parked.pop(new_req.req_id, None)
+            token_ids = new_req.prefill_token_ids if new_req.prefill_token_ids is not None \
+                else new_req.prompt_token_ids
+            self.slots.add(new_req.req_id, token_ids, new_req.block_ids[0], new_req.num_computed_tokens,
+                           new_req.sampling_params)
+
+    # ------------------------------------------------------------------------------------------ c. update
+    def _update_cached_requests(self, cached: CachedRequestData) -> None:
+        """Apply block, token and progress updates to requests the worker already holds."""
+        num_reqs = len(cached.req_ids)
+        lengths = (len(cached.new_token_ids), len(cached.new_block_ids), len(cached.num_computed_tokens))
+        assert lengths == (num_reqs,) * 3, f"CachedRequestData lists are not parallel: {num_reqs}, {lengths}"
+        for i, req_id in enumerate(cached.req_ids):
+            index = self._apply_cached_blocks(req_id, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
+            num_computed_tokens = cached.num_computed_tokens[i]
+            if req_id in cached.all_token_ids:
+                self.slots.write_tokens(index, 0, cached.all_token_ids[req_id])
+            elif cached.new_token_ids[i]:
+                self.slots.write_tokens(index, num_computed_tokens, cached.new_token_ids[i])
+            self.slots.set_num_computed_tokens(index, num_computed_tokens)
+
+    def _apply_cached_blocks(self, req_id: str, new_block_ids: tuple[list[int], ...] | None,
+                             resumed: bool) -> int:
+        """Replace (resumed) or extend the request's block table; returns its slot index."""
+        if resumed:
+            assert new_block_ids is not None, f"resumed request {req_id!r} came without block ids"
+            parked = self.parked.pop(req_id, None)
+            if parked is not None:
+                return self.slots.add(req_id, parked.token_ids, new_block_ids[0], 0, parked.sampling_params)
+            index = self._index_of(req_id)
+            self.slots.set_block_ids(index, new_block_ids[0])
+            return index
+        assert req_id not in self.parked, f"preempted request {req_id!r} was scheduled without being resumed"
+        index = self._index_of(req_id)
+        if new_block_ids is not None:
+            self.slots.append_block_ids(index, new_block_ids[0])
+        return index
+
+    def _index_of(self, req_id: str) -> int:
+        index = self.slots.req_id_to_index.get(req_id)
+        assert index is not None, f"request {req_id!r} holds no worker slot"
+        return index
+
+    # ------------------------------------------------------------------------------------------ d. inputs
+    def _prepare_inputs(self, num_scheduled_tokens: dict[str, int]) -> tuple[BatchInputs, _StepArrays]:
+        """Build the batch tensors with vectorised gathers over the slot arrays (O(scheduled tokens))."""
+        req_ids = list(num_scheduled_tokens)
+        slot_indices = np.fromiter((self._index_of(req_id) for req_id in req_ids), np.int64, len(req_ids))
+        num_scheduled = np.fromiter(num_scheduled_tokens.values(), np.int64, len(req_ids))
+        start = self.slots.num_computed_tokens[slot_indices]
+        seq_lens = start + num_scheduled
+        self._check_scheduled(req_ids, slot_indices, seq_lens)
+
+        query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        token_rows = np.repeat(np.arange(len(req_ids)), num_scheduled)
+        positions = np.arange(query_start_loc[-1]) - query_start_loc[token_rows] + start[token_rows]
+        token_slots = slot_indices[token_rows]
+        input_ids = self.slots.token_ids[token_slots, positions]
+        block_ids = self.slots.block_table[token_slots, positions // self.block_size].astype(np.int64)
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+
+        samples = (num_scheduled > 0) & (seq_lens >= self.slots.num_tokens[slot_indices])
+        sampled_rows = np.flatnonzero(samples)
+        batch = BatchInputs(
+            req_ids=req_ids,
+            block_size=self.block_size,
+            input_ids=self._to_device(input_ids),
+            positions=self._to_device(positions),
+            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            block_tables=self._to_device(self._batch_block_tables(slot_indices, seq_lens)),
+            logits_indices=self._to_device(query_start_loc[sampled_rows + 1] - 1),
+            sampled_req_indices=self._to_device(sampled_rows.astype(np.int64)),
+        )
+        return batch, _StepArrays(slot_indices, num_scheduled, sampled_rows)
+
+    def _check_scheduled(self, req_ids: list[str], slot_indices: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Refuse to read tokens the worker does not have or KV slots outside the request's blocks."""
+        over_tokens = np.flatnonzero(seq_lens > self.slots.num_tokens[slot_indices])
+        assert over_tokens.size == 0, \
+            f"scheduled past the worker's known tokens: {[req_ids[i] for i in over_tokens]}"
+        over_blocks = np.flatnonzero(_cdiv(seq_lens, self.block_size) > self.slots.num_blocks[slot_indices])
+        assert over_blocks.size == 0, \
+            f"scheduled tokens without KV blocks: {[req_ids[i] for i in over_blocks]}"
+
+    def _batch_block_tables(self, slot_indices: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
+        """The batch's block tables, as wide as its longest sequence needs; entries past a row's blocks are 0."""
+        width = int(_cdiv(seq_lens.max(), self.block_size)) if seq_lens.size else 0
+        tables = self.slots.block_table[slot_indices, :width]
+        tables[np.arange(width)[None, :] >= self.slots.num_blocks[slot_indices][:, None]] = 0
+        return tables
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------------------------------ e. sample
+    def _sample(self, model_output: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
+        """Seam for the sampler: token ids pass through; logits will go to `kvflow.worker.sampler` here."""
+        if model_output.dim() == 1 and not model_output.is_floating_point():
+            assert model_output.shape[0] == batch.logits_indices.shape[0], "one sampled token per logits index"
+            return model_output
+        raise NotImplementedError("the model returned logits; the sampler is not wired into the runner yet")
+
+    # ------------------------------------------------------------------------------------------ f. update
+    def _update_states(self, batch: BatchInputs, arrays: _StepArrays,
+                       sampled: torch.Tensor) -> ModelRunnerOutput:
+        """Advance progress, append each sampled token to its request's buffer, and report the samples."""
+        sampled_np = sampled.to("cpu").numpy()
+        self.slots.num_computed_tokens[arrays.slot_indices] += arrays.num_scheduled
+        self._append_sampled(arrays.slot_indices[arrays.sampled_rows], sampled_np)
+        sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
+        for row, token_id in zip(arrays.sampled_rows.tolist(), sampled_np.tolist(), strict=True):
+            sampled_token_ids[row] = [token_id]
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={req_id: i for i, req_id in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled_token_ids,
+        )
+
+    def _append_sampled(self, slot_indices: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one token per slot; a token sampled at max_model_len is reported but not stored (it stops)."""
+        positions = self.slots.num_tokens[slot_indices]
+        fits = positions < self.slots.max_model_len
+        self.slots.token_ids[slot_indices[fits], positions[fits]] = token_ids[fits]
+        self.slots.num_tokens[slot_indices[fits]] += 1

@@ -1,0 +1,138 @@
+"""Per-request worker state in a fixed array of slots, stored in preallocated numpy arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from kvflow.sampling_params import SamplingParams
+
+
+class RequestSlots:
+    """A fixed array of `max_num_reqs` slots, one per request the worker holds.
+
+    Invariants:
+      * every slot index is either in `free_indices` or the value of exactly one `req_id_to_index` entry,
+        never both; `len(free_indices) + len(req_id_to_index) == max_num_reqs`;
+      * for a held slot `i`: `token_ids[i, :num_tokens[i]]` are the request's known tokens (prompt, outputs and
+        the last sampled token, which the worker feeds itself), `block_table[i, :num_blocks[i]]` its KV blocks,
+        `num_computed_tokens[i] <= num_tokens[i] <= max_model_len`;
+      * entries past `num_tokens[i]` / `num_blocks[i]` (and every entry of a free slot) are stale and never read.
+    A freed slot is not cleared: taking it overwrites the counters, so `add` and `remove` cost O(new data).
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = max_blocks_per_req
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.req_ids: list[str | None] = [None] * max_num_reqs
+        # Popped from the end, so slot 0 is taken first.
+        self.free_indices: list[int] = list(range(max_num_reqs - 1, -1, -1))
+        self.req_id_to_index: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------------------ take / free
+    def add(self, req_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int,
+            sampling_params: SamplingParams | None = None) -> int:
+        """Take a free slot for `req_id` and fill it; returns the slot index.
+
+        Raises AssertionError("No free indices") when every slot is held and ValueError when `req_id` already
+        holds one (callers that mean to replace must `remove` first).
+        """
+        if req_id in self.req_id_to_index:
+            raise ValueError(f"request {req_id!r} already holds slot {self.req_id_to_index[req_id]}")
+        if not self.free_indices:
+            raise AssertionError("No free indices")
+        self._check_fits(req_id, len(token_ids), len(block_ids), num_computed_tokens)
+        index = self.free_indices.pop()
+        self.req_id_to_index[req_id] = index
+        self.req_ids[index] = req_id
+        self.sampling_params[index] = sampling_params
+        self.num_tokens[index] = 0
+        self.num_blocks[index] = 0
+        self.write_tokens(index, 0, token_ids)
+        self.append_block_ids(index, block_ids)
+        self.set_num_computed_tokens(index, num_computed_tokens)
+        return index
+
+    def _check_fits(self, req_id: str, num_tokens: int, num_blocks: int, num_computed_tokens: int) -> None:
+        """Validate a new request before it takes a slot, so a failed `add` leaves every slot unchanged."""
+        if num_tokens > self.max_model_len:
+            raise ValueError(f"request {req_id!r}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+        if num_blocks > self.max_blocks_per_req:
+            raise ValueError(f"request {req_id!r}: {num_blocks} blocks exceed "
+                             f"max_blocks_per_req={self.max_blocks_per_req}")
+        if not 0 <= num_computed_tokens <= num_tokens:
+            raise ValueError(f"request {req_id!r}: num_computed_tokens={num_computed_tokens} is outside "
+                             f"[0, {num_tokens}]")
+
+    def remove(self, req_id: str) -> int | None:
+        """Give `req_id`'s slot back; returns the freed index, or None (a no-op) for an unknown id."""
+        index = self.req_id_to_index.pop(req_id, None)
+        if index is None:
+            return None
+        self.req_ids[index] = None
+        self.sampling_params[index] = None
+        self.free_indices.append(index)
+        return index
+
+    # ------------------------------------------------------------------------------------------ updates
+    def write_tokens(self, index: int, start: int, token_ids: Sequence[int]) -> None:
+        """Set the slot's tokens to its first `start` tokens followed by `token_ids` (truncate, then extend)."""
+        if start > self.num_tokens[index]:
+            raise ValueError(f"slot {index}: cannot write at {start}, it holds {self.num_tokens[index]} tokens")
+        end = start + len(token_ids)
+        if end > self.max_model_len:
+            raise ValueError(f"slot {index}: {end} tokens exceed max_model_len={self.max_model_len}")
+        self.token_ids[index, start:end] = token_ids
+        self.num_tokens[index] = end
+
+    def append_block_ids(self, index: int, block_ids: Sequence[int]) -> None:
+        """Append `block_ids` to the slot's block table."""
+        start = int(self.num_blocks[index])
+        end = start + len(block_ids)
+        if end > self.max_blocks_per_req:
+            raise ValueError(f"slot {index}: {end} blocks exceed max_blocks_per_req={self.max_blocks_per_req}")
+        self.block_table[index, start:end] = block_ids
+        self.num_blocks[index] = end
+
+    def set_block_ids(self, index: int, block_ids: Sequence[int]) -> None:
+        """Replace the slot's whole block table (a resumed request's new blocks)."""
+        self.num_blocks[index] = 0
+        self.append_block_ids(index, block_ids)
+
+    def set_num_computed_tokens(self, index: int, num_computed_tokens: int) -> None:
+        """Record how many of the slot's tokens have their KV written."""
+        if not 0 <= num_computed_tokens <= self.num_tokens[index]:
+            raise ValueError(f"slot {index}: num_computed_tokens={num_computed_tokens} is outside "
+                             f"[0, {self.num_tokens[index]}]")
+        self.num_computed_tokens[index] = num_computed_tokens
+
+    # ------------------------------------------------------------------------------------------ queries
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self.req_id_to_index
+
+    def __len__(self) -> int:
+        return len(self.req_id_to_index)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_indices)
+
+    def get_token_ids(self, req_id: str) -> list[int]:
+        """The request's known tokens (a copy; for tests and preemption, not for the hot path)."""
+        index = self.req_id_to_index[req_id]
+        return self.token_ids[index, :self.num_tokens[index]].tolist()
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        """The request's block table (a copy)."""
+        index = self.req_id_to_index[req_id]
+        return self.block_table[index, :self.num_blocks[index]].tolist()
