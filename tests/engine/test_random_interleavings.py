@@ -46,9 +46,9 @@ def test_async_runs_reset_with_two_frames_in_flight() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(60))
 def test_random_interleavings_long(seed: int) -> None:
     protocol, mode = list(itertools.product(PROTOCOLS.values(), MODES.values()))[seed % 4]
-    config = SimConfig(use_v2_model_runner=protocol, async_scheduling=mode, num_requests=60,
-                       max_num_seqs=4 + seed % 5, num_blocks=18 + seed % 23)
+    config = SimConfig(use_v2_model_runner=protocol, async_scheduling=mode, num_requests=100,
+                       session_fraction=0.1 + (seed % 3) * 0.2, max_num_seqs=4 + seed % 5, num_blocks=18 + seed % 23)
     Simulation(config, 1000 + seed).run()
