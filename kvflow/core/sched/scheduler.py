@@ -112,6 +112,8 @@ class Scheduler:
         self._waiting_slot_holders: set[str] = set()
         # Sessions whose next prompt chunk the worker has not received yet.
         self._unsent_chunk_req_ids: set[str] = set()
+        # Sampling frames still in flight for requests that finished: dropped even if the id is reused.
+        self._stale_frames: dict[str, int] = {}
         self._pause_state = PauseState.UNPAUSED
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -145,6 +147,9 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         update = StreamingUpdate.from_request(request)
         closes_session = not request.resumable
+        if update is not None and not update.prompt_token_ids:
+            raise ValueError(f"request {request.request_id!r}: a streaming chunk must carry prompt_token_ids "
+                             "(an empty non-resumable request closes the session)")
         if session.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
             session.streaming_queue.append(update)  # applied when the current chunk stops
             if closes_session and update is not None:
@@ -209,6 +214,9 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request_id = request.request_id
+        num_stale_frames = request.num_output_placeholders + request.async_tokens_to_discard
+        if num_stale_frames:
+            self._stale_frames[request_id] = self._stale_frames.get(request_id, 0) + num_stale_frames
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request_id)
         self.reset_preempted_req_ids.discard(request_id)  # reported once, as finished
@@ -273,10 +281,12 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self._pick_preemption_victim()
-                self.running.remove(victim)
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < req_index:  # PRIORITY may pick one we already passed
+                    req_index -= 1
                 if victim.request_id in plan.num_scheduled_tokens:
                     plan.undo(victim)
-                    req_index -= 1
                 self._preempt_request(victim, timestamp)
                 plan.preempted.append(victim)
                 if victim is request:
@@ -447,13 +457,13 @@ class Scheduler:
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
         for request_id in scheduler_output.num_scheduled_tokens:
+            index = req_id_to_index.get(request_id)
+            generated = sampled_token_ids[index] if index is not None else []
+            if not generated or self._drop_stale_frame(request_id):
+                continue
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
-            index = req_id_to_index.get(request_id)
-            generated = sampled_token_ids[index] if index is not None else []
-            if not generated:
-                continue
             status_before = request.status
             new_token_ids, stopped = self._update_request_with_output(request, list(generated))
             output = EngineCoreOutput(request_id, new_token_ids, num_cached_tokens=max(request.num_cached_tokens, 0))
@@ -469,6 +479,17 @@ class Scheduler:
         if stopped_running:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
+
+    def _drop_stale_frame(self, request_id: str) -> bool:
+        """True for a sampled frame of an earlier, finished request with this id (it was in flight at finish)."""
+        num_stale_frames = self._stale_frames.get(request_id)
+        if not num_stale_frames:
+            return False
+        if num_stale_frames == 1:
+            del self._stale_frames[request_id]
+        else:
+            self._stale_frames[request_id] = num_stale_frames - 1
+        return True
 
     def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
         """Append tokens one by one, stopping at the first that ends the request (later ones are dropped)."""
