@@ -317,18 +317,25 @@ class Scheduler:
         self.waiting.prepend_request(request)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Admit from the head of `waiting` until something does not fit.
+
+        Once the head is blocked (no slot, no KV blocks or no budget), only streaming sessions that still hold
+        their slot and blocks may pass it: they need no new slot, and they may hold the very blocks the head waits
+        for, so stopping at the head could deadlock. Other requests keep their queue order.
+        """
         skipped = create_request_queue(self.policy)
+        head_blocked = False
         while self.waiting and plan.token_budget > 0:
             request = self.waiting.peek_request()
             holds_slot = request.request_id in self._waiting_slot_holders
-            if not holds_slot and self.num_slot_holders >= self.max_num_running_reqs:
-                if not self._waiting_slot_holders:
-                    break
-                # Full, but a session further back holds a slot of its own: look for it.
-                skipped.add_request(self.waiting.pop_request())
-                continue
-            if not self._try_admit(request, plan):
+            if holds_slot or not head_blocked:
+                if (holds_slot or self.num_slot_holders < self.max_num_running_reqs) \
+                        and self._try_admit(request, plan):
+                    continue
+                head_blocked = True
+            if not self._unsent_chunk_req_ids:  # exactly the slot-holding sessions queued in `waiting`
                 break
+            skipped.add_request(self.waiting.pop_request())
         if skipped:
             self.waiting.prepend_requests(skipped)
 
@@ -421,7 +428,10 @@ class Scheduler:
             is_resumed = position >= num_running
             data.req_ids.append(request_id)
             chunk: list[int] = []
-            if send_all_tokens and (is_resumed or request_id not in self.prev_step_scheduled_req_ids):
+            # With tokens in flight the worker's copy is ahead of ours, not stale: sending ours would drop them.
+            worker_copy_may_be_stale = is_resumed or (request_id not in self.prev_step_scheduled_req_ids
+                                                      and request.num_output_placeholders == 0)
+            if send_all_tokens and worker_copy_may_be_stale:
                 data.all_token_ids[request_id] = request.all_token_ids.copy()
                 self._unsent_chunk_req_ids.discard(request_id)
             elif request_id in self._unsent_chunk_req_ids:
