@@ -31,8 +31,7 @@ class EngineCore:
         scheduler_config = engine_config.scheduler_config
         scheduler_cls = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(scheduler_config, engine_config.cache_config,
-                                       num_kv_blocks=self.executor.num_kv_blocks,
-                                       use_v2_model_runner=scheduler_config.use_v2_model_runner)
+                                       num_kv_blocks=self.executor.num_kv_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.executor.num_kv_blocks,
                     engine_config.cache_config.block_size,
                     self.executor.num_kv_blocks * engine_config.cache_config.block_size)

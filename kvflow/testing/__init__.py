@@ -35,7 +35,7 @@ def make_scheduler(*, max_num_seqs: int = 16, max_num_batched_tokens: int = 8192
     cache_config = CacheConfig(block_size=block_size, num_kv_blocks=num_blocks,
                                enable_prefix_caching=enable_prefix_caching)
     scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
-    return scheduler_cls(scheduler_config, cache_config, use_v2_model_runner=use_v2_model_runner)
+    return scheduler_cls(scheduler_config, cache_config)
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], max_tokens: int = 16, min_tokens: int = 0,

@@ -90,10 +90,10 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------ a. release
     def _release(self, finished_req_ids: set[str], preempted_req_ids: set[str]) -> None:
         """Finished requests are dropped; preempted ones free their slot (slot protocol) or are parked."""
-        for req_id in sorted(finished_req_ids):
+        for req_id in finished_req_ids:
             self.slots.remove(req_id)
             self.parked.pop(req_id, None)
-        for req_id in sorted(preempted_req_ids - finished_req_ids):
+        for req_id in preempted_req_ids - finished_req_ids:
             if self.use_v2_model_runner:
                 self.slots.remove(req_id)
             elif req_id in self.slots:

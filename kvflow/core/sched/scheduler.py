@@ -83,13 +83,15 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
-                 num_kv_blocks: int | None = None, use_v2_model_runner: bool = True) -> None:
+                 num_kv_blocks: int | None = None, use_v2_model_runner: bool | None = None) -> None:
         num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
         if num_blocks is None:
             raise ValueError("the scheduler needs cache_config.num_kv_blocks (or num_kv_blocks=)")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        self.use_v2_model_runner = use_v2_model_runner
+        # The runner protocol is the config's unless overridden here (the config defaults to the slot runner).
+        self.use_v2_model_runner = (scheduler_config.use_v2_model_runner if use_v2_model_runner is None
+                                    else use_v2_model_runner)
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
