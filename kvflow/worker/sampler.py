@@ -1,0 +1,405 @@
+"""The batched sampler: turns one step's logits into one token per sampled row (vLLM V1 semantics).
+
+Order of operations, per row, all as batched tensor ops:
+  1. raw logprobs (when any row asks): `log_softmax` of the logits as given, in float32;
+  2. min_tokens: while a row has fewer than `min_tokens` outputs, its EOS and stop token ids are set to -inf;
+  3. penalties: repetition (prompt and outputs), frequency and presence (outputs only);
+  4. greedy rows (temperature ~ 0) take the argmax here;
+  5. random rows: divide by temperature, then min-p, top-k, top-p, and sample with the exponential race
+     `argmax(probs / q)`, `q ~ Exp(1)`, each row's `q` drawn from its own seeded generator or the sampler's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvflow.core.sched.output import LogprobsLists
+
+if TYPE_CHECKING:
+    from kvflow.sampling_params import SamplingParams
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS); dividing by them would overflow float32.
+_SAMPLING_EPS = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class PenaltyMetadata:
+    """Penalty settings and token statistics for the rows that use a penalty (`m` rows, `m <= n`).
+
+    Invariants: every tensor's first dimension is `m` and is indexed like `rows`; a row's unused penalties hold
+    their neutral value (repetition 1, frequency 0, presence 0); `prompt_mask[i, t]` is True iff token `t` is
+    in row `rows[i]`'s prompt, `output_counts[i, t]` how often `t` occurs in its outputs so far.
+    """
+
+    rows: torch.Tensor  # int64 [m]: batch rows
+    repetition_penalties: torch.Tensor  # float32 [m]
+    frequency_penalties: torch.Tensor  # float32 [m]
+    presence_penalties: torch.Tensor  # float32 [m]
+    prompt_mask: torch.Tensor  # bool [m, vocab]
+    output_counts: torch.Tensor  # float32 [m, vocab]
+
+
+@dataclass
+class SamplingMetadata:
+    """One step's per-row sampling settings as tensors; row `i` is the batch's `i`-th sampled row.
+
+    Invariants:
+      * per-row tensors have `num_rows` entries and live on one device;
+      * `all_greedy` / `all_random` say whether every row is greedy / random (both True only when `num_rows == 0`);
+        greedy rows hold temperature 1.0 (never divided by 0) and neutral top-k / top-p / min-p values;
+      * `top_k`, `top_p`, `min_p` are None when no random row uses them; otherwise rows without the feature hold
+        the neutral value (`top_k = vocab_size`, `top_p = 1.0`, `min_p = 0.0`);
+      * `penalties` is None when no row uses a penalty; `min_tokens_mask` is None when no row is below its
+        `min_tokens`, else `(rows, token_ids)` int64 index pairs to set to -inf;
+      * `generators` maps each random row with a seed to a generator seeded from (seed, output position) alone,
+        created for this step only, so no random state survives a step (or a preemption);
+      * `num_logprobs[i]` is row `i`'s `SamplingParams.logprobs`; `logprob_rows` the rows where it is not None and
+        `max_num_logprobs` their maximum (None when `logprob_rows` is empty).
+    """
+
+    num_rows: int
+    temperature: torch.Tensor  # float32 [n]
+    greedy: torch.Tensor  # bool [n]
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None = None  # int64 [n]
+    top_p: torch.Tensor | None = None  # float32 [n]
+    min_p: torch.Tensor | None = None  # float32 [n]
+    penalties: PenaltyMetadata | None = None
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    num_logprobs: list[int | None] = field(default_factory=list)
+    logprob_rows: list[int] = field(default_factory=list)
+    max_num_logprobs: int | None = None
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """All rows greedy with nothing to apply before the argmax and no logprobs: the argmax-only fast path."""
+        return (self.all_greedy and self.penalties is None and self.min_tokens_mask is None
+                and self.max_num_logprobs is None)
+
+
+@dataclass
+class SamplerOutput:
+    """One token per sampled row and, when any row asked, its logprobs (`LogprobsLists` rows indexed likewise)."""
+
+    sampled_token_ids: torch.Tensor  # int64 [n]
+    logprobs: LogprobsLists | None
+
+
+# ---------------------------------------------------------------------------------------------- metadata
+def build_sampling_metadata(
+    params: Sequence[SamplingParams],
+    *,
+    token_ids: np.ndarray,
+    slot_indices: np.ndarray,
+    num_prompt_tokens: np.ndarray,
+    num_tokens: np.ndarray,
+    vocab_size: int,
+    eos_token_id: int | None,
+    device: torch.device,
+) -> SamplingMetadata:
+    """Collect the sampled rows' settings into tensors on `device`.
+
+    `token_ids` is the runner's whole token array; only the penalty rows' histories are read from it.
+    The cost is O(rows) plus O(history of the rows that use penalties).
+    """
+    num_rows = len(params)
+    positions = np.asarray(num_tokens, dtype=np.int64) - np.asarray(num_prompt_tokens, dtype=np.int64)
+    temperature = np.array([p.temperature for p in params], dtype=np.float32)
+    greedy = temperature < _SAMPLING_EPS
+    random_rows = ~greedy
+    metadata = SamplingMetadata(
+        num_rows=num_rows,
+        temperature=_to_device(np.where(greedy, np.float32(1.0), temperature), device),
+        greedy=_to_device(greedy, device),
+        all_greedy=not bool(random_rows.any()),
+        all_random=bool(random_rows.all()),
+        num_logprobs=[p.logprobs for p in params],
+    )
+    _fill_truncation(metadata, params, random_rows, vocab_size, device)
+    metadata.penalties = _build_penalties(params, token_ids, np.asarray(slot_indices, dtype=np.int64),
+                                          np.asarray(num_prompt_tokens, dtype=np.int64),
+                                          np.asarray(num_tokens, dtype=np.int64), vocab_size, device)
+    metadata.min_tokens_mask = _build_min_tokens_mask(params, positions, vocab_size, eos_token_id, device)
+    for row in np.flatnonzero(random_rows).tolist():
+        seed = params[row].seed
+        if seed is not None:
+            metadata.generators[row] = _seeded_generator(seed, int(positions[row]), device)
+    metadata.logprob_rows = [row for row, k in enumerate(metadata.num_logprobs) if k is not None]
+    metadata.max_num_logprobs = max((k for k in metadata.num_logprobs if k is not None), default=None)
+    return metadata
+
+
+def _fill_truncation(metadata: SamplingMetadata, params: Sequence[SamplingParams], random_rows: np.ndarray,
+                     vocab_size: int, device: torch.device) -> None:
+    """Set top-k / top-p / min-p tensors when some random row uses them (neutral values elsewhere)."""
+    top_k = np.array([p.top_k for p in params], dtype=np.int64)
+    top_k = np.where(random_rows & (top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
+    top_p = np.where(random_rows, np.array([p.top_p for p in params], dtype=np.float32), np.float32(1.0))
+    min_p = np.where(random_rows, np.array([p.min_p for p in params], dtype=np.float32), np.float32(0.0))
+    if (top_k < vocab_size).any():
+        metadata.top_k = _to_device(top_k, device)
+    if (top_p < 1.0).any():
+        metadata.top_p = _to_device(top_p.astype(np.float32), device)
+    if (min_p > 0.0).any():
+        metadata.min_p = _to_device(min_p.astype(np.float32), device)
+
+
+def _build_penalties(params: Sequence[SamplingParams], token_ids: np.ndarray, slot_indices: np.ndarray,
+                     num_prompt_tokens: np.ndarray, num_tokens: np.ndarray, vocab_size: int,
+                     device: torch.device) -> PenaltyMetadata | None:
+    """Prompt masks and output counts for the rows with a penalty, by padded gathers and one scatter each."""
+    repetition = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+    frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)
+    presence = np.array([p.presence_penalty for p in params], dtype=np.float32)
+    rows = np.flatnonzero((repetition != 1.0) | (frequency != 0.0) | (presence != 0.0))
+    if rows.size == 0:
+        return None
+    slots, prompt_lens = slot_indices[rows], num_prompt_tokens[rows]
+    prompt_ids = _gather_padded(token_ids, slots, np.zeros_like(prompt_lens), prompt_lens, vocab_size)
+    output_ids = _gather_padded(token_ids, slots, prompt_lens, num_tokens[rows] - prompt_lens, vocab_size)
+    # Column `vocab_size` collects the padding and is sliced off.
+    prompt_mask = torch.zeros(rows.size, vocab_size + 1, dtype=torch.bool, device=device)
+    prompt_mask.scatter_(1, _to_device(prompt_ids, device), True)
+    output_index = _to_device(output_ids, device)
+    output_counts = torch.zeros(rows.size, vocab_size + 1, dtype=torch.float32, device=device)
+    output_counts.scatter_add_(1, output_index, torch.ones(output_index.shape, dtype=torch.float32, device=device))
+    return PenaltyMetadata(
+        rows=_to_device(rows.astype(np.int64), device),
+        repetition_penalties=_to_device(repetition[rows], device),
+        frequency_penalties=_to_device(frequency[rows], device),
+        presence_penalties=_to_device(presence[rows], device),
+        prompt_mask=prompt_mask[:, :vocab_size],
+        output_counts=output_counts[:, :vocab_size],
+    )
+
+
+def _gather_padded(token_ids: np.ndarray, slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+                   pad_id: int) -> np.ndarray:
+    """`token_ids[slot, start:start + length]` per row as one `[rows, max length]` array padded with `pad_id`.
+
+    Ids outside `[0, pad_id)` (the vocabulary) are replaced by `pad_id` too.
+    """
+    width = int(lengths.max()) if lengths.size else 0
+    offsets = np.arange(width, dtype=np.int64)
+    columns = np.minimum(starts[:, None] + offsets[None, :], token_ids.shape[1] - 1)
+    ids = token_ids[slots[:, None], columns]
+    valid = (offsets[None, :] < lengths[:, None]) & (ids >= 0) & (ids < pad_id)
+    return np.where(valid, ids, pad_id).astype(np.int64)
+
+
+def _build_min_tokens_mask(params: Sequence[SamplingParams], positions: np.ndarray, vocab_size: int,
+                           eos_token_id: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) of the EOS and stop tokens of rows that have not yet produced `min_tokens` outputs."""
+    rows: list[int] = []
+    banned: list[int] = []
+    for row, p in enumerate(params):
+        if positions[row] >= p.min_tokens:
+            continue
+        stop_ids = set(p.stop_token_ids or ())
+        if eos_token_id is not None:
+            stop_ids.add(eos_token_id)
+        for token_id in sorted(stop_ids):
+            if 0 <= token_id < vocab_size:
+                rows.append(row)
+                banned.append(token_id)
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(banned, dtype=torch.int64, device=device))
+
+
+def _seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
+    """A fresh generator whose state is a function of (seed, output position) only."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(mix_seed(seed, position))
+    return generator
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A 64-bit seed from (request seed, output position): splitmix64(splitmix64(seed) ^ position).
+
+    Both steps are bijections on 64-bit ints, so for a fixed seed every position gets a distinct value.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+
+
+def _splitmix64(value: int) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+# ---------------------------------------------------------------------------------------------- logits processing
+def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Set each (row, token id) pair of `min_tokens_mask` to -inf, in place; returns `logits`."""
+    rows, token_ids = min_tokens_mask
+    logits[rows, token_ids] = float("-inf")
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, penalties: PenaltyMetadata) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties to `penalties.rows`, in place; returns `logits`.
+
+    Repetition (HF / vLLM): a token seen in the prompt or the outputs has a positive logit divided by the
+    penalty, a non-positive one multiplied. Then `logit -= frequency * count + presence * (count > 0)`.
+    """
+    rows = penalties.rows
+    row_logits = logits[rows]
+    output_mask = penalties.output_counts > 0
+    seen = penalties.prompt_mask | output_mask
+    repetition = torch.where(seen, penalties.repetition_penalties[:, None], 1.0)
+    row_logits = torch.where(row_logits > 0, row_logits / repetition, row_logits * repetition)
+    row_logits -= penalties.frequency_penalties[:, None] * penalties.output_counts
+    row_logits -= penalties.presence_penalties[:, None] * output_mask
+    logits[rows] = row_logits
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below `min_p * max probability`, in place; returns `logits`.
+
+    Computed in log space: `logit < max logit + log(min_p)`; `min_p = 0` gives `-inf`, which drops nothing.
+    """
+    threshold = logits.amax(dim=-1) + torch.log(min_p)
+    return logits.masked_fill_(logits < threshold[:, None], float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's `top_k` most likely tokens, then the smallest prefix of those with mass >= `top_p`.
+
+    In place; returns `logits`. Top-p is measured on the distribution renormalised after top-k (vLLM). Ties at
+    the boundary are broken by sort order, so exactly `top_k` tokens survive top-k. The most likely token always
+    survives; rows with `top_k = vocab` and `top_p = 1` are untouched.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    vocab_positions = torch.arange(logits.shape[-1], device=logits.device)
+    drop = torch.zeros(sorted_logits.shape, dtype=torch.bool, device=logits.device)
+    if top_k is not None:
+        drop |= vocab_positions[None, :] >= top_k[:, None]
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    if top_p is not None:
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # Rows with top_p = 1 must not lose tail tokens to cumsum rounding: their threshold is +inf.
+        threshold = torch.where(top_p < 1.0, top_p, float("inf"))
+        drop |= mass_before >= threshold[:, None]
+    drop[:, 0] = False
+    return logits.masked_fill_(drop.scatter(1, sorted_ids, drop), float("-inf"))
+
+
+# ---------------------------------------------------------------------------------------------- sampler
+class Sampler:
+    """Samples one token per row from float32 logits `[n, vocab]` according to a `SamplingMetadata`.
+
+    Invariants: the caller's logits are never modified; a seeded row's token depends only on its logits, its
+    settings and (seed, output position), never on the rest of the batch; unseeded random rows draw from this
+    sampler's own generator (one per device, seeded with `seed`), so a run is reproducible for a fixed schedule.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows, \
+            f"logits {tuple(logits.shape)} do not match {metadata.num_rows} sampled rows"
+        if metadata.num_rows == 0:
+            return SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
+        logits = logits.float()
+        if metadata.is_plain_greedy:
+            return SamplerOutput(logits.argmax(dim=-1), None)
+        processed = self.process_logits(logits, metadata)
+        if metadata.all_greedy:
+            sampled = processed.argmax(dim=-1)
+        elif metadata.all_random:
+            sampled = self._sample_random(processed, metadata)
+        else:
+            greedy_ids = processed.argmax(dim=-1)
+            sampled = torch.where(metadata.greedy, greedy_ids, self._sample_random(processed, metadata))
+        logprobs = None if metadata.max_num_logprobs is None else compute_logprobs(logits, sampled, metadata)
+        return SamplerOutput(sampled, logprobs)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """min_tokens masking then penalties, on a copy: the logits greedy rows take the argmax of."""
+        if metadata.min_tokens_mask is None and metadata.penalties is None:
+            return logits
+        processed = logits.clone()
+        if metadata.min_tokens_mask is not None:
+            apply_min_tokens(processed, metadata.min_tokens_mask)
+        if metadata.penalties is not None:
+            apply_penalties(processed, metadata.penalties)
+        return processed
+
+    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Temperature, min-p, top-k / top-p, then the exponential race; greedy rows' results are discarded."""
+        scaled = logits / metadata.temperature[:, None]
+        if metadata.min_p is not None:
+            apply_min_p(scaled, metadata.min_p)
+        apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+        probs = scaled.softmax(dim=-1)
+        return probs.div_(self._exponential_noise(probs, metadata)).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """`Exp(1)` noise shaped like `probs`: seeded rows from their own generators, the rest in one call."""
+        noise = torch.empty_like(probs)
+        if len(metadata.generators) < metadata.num_rows:
+            noise.exponential_(generator=self._generator(probs.device))
+        for row, generator in metadata.generators.items():
+            noise[row].exponential_(generator=generator)
+        # An exact 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self.seed)
+            self._generators[device] = generator
+        return generator
+
+
+def compute_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, metadata: SamplingMetadata) -> LogprobsLists:
+    """The sampled token's logprob, then the top-`logprobs` tokens, from `log_softmax(raw_logits)` (float32).
+
+    `sampled_token_ranks` holds the 1-based rank of the sampled token (1 + the number of tokens with a strictly
+    higher logprob). Rows that did not ask get empty lists and rank -1.
+    """
+    rows = metadata.logprob_rows
+    assert metadata.max_num_logprobs is not None and rows, "no row asked for logprobs"
+    if len(rows) == metadata.num_rows:
+        row_logits, row_sampled = raw_logits, sampled
+    else:
+        row_index = torch.tensor(rows, dtype=torch.int64, device=raw_logits.device)
+        row_logits, row_sampled = raw_logits[row_index], sampled[row_index]
+    logprobs = row_logits.float().log_softmax(dim=-1)
+    sampled_logprobs = logprobs.gather(1, row_sampled[:, None])
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(min(metadata.max_num_logprobs, logprobs.shape[-1]), dim=-1)
+    ids_list = torch.cat([row_sampled[:, None], top_ids], dim=1).tolist()
+    values_list = torch.cat([sampled_logprobs, top_logprobs], dim=1).tolist()
+    ranks_list = ranks.tolist()
+
+    result = LogprobsLists([[] for _ in range(metadata.num_rows)], [[] for _ in range(metadata.num_rows)],
+                           [-1] * metadata.num_rows)
+    for i, row in enumerate(rows):
+        width = 1 + metadata.num_logprobs[row]  # type: ignore[operator]
+        result.logprob_token_ids[row] = ids_list[i][:width]
+        result.logprobs[row] = values_list[i][:width]
+        result.sampled_token_ranks[row] = ranks_list[i]
+    return result
