@@ -1,0 +1,184 @@
+"""The decoder-only transformer configuration kvflow reads from a Hugging Face checkpoint's `config.json`.
+
+Both RoPE styles found in the wild are accepted: hub checkpoints written by transformers 4 (`rope_theta` and
+`rope_scaling` at the top level, the scaling dict keyed by `type` or `rope_type`) and transformers 5
+(`rope_parameters: {"rope_type", "rope_theta", ...}`). Either way `TransformerConfig.rope_scaling` is None for plain
+RoPE, else a dict holding `rope_type` and that type's parameters (never `rope_theta`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
+# Architectures whose q/k/v projections always carry a bias (and whose o_proj never does).
+_QKV_BIAS_ARCHITECTURES = frozenset({"Qwen2ForCausalLM"})
+# Architectures whose `sliding_window` is gated by `use_sliding_window` and `max_window_layers`.
+_GATED_SLIDING_ARCHITECTURES = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+_QK_NORM_ARCHITECTURES = frozenset({"Qwen3ForCausalLM"})
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A Llama-family decoder's shape and numerics, as parsed from `config.json`.
+
+    Invariants: `num_attention_heads` is a multiple of `num_key_value_heads`; `head_dim` is the explicit `head_dim`
+    key or `hidden_size // num_attention_heads`; `rope_scaling` is None or a dict with a `rope_type` key and no
+    `rope_theta`; `layer_types` has one entry per layer, each `"full_attention"` or `"sliding_attention"`, and
+    `sliding_window` is None exactly when no layer slides. `attention_bias` is the q/k/v bias, `o_proj_bias` the
+    output projection's, `mlp_bias` the MLP projections'.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    torch_dtype: str | None
+    bos_token_id: int | None
+    eos_token_id: int | list[int] | None
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown}; supported: {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}")
+
+    def layer_sliding_window(self, layer_index: int) -> int | None:
+        """The sliding window of layer `layer_index` (None: it attends to the whole sequence)."""
+        return self.sliding_window if self.layer_types[layer_index] == SLIDING_ATTENTION else None
+
+
+def load_hf_config(model_path: str | Path) -> TransformerConfig:
+    """Parse `<model_path>/config.json`; errors name the missing folder, the file, or the missing key."""
+    path = Path(model_path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{str(config_file)!r} not found: {str(path)!r} is not a Hugging Face checkpoint")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{str(config_file)!r} is not valid JSON: {error}") from error
+    if not isinstance(raw, dict):
+        raise ValueError(f"{str(config_file)!r} does not hold a JSON object")
+    try:
+        return parse_hf_config(raw)
+    except KeyError as error:
+        raise ValueError(f"{str(config_file)!r} lacks the required key {error.args[0]!r}") from None
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{str(config_file)!r}: {error}") from error
+
+
+def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
+    """Build a `TransformerConfig` from a parsed `config.json`; a missing required key raises KeyError(key)."""
+    architecture = _architecture(raw)
+    for key in _REQUIRED_KEYS:
+        if raw.get(key) is None:
+            raise KeyError(key)
+    num_layers = int(raw["num_hidden_layers"])
+    num_heads = int(raw["num_attention_heads"])
+    rope_theta, rope_scaling = _rope(raw)
+    sliding_window, layer_types = _sliding_window(raw, architecture, num_layers)
+    qkv_bias_always = architecture in _QKV_BIAS_ARCHITECTURES
+    attention_bias = qkv_bias_always or bool(raw.get("attention_bias", False))
+    return TransformerConfig(
+        architecture=architecture,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // num_heads),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITION_EMBEDDINGS),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+        sliding_window=sliding_window,
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        o_proj_bias=attention_bias and not qkv_bias_always,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        hidden_act=str(raw.get("hidden_act", "silu")),
+        layer_types=layer_types,
+    )
+
+
+def _architecture(raw: dict[str, Any]) -> str:
+    architectures = raw.get("architectures")
+    if not architectures:
+        raise KeyError("architectures")
+    if isinstance(architectures, str):
+        return architectures
+    return str(architectures[0])
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, normalised scaling dict or None) from either the old or the transformers-5 keys."""
+    parameters = raw.get("rope_parameters")
+    if isinstance(parameters, dict) and parameters:
+        scaling = dict(parameters)
+        theta = scaling.pop("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
+    else:
+        theta = raw.get("rope_theta", _DEFAULT_ROPE_THETA)
+        scaling = dict(raw["rope_scaling"]) if isinstance(raw.get("rope_scaling"), dict) else None
+    if scaling is not None:
+        rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+        scaling.pop("type", None)
+        scaling = None if rope_type == "default" and not scaling else {"rope_type": rope_type, **scaling}
+    return float(theta), scaling
+
+
+def _sliding_window(raw: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(window, per-layer attention types), following each architecture's rules in transformers."""
+    window = raw.get("sliding_window")
+    if architecture in _GATED_SLIDING_ARCHITECTURES and not raw.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, (FULL_ATTENTION,) * num_layers
+    explicit = raw.get("layer_types")
+    if explicit:
+        layer_types = tuple(str(layer_type) for layer_type in explicit)
+    elif architecture in _GATED_SLIDING_ARCHITECTURES:
+        first_sliding = int(raw.get("max_window_layers", num_layers))
+        layer_types = tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
+    else:
+        layer_types = (SLIDING_ATTENTION,) * num_layers
+    if SLIDING_ATTENTION not in layer_types:
+        return None, layer_types
+    return int(window), layer_types

@@ -1,0 +1,12 @@
+"""Gated activations."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for the fused `[..., 2 * d]` output of a gate/up projection (gate first)."""
+    half = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :half]) * gate_up[..., half:]

@@ -1,0 +1,33 @@
+"""RMS normalisation with Llama numerics: statistics in float32, weight applied in the input dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """`weight * (x / sqrt(mean(x**2) + eps))` over the last dimension.
+
+    Invariants: `weight` has shape `[hidden_size]` and the module's dtype; the normalisation itself runs in float32 and
+    is cast back to the input dtype before the weight multiplies it (as in transformers), so float32 results match
+    the reference bit for bit and half-precision ones to its rounding.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        as_float = hidden_states.float()
+        variance = as_float.pow(2).mean(-1, keepdim=True)
+        return self.weight * (as_float * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+    def forward_with_residual(self, hidden_states: torch.Tensor,
+                              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the residual stream (if any) first; returns `(normalised, new residual)`."""
+        if residual is not None:
+            hidden_states = hidden_states + residual
+        return self(hidden_states), hidden_states

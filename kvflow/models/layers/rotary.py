@@ -1,0 +1,104 @@
+"""Rotary position embeddings (the rotate-half form used by Llama, Qwen and Mistral) with a precomputed cache."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Positions cached up front; longer sequences grow the cache (by doubling) on the forward that needs them.
+_INITIAL_CACHED_POSITIONS = 8192
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """The `[head_dim // 2]` float32 inverse frequencies, scaled as `scaling["rope_type"]` says.
+
+    Matches transformers' `ROPE_INIT_FUNCTIONS` for the supported types; any other type is a ValueError naming it.
+    """
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"partial_rotary_factor {scaling['partial_rotary_factor']} is not supported")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    if rope_type == "linear":
+        return inv_freq / float(_parameter(scaling, "factor"))
+    if rope_type == "llama3":
+        return _llama3_inverse_frequencies(inv_freq, scaling)
+    return inv_freq
+
+
+def _parameter(scaling: dict[str, Any], key: str) -> Any:
+    if key not in scaling:
+        raise ValueError(f"rope_scaling of type {scaling['rope_type']!r} lacks {key!r}")
+    return scaling[key]
+
+
+def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept, the band between interpolated."""
+    factor = float(_parameter(scaling, "factor"))
+    low_freq_factor = float(_parameter(scaling, "low_freq_factor"))
+    high_freq_factor = float(_parameter(scaling, "high_freq_factor"))
+    old_context_len = float(_parameter(scaling, "original_max_position_embeddings"))
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates query/key heads by their positions: `x1' = x1 cos - x2 sin`, `x2' = x2 cos + x1 sin` (halves).
+
+    Invariants: `cos_cache`/`sin_cache` are float32 `[num_cached_positions, head_dim // 2]` (`position * inv_freq`,
+    as transformers computes it), built at construction for min(max_position, 8192) positions and grown only when
+    a forward reaches past them. `cos_sin` is called once per forward; every layer reuses its result.
+    """
+
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, *,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, theta, scaling).to(device),
+                             persistent=False)
+        self.register_buffer("cos_cache", torch.empty(0, head_dim // 2, device=device), persistent=False)
+        self.register_buffer("sin_cache", torch.empty(0, head_dim // 2, device=device), persistent=False)
+        self._grow(max(min(max_position, _INITIAL_CACHED_POSITIONS), 1))
+
+    def _grow(self, num_positions: int) -> None:
+        positions = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        self.cos_cache = freqs.cos()
+        self.sin_cache = freqs.sin()
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` for each position as `[num_tokens, 1, head_dim // 2]` in `dtype`.
+
+        `max_position`, if known, is the largest entry of `positions`; the cache grows to cover it.
+        """
+        if max_position is not None and max_position >= self.cos_cache.shape[0]:
+            self._grow(max(max_position + 1, 2 * self.cos_cache.shape[0]))
+        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+    @staticmethod
+    def apply(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate `[num_tokens, num_heads, head_dim]` heads (any strides); returns a new contiguous tensor."""
+        half = heads.shape[-1] // 2
+        first, second = heads[..., :half], heads[..., half:]
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

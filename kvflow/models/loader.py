@@ -1,0 +1,104 @@
+"""Loading a Hugging Face safetensors checkpoint folder into a kvflow model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvflow.models.hf_config import load_hf_config
+from kvflow.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from kvflow.models.hf_config import TransformerConfig
+    from kvflow.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+
+
+def resolve_dtype(dtype: str, config: TransformerConfig) -> torch.dtype:
+    """The torch dtype for `dtype`: "auto" is the checkpoint's `torch_dtype` (float32 when it has none)."""
+    name = dtype
+    if dtype == "auto":
+        name = (config.torch_dtype or "float32").removeprefix("torch.")
+        name = _DTYPE_ALIASES.get(name, name)
+        if name not in _DTYPES:
+            raise ValueError(f"dtype 'auto': the checkpoint's torch_dtype {config.torch_dtype!r} is not supported; "
+                             f"pass dtype as one of {', '.join(_DTYPES)}")
+        return _DTYPES[name]
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[name]
+
+
+def safetensors_files(model_path: str | Path) -> list[Path]:
+    """The checkpoint's weight files: the shards named by the index, else the single `model.safetensors`."""
+    path = Path(model_path)
+    index_file = path / INDEX_FILE
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{str(index_file)!r} is not a safetensors index with a 'weight_map': {error}") from error
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"shard {str(file)!r} named by {str(index_file)!r} does not exist")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in {str(path)!r}")
+
+
+def iterate_safetensors_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every tensor of the checkpoint, file by file, on the CPU.
+
+    A missing file raises FileNotFoundError naming it; an unreadable one ValueError naming it.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for file in safetensors_files(model_path):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118  (safe_open handles are not iterable)
+                    yield name, handle.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as error:
+            raise ValueError(f"cannot read safetensors file {str(file)!r}: {error}") from error
+
+
+def load_model(model_path: str | Path, dtype: str = "auto", device: torch.device | str = "cpu",
+               attention_backend: str = "torch") -> LlamaForCausalLM:
+    """Read the config, build the registered model class, load the weights, and return it in eval mode."""
+    started = time.perf_counter()
+    config = load_hf_config(model_path)
+    model_class = get_model_class([config.architecture])
+    torch_dtype = resolve_dtype(dtype, config)
+    model = model_class(config, dtype=torch_dtype, device=device, attention_backend=attention_backend)
+    num_tensors = 0
+    num_bytes = 0
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal num_tensors, num_bytes
+        for name, tensor in iterate_safetensors_weights(model_path):
+            num_tensors += 1
+            num_bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    model.load_weights(counted())
+    model.eval()
+    num_params = sum(param.numel() for param in model.parameters())
+    logger.info("loaded %s (%s) from %s: %d tensors, %.1f MiB read, %.2fM parameters as %s on %s in %.2fs",
+                config.architecture, attention_backend, model_path, num_tensors, num_bytes / 2**20,
+                num_params / 1e6, torch_dtype, device, time.perf_counter() - started)
+    return model
