@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test demo lint bench clean
+.PHONY: test demo demo-hash lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,13 +17,17 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.installed
-	$(PY) -m kvflow.demo
+	$(VENV)/bin/kvflow generate "The capital of France is" "Once upon a time" --max-tokens 32 --show-stats
+
+demo-hash: $(VENV)/.installed
+	$(VENV)/bin/kvflow demo
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check kvflow tests benchmarks
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/scheduler_overhead.py
+	$(PY) benchmarks/throughput.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -23,10 +23,13 @@ class ModelConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     seed: int = 0
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                  f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        _require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+                 f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _require(self.max_model_len is None or self.max_model_len >= 2,
                  f"max_model_len must be >= 2, got {self.max_model_len!r}")
 
@@ -37,12 +40,17 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: `num_kv_blocks` blocks of `block_size` tokens (None: sized from memory at startup)."""
+    """Paged KV cache: `num_kv_blocks` blocks of `block_size` tokens.
+
+    Without `num_kv_blocks` the cache is sized at startup from `kv_cache_memory_bytes`, or else from
+    `kv_cache_memory_fraction` of the device's free memory (capped at what every slot at full length needs).
+    """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_memory_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -50,6 +58,8 @@ class CacheConfig:
                  f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        _require(0 < self.kv_cache_memory_fraction <= 1,
+                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
 
 @dataclass(frozen=True)

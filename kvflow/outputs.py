@@ -6,15 +6,38 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One candidate token's log probability under the model's raw distribution, with its 1-based rank there
+    (1 = the most likely token) and its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
 class CompletionOutput:
-    """One generated sequence. `finish_reason` is "stop", "length", "abort" or None while still running."""
+    """One generated sequence. `finish_reason` is "stop", "length", "abort" or None while still running.
+
+    `stop_reason` is the stop string or stop token id that ended it (None for EOS or a length cap). With
+    `SamplingParams.logprobs`, `logprobs[i]` maps token ids to `Logprob`s at output position i: the sampled token
+    and the top-`logprobs` alternatives; `cumulative_logprob` sums the sampled tokens' logprobs.
+    """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass

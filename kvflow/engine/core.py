@@ -13,6 +13,7 @@ from kvflow.request import RequestStatus
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
     from kvflow.core.sched.output import EngineCoreOutput
+    from kvflow.model_info import ModelInfo
     from kvflow.request import Request
 
 logger = logging.getLogger(__name__)
@@ -25,16 +26,13 @@ class EngineCore:
     requests, so every slot release reaches the worker before any admission that relies on it.
     """
 
-    def __init__(self, engine_config: EngineConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
         self.engine_config = engine_config
-        self.executor = UniProcExecutor(engine_config)
+        self.executor = UniProcExecutor(engine_config, model_info)
         scheduler_config = engine_config.scheduler_config
         scheduler_cls = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(scheduler_config, engine_config.cache_config,
                                        num_kv_blocks=self.executor.num_kv_blocks)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens)", self.executor.num_kv_blocks,
-                    engine_config.cache_config.block_size,
-                    self.executor.num_kv_blocks * engine_config.cache_config.block_size)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -1,4 +1,9 @@
-"""OutputProcessor: turns EngineCoreOutputs into user-facing RequestOutputs and tracks per-request metrics."""
+"""OutputProcessor: turns EngineCoreOutputs into user-facing RequestOutputs.
+
+It detokenizes incrementally, applies stop strings (the engine core only knows token ids, so a stop-string match
+is reported back as a request to abort in the core), converts logprobs, folds the `n` child requests of a
+parallel-sampling request into one output, and tracks per-request metrics.
+"""
 
 from __future__ import annotations
 
@@ -6,95 +11,249 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
-    from kvflow.core.sched.output import EngineCoreOutput
+    from kvflow.core.sched.output import EngineCoreOutput, LogprobsLists
+    from kvflow.engine.detokenizer import IncrementalDetokenizer
     from kvflow.sampling_params import SamplingParams
+    from kvflow.tokenizer import Tokenizer
+
+
+@dataclass
+class ParentRequest:
+    """A user request with `n` > 1 samples: child `i` runs in the core as its own request.
+
+    Invariant: `completions[i]` is child `i`'s latest cumulative completion (None before its first output);
+    the parent is finished exactly when every child is.
+    """
+
+    request_id: str
+    n: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    output_kind: str
+    metrics: RequestMetrics
+    completions: list[CompletionOutput | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.completions = [None] * self.n
+
+    @property
+    def finished(self) -> bool:
+        return all(completion is not None and completion.finished for completion in self.completions)
 
 
 @dataclass
 class RequestState:
-    """Client-side state of one request: what has been emitted so far, and its metrics."""
+    """Client-side state of one core request: what it produced, what was emitted, and its metrics."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     metrics: RequestMetrics
+    detokenizer: IncrementalDetokenizer | None = None
+    tokenizer: Tokenizer | None = None
+    parent: ParentRequest | None = None
+    index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
     num_emitted_tokens: int = 0  # for output_kind="delta"
+    num_emitted_logprobs: int = 0
+
+
+@dataclass
+class OutputProcessorOutput:
+    """One step's user-visible outputs, and the core requests a stop string ended (to abort in the core)."""
+
+    request_outputs: list[RequestOutput]
+    reqs_to_abort: list[str]
 
 
 class OutputProcessor:
-    """Accumulates each request's tokens and builds `RequestOutput`s according to its `output_kind`.
+    """Accumulates each request's tokens and text and builds `RequestOutput`s per its `output_kind`.
 
-    Invariant: a request is tracked from `add_request` until its finished output (or `abort_requests`); the
-    finished output is produced exactly once.
+    Invariants: a core request is tracked from `add_request` until its finished output (or `abort_requests`);
+    the finished output is produced exactly once; text never shows a partial stop string while running.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+        self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        self.parent_requests: dict[str, ParentRequest] = {}
 
+    # ------------------------------------------------------------------------------------------------ add
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, arrival_time: float | None = None) -> None:
+                    sampling_params: SamplingParams, arrival_time: float | None = None,
+                    parent: ParentRequest | None = None, index: int = 0) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
         metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
-        self.request_states[request_id] = RequestState(request_id, prompt, list(prompt_token_ids),
-                                                       sampling_params, metrics)
+        detokenizer = None
+        if self.tokenizer is not None:
+            from kvflow.engine.detokenizer import IncrementalDetokenizer
+
+            detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), sampling_params)
+        state = RequestState(request_id, prompt, list(prompt_token_ids), sampling_params, metrics, detokenizer,
+                             self.tokenizer, parent, index)
+        if sampling_params.logprobs is not None:
+            state.logprobs = []
+        self.request_states[request_id] = state
+
+    def add_parent_request(self, request_id: str, n: int, prompt: str | None, prompt_token_ids: list[int],
+                           output_kind: str, arrival_time: float | None = None) -> ParentRequest:
+        """Register a parallel-sampling request; its children are added with `add_request(..., parent=...)`."""
+        if request_id in self.parent_requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        parent = ParentRequest(request_id, n, prompt, list(prompt_token_ids), output_kind, metrics)
+        self.parent_requests[request_id] = parent
+        return parent
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
-        """Apply one step's outputs; returns the RequestOutputs to deliver (per each request's output_kind)."""
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    # ------------------------------------------------------------------------------------------------ step
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        """Apply one step's outputs; returns the RequestOutputs to deliver and the core requests to abort."""
         now = time.monotonic()
-        request_outputs = []
+        request_outputs: list[RequestOutput] = []
+        reqs_to_abort: list[str] = []
         for engine_output in engine_core_outputs:
             state = self.request_states.get(engine_output.request_id)
             if state is None:
                 continue  # aborted on this side already
-            if engine_output.new_token_ids and state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.output_token_ids.extend(engine_output.new_token_ids)
-            state.metrics.num_cached_tokens = engine_output.num_cached_tokens
-            finished = engine_output.finished
+            finish_reason, stop_reason = self._apply(state, engine_output, now)
+            if finish_reason is not None and engine_output.finish_reason is None:
+                reqs_to_abort.append(state.request_id)  # a stop string ended it; the core does not know yet
+            finished = finish_reason is not None and not engine_output.session_continues
             if finished:
                 state.metrics.finished_time = now
-                del self.request_states[engine_output.request_id]
-            request_output = self._make_output(state, engine_output.finish_reason, engine_output.stop_reason,
-                                               finished)
+                del self.request_states[state.request_id]
+            request_output = self._make_output(state, finish_reason, stop_reason, finished)
             if request_output is not None:
                 request_outputs.append(request_output)
-        return request_outputs
+        return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
+    def _apply(self, state: RequestState, engine_output: EngineCoreOutput,
+               now: float) -> tuple[str | None, int | str | None]:
+        """Append tokens, logprobs and text; returns the (finish_reason, stop_reason) after this output."""
+        new_token_ids = engine_output.new_token_ids
+        if new_token_ids and state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.output_token_ids.extend(new_token_ids)
+        state.metrics.num_cached_tokens = engine_output.num_cached_tokens
+        if state.logprobs is not None and engine_output.new_logprobs is not None:
+            self._append_logprobs(state, engine_output.new_logprobs)
+        finish_reason, stop_reason = engine_output.finish_reason, engine_output.stop_reason
+        if state.detokenizer is not None:
+            stop_string = state.detokenizer.update(new_token_ids, finish_reason == "stop")
+            if stop_string is not None:
+                finish_reason, stop_reason = "stop", stop_string
+        return finish_reason, stop_reason
+
+    def _append_logprobs(self, state: RequestState, new_logprobs: LogprobsLists) -> None:
+        assert state.logprobs is not None
+        for token_ids, values, sampled_rank in zip(new_logprobs.logprob_token_ids, new_logprobs.logprobs,
+                                                   new_logprobs.sampled_token_ranks, strict=True):
+            position: dict[int, Logprob] = {}
+            for i, (token_id, value) in enumerate(zip(token_ids, values, strict=True)):
+                rank = sampled_rank if i == 0 else i
+                position.setdefault(token_id, Logprob(value, rank, self._decode_token(token_id)))
+            state.cumulative_logprob += values[0]
+            state.logprobs.append(position)
+
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        from kvflow.engine.detokenizer import decode_token
+
+        return decode_token(self.tokenizer, token_id)
+
+    # ------------------------------------------------------------------------------------------------ abort
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Finish requests with finish_reason "abort"; returns their final outputs (partial tokens kept)."""
+        """Finish requests (user-facing ids, parents included) with finish_reason "abort"; returns their final
+        outputs with the partial tokens kept."""
         outputs = []
         for request_id in request_ids:
-            state = self.request_states.pop(request_id, None)
-            if state is not None:
+            for core_request_id in self.core_request_ids(request_id):
+                state = self.request_states.pop(core_request_id, None)
+                if state is None:
+                    continue
                 state.metrics.finished_time = time.monotonic()
                 output = self._make_output(state, "abort", None, finished=True)
                 if output is not None:
                     outputs.append(output)
         return outputs
 
-    @staticmethod
-    def _make_output(state: RequestState, finish_reason: str | None, stop_reason: int | str | None,
+    def core_request_ids(self, request_id: str) -> list[str]:
+        """The core requests behind a user-facing id: itself, or a parallel-sampling request's children."""
+        parent = self.parent_requests.get(request_id)
+        if parent is None:
+            return [request_id]
+        return [child_request_id(parent.request_id, index) for index in range(parent.n)]
+
+    # ------------------------------------------------------------------------------------------------ build
+    def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason: int | str | None,
                      finished: bool) -> RequestOutput | None:
-        output_kind = state.sampling_params.output_kind
-        if output_kind == "final_only" and not finished:
+        completion = self._make_completion(state, finish_reason if finished else None,
+                                           stop_reason if finished else None, finished)
+        if state.parent is not None:
+            return self._make_parent_output(state.parent, state, completion)
+        if completion is None:
             return None
-        if output_kind == "delta":
-            token_ids = state.output_token_ids[state.num_emitted_tokens:]
-            state.num_emitted_tokens = len(state.output_token_ids)
-        else:
-            token_ids = list(state.output_token_ids)
-        completion = CompletionOutput(index=0, text="", token_ids=token_ids,
-                                      finish_reason=finish_reason if finished else None,
-                                      stop_reason=stop_reason if finished else None)
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids, outputs=[completion], finished=finished,
                              metrics=state.metrics)
+
+    @staticmethod
+    def _make_completion(state: RequestState, finish_reason: str | None, stop_reason: int | str | None,
+                         finished: bool) -> CompletionOutput | None:
+        output_kind = state.sampling_params.output_kind
+        if output_kind == "final_only" and not finished and state.parent is None:
+            return None
+        delta = output_kind == "delta"
+        text = state.detokenizer.get_next_output_text(finished, delta) if state.detokenizer is not None else ""
+        if delta:
+            token_ids = state.output_token_ids[state.num_emitted_tokens:]
+            state.num_emitted_tokens = len(state.output_token_ids)
+            logprobs = None
+            if state.logprobs is not None:
+                logprobs = state.logprobs[state.num_emitted_logprobs:]
+                state.num_emitted_logprobs = len(state.logprobs)
+        else:
+            token_ids = list(state.output_token_ids)
+            logprobs = list(state.logprobs) if state.logprobs is not None else None
+        return CompletionOutput(index=state.index, text=text, token_ids=token_ids, finish_reason=finish_reason,
+                                stop_reason=stop_reason, logprobs=logprobs,
+                                cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None)
+
+    def _make_parent_output(self, parent: ParentRequest, state: RequestState,
+                            completion: CompletionOutput | None) -> RequestOutput | None:
+        """Fold a child's completion into its parent: delta streams only that child's news; cumulative shows
+        every child's progress; final_only waits for the last child."""
+        assert completion is not None
+        parent.completions[state.index] = completion
+        parent.metrics.num_cached_tokens = max(parent.metrics.num_cached_tokens, state.metrics.num_cached_tokens)
+        if state.metrics.first_token_time is not None and parent.metrics.first_token_time is None:
+            parent.metrics.first_token_time = state.metrics.first_token_time
+        finished = parent.finished
+        if finished:
+            parent.metrics.finished_time = state.metrics.finished_time
+            del self.parent_requests[parent.request_id]
+        if parent.output_kind == "final_only" and not finished:
+            return None
+        outputs = [completion] if parent.output_kind == "delta" else [c for c in parent.completions if c is not None]
+        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
+                             prompt_token_ids=parent.prompt_token_ids, outputs=outputs, finished=finished,
+                             metrics=parent.metrics)
+
+
+def child_request_id(parent_request_id: str, index: int) -> str:
+    """The core request id of sample `index` of a parallel-sampling request (vLLM's convention)."""
+    return f"{index}_{parent_request_id}"

@@ -77,6 +77,10 @@ class HashModel:
         """One int64 per KV slot, -1 for never written."""
         return torch.full((num_blocks * block_size,), -1, dtype=torch.int64)
 
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """One int64 per token slot."""
+        return block_size * 8
+
     def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """Write the scheduled tokens, then sample one token per `logits_indices` entry from the read-back KV."""
         kv_cache[batch.slot_mapping] = batch.input_ids

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from kvflow.core.sched.output import ModelRunnerOutput
+from kvflow.core.sched.output import LogprobsLists, ModelRunnerOutput
 from kvflow.worker.inputs import BatchInputs
+from kvflow.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
 from kvflow.worker.states import RequestSlots
 
 if TYPE_CHECKING:
@@ -22,10 +23,13 @@ class RunnerModel(Protocol):
     """What the runner needs of a model: a KV cache factory and a forward pass over a `BatchInputs`.
 
     `forward` returns either sampled token ids (int64, one per `batch.logits_indices` entry: a model that
-    samples itself, such as the hash model) or, for a real model, logits `[len(logits_indices), vocab]`.
+    samples itself, such as the hash model) or, for a real model, float logits `[len(logits_indices), vocab]`
+    that the runner's `Sampler` turns into tokens.
     """
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor: ...
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int: ...
 
     def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor: ...
 
@@ -36,6 +40,7 @@ class _ParkedRequest:
 
     token_ids: list[int]
     sampling_params: SamplingParams | None
+    num_prompt_tokens: int
 
 
 @dataclass
@@ -64,8 +69,11 @@ class ModelRunner:
     """
 
     def __init__(self, model: RunnerModel, *, max_num_reqs: int, max_model_len: int, block_size: int,
-                 num_blocks: int, use_v2_model_runner: bool = True, device: str | torch.device = "cpu") -> None:
+                 num_blocks: int, use_v2_model_runner: bool = True, device: str | torch.device = "cpu",
+                 eos_token_id: int | None = None, seed: int = 0) -> None:
         self.model = model
+        self.eos_token_id = eos_token_id
+        self.sampler = Sampler(seed)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.use_v2_model_runner = use_v2_model_runner
@@ -83,8 +91,9 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput.make_empty()
         batch, arrays = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
-        model_output = self.model.forward(batch, self.kv_cache)
-        sampled = self._sample(model_output, batch)
+        with torch.inference_mode():
+            model_output = self.model.forward(batch, self.kv_cache)
+            sampled = self._sample(model_output, batch, arrays)
         return self._update_states(batch, arrays, sampled)
 
     # ------------------------------------------------------------------------------------------ a. release
@@ -97,8 +106,10 @@ class ModelRunner:
             if self.use_v2_model_runner:
                 self.slots.remove(req_id)
             elif req_id in self.slots:
+                index = self.slots.req_id_to_index[req_id]
                 self.parked[req_id] = _ParkedRequest(self.slots.get_token_ids(req_id),
-                                                     self.slots.sampling_params[self.slots.req_id_to_index[req_id]])
+                                                     self.slots.sampling_params[index],
+                                                     int(self.slots.num_prompt_tokens[index]))
                 self.slots.remove(req_id)
 
     # ------------------------------------------------------------------------------------------ b. add
@@ -110,7 +121,7 @@ class ModelRunner:
             token_ids = new_req.prefill_token_ids if new_req.prefill_token_ids is not None \
                 else new_req.prompt_token_ids
             self.slots.add(new_req.req_id, token_ids, new_req.block_ids[0], new_req.num_computed_tokens,
-                           new_req.sampling_params)
+                           new_req.sampling_params, num_prompt_tokens=len(new_req.prompt_token_ids))
 
     # ------------------------------------------------------------------------------------------ c. update
     def _update_cached_requests(self, cached: CachedRequestData) -> None:
@@ -123,8 +134,9 @@ class ModelRunner:
             num_computed_tokens = cached.num_computed_tokens[i]
             if req_id in cached.all_token_ids:
                 self.slots.write_tokens(index, 0, cached.all_token_ids[req_id])
-            elif cached.new_token_ids[i]:
+            elif cached.new_token_ids[i]:  # a streaming session's next chunk: all of it is prompt now
                 self.slots.write_tokens(index, num_computed_tokens, cached.new_token_ids[i])
+                self.slots.num_prompt_tokens[index] = self.slots.num_tokens[index]
             self.slots.set_num_computed_tokens(index, num_computed_tokens)
 
     def _apply_cached_blocks(self, req_id: str, new_block_ids: tuple[list[int], ...] | None,
@@ -134,7 +146,8 @@ class ModelRunner:
             assert new_block_ids is not None, f"resumed request {req_id!r} came without block ids"
             parked = self.parked.pop(req_id, None)
             if parked is not None:
-                return self.slots.add(req_id, parked.token_ids, new_block_ids[0], 0, parked.sampling_params)
+                return self.slots.add(req_id, parked.token_ids, new_block_ids[0], 0, parked.sampling_params,
+                                      num_prompt_tokens=parked.num_prompt_tokens)
             index = self._index_of(req_id)
             self.slots.set_block_ids(index, new_block_ids[0])
             return index
@@ -204,18 +217,35 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------------------------------ e. sample
-    def _sample(self, model_output: torch.Tensor, batch: BatchInputs) -> torch.Tensor:
-        """Seam for the sampler: token ids pass through; logits will go to `kvflow.worker.sampler` here."""
+    def _sample(self, model_output: torch.Tensor, batch: BatchInputs, arrays: _StepArrays) -> SamplerOutput:
+        """Token ids from a self-sampling model pass through; logits go through the batched `Sampler`."""
+        num_sampled = int(batch.logits_indices.shape[0])
         if model_output.dim() == 1 and not model_output.is_floating_point():
-            assert model_output.shape[0] == batch.logits_indices.shape[0], "one sampled token per logits index"
-            return model_output
-        raise NotImplementedError("the model returned logits; the sampler is not wired into the runner yet")
+            assert model_output.shape[0] == num_sampled, "one sampled token per logits index"
+            return SamplerOutput(sampled_token_ids=model_output, logprobs=None)
+        assert model_output.shape[0] == num_sampled, "one row of logits per logits index"
+        slot_indices = arrays.slot_indices[arrays.sampled_rows]
+        params = [self.slots.sampling_params[index] for index in slot_indices.tolist()]
+        assert all(p is not None for p in params), "a sampling request has no SamplingParams"
+        metadata = build_sampling_metadata(
+            params,  # type: ignore[arg-type]
+            token_ids=self.slots.token_ids,
+            slot_indices=slot_indices,
+            num_prompt_tokens=self.slots.num_prompt_tokens[slot_indices],
+            num_tokens=self.slots.num_tokens[slot_indices],
+            vocab_size=int(model_output.shape[1]),
+            eos_token_id=self.eos_token_id,
+            device=model_output.device,
+        )
+        return self.sampler(model_output, metadata)
 
     # ------------------------------------------------------------------------------------------ f. update
     def _update_states(self, batch: BatchInputs, arrays: _StepArrays,
-                       sampled: torch.Tensor) -> ModelRunnerOutput:
-        """Advance progress, append each sampled token to its request's buffer, and report the samples."""
-        sampled_np = sampled.to("cpu").numpy()
+                       sampler_output: SamplerOutput) -> ModelRunnerOutput:
+        """Advance progress, append each sampled token to its request's buffer, and report the samples.
+
+        Logprob rows are re-indexed from sampled rows to batch rows (partial prefills get empty rows)."""
+        sampled_np = sampler_output.sampled_token_ids.to("cpu").numpy()
         self.slots.num_computed_tokens[arrays.slot_indices] += arrays.num_scheduled
         self._append_sampled(arrays.slot_indices[arrays.sampled_rows], sampled_np)
         sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
@@ -225,6 +255,7 @@ class ModelRunner:
             req_ids=batch.req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(batch.req_ids)},
             sampled_token_ids=sampled_token_ids,
+            logprobs=_logprobs_by_batch_row(sampler_output.logprobs, arrays.sampled_rows, batch.num_reqs),
         )
 
     def _append_sampled(self, slot_indices: np.ndarray, token_ids: np.ndarray) -> None:
@@ -233,3 +264,18 @@ class ModelRunner:
         fits = positions < self.slots.max_model_len
         self.slots.token_ids[slot_indices[fits], positions[fits]] = token_ids[fits]
         self.slots.num_tokens[slot_indices[fits]] += 1
+
+
+def _logprobs_by_batch_row(logprobs: LogprobsLists | None, sampled_rows: np.ndarray,
+                           num_reqs: int) -> LogprobsLists | None:
+    """Spread the sampler's per-sampled-row logprobs over the batch's rows (empty rows where nothing sampled)."""
+    if logprobs is None:
+        return None
+    token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
+    values: list[list[float]] = [[] for _ in range(num_reqs)]
+    ranks = [-1] * num_reqs
+    for sampled_index, row in enumerate(sampled_rows.tolist()):
+        token_ids[row] = logprobs.logprob_token_ids[sampled_index]
+        values[row] = logprobs.logprobs[sampled_index]
+        ranks[row] = logprobs.sampled_token_ranks[sampled_index]
+    return LogprobsLists(token_ids, values, ranks)

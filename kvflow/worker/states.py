@@ -19,7 +19,8 @@ class RequestSlots:
         never both; `len(free_indices) + len(req_id_to_index) == max_num_reqs`;
       * for a held slot `i`: `token_ids[i, :num_tokens[i]]` are the request's known tokens (prompt, outputs and
         the last sampled token, which the worker feeds itself), `block_table[i, :num_blocks[i]]` its KV blocks,
-        `num_computed_tokens[i] <= num_tokens[i] <= max_model_len`;
+        `num_computed_tokens[i] <= num_tokens[i] <= max_model_len`, and `token_ids[i, :num_prompt_tokens[i]]`
+        is the prompt (for a streaming session: everything up to its latest chunk);
       * entries past `num_tokens[i]` / `num_blocks[i]` (and every entry of a free slot) are stale and never read.
     A freed slot is not cleared: taking it overwrites the counters, so `add` and `remove` cost O(new data).
     """
@@ -30,6 +31,7 @@ class RequestSlots:
         self.max_blocks_per_req = max_blocks_per_req
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
@@ -41,8 +43,12 @@ class RequestSlots:
 
     # ------------------------------------------------------------------------------------------ take / free
     def add(self, req_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int,
-            sampling_params: SamplingParams | None = None) -> int:
+            sampling_params: SamplingParams | None = None, num_prompt_tokens: int | None = None) -> int:
         """Take a free slot for `req_id` and fill it; returns the slot index.
+
+        `num_prompt_tokens` (default: all of `token_ids`) marks where the prompt ends and outputs begin (a
+        resumed request brings its outputs back among `token_ids`); the sampler reads it for penalties, seeds
+        and `min_tokens`.
 
         Raises AssertionError("No free indices") when every slot is held and ValueError when `req_id` already
         holds one (callers that mean to replace must `remove` first).
@@ -51,7 +57,7 @@ class RequestSlots:
             raise ValueError(f"request {req_id!r} already holds slot {self.req_id_to_index[req_id]}")
         if not self.free_indices:
             raise AssertionError("No free indices")
-        self._check_fits(req_id, len(token_ids), len(block_ids), num_computed_tokens)
+        self._check_fits(req_id, len(token_ids), len(block_ids), num_computed_tokens, num_prompt_tokens)
         index = self.free_indices.pop()
         self.req_id_to_index[req_id] = index
         self.req_ids[index] = req_id
@@ -59,11 +65,13 @@ class RequestSlots:
         self.num_tokens[index] = 0
         self.num_blocks[index] = 0
         self.write_tokens(index, 0, token_ids)
+        self.num_prompt_tokens[index] = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
         self.append_block_ids(index, block_ids)
         self.set_num_computed_tokens(index, num_computed_tokens)
         return index
 
-    def _check_fits(self, req_id: str, num_tokens: int, num_blocks: int, num_computed_tokens: int) -> None:
+    def _check_fits(self, req_id: str, num_tokens: int, num_blocks: int, num_computed_tokens: int,
+                    num_prompt_tokens: int | None = None) -> None:
         """Validate a new request before it takes a slot, so a failed `add` leaves every slot unchanged."""
         if num_tokens > self.max_model_len:
             raise ValueError(f"request {req_id!r}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
@@ -73,6 +81,9 @@ class RequestSlots:
         if not 0 <= num_computed_tokens <= num_tokens:
             raise ValueError(f"request {req_id!r}: num_computed_tokens={num_computed_tokens} is outside "
                              f"[0, {num_tokens}]")
+        if num_prompt_tokens is not None and not 0 < num_prompt_tokens <= num_tokens:
+            raise ValueError(f"request {req_id!r}: num_prompt_tokens={num_prompt_tokens} is outside "
+                             f"[1, {num_tokens}]")
 
     def remove(self, req_id: str) -> int | None:
         """Give `req_id`'s slot back; returns the freed index, or None (a no-op) for an unknown id."""

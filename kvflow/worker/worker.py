@@ -1,44 +1,111 @@
-"""The worker: builds the model and the model runner (which owns the KV cache) and executes steps."""
+"""The worker: picks the device, loads the model, sizes and allocates the KV cache, executes steps."""
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvflow.core.kv_cache_manager import cdiv
+from kvflow.model_info import resolve_model_info
 from kvflow.testing.hash_model import HashModel
 from kvflow.worker.model_runner import ModelRunner, RunnerModel
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig, ModelConfig
     from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
+    from kvflow.model_info import ModelInfo
+
+logger = logging.getLogger(__name__)
 
 
-def build_model(model_config: ModelConfig) -> RunnerModel:
-    """The model named by `model_config`; only the hash model (`model="hash"`) exists so far."""
-    if model_config.is_hash_model:
+def resolve_device(device: str) -> torch.device:
+    """'auto' is CUDA when present, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def build_model(model_config: ModelConfig, model_info: ModelInfo, device: torch.device) -> RunnerModel:
+    """The hash test model, or a Hugging Face checkpoint loaded through `kvflow.models.loader`."""
+    if model_info.path is None:
         return HashModel()
-    raise NotImplementedError(f"model {model_config.model!r}: only model='hash' is supported so far")
+    from kvflow.models.loader import load_model
+
+    return load_model(model_info.path, dtype=model_config.dtype, device=device)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device: CUDA's free bytes, or the host's MemAvailable."""
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return int(free_bytes)
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def determine_num_kv_blocks(engine_config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+    """`num_kv_blocks` if set; else what `kv_cache_memory_bytes` buys; else `kv_cache_memory_fraction` of free
+    memory, capped at the blocks every slot needs at full length (more would only lengthen the prefix cache)."""
+    cache_config = engine_config.cache_config
+    if cache_config.num_kv_blocks is not None:
+        return cache_config.num_kv_blocks
+    if cache_config.kv_cache_memory_bytes is not None:
+        num_blocks = cache_config.kv_cache_memory_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={cache_config.kv_cache_memory_bytes} holds no KV block "
+                             f"({bytes_per_block} bytes each)")
+        return num_blocks
+    scheduler_config = engine_config.scheduler_config
+    blocks_for_all_slots = scheduler_config.max_num_seqs * cdiv(scheduler_config.max_model_len,
+                                                                 cache_config.block_size)
+    budget = int(available_memory_bytes(device) * cache_config.kv_cache_memory_fraction)
+    num_blocks = min(blocks_for_all_slots, budget // bytes_per_block)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory_fraction={cache_config.kv_cache_memory_fraction} of free memory "
+                         f"({budget} bytes) holds no KV block ({bytes_per_block} bytes each)")
+    return num_blocks
 
 
 class Worker:
     """One device's worker: a model plus the `ModelRunner` that holds its request slots and a KV cache of
     `num_kv_blocks` blocks. Its slot count is `max_num_seqs`, so the scheduler's admission bound matches it."""
 
-    def __init__(self, engine_config: EngineConfig, num_kv_blocks: int,
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
+        model_config = engine_config.model_config
         scheduler_config = engine_config.scheduler_config
+        block_size = engine_config.cache_config.block_size
         self.engine_config = engine_config
-        self.model = build_model(engine_config.model_config)
+        self.device = resolve_device(model_config.device)
+        self.model_info = model_info if model_info is not None else resolve_model_info(model_config.model)
+        self.model = build_model(model_config, self.model_info, self.device)
+        bytes_per_block = self.model.kv_cache_bytes_per_block(block_size)
+        self.num_kv_blocks = determine_num_kv_blocks(engine_config, bytes_per_block, self.device)
         self.model_runner = ModelRunner(
             self.model,
             max_num_reqs=scheduler_config.max_num_seqs,
             max_model_len=scheduler_config.max_model_len,
-            block_size=engine_config.cache_config.block_size,
-            num_blocks=num_kv_blocks,
+            block_size=block_size,
+            num_blocks=self.num_kv_blocks,
             use_v2_model_runner=scheduler_config.use_v2_model_runner,
-            device=device,
+            device=self.device,
+            eos_token_id=self.model_info.eos_token_id,
+            seed=model_config.seed,
         )
+        num_tokens = self.num_kv_blocks * block_size
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB on %s); max concurrency %.2fx at "
+                    "max_model_len=%d", self.num_kv_blocks, block_size, num_tokens,
+                    self.num_kv_blocks * bytes_per_block / 2**20, self.device,
+                    num_tokens / scheduler_config.max_model_len, scheduler_config.max_model_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step."""

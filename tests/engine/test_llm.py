@@ -96,7 +96,7 @@ def test_max_model_len_larger_than_kv_cache_is_rejected() -> None:
 
 
 def test_unknown_model_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="only the test model"):
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
         LLM("/no/such/checkpoint")
 
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from kvflow.core.sched.output import EngineCoreOutput
 from kvflow.engine.output_processor import OutputProcessor
+from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
+
+
+def step(processor: OutputProcessor, engine_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+    processed = processor.process_outputs(engine_outputs)
+    assert processed.reqs_to_abort == []  # no stop strings: the core decides every finish
+    return processed.request_outputs
 
 
 def processor_with(output_kind: str) -> OutputProcessor:
@@ -15,38 +22,38 @@ def processor_with(output_kind: str) -> OutputProcessor:
 
 def test_cumulative_outputs_grow_and_finish_once() -> None:
     processor = processor_with("cumulative")
-    first = processor.process_outputs([EngineCoreOutput("a", [5])])
-    last = processor.process_outputs([EngineCoreOutput("a", [6], finish_reason="length")])
+    first = step(processor, [EngineCoreOutput("a", [5])])
+    last = step(processor, [EngineCoreOutput("a", [6], finish_reason="length")])
     assert first[0].outputs[0].token_ids == [5] and not first[0].finished
     assert last[0].outputs[0].token_ids == [5, 6] and last[0].finished
     assert last[0].outputs[0].finish_reason == "length"
     assert not processor.has_unfinished_requests()
-    assert processor.process_outputs([EngineCoreOutput("a", [7])]) == []
+    assert step(processor, [EngineCoreOutput("a", [7])]) == []
 
 
 def test_delta_outputs_carry_only_new_tokens() -> None:
     processor = processor_with("delta")
-    deltas = [processor.process_outputs([EngineCoreOutput("a", tokens)])[0].outputs[0].token_ids
+    deltas = [step(processor, [EngineCoreOutput("a", tokens)])[0].outputs[0].token_ids
               for tokens in ([5], [6, 7])]
     assert deltas == [[5], [6, 7]]
 
 
 def test_final_only_emits_nothing_until_finished() -> None:
     processor = processor_with("final_only")
-    assert processor.process_outputs([EngineCoreOutput("a", [5])]) == []
-    final = processor.process_outputs([EngineCoreOutput("a", [6], finish_reason="stop", stop_reason=6)])
+    assert step(processor, [EngineCoreOutput("a", [5])]) == []
+    final = step(processor, [EngineCoreOutput("a", [6], finish_reason="stop", stop_reason=6)])
     assert final[0].outputs[0].token_ids == [5, 6] and final[0].outputs[0].stop_reason == 6
 
 
 def test_session_chunk_end_does_not_finish_the_request() -> None:
     processor = processor_with("cumulative")
-    out = processor.process_outputs([EngineCoreOutput("a", [5], finish_reason="length", session_continues=True)])
+    out = step(processor, [EngineCoreOutput("a", [5], finish_reason="length", session_continues=True)])
     assert not out[0].finished and processor.has_unfinished_requests()
 
 
 def test_abort_returns_partial_output_with_abort_reason() -> None:
     processor = processor_with("cumulative")
-    processor.process_outputs([EngineCoreOutput("a", [5])])
+    step(processor, [EngineCoreOutput("a", [5])])
     aborted = processor.abort_requests(["a", "unknown"])
     assert len(aborted) == 1
     assert aborted[0].outputs[0].token_ids == [5] and aborted[0].outputs[0].finish_reason == "abort"

@@ -357,20 +357,37 @@ def test_persistent_batch_all_token_ids_replace_a_stale_copy() -> None:
 
 # ---------------------------------------------------------------------------------------------- worker
 def test_worker_runs_the_hash_model_from_config() -> None:
-    config = EngineConfig(model_config=ModelConfig(model="hash"), cache_config=CacheConfig(block_size=4),
+    config = EngineConfig(model_config=ModelConfig(model="hash"),
+                          cache_config=CacheConfig(block_size=4, num_kv_blocks=16),
                           scheduler_config=SchedulerConfig(max_num_seqs=3, max_model_len=32))
-    worker = Worker(config, num_kv_blocks=16)
+    worker = Worker(config)
+    assert worker.num_kv_blocks == 16
     assert worker.model_runner.slots.max_num_reqs == 3
     assert tuple(worker.model_runner.kv_cache.shape) == (64,)
     output = worker.execute_model(step({"a": 10}, [new("a", PROMPT, [3, 4, 5])]))
     assert output.sampled_token_ids == [reference_tokens(PROMPT, 1)]
     assert next_token(PROMPT) == output.sampled_token_ids[0][0]
     assert worker.model_runner.use_v2_model_runner
-    persistent = EngineConfig(model_config=ModelConfig(model="hash"),
+    persistent = EngineConfig(model_config=ModelConfig(model="hash"), cache_config=CacheConfig(num_kv_blocks=2),
                               scheduler_config=SchedulerConfig(use_v2_model_runner=False))
-    assert not Worker(persistent, num_kv_blocks=2).model_runner.use_v2_model_runner
+    assert not Worker(persistent).model_runner.use_v2_model_runner
 
 
-def test_worker_refuses_models_it_cannot_build() -> None:
-    with pytest.raises(NotImplementedError, match="only model='hash'"):
-        Worker(EngineConfig(model_config=ModelConfig(model="some/checkpoint")), num_kv_blocks=4)
+def test_worker_sizes_the_kv_cache_from_memory() -> None:
+    """kv_cache_memory_bytes buys whole blocks; without it, a fraction of free memory capped at full slots."""
+    by_bytes = EngineConfig(model_config=ModelConfig(model="hash"),
+                            cache_config=CacheConfig(block_size=4, kv_cache_memory_bytes=32 * 10 + 31),
+                            scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=32))
+    assert Worker(by_bytes).num_kv_blocks == 10  # the hash model stores 8 bytes per token slot
+    capped = EngineConfig(model_config=ModelConfig(model="hash"), cache_config=CacheConfig(block_size=4),
+                          scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=32))
+    assert Worker(capped).num_kv_blocks == 2 * 8
+    too_small = EngineConfig(model_config=ModelConfig(model="hash"),
+                             cache_config=CacheConfig(block_size=4, kv_cache_memory_bytes=31))
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=31 holds no KV block"):
+        Worker(too_small)
+
+
+def test_worker_refuses_a_missing_checkpoint() -> None:
+    with pytest.raises(ValueError, match="not a checkpoint folder"):
+        Worker(EngineConfig(model_config=ModelConfig(model="/no/such/checkpoint")))

@@ -135,6 +135,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     session_continues: bool = False
+    new_logprobs: LogprobsLists | None = None  # one row per new token, when the request asked for logprobs
 
     @property
     def finished(self) -> bool:

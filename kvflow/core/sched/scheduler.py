@@ -14,6 +14,7 @@ from kvflow.core.kv_cache_utils import RequestBlockHasher
 from kvflow.core.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
+    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -118,6 +119,7 @@ class Scheduler:
         self._stale_frames: dict[str, int] = {}
         self._pause_state = PauseState.UNPAUSED
         self.prefix_cache_stats = PrefixCacheStats()
+        self.num_preemptions_total = 0  # preemptions by recompute since startup (a metric, never reset)
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -316,6 +318,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.spec_token_ids = []
         request.num_preemptions += 1
+        self.num_preemptions_total += 1
         self.waiting.prepend_request(request)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
@@ -478,7 +481,9 @@ class Scheduler:
                 continue  # aborted while the step ran
             status_before = request.status
             new_token_ids, stopped = self._update_request_with_output(request, list(generated))
-            output = EngineCoreOutput(request_id, new_token_ids, num_cached_tokens=max(request.num_cached_tokens, 0))
+            output = EngineCoreOutput(request_id, new_token_ids, num_cached_tokens=max(request.num_cached_tokens, 0),
+                                      new_logprobs=_logprobs_row(model_runner_output.logprobs, index,
+                                                                 len(new_token_ids)))
             if stopped:
                 output.finish_reason = request.get_finished_reason()
                 output.stop_reason = request.stop_reason
@@ -569,3 +574,11 @@ class Scheduler:
         self.reset_preempted_req_ids.add(session.request_id)
         if session.status == RequestStatus.WAITING:
             session.status = RequestStatus.PREEMPTED
+
+
+def _logprobs_row(logprobs: LogprobsLists | None, index: int, num_new_tokens: int) -> LogprobsLists | None:
+    """The batch row's logprobs for the tokens kept (a stop may have cut the step's tokens short)."""
+    if logprobs is None or not logprobs.logprob_token_ids[index] or num_new_tokens == 0:
+        return None
+    return LogprobsLists([logprobs.logprob_token_ids[index]], [logprobs.logprobs[index]],
+                         [logprobs.sampled_token_ranks[index]])
