@@ -117,7 +117,7 @@ def run_hf(path: Path, workload: Workload, batch_size: int) -> Result:
 def run_kvflow(path: Path, workload: Workload, engine_kwargs: dict[str, Any]) -> tuple[Result, Result]:
     from kvflow import LLM, SamplingParams
 
-    llm = LLM(str(path), dtype="bfloat16", **engine_kwargs)
+    llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, **engine_kwargs)
     runner = llm.engine_core.executor.worker.model_runner
     llm.generate([{"prompt_token_ids": workload.prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True,
                                                                             temperature=0.0), use_tqdm=False)
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result] = []
     if not args.skip_hf:
         results.append(run_hf(path, workload, args.batch_size))
+        print(f"HF static: {results[0].elapsed_s:.2f} s, {results[0].output_tokens_per_s:.1f} output tok/s",
+              file=sys.stderr)
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_model_len": 512}
     kvflow_result, forward_result = run_kvflow(path, workload, engine_kwargs)
     results += [kvflow_result, forward_result]

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             run_generate(args)
         else:
             run_chat(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:  # bad arguments or checkpoint files: no traceback
         print(f"kvflow {args.command}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from error
 

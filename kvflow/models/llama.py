@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM run by the model runner over a paged KV cache.
 
     Invariants: every parameter is in `dtype` on `device`; with tied embeddings `lm_head.weight` IS
-    `model.embed_tokens.weight`. The KV cache is `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
+    `model.embed_tokens.weight`. The KV cache is `[num_layers, *backend.kv_cache_shape(...)]`
     (K then V) in `dtype`; `forward` writes each scheduled token's K/V at `batch.slot_mapping` before any layer reads
     it, and returns float32 logits for `batch.logits_indices` only. Attention metadata and RoPE cos/sin are built once
     per forward (one metadata per distinct sliding window) and shared by all layers.
@@ -164,8 +164,8 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------------------------------ KV cache
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """A zeroed cache `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (zeros: padding that
-        attention masks out must still be finite)."""
+        """A zeroed cache `[num_layers, *backend.kv_cache_shape(...)]` (torch backend: `[layers, 2, kv_heads,
+        blocks, block_size, head_dim]`); zeros because padding that attention masks out must still be finite."""
         layer_shape = self.attention_backend.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return torch.zeros((self.num_layers, *layer_shape), dtype=self.dtype, device=self.device)
 

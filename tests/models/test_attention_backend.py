@@ -28,7 +28,7 @@ def _make_step(requests: list[tuple[int, int]], seed: int) -> tuple[BatchInputs,
     generator = torch.Generator().manual_seed(seed)
     blocks = list(range(NUM_BLOCKS))
     random.Random(seed).shuffle(blocks)
-    cache = torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    cache = torch.zeros(TorchPagedAttention.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM))
     total = sum(context + query for context, query in requests)
     keys = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=generator)
     values = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=generator)
@@ -39,9 +39,9 @@ def _make_step(requests: list[tuple[int, int]], seed: int) -> tuple[BatchInputs,
         seq_len = context + query
         request_blocks = [blocks.pop() for _ in range(-(-seq_len // BLOCK_SIZE))]
         slots = [request_blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(seq_len)]
-        flat = cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
-        flat[0, slots[:context]] = keys[offset:offset + context]
-        flat[1, slots[:context]] = values[offset:offset + context]
+        flat = cache.view(2, NUM_KV_HEADS, -1, HEAD_DIM)  # head-major layout: [K/V, head, slot, dim]
+        flat[0][:, slots[:context]] = keys[offset:offset + context].transpose(0, 1)
+        flat[1][:, slots[:context]] = values[offset:offset + context].transpose(0, 1)
         slot_mapping += slots[context:]
         positions += list(range(context, seq_len))
         step_rows += list(range(offset + context, offset + seq_len))
@@ -100,9 +100,9 @@ def test_matches_dense_reference(case: str, window: int | None) -> None:
     output = backend.forward(query, keys[step_rows], values[step_rows], cache, metadata)
     torch.testing.assert_close(output, _reference(requests, keys, values, query, window), atol=1e-5, rtol=1e-5)
     # the step's K/V landed at its slots
-    flat = cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
-    torch.testing.assert_close(flat[0, batch.slot_mapping], keys[step_rows], atol=0, rtol=0)
-    torch.testing.assert_close(flat[1, batch.slot_mapping], values[step_rows], atol=0, rtol=0)
+    flat = cache.view(2, NUM_KV_HEADS, -1, HEAD_DIM)
+    torch.testing.assert_close(flat[0][:, batch.slot_mapping], keys[step_rows].transpose(0, 1), atol=0, rtol=0)
+    torch.testing.assert_close(flat[1][:, batch.slot_mapping], values[step_rows].transpose(0, 1), atol=0, rtol=0)
 
 
 def test_uneven_prefills_are_split_into_groups() -> None:

@@ -123,7 +123,7 @@ def test_partial_prefill_returns_no_logits(variant: Variant) -> None:
 def test_kv_cache_size(variant: Variant) -> None:
     cache = variant.model.make_kv_cache(num_blocks=3, block_size=8)
     config = variant.model.config
-    assert cache.shape == (config.num_hidden_layers, 2, 3, 8, config.num_key_value_heads, config.head_dim)
+    assert cache.shape == (config.num_hidden_layers, 2, config.num_key_value_heads, 3, 8, config.head_dim)
     assert cache.numel() * cache.element_size() == 3 * variant.model.kv_cache_bytes_per_block(8)
 
 

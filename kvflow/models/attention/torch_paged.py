@@ -3,8 +3,9 @@
 Each layer stores the step's K/V with `index_copy_` at `slot_mapping`, gathers every attending request's K/V back
 through its block table (whole blocks, one `index_select` per tensor), and attends with
 `scaled_dot_product_attention` under a boolean mask. Requests are split into
-  * one decode group: every request with a single query token, attended in one call with the GQA heads folded
-    into the query-length axis (`[n, kv_heads, group, head_dim]`), so no K/V head is repeated;
+  * one decode group: every request with a single query token, attended with two batched matmuls and a float32
+    softmax, the GQA heads folded into the query-length axis (`[n, kv_heads, group, head_dim]`), so no K/V head is
+    repeated (CPU SDPA kernels are tuned for long queries; for these 1-token queries plain matmuls are ~2.5x faster);
   * prefill groups: requests with several query tokens (fresh prompts, chunks continuing cached KV, prefix-cache
     hits), padded to the group's longest query; rows are grouped by length so padding at most doubles the work.
 All indices and masks are built once per forward in `build_metadata`; `forward` does no Python work per request.
@@ -42,12 +43,13 @@ class DecodeGroup:
     """Requests with exactly one query token, attended in one call.
 
     Invariants: `token_indices[r]` is row r's flat token (None: the rows are exactly the batch's tokens, in order);
-    `attn_mask` is bool `[num_rows, 1, 1, blocks_per_row * block_size]`, True where row r may attend that key.
+    `score_bias` is float32 `[num_rows, 1, 1, blocks_per_row * block_size]`: 0 where row r may attend that key,
+    -inf where it may not (every row sees at least its own token).
     """
 
     token_indices: torch.Tensor | None
     kv: _KVGather
-    attn_mask: torch.Tensor
+    score_bias: torch.Tensor
 
 
 @dataclass
@@ -119,13 +121,22 @@ class TorchPagedAttention(AttentionBackend):
         )
 
     # ------------------------------------------------------------------------------------------ forward
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        """One layer's cache, head-major: `[2 (key, value), num_kv_heads, num_blocks, block_size, head_dim]`, so a
+        gather of one head's blocks is a contiguous `[rows, keys, head_dim]` batch that matmuls read in place."""
+        return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+    # ------------------------------------------------------------------------------------------ forward
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
                 metadata: TorchPagedMetadata) -> torch.Tensor:
         key_cache, value_cache = kv_cache_layer[0], kv_cache_layer[1]
-        num_blocks = key_cache.shape[0]
-        key_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, value)
-        key_blocks, value_blocks = key_cache.view(num_blocks, -1), value_cache.view(num_blocks, -1)
+        num_blocks = key_cache.shape[1]
+        key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, metadata.slot_mapping, key.transpose(0, 1))
+        value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, metadata.slot_mapping,
+                                                                           value.transpose(0, 1))
+        key_blocks = key_cache.view(self.num_kv_heads, num_blocks, -1)
+        value_blocks = value_cache.view(self.num_kv_heads, num_blocks, -1)
 
         outputs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         if metadata.decode is not None:
@@ -139,37 +150,45 @@ class TorchPagedAttention(AttentionBackend):
         return output
 
     def _gather(self, blocks: torch.Tensor, kv: _KVGather, buffer_index: int) -> torch.Tensor:
-        """`[num_rows, num_kv_heads, blocks_per_row * block_size, head_dim]`: a strided view of workspace buffer
+        """`[num_kv_heads, num_rows, blocks_per_row * block_size, head_dim]`, contiguous: a view of workspace buffer
         `buffer_index` (0 keys, 1 values), valid until the next gather into that buffer."""
-        numel = kv.block_ids.numel() * blocks.shape[1]
+        numel = self.num_kv_heads * kv.block_ids.numel() * blocks.shape[2]
         buffer = self._workspace.get(buffer_index)
         if buffer is None or buffer.numel() < numel or buffer.dtype != blocks.dtype or buffer.device != blocks.device \
                 or buffer.is_inference() != torch.is_inference_mode_enabled():
             buffer = torch.empty(numel, dtype=blocks.dtype, device=blocks.device)
             self._workspace[buffer_index] = buffer
-        gathered = torch.index_select(blocks, 0, kv.block_ids, out=buffer[:numel].view(-1, blocks.shape[1]))
-        return gathered.view(kv.num_rows, -1, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = buffer[:numel].view(self.num_kv_heads, -1, blocks.shape[2])
+        for kv_head in range(self.num_kv_heads):  # leading-dim gathers are much faster than one along dim 1
+            torch.index_select(blocks[kv_head], 0, kv.block_ids, out=out[kv_head])
+        return out.view(self.num_kv_heads, kv.num_rows, -1, self.head_dim)
 
     def _decode(self, query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
                 group: DecodeGroup) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Two batched matmuls per KV head over contiguous gathers, float32 softmax in between."""
         rows = query if group.token_indices is None else query.index_select(0, group.token_indices)
-        num_rows = group.kv.num_rows
-        grouped = rows.reshape(num_rows, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        attended = F.scaled_dot_product_attention(
-            grouped, self._gather(key_blocks, group.kv, 0), self._gather(value_blocks, group.kv, 1),
-            attn_mask=group.attn_mask, scale=self.scale)
-        return group.token_indices, attended.reshape(num_rows, self.num_heads, self.head_dim)
+        num_rows, group_size = group.kv.num_rows, self.num_heads // self.num_kv_heads
+        grouped = rows.reshape(num_rows, self.num_kv_heads, group_size, self.head_dim)
+        keys, values = self._gather(key_blocks, group.kv, 0), self._gather(value_blocks, group.kv, 1)
+        scores = query.new_empty(self.num_kv_heads, num_rows, group_size, keys.shape[2])
+        for kv_head in range(self.num_kv_heads):
+            torch.bmm(grouped[:, kv_head], keys[kv_head].transpose(1, 2), out=scores[kv_head])
+        bias = group.score_bias.view(1, num_rows, 1, -1)
+        probs = torch.softmax(scores.float().mul_(self.scale).add_(bias), dim=-1).to(values.dtype)
+        attended = query.new_empty(self.num_kv_heads, num_rows, group_size, self.head_dim)
+        for kv_head in range(self.num_kv_heads):
+            torch.bmm(probs[kv_head], values[kv_head], out=attended[kv_head])
+        return group.token_indices, attended.transpose(0, 1).reshape(num_rows, self.num_heads, self.head_dim)
 
     def _prefill(self, query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
                  group: PrefillGroup) -> tuple[torch.Tensor | None, torch.Tensor]:
         padded = query if group.query_indices is None else query.index_select(0, group.query_indices)
         num_rows = group.kv.num_rows
         padded = padded.view(num_rows, group.max_query_len, self.num_heads, self.head_dim).transpose(1, 2)
-        keys, values = self._gather(key_blocks, group.kv, 0), self._gather(value_blocks, group.kv, 1)
-        group_size = self.num_heads // self.num_kv_heads
-        if group_size > 1:
-            keys, values = keys.repeat_interleave(group_size, dim=1), values.repeat_interleave(group_size, dim=1)
-        attended = F.scaled_dot_product_attention(padded, keys, values, attn_mask=group.attn_mask, scale=self.scale)
+        keys = self._gather(key_blocks, group.kv, 0).transpose(0, 1)
+        values = self._gather(value_blocks, group.kv, 1).transpose(0, 1)
+        attended = F.scaled_dot_product_attention(padded, keys, values, attn_mask=group.attn_mask, scale=self.scale,
+                                                  enable_gqa=self.num_heads != self.num_kv_heads)
         attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
         if group.output_rows is not None:
             attended = attended.index_select(0, group.output_rows)
@@ -218,7 +237,8 @@ class _GroupBuilder:
         return DecodeGroup(
             token_indices=self._identity_or(self.query_start_loc[rows]),
             kv=kv,
-            attn_mask=mask[:, None, None, :].to(self.device),
+            score_bias=torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+            [:, None, None, :].to(self.device),
         )
 
     def prefill_group(self, rows: torch.Tensor, query_lens: torch.Tensor) -> PrefillGroup:
