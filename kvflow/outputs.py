@@ -24,7 +24,8 @@ class CompletionOutput:
 
     `stop_reason` is the stop string or stop token id that ended it (None for EOS or a length cap). With
     `SamplingParams.logprobs`, `logprobs[i]` maps token ids to `Logprob`s at output position i: the sampled token
-    and the top-`logprobs` alternatives; `cumulative_logprob` sums the sampled tokens' logprobs.
+    and the top-`logprobs` alternatives; `cumulative_logprob` sums the sampled tokens' logprobs. `weight_versions`
+    lists, in order, the weight versions (see `LLM.update_weights`) whose forward passes produced the tokens.
     """
 
     index: int
@@ -34,6 +35,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
+    weight_versions: list[int] = field(default_factory=list)  # distinct weight versions that made the tokens
 
     @property
     def finished(self) -> bool:

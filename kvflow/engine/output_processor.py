@@ -62,6 +62,7 @@ class RequestState:
     cumulative_logprob: float = 0.0
     num_emitted_tokens: int = 0  # for output_kind="delta"
     num_emitted_logprobs: int = 0
+    weight_versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -147,6 +148,8 @@ class OutputProcessor:
         if new_token_ids and state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         state.output_token_ids.extend(new_token_ids)
+        if new_token_ids and (not state.weight_versions or state.weight_versions[-1] != engine_output.weight_version):
+            state.weight_versions.append(engine_output.weight_version)
         state.metrics.num_cached_tokens = engine_output.num_cached_tokens
         if state.logprobs is not None and engine_output.new_logprobs is not None:
             self._append_logprobs(state, engine_output.new_logprobs)
@@ -231,7 +234,8 @@ class OutputProcessor:
             logprobs = list(state.logprobs) if state.logprobs is not None else None
         return CompletionOutput(index=state.index, text=text, token_ids=token_ids, finish_reason=finish_reason,
                                 stop_reason=stop_reason, logprobs=logprobs,
-                                cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None)
+                                cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+                                weight_versions=list(state.weight_versions))
 
     def _make_parent_output(self, parent: ParentRequest, state: RequestState,
                             completion: CompletionOutput | None) -> RequestOutput | None:

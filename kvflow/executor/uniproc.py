@@ -1,8 +1,9 @@
-"""UniProcExecutor: one worker in the engine's own process."""
+"""UniProcExecutor: one worker in the engine's own process (optionally on a thread, for overlapped steps)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from kvflow.worker.worker import Worker
 
@@ -13,15 +14,38 @@ if TYPE_CHECKING:
 
 
 class UniProcExecutor:
-    """Runs a single `Worker` in-process; `execute_model` is a direct call. `num_kv_blocks` is what the worker
-    allocated, which the scheduler's KV cache manager must use."""
+    """Runs a single `Worker` in-process. `execute_model(..., non_block=True)` runs the step on one dedicated
+    thread and returns a Future, so the caller can schedule the next step meanwhile (PyTorch releases the GIL in
+    its kernels). Steps run one at a time, in submission order, on that thread.
+
+    `num_kv_blocks` is what the worker allocated, which the scheduler's KV cache manager must use.
+    """
 
     def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
         self.worker = Worker(engine_config, model_info)
         self.num_kv_blocks = self.worker.num_kv_blocks
+        self._thread: ThreadPoolExecutor | None = None
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+
+    @overload
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if not non_block:
+            return self.worker.execute_model(scheduler_output)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-worker")
+        return self._thread.submit(self.worker.execute_model, scheduler_output)
+
+    def update_weights(self, weights: str | Any) -> None:
+        self.worker.update_weights(weights)
 
     def shutdown(self) -> None:
-        """Nothing to tear down in-process."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None

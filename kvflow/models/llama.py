@@ -195,10 +195,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden_states)
 
     # ------------------------------------------------------------------------------------------ weights
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Copy Hugging Face-named tensors in (fusing q/k/v and gate/up, casting to `dtype`).
 
-        Raises one ValueError naming every unexpected name, shape mismatch and missing parameter.
+        Raises one ValueError naming every unexpected name, shape mismatch and (when `strict`, as for a whole
+        checkpoint) missing parameter; `strict=False` updates just the tensors given (a weight update).
         """
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
@@ -225,8 +226,9 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 destination.copy_(tensor)
             loaded.add((name, shard))
-        self._tie_if_lm_head_absent(expected, loaded)
-        self._raise_on_load_errors(unexpected, mismatched, expected - loaded)
+        if strict:
+            self._tie_if_lm_head_absent(expected, loaded)
+        self._raise_on_load_errors(unexpected, mismatched, expected - loaded if strict else set())
         if saw_lm_head:
             logger.debug("tie_word_embeddings: ignored the checkpoint's lm_head.weight")
 

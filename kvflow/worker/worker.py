@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -106,6 +108,21 @@ class Worker:
                     "max_model_len=%d", self.num_kv_blocks, block_size, num_tokens,
                     self.num_kv_blocks * bytes_per_block / 2**20, self.device,
                     num_tokens / scheduler_config.max_model_len, scheduler_config.max_model_len)
+
+    def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
+        """Reload weights in place: a checkpoint folder (every parameter) or a state dict with Hugging Face names
+        (just those tensors). The KV cache, slots and shapes stay; a bad update raises before touching the model
+        only for unknown names or shapes found up front, so pass complete, checked tensors."""
+        if self.model_info.path is None:
+            raise ValueError("the hash test model has no weights to update")
+        from kvflow.models.loader import iterate_safetensors_weights
+
+        if isinstance(weights, str | Path):
+            self.model.load_weights(iterate_safetensors_weights(Path(weights)))  # type: ignore[attr-defined]
+        elif isinstance(weights, Mapping):
+            self.model.load_weights(weights.items(), strict=False)  # type: ignore[attr-defined]
+        else:
+            raise ValueError(f"weights must be a checkpoint folder or a state dict, got {type(weights).__name__}")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step."""

@@ -136,6 +136,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     session_continues: bool = False
     new_logprobs: LogprobsLists | None = None  # one row per new token, when the request asked for logprobs
+    weight_version: int = 0  # the model weights that computed `new_token_ids` (see EngineCore.update_weights)
 
     @property
     def finished(self) -> bool:

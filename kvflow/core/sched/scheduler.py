@@ -235,6 +235,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return self.get_num_unfinished_requests() > 0
 
+    def get_num_started_requests(self) -> int:
+        """Requests that ran and have not finished: running or preempted (not counting idle sessions)."""
+        started = (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+        return sum(1 for request in self.requests.values() if request.status in started)
+
     def has_pending_reports(self) -> bool:
         """True when the worker still has to hear about finished or preempted requests."""
         return bool(self.finished_req_ids or self.reset_preempted_req_ids)
@@ -257,8 +262,8 @@ class Scheduler:
         plan = _StepPlan(token_budget=budget)
         timestamp = time.monotonic()
         self._schedule_running(plan, timestamp)
-        if not plan.preempted and self._pause_state == PauseState.UNPAUSED:
-            self._schedule_waiting(plan)
+        if not plan.preempted and self._pause_state != PauseState.PAUSED_ALL:
+            self._schedule_waiting(plan, only_started=self._pause_state == PauseState.PAUSED_NEW)
         assert plan.token_budget >= 0
         assert self.num_slot_holders <= self.max_num_running_reqs
         output = self._build_output(plan)
@@ -321,8 +326,11 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.prepend_request(request)
 
-    def _schedule_waiting(self, plan: _StepPlan) -> None:
+    def _schedule_waiting(self, plan: _StepPlan, only_started: bool = False) -> None:
         """Admit from the head of `waiting` until something does not fit.
+
+        With `only_started` (PAUSED_NEW) only requests that already ran (preempted ones, slot-holding sessions)
+        are admitted, so that "let running requests finish" terminates even when some were preempted.
 
         Once the head is blocked (no slot, no KV blocks or no budget), only streaming sessions that still hold
         their slot and blocks may pass it: they need no new slot, and they may hold the very blocks the head waits
@@ -333,6 +341,9 @@ class Scheduler:
         while self.waiting and plan.token_budget > 0:
             request = self.waiting.peek_request()
             holds_slot = request.request_id in self._waiting_slot_holders
+            if only_started and not holds_slot and request.status != RequestStatus.PREEMPTED:
+                skipped.add_request(self.waiting.pop_request())  # PAUSED_NEW: held, in order, until resume
+                continue
             if holds_slot or not head_blocked:
                 if (holds_slot or self.num_slot_holders < self.max_num_running_reqs) \
                         and self._try_admit(request, plan):
