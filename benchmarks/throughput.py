@@ -11,11 +11,12 @@ Systems, run one after the other in this process:
 1. **HF static**: `AutoModelForCausalLM` (SDPA attention) in bfloat16, requests in batches of 16 in arrival order,
    left padding, `generate(max_new_tokens = the batch's longest output)`. A batch ends when its longest request
    does; only each request's own output length counts as useful tokens.
-2. **kvflow**: `LLM(checkpoint, dtype="bfloat16")` generating all requests at once, each with its own
-   `max_tokens`.
+2. **kvflow**: `LLM(checkpoint, dtype="bfloat16")` (async scheduling: step N+1 is planned while step N runs)
+   generating all requests at once, each with its own `max_tokens`.
 3. **kvflow forward only**: every batch kvflow's runner ran in (2), replayed through the same model's `forward`
    on the same KV cache, with no scheduler, input preparation, sampling or output processing. Its time is the best
    kvflow could do with its own forward pass; the engine's overhead is (2) over (3).
+4. **kvflow sync**: (2) with `async_scheduling=False` (schedule, run, update, one after the other).
 Each system gets an untimed warm-up generation first. Output tokens/s = useful output tokens / wall time.
 """
 
@@ -114,7 +115,8 @@ def run_hf(path: Path, workload: Workload, batch_size: int) -> Result:
     return Result("HF static", time.perf_counter() - start, workload.num_output_tokens)
 
 
-def run_kvflow(path: Path, workload: Workload, engine_kwargs: dict[str, Any]) -> tuple[Result, Result]:
+def run_kvflow(path: Path, workload: Workload, engine_kwargs: dict[str, Any],
+               name: str = "kvflow") -> tuple[Result, Result]:
     from kvflow import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, **engine_kwargs)
@@ -147,8 +149,9 @@ def run_kvflow(path: Path, workload: Workload, engine_kwargs: dict[str, Any]) ->
     mean_reqs = sum(batch.num_reqs for batch in recorded) / len(recorded)
     print(f"kvflow ran {len(recorded)} forward passes; mean batch {mean_tokens:.1f} tokens, {mean_reqs:.1f} requests",
           file=sys.stderr)
-    return (Result("kvflow", elapsed, produced),
-            Result("kvflow forward only", forward_elapsed, produced))
+    llm.engine_core.shutdown()
+    return (Result(name, elapsed, produced),
+            Result(f"{name} forward only", forward_elapsed, produced))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=16, help="HF static batch size")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-sync", action="store_true", help="skip the synchronous-scheduling kvflow run")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     args = parser.parse_args(argv)
@@ -175,8 +179,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"HF static: {results[0].elapsed_s:.2f} s, {results[0].output_tokens_per_s:.1f} output tok/s",
               file=sys.stderr)
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_model_len": 512}
-    kvflow_result, forward_result = run_kvflow(path, workload, engine_kwargs)
+    kvflow_result, forward_result = run_kvflow(path, workload, {**engine_kwargs, "async_scheduling": True})
     results += [kvflow_result, forward_result]
+    sync_result = None
+    if not args.skip_sync:
+        sync_result, _ = run_kvflow(path, workload, {**engine_kwargs, "async_scheduling": False}, "kvflow sync")
+        results.append(sync_result)
 
     print(f"# {COMMAND} {shlex.join(argv if argv is not None else sys.argv[1:])}")
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
@@ -190,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
         speedup = kvflow_result.output_tokens_per_s / results[0].output_tokens_per_s
         print(f"kvflow / HF static throughput: {speedup:.2f}x")
     print(f"kvflow engine time / forward-only time: {kvflow_result.elapsed_s / forward_result.elapsed_s:.3f}")
+    if sync_result is not None:
+        print(f"kvflow async / sync scheduling throughput: "
+              f"{kvflow_result.output_tokens_per_s / sync_result.output_tokens_per_s:.3f}x")
 
 
 if __name__ == "__main__":
