@@ -3,7 +3,7 @@
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StreamingInput"]
 
 
 def __getattr__(name: str):  # lazy: importing the engine pulls in torch
@@ -15,4 +15,8 @@ def __getattr__(name: str):  # lazy: importing the engine pulls in torch
         from kvflow.engine.async_llm import AsyncLLM
 
         return AsyncLLM
+    if name == "StreamingInput":
+        from kvflow.engine.async_llm import StreamingInput
+
+        return StreamingInput
     raise AttributeError(f"module 'kvflow' has no attribute {name!r}")
