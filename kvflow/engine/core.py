@@ -96,13 +96,19 @@ class EngineCore:
         its next step itself, so step N+1 can be planned before step N's tokens are back."""
         launched = False
         if len(self.batch_queue) < self.batch_queue_size and self._has_schedulable_work():
+            prev_step_scheduled_req_ids = self.scheduler.prev_step_scheduled_req_ids
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids \
                     or scheduler_output.preempted_req_ids:
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 self.batch_queue.append((scheduler_output, future, self.weight_version))
                 launched = True
-        if not self.batch_queue or (launched and len(self.batch_queue) < self.batch_queue_size):
+            else:  # never sent: the worker's previous step is still the last one launched
+                self.scheduler.prev_step_scheduled_req_ids = prev_step_scheduled_req_ids
+        # While a pause is in effect only token-less report batches go out: apply them at once, so that no batch is
+        # ever in flight while paused (update_weights and a repeated pause rely on it).
+        if not self.batch_queue or (launched and len(self.batch_queue) < self.batch_queue_size
+                                    and not self.pause_effective()):
             return self._finish_pause_if_effective()
         scheduler_output, future, weight_version = self.batch_queue.popleft()
         outputs = self._update(scheduler_output, future.result(), weight_version)
@@ -146,7 +152,8 @@ class EngineCore:
         request_ids = [request_id for request_id, request in self.scheduler.requests.items()
                        if not request.is_finished()]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [EngineCoreOutput(request_id, [], finish_reason="abort") for request_id in request_ids]
+        return [EngineCoreOutput(request_id, [], finish_reason="abort", weight_version=self.weight_version)
+                for request_id in request_ids]
 
     def pause_effective(self) -> bool:
         """True once a requested pause has fully taken effect (False when not paused)."""
