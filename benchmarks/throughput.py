@@ -18,6 +18,10 @@ Systems, run one after the other in this process:
    kvflow could do with its own forward pass; the engine's overhead is (2) over (3).
 4. **kvflow sync**: (2) with `async_scheduling=False` (schedule, run, update, one after the other).
 Each system gets an untimed warm-up generation first. Output tokens/s = useful output tokens / wall time.
+
+`--model default --skip-hf --num-requests 256` runs the kvflow systems on the built-in default model instead (a
+3.4M-parameter Llama), where per-step CPU work is large next to the forward pass, so the async/sync ratio shows
+what overlapping costs or buys when the "device" is the same CPU.
 """
 
 from __future__ import annotations
@@ -154,6 +158,14 @@ def run_kvflow(path: Path, workload: Workload, engine_kwargs: dict[str, Any],
             Result(f"{name} forward only", forward_elapsed, produced))
 
 
+def _model_path(model: str) -> Path:
+    if model == "default":
+        from kvflow.default_model import ensure_default_model
+
+        return ensure_default_model()
+    return Path(model)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shape and workload (smoke run)")
@@ -162,6 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-sync", action="store_true", help="skip the synchronous-scheduling kvflow run")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument("--model", default=None,
+                        help="run on this checkpoint folder instead ('default': kvflow's built-in default model)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     args = parser.parse_args(argv)
 
@@ -170,7 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     prompt_range, output_range = ((8, 32), (4, 16)) if args.quick else ((32, 256), (32, 128))
     cache_root = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
     name = "bench-quick" if args.quick else "bench-qwen2-0.5b-shape"
-    path = ensure_checkpoint(args.checkpoint_dir or cache_root / name, shape)
+    if args.model is not None:
+        path = _model_path(args.model)
+        shape = {key: json.loads((path / "config.json").read_text())[key] for key in QUICK_SHAPE}
+    else:
+        path = ensure_checkpoint(args.checkpoint_dir or cache_root / name, shape)
     workload = make_workload(num_requests, prompt_range, output_range, shape["vocab_size"], seed=0)
 
     results: list[Result] = []
