@@ -96,12 +96,19 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """How work is spread. `worker_thread` decides whether overlapped (async-scheduled) steps run the worker on its
+    own thread: "auto" = only when the model is on CUDA, whose kernels leave the CPU free to schedule; on a CPU
+    device the forward pass needs every core, so the step runs inline (same batch queue and outputs, no overlap)."""
+
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    worker_thread: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1,
                  f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        _require(self.worker_thread in ("auto", "on", "off"),
+                 f"worker_thread must be 'auto', 'on' or 'off', got {self.worker_thread!r}")
 
 
 @dataclass(frozen=True)

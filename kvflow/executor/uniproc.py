@@ -14,9 +14,12 @@ if TYPE_CHECKING:
 
 
 class UniProcExecutor:
-    """Runs a single `Worker` in-process. `execute_model(..., non_block=True)` runs the step on one dedicated
-    thread and returns a Future, so the caller can schedule the next step meanwhile (PyTorch releases the GIL in
-    its kernels). Steps run one at a time, in submission order, on that thread.
+    """Runs a single `Worker` in-process. `execute_model(..., non_block=True)` returns a Future: with a worker
+    thread (`ParallelConfig.worker_thread`: "on", or "auto" on CUDA) the step runs on that one dedicated thread, so
+    the caller schedules the next step meanwhile (PyTorch releases the GIL in its kernels); steps run one at a time,
+    in submission order. Without it the step runs inline and the Future is already done. On a CPU device inline is
+    the better choice: there the scheduler's Python work would take a core from PyTorch's OpenMP team (measured on
+    2 cores: 0.57-0.65x throughput on a small model, no gain on a 0.5B one; see benchmarks/throughput.py).
 
     `num_kv_blocks` is what the worker allocated, which the scheduler's KV cache manager must use.
     """
@@ -24,6 +27,9 @@ class UniProcExecutor:
     def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
         self.worker = Worker(engine_config, model_info)
         self.num_kv_blocks = self.worker.num_kv_blocks
+        worker_thread = engine_config.parallel_config.worker_thread
+        self.uses_worker_thread = worker_thread == "on" or (worker_thread == "auto"
+                                                            and self.worker.device.type == "cuda")
         self._thread: ThreadPoolExecutor | None = None
 
     @overload
@@ -38,6 +44,10 @@ class UniProcExecutor:
                       non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         if not non_block:
             return self.worker.execute_model(scheduler_output)
+        if not self.uses_worker_thread:
+            done: Future[ModelRunnerOutput] = Future()
+            done.set_result(self.worker.execute_model(scheduler_output))
+            return done
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-worker")
         return self._thread.submit(self.worker.execute_model, scheduler_output)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvflow.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from kvflow.engine.core import EngineCore
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
@@ -41,15 +41,17 @@ PAUSE_MODES = ("abort", "wait", "keep")
 def make_engine_core(*, async_scheduling: bool = False, use_v2_model_runner: bool = True, max_num_seqs: int = 4,
                      num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32,
                      max_model_len: int = 128, policy: str = "fcfs",
-                     enable_chunked_prefill: bool = True) -> EngineCore:
-    """An EngineCore on the hash model with the real executor, worker and runner."""
+                     enable_chunked_prefill: bool = True, worker_thread: str = "on") -> EngineCore:
+    """An EngineCore on the hash model with the real executor, worker and runner. The worker thread is on by
+    default (on CPU "auto" would run steps inline), so overlapped runs really have a batch executing meanwhile."""
     return EngineCore(EngineConfig(
         model_config=ModelConfig(model="hash", max_model_len=max_model_len),
         cache_config=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=enable_chunked_prefill, policy=policy,  # type: ignore[arg-type]
-            async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner)))
+            async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner),
+        parallel_config=ParallelConfig(worker_thread=worker_thread)))  # type: ignore[arg-type]
 
 
 def greedy_request(request_id: str, prompt: list[int], max_tokens: int, *, resumable: bool = False,

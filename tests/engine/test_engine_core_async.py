@@ -190,3 +190,25 @@ def test_outputs_carry_the_weight_version_that_computed_their_tokens(async_sched
     assert driver.weight_versions["long"] == sorted(driver.weight_versions["long"])
     assert set(driver.weight_versions["short"]) == {0}
     assert set(driver.weight_versions["after"]) == {1}
+
+
+def test_on_cpu_auto_runs_overlapped_steps_inline_with_the_same_outputs() -> None:
+    """worker_thread="auto" on a CPU device: no worker thread, already-finished futures, identical outputs."""
+    prompts = {str(index): [index + 5] * (3 + 2 * index) for index in range(6)}
+    results = {}
+    for worker_thread in ("auto", "on"):
+        core = make_engine_core(async_scheduling=True, worker_thread=worker_thread)
+        assert core.executor.uses_worker_thread == (worker_thread == "on")
+        for request_id, prompt in prompts.items():
+            core.add_request(greedy_request(request_id, prompt, 9))
+        tokens: dict[str, list[int]] = {}
+        for _ in range(500):
+            if not core.has_work():
+                break
+            for output in core.step():
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        assert (core.executor._thread is None) == (worker_thread == "auto")
+        results[worker_thread] = tokens
+        core.shutdown()
+    assert results["auto"] == results["on"]
+    assert all(results["auto"][request_id] == expected_tokens(prompt, 9) for request_id, prompt in prompts.items())
