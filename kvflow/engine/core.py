@@ -69,14 +69,7 @@ class EngineCore:
 
     def can_make_progress(self) -> bool:
         """False when the only work left is held by a pause (stepping would just spin)."""
-        if self.batch_queue or self.scheduler.has_pending_reports():
-            return True
-        pause_state = self.scheduler.pause_state
-        if pause_state == PauseState.PAUSED_ALL:
-            return False
-        if pause_state == PauseState.PAUSED_NEW:
-            return self.scheduler.get_num_started_requests() > 0
-        return self.scheduler.has_unfinished_requests()
+        return bool(self.batch_queue) or self._has_schedulable_work()
 
     # ------------------------------------------------------------------------------------------------ stepping
     def step(self) -> list[EngineCoreOutput]:
@@ -115,6 +108,7 @@ class EngineCore:
         return outputs + self._finish_pause_if_effective()
 
     def _has_schedulable_work(self) -> bool:
+        """Something `schedule()` would send: reports, or requests the pause state lets run."""
         if self.scheduler.has_pending_reports():
             return True
         pause_state = self.scheduler.pause_state
