@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from kvflow.engine.builder import build_engine
-from kvflow.engine.input_processor import PromptType
+from kvflow.engine.input_processor import ProcessedPrompt, PromptType
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params_list)} entries for {num_prompts} prompts")
         return params_list
 
-    def _add_request(self, processed: Any) -> str:
+    def _add_request(self, processed: ProcessedPrompt) -> str:
         """Queue one prompt (n child requests when `n > 1`). Caller holds the lock."""
         request_id = str(next(self._request_counter))
         arrival_time = time.monotonic()
