@@ -120,8 +120,13 @@ class OutputProcessor:
         return len(self.request_states)
 
     # ------------------------------------------------------------------------------------------------ step
-    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
-        """Apply one step's outputs; returns the RequestOutputs to deliver and the core requests to abort."""
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput],
+                        finished_only: bool = False) -> OutputProcessorOutput:
+        """Apply one step's outputs; returns the RequestOutputs to deliver and the core requests to abort.
+
+        `finished_only` (a caller that only wants final results, like `LLM.generate`) builds no output for an
+        unfinished request, so a step costs O(new tokens), not a copy of every request's cumulative tokens and text.
+        """
         now = time.monotonic()
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
@@ -136,6 +141,8 @@ class OutputProcessor:
             if finished:
                 state.metrics.finished_time = now
                 del self.request_states[state.request_id]
+            elif finished_only:
+                continue
             request_output = self._make_output(state, finish_reason, stop_reason, finished)
             if request_output is not None:
                 request_outputs.append(request_output)

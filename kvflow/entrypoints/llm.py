@@ -192,7 +192,7 @@ class LLM:
         return engine_outputs
 
     def _apply(self, engine_outputs: list[EngineCoreOutput]) -> None:
-        processed = self.output_processor.process_outputs(engine_outputs)
+        processed = self.output_processor.process_outputs(engine_outputs, finished_only=True)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         for request_output in processed.request_outputs:
@@ -214,7 +214,7 @@ class LLM:
                     self._changed.wait(_PAUSED_POLL_S)  # held by a pause: wait for resume
                 elif not any(request_id in self._finished for request_id in pending):
                     raise RuntimeError("engine went idle with requests unfinished")
-                for request_id in [request_id for request_id in pending if request_id in self._finished]:
+                for request_id in [request_id for request_id in self._finished if request_id in pending]:
                     finished[request_id] = output = self._finished.pop(request_id)
                     pending.discard(request_id)
                     num_input_tokens += len(output.prompt_token_ids)

@@ -58,3 +58,13 @@ def test_abort_returns_partial_output_with_abort_reason() -> None:
     assert len(aborted) == 1
     assert aborted[0].outputs[0].token_ids == [5] and aborted[0].outputs[0].finish_reason == "abort"
     assert aborted[0].finished
+
+
+def test_finished_only_builds_just_the_final_output_with_everything() -> None:
+    for output_kind in ("cumulative", "delta"):
+        processor = processor_with(output_kind)
+        assert processor.process_outputs([EngineCoreOutput("a", [5])], finished_only=True).request_outputs == []
+        assert processor.process_outputs([EngineCoreOutput("a", [6])], finished_only=True).request_outputs == []
+        [final] = processor.process_outputs([EngineCoreOutput("a", [7], finish_reason="length")],
+                                            finished_only=True).request_outputs
+        assert final.finished and final.outputs[0].token_ids == [5, 6, 7], output_kind
