@@ -7,8 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HASH_MODEL_NAME = "hash"
-_HASH_MODEL_VOCAB_SIZE = 50256
-_HASH_MODEL_EOS_TOKEN_ID = 50256
 _HASH_MODEL_MAX_MODEL_LEN = 4096
 
 
@@ -56,8 +54,10 @@ def resolve_model_info(model: str | None) -> ModelInfo:
     """Read the checkpoint's config (and generation_config.json) without loading any weights."""
     path = resolve_model_path(model)
     if path is None:
-        return ModelInfo(HASH_MODEL_NAME, None, _HASH_MODEL_VOCAB_SIZE, _HASH_MODEL_MAX_MODEL_LEN,
-                         (_HASH_MODEL_EOS_TOKEN_ID,))
+        from kvflow.testing import DEFAULT_EOS_TOKEN_ID
+        from kvflow.testing.hash_model import DEFAULT_VOCAB_SIZE
+
+        return ModelInfo(HASH_MODEL_NAME, None, DEFAULT_VOCAB_SIZE, _HASH_MODEL_MAX_MODEL_LEN, (DEFAULT_EOS_TOKEN_ID,))
     from kvflow.models.hf_config import load_hf_config
 
     config = load_hf_config(path)

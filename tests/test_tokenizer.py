@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvflow.default_model import (
@@ -86,6 +86,8 @@ def test_unicode_round_trip(tokenizer: Tokenizer, text: str) -> None:
 @settings(max_examples=150, deadline=None)
 @given(text=st.text(max_size=60))
 def test_any_text_round_trips(tokenizer: Tokenizer, text: str) -> None:
+    # Text that spells a special token encodes to that token, which decoding skips by design.
+    assume(not any(added.content in text for added in tokenizer.backend.get_added_tokens_decoder().values()))
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
