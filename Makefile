@@ -23,6 +23,7 @@ demo-hash: $(VENV)/.installed
 	$(VENV)/bin/kvflow demo
 
 lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check kvflow tests benchmarks
 	$(VENV)/bin/ruff check kvflow tests benchmarks
 
 bench: $(VENV)/.installed

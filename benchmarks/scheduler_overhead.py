@@ -71,7 +71,9 @@ class BenchmarkConfig:
     bytes_steps: int = 64
 
 
-QUICK_CONFIG = BenchmarkConfig(sizes=(16, 64), steps=20, histories=(100, 4000), bytes_requests=16, bytes_steps=32)
+QUICK_CONFIG = BenchmarkConfig(
+    sizes=(16, 64), steps=20, histories=(100, 4000), bytes_requests=16, bytes_steps=32
+)
 
 
 @dataclass(frozen=True)
@@ -125,16 +127,25 @@ class BenchmarkReport:
 # ---------------------------------------------------------------------------------------------------- setup
 def prompt_for(request_index: int, prompt_len: int) -> list[int]:
     """A prompt unique to the request (no prefix sharing), with ids spread over the vocabulary."""
-    return [(request_index * 7919 + position * 104729 + 1) % VOCAB_SIZE for position in range(prompt_len)]
+    return [
+        (request_index * 7919 + position * 104729 + 1) % VOCAB_SIZE
+        for position in range(prompt_len)
+    ]
 
 
 def runner_output_for(scheduler: Scheduler, output: SchedulerOutput) -> ModelRunnerOutput:
     """One sampled token per scheduled request whose prefill is done (empty for a partial prefill)."""
     req_ids = list(output.num_scheduled_tokens)
     requests = scheduler.requests
-    sampled = [[SAMPLED_TOKEN_ID] if requests[req_id].num_computed_tokens >= requests[req_id].num_tokens else []
-               for req_id in req_ids]
-    return ModelRunnerOutput(req_ids, {req_id: index for index, req_id in enumerate(req_ids)}, sampled)
+    sampled = [
+        [SAMPLED_TOKEN_ID]
+        if requests[req_id].num_computed_tokens >= requests[req_id].num_tokens
+        else []
+        for req_id in req_ids
+    ]
+    return ModelRunnerOutput(
+        req_ids, {req_id: index for index, req_id in enumerate(req_ids)}, sampled
+    )
 
 
 def step_once(scheduler: Scheduler) -> SchedulerOutput:
@@ -146,22 +157,37 @@ def step_once(scheduler: Scheduler) -> SchedulerOutput:
 def is_steady(scheduler: Scheduler, num_requests: int) -> bool:
     """Every request runs and has sampled a token, so each step schedules exactly one token per request."""
     running = scheduler.running
-    return (len(running) == num_requests and not scheduler.waiting
-            and all(request.num_output_tokens > 0 for request in running))
+    return (
+        len(running) == num_requests
+        and not scheduler.waiting
+        and all(request.num_output_tokens > 0 for request in running)
+    )
 
 
-def decoding_scheduler(num_requests: int, prompt_len: int, num_decode_steps: int,
-                       use_v2_model_runner: bool = True) -> Scheduler:
+def decoding_scheduler(
+    num_requests: int, prompt_len: int, num_decode_steps: int, use_v2_model_runner: bool = True
+) -> Scheduler:
     """A scheduler with `num_requests` requests past prefill, able to decode `num_decode_steps` more steps."""
     max_tokens = num_decode_steps + NUM_EXTRA_STEADY_STEPS + 2 * BLOCK_SIZE
     max_model_len = prompt_len + max_tokens + BLOCK_SIZE
     blocks_per_request = math.ceil(max_model_len / BLOCK_SIZE) + 1
-    scheduler = make_scheduler(max_num_seqs=num_requests, max_num_batched_tokens=max(8192, num_requests),
-                               block_size=BLOCK_SIZE, num_blocks=num_requests * blocks_per_request + 16,
-                               max_model_len=max_model_len, use_v2_model_runner=use_v2_model_runner)
+    scheduler = make_scheduler(
+        max_num_seqs=num_requests,
+        max_num_batched_tokens=max(8192, num_requests),
+        block_size=BLOCK_SIZE,
+        num_blocks=num_requests * blocks_per_request + 16,
+        max_model_len=max_model_len,
+        use_v2_model_runner=use_v2_model_runner,
+    )
     for request_index in range(num_requests):
-        scheduler.add_request(make_request(str(request_index), prompt_for(request_index, prompt_len),
-                                           max_tokens=max_tokens, ignore_eos=True))
+        scheduler.add_request(
+            make_request(
+                str(request_index),
+                prompt_for(request_index, prompt_len),
+                max_tokens=max_tokens,
+                ignore_eos=True,
+            )
+        )
     for _ in range(MAX_WARMUP_STEPS):
         if is_steady(scheduler, num_requests):
             break
@@ -175,12 +201,19 @@ def decoding_scheduler(num_requests: int, prompt_len: int, num_decode_steps: int
 
 def check_steady_output(output: SchedulerOutput, num_requests: int) -> None:
     """Fail loudly if a measured step is not pure steady decoding (the numbers would mean something else)."""
-    if (len(output.num_scheduled_tokens) != num_requests or output.total_num_scheduled_tokens != num_requests
-            or output.scheduled_new_reqs or output.finished_req_ids or output.preempted_req_ids):
-        raise RuntimeError(f"step is not steady decoding of {num_requests} requests: "
-                           f"{len(output.num_scheduled_tokens)} scheduled, {output.total_num_scheduled_tokens} "
-                           f"tokens, {len(output.scheduled_new_reqs)} new, {len(output.finished_req_ids)} finished, "
-                           f"{len(output.preempted_req_ids)} preempted")
+    if (
+        len(output.num_scheduled_tokens) != num_requests
+        or output.total_num_scheduled_tokens != num_requests
+        or output.scheduled_new_reqs
+        or output.finished_req_ids
+        or output.preempted_req_ids
+    ):
+        raise RuntimeError(
+            f"step is not steady decoding of {num_requests} requests: "
+            f"{len(output.num_scheduled_tokens)} scheduled, {output.total_num_scheduled_tokens} "
+            f"tokens, {len(output.scheduled_new_reqs)} new, {len(output.finished_req_ids)} finished, "
+            f"{len(output.preempted_req_ids)} preempted"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- measure
@@ -216,8 +249,9 @@ def whole_blocks(num_steps: int) -> int:
     return max(1, math.ceil(num_steps / BLOCK_SIZE)) * BLOCK_SIZE
 
 
-def measure_message_bytes(num_requests: int, history_len: int, num_steps: int,
-                          use_v2_model_runner: bool) -> MessageBytes:
+def measure_message_bytes(
+    num_requests: int, history_len: int, num_steps: int, use_v2_model_runner: bool
+) -> MessageBytes:
     """Mean encoded size of the steady-decoding SchedulerOutput vs. encoding every request's full token list."""
     num_steps = whole_blocks(num_steps)
     scheduler = decoding_scheduler(num_requests, history_len, num_steps, use_v2_model_runner)
@@ -228,8 +262,10 @@ def measure_message_bytes(num_requests: int, history_len: int, num_steps: int,
         output = scheduler.schedule()
         check_steady_output(output, num_requests)
         delta_sizes.append(len(encoder.encode(output)))
-        full_lists = {req_id: scheduler.requests[req_id].all_token_ids.copy()
-                      for req_id in output.num_scheduled_tokens}
+        full_lists = {
+            req_id: scheduler.requests[req_id].all_token_ids.copy()
+            for req_id in output.num_scheduled_tokens
+        }
         full_list_sizes.append(len(encoder.encode(full_lists)))
         scheduler.update_from_output(output, runner_output_for(scheduler, output))
     return MessageBytes(
@@ -245,8 +281,11 @@ def measure_message_bytes(num_requests: int, history_len: int, num_steps: int,
 
 def run_benchmark(config: BenchmarkConfig) -> BenchmarkReport:
     timings = [measure_step_time(num_requests, config.steps) for num_requests in config.sizes]
-    message_bytes = [measure_message_bytes(config.bytes_requests, history_len, config.bytes_steps, use_v2)
-                     for use_v2 in (True, False) for history_len in config.histories]
+    message_bytes = [
+        measure_message_bytes(config.bytes_requests, history_len, config.bytes_steps, use_v2)
+        for use_v2 in (True, False)
+        for history_len in config.histories
+    ]
     return BenchmarkReport(config=config, timings=timings, message_bytes=message_bytes)
 
 
@@ -264,7 +303,8 @@ def format_timing_table(timings: Sequence[StepTiming]) -> list[str]:
             f"{timing.num_requests:>7} {timing.num_steps:>6} {timing.schedule_us_median:>10.1f} "
             f"{timing.update_us_median:>10.1f} {timing.step_us_median:>10.1f} {timing.step_us_mean:>10.1f} "
             f"{timing.us_per_request:>8.2f} {timing.step_us_median / baseline.step_us_median:>11.2f} "
-            f"{timing.num_requests / baseline.num_requests:>8.2f}")
+            f"{timing.num_requests / baseline.num_requests:>8.2f}"
+        )
     lines.append("   aim: step ratio <= N ratio (per-request cost roughly flat)")
     return lines
 
@@ -287,10 +327,15 @@ def format_bytes_table(message_bytes: Sequence[MessageBytes]) -> list[str]:
                 f"{row.delta_bytes_per_step:>12.1f} {row.delta_bytes_max:>7} {row.delta_bytes_per_request:>11.2f} "
                 f"{row.delta_bytes_per_step / first.delta_bytes_per_step:>8.3f} "
                 f"{row.full_list_bytes_per_step:>12.1f} {row.full_list_bytes_per_request:>10.1f} "
-                f"{row.full_list_bytes_per_step / row.delta_bytes_per_step:>10.1f}")
-    lines.append("   aim: delta bytes flat across histories ('vs first' ~1.0); "
-                 "the full-list baseline grows with history")
-    lines.append("   protocols: slot = use_v2_model_runner=True, persistent = use_v2_model_runner=False")
+                f"{row.full_list_bytes_per_step / row.delta_bytes_per_step:>10.1f}"
+            )
+    lines.append(
+        "   aim: delta bytes flat across histories ('vs first' ~1.0); "
+        "the full-list baseline grows with history"
+    )
+    lines.append(
+        "   protocols: slot = use_v2_model_runner=True, persistent = use_v2_model_runner=False"
+    )
     return lines
 
 
@@ -312,7 +357,9 @@ def format_report(report: BenchmarkReport, argv: Sequence[str] = ()) -> str:
 def parse_sizes(text: str) -> tuple[int, ...]:
     values = tuple(int(part) for part in text.split(",") if part.strip())
     if not values or any(value < 1 for value in values):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive ints, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of positive ints, got {text!r}"
+        )
     return values
 
 
@@ -322,26 +369,51 @@ def build_config(args: argparse.Namespace) -> BenchmarkConfig:
         sizes=args.sizes if args.sizes is not None else base.sizes,
         steps=args.steps if args.steps is not None else base.steps,
         histories=args.histories if args.histories is not None else base.histories,
-        bytes_requests=args.bytes_requests if args.bytes_requests is not None else base.bytes_requests,
+        bytes_requests=args.bytes_requests
+        if args.bytes_requests is not None
+        else base.bytes_requests,
         bytes_steps=args.bytes_steps if args.bytes_steps is not None else base.bytes_steps,
     )
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=None,
-                        help=f"timed decoding steps per size (default {BenchmarkConfig.steps})")
-    parser.add_argument("--sizes", type=parse_sizes, default=None,
-                        help="comma-separated numbers of running decode requests (default 64,256,1024)")
-    parser.add_argument("--histories", type=parse_sizes, default=None,
-                        help="comma-separated history (prompt) lengths for the bytes table (default 100,4000)")
-    parser.add_argument("--bytes-requests", type=int, default=None,
-                        help=f"requests in the bytes measurement (default {BenchmarkConfig.bytes_requests})")
-    parser.add_argument("--bytes-steps", type=int, default=None,
-                        help=f"steps in the bytes measurement, rounded up to a multiple of {BLOCK_SIZE} "
-                             f"(default {BenchmarkConfig.bytes_steps})")
-    parser.add_argument("--quick", action="store_true", help="few steps and small sizes (a few seconds)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed decoding steps per size (default {BenchmarkConfig.steps})",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=None,
+        help="comma-separated numbers of running decode requests (default 64,256,1024)",
+    )
+    parser.add_argument(
+        "--histories",
+        type=parse_sizes,
+        default=None,
+        help="comma-separated history (prompt) lengths for the bytes table (default 100,4000)",
+    )
+    parser.add_argument(
+        "--bytes-requests",
+        type=int,
+        default=None,
+        help=f"requests in the bytes measurement (default {BenchmarkConfig.bytes_requests})",
+    )
+    parser.add_argument(
+        "--bytes-steps",
+        type=int,
+        default=None,
+        help=f"steps in the bytes measurement, rounded up to a multiple of {BLOCK_SIZE} "
+        f"(default {BenchmarkConfig.bytes_steps})",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="few steps and small sizes (a few seconds)"
+    )
     return parser
 
 

@@ -41,10 +41,22 @@ from typing import Any
 import torch
 
 COMMAND = "python benchmarks/throughput.py"
-QWEN2_05B_SHAPE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-                   "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 32000}
-QUICK_SHAPE = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "intermediate_size": 256, "vocab_size": 1000}
+QWEN2_05B_SHAPE = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 32000,
+}
+QUICK_SHAPE = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 256,
+    "vocab_size": 1000,
+}
 
 
 @dataclass(frozen=True)
@@ -68,10 +80,18 @@ class Result:
         return self.num_output_tokens / self.elapsed_s
 
 
-def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  vocab_size: int, seed: int) -> Workload:
+def make_workload(
+    num_requests: int,
+    prompt_range: tuple[int, int],
+    output_range: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> Workload:
     rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)]
+    prompts = [
+        [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_range))]
+        for _ in range(num_requests)
+    ]
     output_lens = [rng.randint(*output_range) for _ in range(num_requests)]
     return Workload(prompts, output_lens)
 
@@ -84,8 +104,16 @@ def ensure_checkpoint(path: Path, shape: dict[str, int]) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1000000.0,
-                         rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    config = Qwen2Config(
+        **shape,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -96,7 +124,9 @@ def ensure_checkpoint(path: Path, shape: dict[str, int]) -> Path:
 def run_hf(path: Path, workload: Workload, batch_size: int) -> Result:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, attn_implementation="sdpa"
+    )
     model.eval()
 
     def generate(prompts: list[list[int]], max_new_tokens: int) -> None:
@@ -104,29 +134,41 @@ def run_hf(path: Path, workload: Workload, batch_size: int) -> Result:
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
         attention_mask = torch.zeros(len(prompts), width, dtype=torch.long)
         for row, prompt in enumerate(prompts):  # left padding
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
         assert out.shape[1] == width + max_new_tokens
 
     generate(workload.prompts[:2], 4)  # warm-up
     start = time.perf_counter()
     for first in range(0, len(workload.prompts), batch_size):
-        generate(workload.prompts[first:first + batch_size],
-                 max(workload.output_lens[first:first + batch_size]))
+        generate(
+            workload.prompts[first : first + batch_size],
+            max(workload.output_lens[first : first + batch_size]),
+        )
     return Result("HF static", time.perf_counter() - start, workload.num_output_tokens)
 
 
-def run_kvflow(path: Path, workload: Workload, engine_kwargs: dict[str, Any],
-               name: str = "kvflow") -> tuple[Result, Result]:
+def run_kvflow(
+    path: Path, workload: Workload, engine_kwargs: dict[str, Any], name: str = "kvflow"
+) -> tuple[Result, Result]:
     from kvflow import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, **engine_kwargs)
     runner = llm.engine_core.executor.worker.model_runner
-    llm.generate([{"prompt_token_ids": workload.prompts[0]}], SamplingParams(max_tokens=4, ignore_eos=True,
-                                                                            temperature=0.0), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": workload.prompts[0]}],
+        SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
+        use_tqdm=False,
+    )
     llm.reset_prefix_cache()
     recorded: list[Any] = []
     forward = runner.model.forward
@@ -136,9 +178,13 @@ def run_kvflow(path: Path, workload: Workload, engine_kwargs: dict[str, Any],
         return forward(batch, kv_cache)
 
     runner.model.forward = recording_forward  # type: ignore[method-assign]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in workload.output_lens]
+    params = [
+        SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in workload.output_lens
+    ]
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in workload.prompts], params, use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompt} for prompt in workload.prompts], params, use_tqdm=False
+    )
     elapsed = time.perf_counter() - start
     runner.model.forward = forward  # type: ignore[method-assign]
     produced = sum(len(output.outputs[0].token_ids) for output in outputs)
@@ -151,11 +197,15 @@ def run_kvflow(path: Path, workload: Workload, engine_kwargs: dict[str, Any],
         forward_elapsed = time.perf_counter() - start
     mean_tokens = sum(batch.num_tokens for batch in recorded) / len(recorded)
     mean_reqs = sum(batch.num_reqs for batch in recorded) / len(recorded)
-    print(f"kvflow ran {len(recorded)} forward passes; mean batch {mean_tokens:.1f} tokens, {mean_reqs:.1f} requests",
-          file=sys.stderr)
+    print(
+        f"kvflow ran {len(recorded)} forward passes; mean batch {mean_tokens:.1f} tokens, {mean_reqs:.1f} requests",
+        file=sys.stderr,
+    )
     llm.engine_core.shutdown()
-    return (Result(name, elapsed, produced),
-            Result(f"{name} forward only", forward_elapsed, produced))
+    return (
+        Result(name, elapsed, produced),
+        Result(f"{name} forward only", forward_elapsed, produced),
+    )
 
 
 def _model_path(model: str) -> Path:
@@ -167,15 +217,22 @@ def _model_path(model: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny shape and workload (smoke run)")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=16, help="HF static batch size")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--skip-sync", action="store_true", help="skip the synchronous-scheduling kvflow run")
+    parser.add_argument(
+        "--skip-sync", action="store_true", help="skip the synchronous-scheduling kvflow run"
+    )
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
-    parser.add_argument("--model", default=None,
-                        help="run on this checkpoint folder instead ('default': kvflow's built-in default model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="run on this checkpoint folder instead ('default': kvflow's built-in default model)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64)
     args = parser.parse_args(argv)
 
@@ -194,31 +251,45 @@ def main(argv: list[str] | None = None) -> None:
     results: list[Result] = []
     if not args.skip_hf:
         results.append(run_hf(path, workload, args.batch_size))
-        print(f"HF static: {results[0].elapsed_s:.2f} s, {results[0].output_tokens_per_s:.1f} output tok/s",
-              file=sys.stderr)
+        print(
+            f"HF static: {results[0].elapsed_s:.2f} s, {results[0].output_tokens_per_s:.1f} output tok/s",
+            file=sys.stderr,
+        )
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_model_len": 512}
-    kvflow_result, forward_result = run_kvflow(path, workload, {**engine_kwargs, "async_scheduling": True})
+    kvflow_result, forward_result = run_kvflow(
+        path, workload, {**engine_kwargs, "async_scheduling": True}
+    )
     results += [kvflow_result, forward_result]
     sync_result = None
     if not args.skip_sync:
-        sync_result, _ = run_kvflow(path, workload, {**engine_kwargs, "async_scheduling": False}, "kvflow sync")
+        sync_result, _ = run_kvflow(
+            path, workload, {**engine_kwargs, "async_scheduling": False}, "kvflow sync"
+        )
         results.append(sync_result)
 
     print(f"# {COMMAND} {shlex.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; shape {shape}")
-    print(f"# {num_requests} requests, prompt tokens {sum(map(len, workload.prompts))}, "
-          f"useful output tokens {workload.num_output_tokens}")
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; shape {shape}"
+    )
+    print(
+        f"# {num_requests} requests, prompt tokens {sum(map(len, workload.prompts))}, "
+        f"useful output tokens {workload.num_output_tokens}"
+    )
     print(f"{'system':<22}{'elapsed s':>11}{'output tok/s':>14}")
     for result in results:
         print(f"{result.name:<22}{result.elapsed_s:>11.2f}{result.output_tokens_per_s:>14.1f}")
     if not args.skip_hf:
         speedup = kvflow_result.output_tokens_per_s / results[0].output_tokens_per_s
         print(f"kvflow / HF static throughput: {speedup:.2f}x")
-    print(f"kvflow engine time / forward-only time: {kvflow_result.elapsed_s / forward_result.elapsed_s:.3f}")
+    print(
+        f"kvflow engine time / forward-only time: {kvflow_result.elapsed_s / forward_result.elapsed_s:.3f}"
+    )
     if sync_result is not None:
-        print(f"kvflow async / sync scheduling throughput: "
-              f"{kvflow_result.output_tokens_per_s / sync_result.output_tokens_per_s:.3f}x")
+        print(
+            f"kvflow async / sync scheduling throughput: "
+            f"{kvflow_result.output_tokens_per_s / sync_result.output_tokens_per_s:.3f}x"
+        )
 
 
 if __name__ == "__main__":

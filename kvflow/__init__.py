@@ -3,7 +3,14 @@
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
-__all__ = ["LLM", "AsyncLLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StreamingInput"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamingInput",
+]
 
 
 def __getattr__(name: str):  # lazy: importing the engine pulls in torch

@@ -26,12 +26,18 @@ class ModelConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-                 f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
-        _require(self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
-                 f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _require(self.max_model_len is None or self.max_model_len >= 2,
-                 f"max_model_len must be >= 2, got {self.max_model_len!r}")
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}",
+        )
+        _require(
+            self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+            f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 2,
+            f"max_model_len must be >= 2, got {self.max_model_len!r}",
+        )
 
     @property
     def is_hash_model(self) -> bool:
@@ -54,12 +60,18 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
-        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
-                 f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-                 f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
-        _require(0 < self.kv_cache_memory_fraction <= 1,
-                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+            f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}",
+        )
+        _require(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
+        )
+        _require(
+            0 < self.kv_cache_memory_fraction <= 1,
+            f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}",
+        )
 
 
 @dataclass(frozen=True)
@@ -82,16 +94,24 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _require(self.max_num_batched_tokens >= 1,
-                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
         _require(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
-        _require(self.long_prefill_token_threshold >= 0,
-                 f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
-        _require(self.policy in ("fcfs", "priority"),
-                 f"policy (scheduling_policy) must be 'fcfs' or 'priority', got {self.policy!r}")
-        _require(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
-                 "without chunked prefill, max_num_batched_tokens "
-                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})")
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
+        )
+        _require(
+            self.policy in ("fcfs", "priority"),
+            f"policy (scheduling_policy) must be 'fcfs' or 'priority', got {self.policy!r}",
+        )
+        _require(
+            self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+            "without chunked prefill, max_num_batched_tokens "
+            f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})",
+        )
 
 
 @dataclass(frozen=True)
@@ -105,10 +125,14 @@ class ParallelConfig:
     worker_thread: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.tensor_parallel_size >= 1,
-                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        _require(self.worker_thread in ("auto", "on", "off"),
-                 f"worker_thread must be 'auto', 'on' or 'off', got {self.worker_thread!r}")
+        _require(
+            self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+        )
+        _require(
+            self.worker_thread in ("auto", "on", "off"),
+            f"worker_thread must be 'auto', 'on' or 'off', got {self.worker_thread!r}",
+        )
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,13 @@ END_OF_TEXT_TOKEN = "<|end_of_text|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
 SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
-EOS_TOKEN = IM_END_TOKEN  # end of an assistant turn; END_OF_TEXT_TOKEN also stops (generation_config.json)
+EOS_TOKEN = (
+    IM_END_TOKEN  # end of an assistant turn; END_OF_TEXT_TOKEN also stops (generation_config.json)
+)
 
-NUM_BPE_TOKENS = 1020  # 256 bytes + 764 merges; with the 4 special tokens the vocabulary has 1024 entries
+NUM_BPE_TOKENS = (
+    1020  # 256 bytes + 764 merges; with the 4 special tokens the vocabulary has 1024 entries
+)
 WEIGHT_SEED = 0
 WEIGHT_STD = 0.02
 
@@ -171,7 +175,11 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     `default_model_dir()`. The model is built into a temporary sibling folder, the completion marker is written
     last, and the folder is renamed into place atomically: a process that loses a race discards its copy.
     """
-    target = Path(cache_dir).expanduser() / DEFAULT_MODEL_NAME if cache_dir is not None else default_model_dir()
+    target = (
+        Path(cache_dir).expanduser() / DEFAULT_MODEL_NAME
+        if cache_dir is not None
+        else default_model_dir()
+    )
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -228,10 +236,13 @@ def build_default_model(out_dir: Path) -> None:
     (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(special_ids))
     _write_json(out_dir / "config.json", _model_config(vocab_size, special_ids))
-    _write_json(out_dir / "generation_config.json", {
-        "bos_token_id": special_ids[BOS_TOKEN],
-        "eos_token_id": [special_ids[EOS_TOKEN], special_ids[END_OF_TEXT_TOKEN]],
-    })
+    _write_json(
+        out_dir / "generation_config.json",
+        {
+            "bos_token_id": special_ids[BOS_TOKEN],
+            "eos_token_id": [special_ids[EOS_TOKEN], special_ids[END_OF_TEXT_TOKEN]],
+        },
+    )
     _write_weights(out_dir / "model.safetensors", vocab_size)
     (out_dir / COMPLETE_MARKER).write_text(DEFAULT_MODEL_NAME + "\n", encoding="utf-8")
 
@@ -242,23 +253,42 @@ def build_tokenizer() -> tokenizers.Tokenizer:
     Every one of the 256 bytes is in the base vocabulary, so any text encodes. The special tokens come after
     the BPE vocabulary; the post-processor adds BOS, as Llama 3's does.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=NUM_BPE_TOKENS, min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    trainer = trainers.BpeTrainer(
+        vocab_size=NUM_BPE_TOKENS,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
     tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
     num_bpe_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
     if num_bpe_tokens != NUM_BPE_TOKENS:
-        raise RuntimeError(f"the default tokenizer has {num_bpe_tokens} BPE tokens, expected {NUM_BPE_TOKENS}: "
-                           "the corpus is too small for the requested vocabulary")
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+        raise RuntimeError(
+            f"the default tokenizer has {num_bpe_tokens} BPE tokens, expected {NUM_BPE_TOKENS}: "
+            "the corpus is too small for the requested vocabulary"
+        )
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN}:0 $A:0", pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
-        special_tokens=[(BOS_TOKEN, bos_id)])
+        single=f"{BOS_TOKEN}:0 $A:0",
+        pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
     return tokenizer
 
 
@@ -273,8 +303,14 @@ def _tokenizer_config(special_ids: dict[str, int]) -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": MODEL_ARCHITECTURE["max_position_embeddings"],
         "added_tokens_decoder": {
-            str(token_id): {"content": token, "lstrip": False, "normalized": False, "rstrip": False,
-                            "single_word": False, "special": True}
+            str(token_id): {
+                "content": token,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for token, token_id in special_ids.items()
         },
         "chat_template": CHAT_TEMPLATE,
@@ -309,7 +345,9 @@ def _parameter_shapes(vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
     q_size = MODEL_ARCHITECTURE["num_attention_heads"] * head_dim
     kv_size = MODEL_ARCHITECTURE["num_key_value_heads"] * head_dim
     intermediate = MODEL_ARCHITECTURE["intermediate_size"]
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab_size, hidden))]
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("model.embed_tokens.weight", (vocab_size, hidden))
+    ]
     for layer in range(MODEL_ARCHITECTURE["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         shapes += [
@@ -337,7 +375,9 @@ def _write_weights(path: Path, vocab_size: int) -> None:
         if name.endswith("norm.weight"):
             tensors[name] = torch.ones(shape, dtype=torch.float32)
         else:
-            tensors[name] = torch.randn(shape, generator=generator, dtype=torch.float32) * WEIGHT_STD
+            tensors[name] = (
+                torch.randn(shape, generator=generator, dtype=torch.float32) * WEIGHT_STD
+            )
     save_file(tensors, str(path), metadata={"format": "pt"})
     path.chmod(0o644)  # safetensors creates the file owner-only; the cache may be shared
 

@@ -45,8 +45,10 @@ def resolve_model_path(model: str | None) -> Path | None:
         return ensure_default_model()
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise ValueError(f"model={model!r}: not a checkpoint folder (kvflow loads Hugging Face checkpoint folders "
-                         "from local disk; nothing is downloaded)")
+        raise ValueError(
+            f"model={model!r}: not a checkpoint folder (kvflow loads Hugging Face checkpoint folders "
+            "from local disk; nothing is downloaded)"
+        )
     return path
 
 
@@ -57,14 +59,25 @@ def resolve_model_info(model: str | None) -> ModelInfo:
         from kvflow.testing import DEFAULT_EOS_TOKEN_ID
         from kvflow.testing.hash_model import DEFAULT_VOCAB_SIZE
 
-        return ModelInfo(HASH_MODEL_NAME, None, DEFAULT_VOCAB_SIZE, _HASH_MODEL_MAX_MODEL_LEN, (DEFAULT_EOS_TOKEN_ID,))
+        return ModelInfo(
+            HASH_MODEL_NAME,
+            None,
+            DEFAULT_VOCAB_SIZE,
+            _HASH_MODEL_MAX_MODEL_LEN,
+            (DEFAULT_EOS_TOKEN_ID,),
+        )
     from kvflow.models.hf_config import load_hf_config
 
     config = load_hf_config(path)
     max_model_len = config.max_position_embeddings
     eos_token_ids = _generation_eos_token_ids(path) or _as_id_tuple(config.eos_token_id)
-    return ModelInfo(str(model) if model is not None else "default", path, config.vocab_size, max_model_len,
-                     eos_token_ids)
+    return ModelInfo(
+        str(model) if model is not None else "default",
+        path,
+        config.vocab_size,
+        max_model_len,
+        eos_token_ids,
+    )
 
 
 def _generation_eos_token_ids(path: Path) -> tuple[int, ...]:

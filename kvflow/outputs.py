@@ -35,7 +35,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
-    weight_versions: list[int] = field(default_factory=list)  # distinct weight versions that made the tokens
+    weight_versions: list[int] = field(
+        default_factory=list
+    )  # distinct weight versions that made the tokens
 
     @property
     def finished(self) -> bool:

@@ -202,7 +202,7 @@ class Request:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # A block that held the dropped token is stale: keep only hashes of blocks that are still full.
         block_size = getattr(self._block_hasher, "block_size", None)
-        del self.block_hashes[num_kept // block_size if block_size else 0:]
+        del self.block_hashes[num_kept // block_size if block_size else 0 :]
         self.update_block_hashes()
 
     # ----------------------------------------------------------------------------------------------- status
@@ -213,5 +213,7 @@ class Request:
         return RequestStatus.get_finished_reason(self.status)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

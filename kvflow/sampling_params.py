@@ -41,39 +41,83 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.stop is None or isinstance(self.stop, list | tuple), "stop",
-               f"must be a string or a list of strings, got {self.stop!r}")
-        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple), "stop_token_ids",
-               f"must be a list of ints, got {self.stop_token_ids!r}")
+        _check(
+            self.stop is None or isinstance(self.stop, list | tuple),
+            "stop",
+            f"must be a string or a list of strings, got {self.stop!r}",
+        )
+        _check(
+            self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple),
+            "stop_token_ids",
+            f"must be a list of ints, got {self.stop_token_ids!r}",
+        )
         self.stop = list(self.stop) if self.stop else []
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
         self._validate()
 
     def _validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be an int >= 1, got {self.n!r}")
-        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
-               f"must be >= 0, got {self.temperature!r}")
-        _check(_is_real(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
-               f"must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an int or None, got {self.seed!r}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-               f"must be an int >= 1, got {self.max_tokens!r}")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-               f"must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must hold non-negative ints")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs",
-               f"must be None or an int >= 0, got {self.logprobs!r}")
+        _check(
+            _is_real(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be >= 0, got {self.temperature!r}",
+        )
+        _check(
+            _is_real(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            _is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            f"must be an int >= 0 (0 or -1 disables it), got {self.top_k!r}",
+        )
+        _check(
+            _is_real(self.min_p) and 0 <= self.min_p <= 1,
+            "min_p",
+            f"must be in [0, 1], got {self.min_p!r}",
+        )
+        _check(
+            self.seed is None or _is_int(self.seed),
+            "seed",
+            f"must be an int or None, got {self.seed!r}",
+        )
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an int >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings"
+        )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must hold non-negative ints",
+        )
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+            "logprobs",
+            f"must be None or an int >= 0, got {self.logprobs!r}",
+        )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_real(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
-        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               f"must be > 0, got {self.repetition_penalty!r}")
-        _check(self.output_kind in _OUTPUT_KINDS, "output_kind",
-               f"must be one of {_OUTPUT_KINDS}, got {self.output_kind!r}")
+        _check(
+            _is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            f"must be > 0, got {self.repetition_penalty!r}",
+        )
+        _check(
+            self.output_kind in _OUTPUT_KINDS,
+            "output_kind",
+            f"must be one of {_OUTPUT_KINDS}, got {self.output_kind!r}",
+        )
 
     @property
     def is_greedy(self) -> bool:

@@ -48,26 +48,40 @@ class Tokenizer:
     reproduce it exactly.
     """
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, name_or_path: str = "",
-                 special_tokens: Mapping[str, str | None] | None = None,
-                 bos_token_id: int | None = None, eos_token_ids: Sequence[int] = (),
-                 add_bos_token: bool | None = None, add_eos_token: bool | None = None,
-                 extra_special_tokens: Iterable[str] = (), chat_template: str | None = None,
-                 named_chat_templates: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        name_or_path: str = "",
+        special_tokens: Mapping[str, str | None] | None = None,
+        bos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        add_bos_token: bool | None = None,
+        add_eos_token: bool | None = None,
+        extra_special_tokens: Iterable[str] = (),
+        chat_template: str | None = None,
+        named_chat_templates: Mapping[str, str] | None = None,
+    ) -> None:
         """`special_tokens` maps "bos_token"/"eos_token"/"unk_token"/"pad_token" to token strings;
         `bos_token_id` and `eos_token_ids` are fallbacks and extra EOS ids (generation_config.json);
         `add_bos_token`/`add_eos_token` None means "as the post-processor does"."""
         self._backend = backend
         self.name_or_path = name_or_path
-        self._vocab_size = max(backend.get_vocab_size(with_added_tokens=True),
-                               max(backend.get_added_tokens_decoder(), default=-1) + 1)
+        self._vocab_size = max(
+            backend.get_vocab_size(with_added_tokens=True),
+            max(backend.get_added_tokens_decoder(), default=-1) + 1,
+        )
         self._special_tokens: dict[str, str] = {}
         for name, token in (special_tokens or {}).items():
             if token is None:
                 continue
             if backend.token_to_id(token) is None:
-                logger.warning("%s: %s %r is not in the vocabulary; ignoring it", name_or_path or "tokenizer", name,
-                               token)
+                logger.warning(
+                    "%s: %s %r is not in the vocabulary; ignoring it",
+                    name_or_path or "tokenizer",
+                    name,
+                    token,
+                )
                 continue
             self._special_tokens[name] = token
         self._bos_token_id = self._named_token_id("bos_token")
@@ -77,7 +91,9 @@ class Tokenizer:
         self._eos_token_ids = self._resolve_eos_ids(eos_token_ids)
         if "eos_token" not in self._special_tokens and self._eos_token_ids:
             self._special_tokens["eos_token"] = backend.id_to_token(self._eos_token_ids[0])
-        self._extra_special_ids = {backend.token_to_id(token) for token in extra_special_tokens} - {None}
+        self._extra_special_ids = {backend.token_to_id(token) for token in extra_special_tokens} - {
+            None
+        }
         self._add_bos_token = add_bos_token
         self._add_eos_token = add_eos_token
         self._post_processor_adds_bos, self._post_processor_adds_eos = self._probe_post_processor()
@@ -140,7 +156,11 @@ class Tokenizer:
 
     @cached_property
     def _all_special_ids(self) -> frozenset[int]:
-        ids = {token_id for token_id, added in self._backend.get_added_tokens_decoder().items() if added.special}
+        ids = {
+            token_id
+            for token_id, added in self._backend.get_added_tokens_decoder().items()
+            if added.special
+        }
         ids |= {self._backend.token_to_id(token) for token in self._special_tokens.values()}
         return frozenset(ids | self._extra_special_ids)
 
@@ -160,8 +180,9 @@ class Tokenizer:
         return ids
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode([int(token_id) for token_id in token_ids],
-                                    skip_special_tokens=skip_special_tokens)
+        return self._backend.decode(
+            [int(token_id) for token_id in token_ids], skip_special_tokens=skip_special_tokens
+        )
 
     # ------------------------------------------------------------------------------------------------ chat
     @property
@@ -173,9 +194,15 @@ class Tokenizer:
     def named_chat_templates(self) -> dict[str, str]:
         return dict(self._named_chat_templates)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                            chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Render a conversation to prompt text with the checkpoint's (or the given) Jinja chat template.
 
         `chat_template` is a template source or the name of one of the checkpoint's named templates. The
@@ -184,17 +211,27 @@ class Tokenizer:
         text usually contains the BOS token already: encode it with `add_special_tokens=False` (see
         `encode_chat`).
         """
-        if not isinstance(messages, list) or not all(isinstance(message, Mapping) for message in messages):
-            raise ValueError("messages must be a list of dicts such as {'role': 'user', 'content': 'Hi'}")
+        if not isinstance(messages, list) or not all(
+            isinstance(message, Mapping) for message in messages
+        ):
+            raise ValueError(
+                "messages must be a list of dicts such as {'role': 'user', 'content': 'Hi'}"
+            )
         if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
             raise TypeError("tools must be JSON-schema dicts (Python callables are not converted)")
         template = self._compile(self._resolve_chat_template(chat_template))
         variables = {**self._special_tokens, **kwargs}
         try:
-            return template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                   **variables)
+            return template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
         except jinja2.exceptions.SecurityError as error:
-            raise ChatTemplateError(f"chat template attempted an unsafe operation: {error}") from error
+            raise ChatTemplateError(
+                f"chat template attempted an unsafe operation: {error}"
+            ) from error
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"chat template error: {error}") from error
 
@@ -213,10 +250,16 @@ class Tokenizer:
     def _resolve_eos_ids(self, extra_eos_ids: Sequence[int]) -> list[int]:
         eos_ids: list[int] = []
         named_eos = self._named_token_id("eos_token")
-        for token_id in ([named_eos] if named_eos is not None else []) + [int(i) for i in extra_eos_ids]:
+        for token_id in ([named_eos] if named_eos is not None else []) + [
+            int(i) for i in extra_eos_ids
+        ]:
             if not self._valid_id(token_id):
-                logger.warning("%s: EOS id %d is outside the vocabulary (%d); ignoring it",
-                               self.name_or_path or "tokenizer", token_id, self._vocab_size)
+                logger.warning(
+                    "%s: EOS id %d is outside the vocabulary (%d); ignoring it",
+                    self.name_or_path or "tokenizer",
+                    token_id,
+                    self._vocab_size,
+                )
             elif token_id not in eos_ids:
                 eos_ids.append(token_id)
         return eos_ids
@@ -225,10 +268,13 @@ class Tokenizer:
         """Whether the post-processor itself adds BOS before / EOS after a sequence."""
         plain = self._backend.encode("a", add_special_tokens=False).ids
         full = self._backend.encode("a", add_special_tokens=True).ids
-        start = next((k for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain), None)
+        start = next(
+            (k for k in range(len(full) - len(plain) + 1) if full[k : k + len(plain)] == plain),
+            None,
+        )
         if start is None:
             return False, False
-        prefix, suffix = full[:start], full[start + len(plain):]
+        prefix, suffix = full[:start], full[start + len(plain) :]
         adds_bos = bool(prefix) and prefix[0] == self._bos_token_id
         adds_eos = bool(suffix) and suffix[-1] == self.eos_token_id
         return adds_bos, adds_eos
@@ -253,10 +299,14 @@ class Tokenizer:
         if self._chat_template is not None:
             return self._chat_template
         if self._named_chat_templates:
-            raise ValueError(f"{self.name_or_path or 'this tokenizer'} has several chat templates and no default: "
-                             f"pass chat_template= one of {sorted(self._named_chat_templates)}")
-        raise ValueError(f"{self.name_or_path or 'this tokenizer'} has no chat template (none in "
-                         f"{TOKENIZER_CONFIG_FILE} or {CHAT_TEMPLATE_FILE}): pass chat_template= a Jinja template")
+            raise ValueError(
+                f"{self.name_or_path or 'this tokenizer'} has several chat templates and no default: "
+                f"pass chat_template= one of {sorted(self._named_chat_templates)}"
+            )
+        raise ValueError(
+            f"{self.name_or_path or 'this tokenizer'} has no chat template (none in "
+            f"{TOKENIZER_CONFIG_FILE} or {CHAT_TEMPLATE_FILE}): pass chat_template= a Jinja template"
+        )
 
     def _compile(self, source: str) -> jinja2.Template:
         template = self._compiled_templates.get(source)
@@ -266,8 +316,10 @@ class Tokenizer:
         return template
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(name_or_path={self.name_or_path!r}, vocab_size={self._vocab_size}, "
-                f"bos_token_id={self._bos_token_id}, eos_token_ids={self._eos_token_ids})")
+        return (
+            f"Tokenizer(name_or_path={self.name_or_path!r}, vocab_size={self._vocab_size}, "
+            f"bos_token_id={self._bos_token_id}, eos_token_ids={self._eos_token_ids})"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- jinja
@@ -275,10 +327,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Like transformers: no HTML escaping (Jinja's own tojson escapes <, >, & and '), unicode kept as is.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(date_format: str) -> str:
@@ -294,7 +353,9 @@ class _GenerationTagExtension(jinja2.ext.Extension):
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
+        return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(
+            lineno
+        )
 
     @staticmethod
     def _render_body(caller: Callable[[], str]) -> str:
@@ -304,15 +365,20 @@ class _GenerationTagExtension(jinja2.ext.Extension):
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the sandboxed environment `transformers` uses (immutable sandbox,
     trim_blocks/lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, unescaped `tojson`)."""
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[jinja2.ext.loopcontrols, _GenerationTagExtension])
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTagExtension],
+    )
     environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     try:
         return environment.from_string(source)
     except jinja2.TemplateSyntaxError as error:
-        raise ChatTemplateError(f"chat template is not valid Jinja (line {error.lineno}): {error.message}") from error
+        raise ChatTemplateError(
+            f"chat template is not valid Jinja (line {error.lineno}): {error.message}"
+        ) from error
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -324,13 +390,20 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     Missing or corrupt files raise errors that name the file.
     """
     path = Path(path).expanduser()
-    directory, tokenizer_file = (path.parent, path) if path.is_file() else (path, path / TOKENIZER_FILE)
+    directory, tokenizer_file = (
+        (path.parent, path) if path.is_file() else (path, path / TOKENIZER_FILE)
+    )
     if not directory.is_dir():
         raise FileNotFoundError(f"{directory}: no such tokenizer folder")
     if not tokenizer_file.is_file():
-        hint = " (only a slow sentencepiece tokenizer.model is present)" if (directory / "tokenizer.model").exists() \
+        hint = (
+            " (only a slow sentencepiece tokenizer.model is present)"
+            if (directory / "tokenizer.model").exists()
             else ""
-        raise FileNotFoundError(f"{tokenizer_file}: not found{hint}; kvflow needs a Hugging Face fast tokenizer")
+        )
+        raise FileNotFoundError(
+            f"{tokenizer_file}: not found{hint}; kvflow needs a Hugging Face fast tokenizer"
+        )
     try:
         backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
     except Exception as error:  # tokenizers raises plain Exception subclasses for parse errors
@@ -338,20 +411,34 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     config = _read_json_object(directory / TOKENIZER_CONFIG_FILE)
     generation_config = _read_json_object(directory / GENERATION_CONFIG_FILE)
     model_config = _read_json_object(directory / MODEL_CONFIG_FILE)
-    text_config = model_config.get("text_config") if isinstance(model_config.get("text_config"), dict) else {}
+    text_config = (
+        model_config.get("text_config") if isinstance(model_config.get("text_config"), dict) else {}
+    )
 
-    extra_special_tokens = _register_added_tokens(backend, config, directory / TOKENIZER_CONFIG_FILE)
+    extra_special_tokens = _register_added_tokens(
+        backend, config, directory / TOKENIZER_CONFIG_FILE
+    )
     special_tokens = {name: _token_content(config.get(name)) for name in _NAMED_SPECIAL_TOKENS}
     eos_source = generation_config if "eos_token_id" in generation_config else model_config
     eos_token_ids = _as_ids(eos_source.get("eos_token_id", text_config.get("eos_token_id")))
-    bos_token_id = _first_id(generation_config.get("bos_token_id", model_config.get("bos_token_id",
-                                                                                  text_config.get("bos_token_id"))))
+    bos_token_id = _first_id(
+        generation_config.get(
+            "bos_token_id", model_config.get("bos_token_id", text_config.get("bos_token_id"))
+        )
+    )
     chat_template, named_templates = _load_chat_templates(directory, config)
-    return Tokenizer(backend, name_or_path=str(directory), special_tokens=special_tokens, bos_token_id=bos_token_id,
-                     eos_token_ids=eos_token_ids, add_bos_token=_optional_bool(config.get("add_bos_token")),
-                     add_eos_token=_optional_bool(config.get("add_eos_token")),
-                     extra_special_tokens=extra_special_tokens, chat_template=chat_template,
-                     named_chat_templates=named_templates)
+    return Tokenizer(
+        backend,
+        name_or_path=str(directory),
+        special_tokens=special_tokens,
+        bos_token_id=bos_token_id,
+        eos_token_ids=eos_token_ids,
+        add_bos_token=_optional_bool(config.get("add_bos_token")),
+        add_eos_token=_optional_bool(config.get("add_eos_token")),
+        extra_special_tokens=extra_special_tokens,
+        chat_template=chat_template,
+        named_chat_templates=named_templates,
+    )
 
 
 def _read_json_object(file: Path) -> dict[str, Any]:
@@ -376,7 +463,9 @@ def _token_content(value: Any) -> str | None:
     return None
 
 
-def _register_added_tokens(backend: tokenizers.Tokenizer, config: dict[str, Any], config_file: Path) -> list[str]:
+def _register_added_tokens(
+    backend: tokenizers.Tokenizer, config: dict[str, Any], config_file: Path
+) -> list[str]:
     """Add tokens declared in `added_tokens_decoder` that tokenizer.json lacks; return the extra special tokens."""
     known = {added.content for added in backend.get_added_tokens_decoder().values()}
     declared = config.get("added_tokens_decoder") or {}
@@ -391,14 +480,23 @@ def _register_added_tokens(backend: tokenizers.Tokenizer, config: dict[str, Any]
         if special:
             extra_special.append(content)
         if content not in known:
-            added = tokenizers.AddedToken(content, single_word=bool(spec.get("single_word", False)),
-                                          lstrip=bool(spec.get("lstrip", False)),
-                                          rstrip=bool(spec.get("rstrip", False)),
-                                          normalized=bool(spec.get("normalized", not special)), special=special)
+            added = tokenizers.AddedToken(
+                content,
+                single_word=bool(spec.get("single_word", False)),
+                lstrip=bool(spec.get("lstrip", False)),
+                rstrip=bool(spec.get("rstrip", False)),
+                normalized=bool(spec.get("normalized", not special)),
+                special=special,
+            )
             (backend.add_special_tokens if special else backend.add_tokens)([added])
         if backend.token_to_id(content) != int(token_id):
-            logger.warning("%s: added token %r has id %s in the config but %s in the tokenizer", config_file,
-                           content, token_id, backend.token_to_id(content))
+            logger.warning(
+                "%s: added token %r has id %s in the config but %s in the tokenizer",
+                config_file,
+                content,
+                token_id,
+                backend.token_to_id(content),
+            )
     for key in ("additional_special_tokens", "extra_special_tokens"):
         tokens = config.get(key) or []
         values = tokens.values() if isinstance(tokens, dict) else tokens
@@ -406,13 +504,19 @@ def _register_added_tokens(backend: tokenizers.Tokenizer, config: dict[str, Any]
     return extra_special
 
 
-def _load_chat_templates(directory: Path, config: dict[str, Any]) -> tuple[str | None, dict[str, str]]:
+def _load_chat_templates(
+    directory: Path, config: dict[str, Any]
+) -> tuple[str | None, dict[str, str]]:
     """The default chat template and the named ones. chat_template.jinja wins over chat_template.json, which wins
     over tokenizer_config.json's `chat_template` (a string, or a list of {"name", "template"})."""
-    default, named = _split_templates(config.get("chat_template"), directory / TOKENIZER_CONFIG_FILE)
+    default, named = _split_templates(
+        config.get("chat_template"), directory / TOKENIZER_CONFIG_FILE
+    )
     json_file = directory / CHAT_TEMPLATE_JSON_FILE
     if json_file.is_file():
-        json_default, json_named = _split_templates(_read_json_object(json_file).get("chat_template"), json_file)
+        json_default, json_named = _split_templates(
+            _read_json_object(json_file).get("chat_template"), json_file
+        )
         default, named = json_default or default, {**named, **json_named}
     extra_dir = directory / ADDITIONAL_CHAT_TEMPLATES_DIR
     if extra_dir.is_dir():
@@ -431,11 +535,14 @@ def _split_templates(value: Any, source: Path) -> tuple[str | None, dict[str, st
         return None, {}
     if isinstance(value, str):
         return value, {}
-    if isinstance(value, list) and all(isinstance(item, dict) and {"name", "template"} <= item.keys()
-                                       for item in value):
+    if isinstance(value, list) and all(
+        isinstance(item, dict) and {"name", "template"} <= item.keys() for item in value
+    ):
         named = {str(item["name"]): str(item["template"]) for item in value}
         return named.get("default"), named
-    raise ValueError(f"{source}: chat_template must be a string or a list of {{'name', 'template'}} objects")
+    raise ValueError(
+        f"{source}: chat_template must be a string or a list of {{'name', 'template'}} objects"
+    )
 
 
 def _read_text(file: Path) -> str:
@@ -451,7 +558,11 @@ def _as_ids(value: Any) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
     if isinstance(value, list):
-        return [int(token_id) for token_id in value if isinstance(token_id, int) and not isinstance(token_id, bool)]
+        return [
+            int(token_id)
+            for token_id in value
+            if isinstance(token_id, int) and not isinstance(token_id, bool)
+        ]
     return []
 
 

@@ -15,7 +15,9 @@ import pytest
 
 BENCHMARK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_overhead.py"
 MODULE_NAME = "kvflow_benchmark_scheduler_overhead"
-MAX_BYTES_PER_REQUEST_DIFFERENCE = 4.0  # wider int encodings of counters and block ids at longer histories
+MAX_BYTES_PER_REQUEST_DIFFERENCE = (
+    4.0  # wider int encodings of counters and block ids at longer histories
+)
 
 
 def load_benchmark() -> ModuleType:
@@ -39,8 +41,11 @@ def quick_report(bench: ModuleType):
 
 
 def bytes_row(report, use_v2_model_runner: bool, history_len: int):
-    (row,) = [row for row in report.message_bytes
-              if row.use_v2_model_runner == use_v2_model_runner and row.history_len == history_len]
+    (row,) = [
+        row
+        for row in report.message_bytes
+        if row.use_v2_model_runner == use_v2_model_runner and row.history_len == history_len
+    ]
     return row
 
 
@@ -49,7 +54,9 @@ def test_quick_config_covers_short_and_long_histories(bench: ModuleType) -> None
 
 
 def test_timing_rows_cover_every_size(bench: ModuleType, quick_report) -> None:
-    assert [timing.num_requests for timing in quick_report.timings] == list(bench.QUICK_CONFIG.sizes)
+    assert [timing.num_requests for timing in quick_report.timings] == list(
+        bench.QUICK_CONFIG.sizes
+    )
     for timing in quick_report.timings:
         assert timing.num_steps == bench.QUICK_CONFIG.steps
         assert timing.step_us_median >= 0 and timing.step_us_mean >= 0
@@ -94,7 +101,9 @@ def test_report_table_names_command_and_every_size(bench: ModuleType, quick_repo
         assert str(size) in timing_rows
     for protocol in ("slot", "persistent"):
         for history_len in bench.QUICK_CONFIG.histories:
-            assert any(line.split()[:2] == [protocol, str(history_len)] for line in text.splitlines())
+            assert any(
+                line.split()[:2] == [protocol, str(history_len)] for line in text.splitlines()
+            )
 
 
 def test_main_quick_prints_table(bench: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
@@ -102,4 +111,6 @@ def test_main_quick_prints_table(bench: ModuleType, capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "reproduce with: python benchmarks/scheduler_overhead.py --quick" in out
     rows = [line.split() for line in out.splitlines()]
-    assert any(row[:2] == ["8", "3"] for row in rows) and any(row[:2] == ["16", "3"] for row in rows)
+    assert any(row[:2] == ["8", "3"] for row in rows) and any(
+        row[:2] == ["16", "3"] for row in rows
+    )

@@ -14,20 +14,37 @@ from kvflow.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 def test_model_config_defaults():
     config = ModelConfig()
     assert (config.model, config.tokenizer, config.dtype, config.max_model_len, config.seed) == (
-        None, None, "auto", None, 0)
+        None,
+        None,
+        "auto",
+        None,
+        0,
+    )
     assert config.skip_tokenizer_init is False
 
 
 def test_cache_config_defaults():
     config = CacheConfig()
-    assert (config.block_size, config.num_kv_blocks, config.kv_cache_memory_bytes) == (16, None, None)
+    assert (config.block_size, config.num_kv_blocks, config.kv_cache_memory_bytes) == (
+        16,
+        None,
+        None,
+    )
     assert config.enable_prefix_caching is True
 
 
 def test_scheduler_config_defaults():
     config = SchedulerConfig()
-    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (128, 8192, 8192)
-    assert (config.enable_chunked_prefill, config.long_prefill_token_threshold, config.policy) == (True, 0, "fcfs")
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (
+        128,
+        8192,
+        8192,
+    )
+    assert (config.enable_chunked_prefill, config.long_prefill_token_threshold, config.policy) == (
+        True,
+        0,
+        "fcfs",
+    )
     assert (config.async_scheduling, config.use_v2_model_runner) == (False, True)
 
 
@@ -55,13 +72,16 @@ def test_hash_model_flag():
 
 
 # ---------------------------------------------------------------------------------------------------- frozen
-@pytest.mark.parametrize(("config", "field_name", "value"), [
-    (ModelConfig(), "max_model_len", 4096),
-    (CacheConfig(), "block_size", 32),
-    (SchedulerConfig(), "max_num_seqs", 1),
-    (ParallelConfig(), "tensor_parallel_size", 2),
-    (EngineConfig(), "cache_config", CacheConfig()),
-])
+@pytest.mark.parametrize(
+    ("config", "field_name", "value"),
+    [
+        (ModelConfig(), "max_model_len", 4096),
+        (CacheConfig(), "block_size", 32),
+        (SchedulerConfig(), "max_num_seqs", 1),
+        (ParallelConfig(), "tensor_parallel_size", 2),
+        (EngineConfig(), "cache_config", CacheConfig()),
+    ],
+)
 def test_config_is_frozen(config, field_name, value):
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(config, field_name, value)
@@ -83,19 +103,29 @@ def test_model_config_accepts_dtypes(dtype):
     assert ModelConfig(dtype=dtype).dtype == dtype
 
 
-@pytest.mark.parametrize(("config_class", "kwargs"), [
-    (ModelConfig, {"max_model_len": 2}),
-    (CacheConfig, {"block_size": 1}),
-    (CacheConfig, {"num_kv_blocks": 1}),
-    (CacheConfig, {"kv_cache_memory_bytes": 1}),
-    (SchedulerConfig, {"max_num_seqs": 1}),
-    (SchedulerConfig, {"max_num_batched_tokens": 1}),
-    (SchedulerConfig, {"max_model_len": 2}),
-    (SchedulerConfig, {"long_prefill_token_threshold": 0}),
-    (SchedulerConfig, {"policy": "priority"}),
-    (SchedulerConfig, {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192, "max_model_len": 8192}),
-    (ParallelConfig, {"tensor_parallel_size": 1}),
-])
+@pytest.mark.parametrize(
+    ("config_class", "kwargs"),
+    [
+        (ModelConfig, {"max_model_len": 2}),
+        (CacheConfig, {"block_size": 1}),
+        (CacheConfig, {"num_kv_blocks": 1}),
+        (CacheConfig, {"kv_cache_memory_bytes": 1}),
+        (SchedulerConfig, {"max_num_seqs": 1}),
+        (SchedulerConfig, {"max_num_batched_tokens": 1}),
+        (SchedulerConfig, {"max_model_len": 2}),
+        (SchedulerConfig, {"long_prefill_token_threshold": 0}),
+        (SchedulerConfig, {"policy": "priority"}),
+        (
+            SchedulerConfig,
+            {
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": 8192,
+                "max_model_len": 8192,
+            },
+        ),
+        (ParallelConfig, {"tensor_parallel_size": 1}),
+    ],
+)
 def test_boundary_values_are_accepted(config_class, kwargs):
     config = config_class(**kwargs)
     for name, value in kwargs.items():
@@ -103,20 +133,23 @@ def test_boundary_values_are_accepted(config_class, kwargs):
 
 
 # --------------------------------------------------------------------------------------------- invalid values
-@pytest.mark.parametrize(("config_class", "field_name", "value"), [
-    (ModelConfig, "dtype", "float8"),
-    (ModelConfig, "max_model_len", 1),
-    (ModelConfig, "max_model_len", 0),
-    (CacheConfig, "block_size", 0),
-    (CacheConfig, "num_kv_blocks", 0),
-    (CacheConfig, "kv_cache_memory_bytes", 0),
-    (CacheConfig, "kv_cache_memory_bytes", -1),
-    (SchedulerConfig, "max_num_seqs", 0),
-    (SchedulerConfig, "max_num_batched_tokens", 0),
-    (SchedulerConfig, "max_model_len", 1),
-    (SchedulerConfig, "long_prefill_token_threshold", -1),
-    (ParallelConfig, "tensor_parallel_size", 0),
-])
+@pytest.mark.parametrize(
+    ("config_class", "field_name", "value"),
+    [
+        (ModelConfig, "dtype", "float8"),
+        (ModelConfig, "max_model_len", 1),
+        (ModelConfig, "max_model_len", 0),
+        (CacheConfig, "block_size", 0),
+        (CacheConfig, "num_kv_blocks", 0),
+        (CacheConfig, "kv_cache_memory_bytes", 0),
+        (CacheConfig, "kv_cache_memory_bytes", -1),
+        (SchedulerConfig, "max_num_seqs", 0),
+        (SchedulerConfig, "max_num_batched_tokens", 0),
+        (SchedulerConfig, "max_model_len", 1),
+        (SchedulerConfig, "long_prefill_token_threshold", -1),
+        (ParallelConfig, "tensor_parallel_size", 0),
+    ],
+)
 def test_invalid_value_raises_value_error_naming_field(config_class, field_name, value):
     with pytest.raises(ValueError, match=rf"\b{re.escape(field_name)}\b"):
         config_class(**{field_name: value})
@@ -129,9 +162,13 @@ def test_invalid_policy_raises_value_error_naming_policy():
 
 def test_no_chunked_prefill_requires_batch_to_fit_max_model_len():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_model_len=2048)
+        SchedulerConfig(
+            enable_chunked_prefill=False, max_num_batched_tokens=1024, max_model_len=2048
+        )
 
 
 def test_chunked_prefill_allows_batch_smaller_than_max_model_len():
-    config = SchedulerConfig(enable_chunked_prefill=True, max_num_batched_tokens=1024, max_model_len=2048)
+    config = SchedulerConfig(
+        enable_chunked_prefill=True, max_num_batched_tokens=1024, max_model_len=2048
+    )
     assert config.max_num_batched_tokens == 1024

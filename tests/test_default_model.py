@@ -27,8 +27,14 @@ from kvflow.default_model import (
 )
 from kvflow.tokenizer import load_tokenizer
 
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json", COMPLETE_MARKER)
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    COMPLETE_MARKER,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +53,21 @@ def test_folder_layout_and_config(model_dir: Path) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["model_type"] == "llama"
-    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (256, 688, 4)
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (8, 4, 32)
-    assert (config["rms_norm_eps"], config["rope_theta"], config["max_position_embeddings"]) == (1e-5, 10000.0, 2048)
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (
+        256,
+        688,
+        4,
+    )
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
+        8,
+        4,
+        32,
+    )
+    assert (config["rms_norm_eps"], config["rope_theta"], config["max_position_embeddings"]) == (
+        1e-5,
+        10000.0,
+        2048,
+    )
     assert config["tie_word_embeddings"] is False
     assert config["torch_dtype"] == "float32"
     assert config["vocab_size"] == 1024
@@ -64,14 +82,27 @@ def test_weights_use_hugging_face_names_and_fixed_init(model_dir: Path) -> None:
     tensors = load_file(str(model_dir / "model.safetensors"))
     expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for layer in range(4):
-        expected |= {f"model.layers.{layer}.{name}.weight" for name in (
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")}
+        expected |= {
+            f"model.layers.{layer}.{name}.weight"
+            for name in (
+                "self_attn.q_proj",
+                "self_attn.k_proj",
+                "self_attn.v_proj",
+                "self_attn.o_proj",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+                "input_layernorm",
+                "post_attention_layernorm",
+            )
+        }
     assert set(tensors) == expected
     assert tensors["model.embed_tokens.weight"].shape == (1024, 256)
     assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (128, 256)
     assert tensors["model.layers.3.mlp.down_proj.weight"].shape == (256, 688)
-    assert all(tensor.dtype.is_floating_point and tensor.dtype.itemsize == 4 for tensor in tensors.values())
+    assert all(
+        tensor.dtype.is_floating_point and tensor.dtype.itemsize == 4 for tensor in tensors.values()
+    )
     assert bool((tensors["model.norm.weight"] == 1).all())
     assert abs(float(tensors["lm_head.weight"].std()) - 0.02) < 0.002
     assert sum(tensor.numel() for tensor in tensors.values()) == 3_426_560
@@ -117,17 +148,30 @@ def test_loads_with_transformers(model_dir: Path) -> None:
 
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     tokenizer = load_tokenizer(model_dir)
-    for text in ["Hello world", " leading space", "café 日本語 🚀\n\ttabs", "<|im_start|>user\nHi<|im_end|>", ""]:
+    for text in [
+        "Hello world",
+        " leading space",
+        "café 日本語 🚀\n\ttabs",
+        "<|im_start|>user\nHi<|im_end|>",
+        "",
+    ]:
         assert hf_tokenizer(text)["input_ids"] == tokenizer.encode(text), text
-        assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text, False), text
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+        assert hf_tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(
+            text, False
+        ), text
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
     for add_generation_prompt in (True, False):
-        assert hf_tokenizer.apply_chat_template(messages, tokenize=False,
-                                                add_generation_prompt=add_generation_prompt) == \
-            tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-    assert list(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]) == \
-        tokenizer.encode_chat(messages)
+        assert hf_tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        ) == tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert list(
+        hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    ) == tokenizer.encode_chat(messages)
 
     prompt = tokenizer.encode("The capital of France is")
     with torch.no_grad():
@@ -145,8 +189,9 @@ def test_default_dir_honours_env_var(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert default_model_dir() == tmp_path / "home" / ".cache" / "kvflow" / DEFAULT_MODEL_NAME
 
 
-def test_ensure_without_argument_builds_in_env_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   model_dir: Path) -> None:
+def test_ensure_without_argument_builds_in_env_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_dir: Path
+) -> None:
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
     path = ensure_default_model()
     assert path == tmp_path / DEFAULT_MODEL_NAME
@@ -159,6 +204,7 @@ def _fake_builder(label: str, calls: list[str]) -> Callable[[Path], None]:
         out_dir.mkdir(parents=True)
         (out_dir / "built-by").write_text(label)
         (out_dir / COMPLETE_MARKER).write_text("done")
+
     return build
 
 
@@ -199,10 +245,14 @@ def test_race_loser_discards_its_copy(tmp_path: Path, monkeypatch: pytest.Monkey
     path = ensure_default_model(tmp_path)
     assert calls == ["A", "B"]
     assert (path / "built-by").read_text() == "B"
-    assert [entry.name for entry in tmp_path.iterdir()] == [DEFAULT_MODEL_NAME]  # A's staging copy is gone
+    assert [entry.name for entry in tmp_path.iterdir()] == [
+        DEFAULT_MODEL_NAME
+    ]  # A's staging copy is gone
 
 
-def test_failed_build_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_build_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken_build(out_dir: Path) -> None:
         out_dir.mkdir(parents=True)
         (out_dir / "config.json").write_text("{}")
@@ -217,11 +267,19 @@ def test_failed_build_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.
 def test_concurrent_processes_agree(tmp_path: Path, model_dir: Path) -> None:
     """Two fresh interpreters (different hash seeds) build the same folder at once: both return it, one copy
     survives, no staging folder is left, and the bytes equal this process's build."""
-    code = "import sys, pathlib; from kvflow.default_model import ensure_default_model; " \
-           "print(ensure_default_model(pathlib.Path(sys.argv[1])))"
-    processes = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                                  env={**os.environ, "PYTHONHASHSEED": str(seed), "RAYON_NUM_THREADS": "1"})
-                 for seed in (1, 2)]
+    code = (
+        "import sys, pathlib; from kvflow.default_model import ensure_default_model; "
+        "print(ensure_default_model(pathlib.Path(sys.argv[1])))"
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": str(seed), "RAYON_NUM_THREADS": "1"},
+        )
+        for seed in (1, 2)
+    ]
     outputs = [process.communicate(timeout=120)[0].strip() for process in processes]
     assert [process.returncode for process in processes] == [0, 0]
     assert outputs == [str(tmp_path / DEFAULT_MODEL_NAME)] * 2

@@ -25,7 +25,9 @@ UNFINISHED_STATUSES = [
 ]
 
 
-def make_request(prompt: list[int], request_id: str = "r", hashed: bool = True, **kwargs) -> Request:
+def make_request(
+    prompt: list[int], request_id: str = "r", hashed: bool = True, **kwargs
+) -> Request:
     hasher = RequestBlockHasher(BLOCK_SIZE) if hashed else None
     return Request(request_id, prompt, SamplingParams(max_tokens=32), block_hasher=hasher, **kwargs)
 
@@ -230,11 +232,14 @@ def test_request_is_finished_follows_status():
     assert request.is_finished()
 
 
-@pytest.mark.parametrize(("status", "reason"), [
-    (RequestStatus.FINISHED_STOPPED, "stop"),
-    (RequestStatus.FINISHED_LENGTH_CAPPED, "length"),
-    (RequestStatus.FINISHED_ABORTED, "abort"),
-])
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [
+        (RequestStatus.FINISHED_STOPPED, "stop"),
+        (RequestStatus.FINISHED_LENGTH_CAPPED, "length"),
+        (RequestStatus.FINISHED_ABORTED, "abort"),
+    ],
+)
 def test_get_finished_reason(status, reason):
     request = make_request([1])
     request.status = status
@@ -332,7 +337,9 @@ def test_extend_prompt_dropped_token_in_partial_block():
     request = make_request([1, 2, 3, 4, 5, 6, 7])
     request.append_output_token_ids([8, 9])
     request.extend_prompt([10, 11, 12, 13])
-    assert request.block_hashes == make_request([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13]).block_hashes
+    assert (
+        request.block_hashes == make_request([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13]).block_hashes
+    )
 
 
 def test_extend_prompt_dropped_token_first_of_block():
@@ -340,7 +347,9 @@ def test_extend_prompt_dropped_token_first_of_block():
     request = make_request([1, 2, 3, 4])
     request.append_output_token_ids([5, 6, 7, 8, 9])
     request.extend_prompt([30, 31, 32, 33])
-    assert request.block_hashes == make_request([1, 2, 3, 4, 5, 6, 7, 8, 30, 31, 32, 33]).block_hashes
+    assert (
+        request.block_hashes == make_request([1, 2, 3, 4, 5, 6, 7, 8, 30, 31, 32, 33]).block_hashes
+    )
 
 
 def test_extend_prompt_dropped_token_last_of_only_block():
@@ -354,7 +363,9 @@ def test_extend_prompt_with_salt_matches_fresh_request():
     request = make_request([1, 2, 3], cache_salt="s")
     request.append_output_token_ids([4, 5])
     request.extend_prompt([6, 7, 8, 9])
-    assert request.block_hashes == make_request([1, 2, 3, 4, 6, 7, 8, 9], cache_salt="s").block_hashes
+    assert (
+        request.block_hashes == make_request([1, 2, 3, 4, 6, 7, 8, 9], cache_salt="s").block_hashes
+    )
 
 
 def test_repeated_extend_prompt_matches_fresh_request():
@@ -373,4 +384,6 @@ def test_extend_prompt_then_append_hashes_incrementally():
     request.append_output_token_ids([7, 8])
     request.extend_prompt([20])
     request.append_output_token_ids([21, 22, 23, 24])
-    assert request.block_hashes == make_request([1, 2, 3, 4, 5, 6, 7, 20, 21, 22, 23, 24]).block_hashes
+    assert (
+        request.block_hashes == make_request([1, 2, 3, 4, 5, 6, 7, 20, 21, 22, 23, 24]).block_hashes
+    )

@@ -12,10 +12,20 @@ from kvflow.sampling_params import SamplingParams
 
 def test_defaults():
     params = SamplingParams()
-    assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (
+        1,
+        1.0,
+        1.0,
+        0,
+        0.0,
+    )
     assert (params.seed, params.max_tokens, params.min_tokens) == (None, 16, 0)
     assert (params.ignore_eos, params.logprobs) == (False, None)
-    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.0,
+        0.0,
+        1.0,
+    )
     assert (params.include_stop_str_in_output, params.skip_special_tokens) == (False, True)
     assert params.output_kind == "cumulative"
 
@@ -62,26 +72,29 @@ def test_positive_temperature_is_not_greedy():
     assert not SamplingParams(temperature=0.7).is_greedy
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"n": 4},
-    {"temperature": 0.0},
-    {"temperature": 2.5},
-    {"top_p": 0.01},
-    {"top_k": -1},
-    {"top_k": 50},
-    {"min_p": 1.0},
-    {"seed": 0},
-    {"max_tokens": 1},
-    {"min_tokens": 16},
-    {"stop": ["\n", "END"]},
-    {"stop_token_ids": [0, 2]},
-    {"logprobs": 0},
-    {"presence_penalty": -2.0},
-    {"frequency_penalty": 2.0},
-    {"repetition_penalty": 0.5},
-    {"output_kind": "delta"},
-    {"output_kind": "final_only"},
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"n": 4},
+        {"temperature": 0.0},
+        {"temperature": 2.5},
+        {"top_p": 0.01},
+        {"top_k": -1},
+        {"top_k": 50},
+        {"min_p": 1.0},
+        {"seed": 0},
+        {"max_tokens": 1},
+        {"min_tokens": 16},
+        {"stop": ["\n", "END"]},
+        {"stop_token_ids": [0, 2]},
+        {"logprobs": 0},
+        {"presence_penalty": -2.0},
+        {"frequency_penalty": 2.0},
+        {"repetition_penalty": 0.5},
+        {"output_kind": "delta"},
+        {"output_kind": "final_only"},
+    ],
+)
 def test_boundary_values_are_accepted(kwargs):
     params = SamplingParams(**kwargs)
     for name, value in kwargs.items():
@@ -131,10 +144,13 @@ def test_invalid_value_raises_value_error_naming_field(field_name, value):
         SamplingParams(**{field_name: value})
 
 
-@pytest.mark.parametrize(("field_name", "value"), [
-    ("stop", 5),
-    ("stop_token_ids", 5),
-])
+@pytest.mark.parametrize(
+    ("field_name", "value"),
+    [
+        ("stop", 5),
+        ("stop_token_ids", 5),
+    ],
+)
 def test_non_iterable_value_raises_value_error_naming_field(field_name, value):
     with pytest.raises(ValueError, match=rf"\b{re.escape(field_name)}\b"):
         SamplingParams(**{field_name: value})

@@ -40,8 +40,10 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the LRU head, evicting their cached hashes; each gets ref_cnt 1."""
         if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
-                             f"({self.get_num_free_blocks()} free)")
+            raise ValueError(
+                f"Cannot get {num_blocks} free blocks from the pool "
+                f"({self.get_num_free_blocks()} free)"
+            )
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             self._evict(block)
@@ -72,8 +74,13 @@ class BlockPool:
         for block in reversed(unhashed):  # keep eviction priority among the unhashed ones too
             self.free_block_queue.appendleft(block)
 
-    def cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_cached_blocks: int,
-                          num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
         """Register blocks [num_cached_blocks, num_full_blocks) of a request under their chained hashes.
 
         A block whose hash is already mapped (another request computed the same prefix concurrently) stays

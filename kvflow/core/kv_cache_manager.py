@@ -23,7 +23,9 @@ class KVCacheBlocks:
     blocks: tuple[list[KVCacheBlock], ...]
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(tuple(mine + theirs for mine, theirs in zip(self.blocks, other.blocks, strict=True)))
+        return KVCacheBlocks(
+            tuple(mine + theirs for mine, theirs in zip(self.blocks, other.blocks, strict=True))
+        )
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([block.block_id for block in group] for group in self.blocks)
@@ -50,8 +52,13 @@ class KVCacheManager:
     changes nothing; `free` releases the blocks tail-first so a request's last blocks are evicted first.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -87,9 +94,14 @@ class KVCacheManager:
             hit_blocks.append(block)
         return KVCacheBlocks((hit_blocks,)), len(hit_blocks) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: KVCacheBlocks | None = None,
-                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
         """Give the request room for `num_new_tokens` (+ lookahead) beyond its computed and prefix-hit tokens.
 
         Returns the newly allocated blocks (not the prefix-hit ones), or None if the pool cannot provide them,
@@ -105,7 +117,8 @@ class KVCacheManager:
         if self.max_model_len is not None:
             num_tokens_need_slot = min(num_tokens_need_slot, self.max_model_len)
         num_blocks_to_allocate = max(
-            0, cdiv(num_tokens_need_slot, self.block_size) - num_existing - len(computed_blocks))
+            0, cdiv(num_tokens_need_slot, self.block_size) - num_existing - len(computed_blocks)
+        )
         # Prefix-hit blocks sitting in the free queue are taken out of it: they count against free capacity.
         num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         if num_blocks_to_allocate + num_revived > self.block_pool.get_num_free_blocks():
@@ -122,7 +135,9 @@ class KVCacheManager:
         req_blocks.blocks.extend(new_blocks)
 
         if self.enable_caching:
-            self.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
+            self.cache_blocks(
+                request, min(num_computed_tokens + num_new_tokens, request.num_tokens)
+            )
         return KVCacheBlocks((new_blocks,))
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
@@ -130,9 +145,12 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.get(request.request_id)
         if req_blocks is None or not self.enable_caching:
             return
-        num_full_blocks = min(num_tokens // self.block_size, len(req_blocks.blocks), len(request.block_hashes))
-        self.block_pool.cache_full_blocks(request, req_blocks.blocks, req_blocks.num_cached_blocks,
-                                          num_full_blocks)
+        num_full_blocks = min(
+            num_tokens // self.block_size, len(req_blocks.blocks), len(request.block_hashes)
+        )
+        self.block_pool.cache_full_blocks(
+            request, req_blocks.blocks, req_blocks.num_cached_blocks, num_full_blocks
+        )
         req_blocks.num_cached_blocks = max(req_blocks.num_cached_blocks, num_full_blocks)
 
     def free(self, request: Request) -> None:

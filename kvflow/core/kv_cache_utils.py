@@ -16,8 +16,11 @@ BlockHash = bytes
 NONE_HASH: BlockHash = hashlib.sha256(b"kvflow-root-block").digest()
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Iterable[int],
-                      extra_keys: tuple[object, ...] | None = None) -> BlockHash:
+def hash_block_tokens(
+    parent_hash: BlockHash | None,
+    token_ids: Iterable[int],
+    extra_keys: tuple[object, ...] | None = None,
+) -> BlockHash:
     """The chained hash of one full block: its parent's hash, its tokens, and extra keys (e.g. a cache salt)."""
     tokens = tuple(token_ids)
     digest = hashlib.sha256(parent_hash if parent_hash is not None else NONE_HASH)
@@ -50,7 +53,7 @@ class RequestBlockHasher:
         for block_index in range(start_block, num_full_blocks):
             start = block_index * block_size
             extra = (request.cache_salt,) if block_index == 0 and request.cache_salt else None
-            parent = hash_block_tokens(parent, tokens[start:start + block_size], extra)
+            parent = hash_block_tokens(parent, tokens[start : start + block_size], extra)
             new_hashes.append(parent)
         return new_hashes
 

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-_IDLE_WAIT_S = 0.05  # how long the idle or paused engine loop waits on its command queue before looking again
+_IDLE_WAIT_S = (
+    0.05  # how long the idle or paused engine loop waits on its command queue before looking again
+)
 _SHUTDOWN_JOIN_S = 60.0
 
 
@@ -79,7 +81,9 @@ class _OutputStream:
         return True
 
 
-def _resolve(future: Future[Any] | None, result: Any = None, error: BaseException | None = None) -> None:
+def _resolve(
+    future: Future[Any] | None, result: Any = None, error: BaseException | None = None
+) -> None:
     """Complete a caller's future unless the caller gave up on it (cancelled)."""
     if future is None:
         return
@@ -198,23 +202,52 @@ class AsyncLLM:
       * after an engine error or `shutdown`, every call raises `EngineDeadError`.
     """
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, skip_tokenizer_init: bool = False,
-                 dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, async_scheduling: bool = True,
-                 scheduling_policy: str = "fcfs", seed: int = 0, tensor_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None, long_prefill_token_threshold: int = 0,
-                 use_v2_model_runner: bool = True, device: str = "auto") -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        async_scheduling: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        long_prefill_token_threshold: int = 0,
+        use_v2_model_runner: bool = True,
+        device: str = "auto",
+    ) -> None:
         parts = build_engine(
-            model, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init, dtype=dtype,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            async_scheduling=async_scheduling, scheduling_policy=scheduling_policy, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
-            long_prefill_token_threshold=long_prefill_token_threshold, use_v2_model_runner=use_v2_model_runner,
-            device=device)
+            model,
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+            scheduling_policy=scheduling_policy,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            use_v2_model_runner=use_v2_model_runner,
+            device=device,
+        )
         self.engine_config = parts.engine_config
         self.model_info = parts.model_info
         self.tokenizer = parts.tokenizer
@@ -232,7 +265,9 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._closed_error: EngineDeadError | None = None
         self._live_request_ids: set[str] = set()
-        self._thread = threading.Thread(target=self._run_engine_loop, name="kvflow-async-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_engine_loop, name="kvflow-async-engine", daemon=True
+        )
         self._thread.start()
 
     # ------------------------------------------------------------------------------------------------ public
@@ -245,9 +280,12 @@ class AsyncLLM:
         error = self._closed_error
         return error is not None and error.__cause__ is not None
 
-    async def generate(self, prompt: PromptType | AsyncIterable[StreamingInput],
-                       sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(
+        self,
+        prompt: PromptType | AsyncIterable[StreamingInput],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream `RequestOutput`s for one prompt as tokens arrive; the last has `finished=True`.
 
         `SamplingParams.output_kind` picks cumulative outputs (default), "delta" (only the new tokens and text) or
@@ -273,8 +311,9 @@ class AsyncLLM:
         is_session = hasattr(prompt, "__aiter__")
         command: _AddRequest | None = None
         if is_session:
-            if sampling_params is not None and (not isinstance(sampling_params, SamplingParams)
-                                                or sampling_params.n != 1):
+            if sampling_params is not None and (
+                not isinstance(sampling_params, SamplingParams) or sampling_params.n != 1
+            ):
                 raise ValueError("a streaming-input session needs SamplingParams with n=1")
             request_id = self._request_id_or_new(request_id)
         else:
@@ -289,8 +328,9 @@ class AsyncLLM:
             if command is not None:
                 self._submit(command)
             else:
-                input_task = loop.create_task(self._feed_session(
-                    request_id, prompt, sampling_params, stream))  # type: ignore[arg-type]
+                input_task = loop.create_task(
+                    self._feed_session(request_id, prompt, sampling_params, stream)
+                )  # type: ignore[arg-type]
             while not ended:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -336,11 +376,14 @@ class AsyncLLM:
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget cached prefixes; False while blocks are in use, unless `reset_running_requests` preempts every
         running request first (they recompute, outputs unchanged)."""
-        return await self.run_in_engine(lambda core: core.reset_prefix_cache(reset_running_requests))
+        return await self.run_in_engine(
+            lambda core: core.reset_prefix_cache(reset_running_requests)
+        )
 
     async def update_weights(self, weights: Any) -> int:
         """Reload weights (a checkpoint folder or a state dict) while paused; returns the new weight version.
         RuntimeError unless a pause has taken effect."""
+
         def update(core: EngineCore) -> int:
             if core.pause_effective():
                 # A token-less report batch launched after the pause took effect may still be in flight (an
@@ -367,7 +410,9 @@ class AsyncLLM:
         if threading.current_thread() is not self._thread:
             self._thread.join(_SHUTDOWN_JOIN_S)
             if self._thread.is_alive():
-                logger.warning("the AsyncLLM engine loop did not stop within %.0f s", _SHUTDOWN_JOIN_S)
+                logger.warning(
+                    "the AsyncLLM engine loop did not stop within %.0f s", _SHUTDOWN_JOIN_S
+                )
 
     async def __aenter__(self) -> AsyncLLM:
         return self
@@ -398,7 +443,9 @@ class AsyncLLM:
     def _claim_request_id(self, request_id: str) -> None:
         with self._lock:
             if request_id in self._live_request_ids:
-                raise ValueError(f"request id {request_id!r} is already in use by a running request")
+                raise ValueError(
+                    f"request id {request_id!r} is already in use by a running request"
+                )
             self._live_request_ids.add(request_id)
 
     def _abort_quietly(self, request_id: str, stream: _OutputStream) -> None:
@@ -406,8 +453,13 @@ class AsyncLLM:
         with contextlib.suppress(EngineDeadError):
             self._submit(_Abort([request_id], stream=stream))
 
-    async def _feed_session(self, request_id: str, inputs: AsyncIterable[StreamingInput],
-                            sampling_params: SamplingParams | None, stream: _OutputStream) -> None:
+    async def _feed_session(
+        self,
+        request_id: str,
+        inputs: AsyncIterable[StreamingInput],
+        sampling_params: SamplingParams | None,
+        stream: _OutputStream,
+    ) -> None:
         """The session's input task: validate each chunk as it comes and send it to the engine; close the session
         when the iterator ends. Cancelled when the consumer goes away or the session ends."""
         params = sampling_params
@@ -415,12 +467,15 @@ class AsyncLLM:
         try:
             async for item in inputs:
                 if not isinstance(item, StreamingInput):
-                    raise ValueError(f"a streaming input yields StreamingInput items, got {type(item).__name__}")
+                    raise ValueError(
+                        f"a streaming input yields StreamingInput items, got {type(item).__name__}"
+                    )
                 if item.sampling_params is not None:
                     params = item.sampling_params
                 processed = self.input_processor.process(item.prompt, params)
-                [request] = self.input_processor.make_requests(request_id, processed, time.monotonic(),
-                                                               resumable=True)
+                [request] = self.input_processor.make_requests(
+                    request_id, processed, time.monotonic(), resumable=True
+                )
                 self._submit(_SessionInput(request_id, stream, processed, request, first=first))
                 first = False
             if first:
@@ -451,7 +506,9 @@ class AsyncLLM:
 
     def _handle_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            command = (
+                self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:
@@ -487,7 +544,9 @@ class AsyncLLM:
             _resolve(command.done)
         elif isinstance(command, _Pause):
             try:
-                self._process_engine_outputs(self.engine_core.pause_generation(command.mode, command.clear_cache))
+                self._process_engine_outputs(
+                    self.engine_core.pause_generation(command.mode, command.clear_cache)
+                )
             except Exception as exc:
                 _resolve(command.done, error=exc)
                 return
@@ -518,14 +577,25 @@ class AsyncLLM:
         try:
             if len(command.requests) > 1:
                 parent = self.output_processor.add_parent_request(
-                    request_id, len(command.requests), processed.prompt, processed.prompt_token_ids,
-                    processed.sampling_params.output_kind, command.requests[0].arrival_time)
+                    request_id,
+                    len(command.requests),
+                    processed.prompt,
+                    processed.prompt_token_ids,
+                    processed.sampling_params.output_kind,
+                    command.requests[0].arrival_time,
+                )
             for index, request in enumerate(command.requests):
                 self.engine_core.add_request(request)
                 added.append(request.request_id)
-                self.output_processor.add_request(request.request_id, processed.prompt, processed.prompt_token_ids,
-                                                  request.sampling_params, request.arrival_time, parent=parent,
-                                                  index=index)
+                self.output_processor.add_request(
+                    request.request_id,
+                    processed.prompt,
+                    processed.prompt_token_ids,
+                    request.sampling_params,
+                    request.arrival_time,
+                    parent=parent,
+                    index=index,
+                )
         except ValueError as exc:
             self.engine_core.abort_requests(added)
             self.output_processor.abort_requests(added)
@@ -540,7 +610,9 @@ class AsyncLLM:
         self.engine_core.abort_requests(self.output_processor.core_request_ids(request_id))
         for output in self.output_processor.abort_requests([request_id]):
             self._deliver(output, chunk_end=False)
-        if session is not None and self._sessions.get(request_id) is session:  # it idled between chunks
+        if (
+            session is not None and self._sessions.get(request_id) is session
+        ):  # it idled between chunks
             self._forget(request_id)
             session.stream.put(_closing_output(session, "abort"))
         logger.debug("aborted request %s", request_id)
@@ -562,13 +634,17 @@ class AsyncLLM:
             for_processor.append(engine_output)
         processed = self.output_processor.process_outputs(for_processor)
         if processed.reqs_to_abort:
-            self.engine_core.abort_requests(processed.reqs_to_abort)  # stop strings (this ends a session, too)
+            self.engine_core.abort_requests(
+                processed.reqs_to_abort
+            )  # stop strings (this ends a session, too)
         chunk_end_ids = set(chunk_ends)
         for request_output in processed.request_outputs:
             self._deliver(request_output, request_output.request_id in chunk_end_ids)
         for request_id, finish_reason in ended_sessions.items():
             session = self._sessions.get(request_id)
-            if session is not None:  # ended in the core while idle between chunks: no output of its own
+            if (
+                session is not None
+            ):  # ended in the core while idle between chunks: no output of its own
                 self._forget(request_id)
                 session.stream.put(_closing_output(session, finish_reason))
         for request_id in chunk_ends:
@@ -601,7 +677,9 @@ class AsyncLLM:
     def _session_input(self, command: _SessionInput) -> None:
         if command.first:
             assert command.request is not None and command.processed is not None
-            session = _Session(command.request_id, command.stream, command.processed.sampling_params.output_kind)
+            session = _Session(
+                command.request_id, command.stream, command.processed.sampling_params.output_kind
+            )
             self._streams[command.request_id] = command.stream
             self._sessions[command.request_id] = session
             self._submit_chunk(session, command)
@@ -628,13 +706,20 @@ class AsyncLLM:
         request, processed = command.request, command.processed
         assert request is not None and processed is not None
         try:
-            self.engine_core.add_request(request)  # ValueError when the session would outgrow max_model_len
+            self.engine_core.add_request(
+                request
+            )  # ValueError when the session would outgrow max_model_len
         except ValueError as exc:
             self._end_session(session, exc)
             return
         session.in_core = True
-        self.output_processor.add_request(session.request_id, processed.prompt, processed.prompt_token_ids,
-                                          request.sampling_params, request.arrival_time)
+        self.output_processor.add_request(
+            session.request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            request.sampling_params,
+            request.arrival_time,
+        )
         session.output_kind = request.sampling_params.output_kind
         session.chunk_running = True
 
@@ -710,13 +795,21 @@ def _closing_output(session: _Session, finish_reason: str | None) -> RequestOutp
     for "delta"), `finished=True`, with `finish_reason` if given."""
     last = session.last_output
     if last is None:
-        return RequestOutput(session.request_id, None, [], [CompletionOutput(0, "", [], finish_reason)], True)
+        return RequestOutput(
+            session.request_id, None, [], [CompletionOutput(0, "", [], finish_reason)], True
+        )
     completions = []
     for completion in last.outputs:
         if session.output_kind == "delta":
-            completion = dataclasses.replace(completion, text="", token_ids=[],
-                                             logprobs=[] if completion.logprobs is not None else None)
+            completion = dataclasses.replace(
+                completion,
+                text="",
+                token_ids=[],
+                logprobs=[] if completion.logprobs is not None else None,
+            )
         if finish_reason is not None:
-            completion = dataclasses.replace(completion, finish_reason=finish_reason, stop_reason=None)
+            completion = dataclasses.replace(
+                completion, finish_reason=finish_reason, stop_reason=None
+            )
         completions.append(completion)
     return dataclasses.replace(last, outputs=completions, finished=True)

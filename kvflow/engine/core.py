@@ -47,8 +47,9 @@ class EngineCore:
         self.executor = UniProcExecutor(engine_config, model_info)
         scheduler_config = engine_config.scheduler_config
         scheduler_cls = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(scheduler_config, engine_config.cache_config,
-                                       num_kv_blocks=self.executor.num_kv_blocks)
+        self.scheduler = scheduler_cls(
+            scheduler_config, engine_config.cache_config, num_kv_blocks=self.executor.num_kv_blocks
+        )
         self.batch_queue_size = 2 if scheduler_config.async_scheduling else 1
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], int]] = deque()
         self.weight_version = 0
@@ -64,8 +65,11 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
-        return bool(self.batch_queue) or self.scheduler.has_unfinished_requests() \
+        return (
+            bool(self.batch_queue)
+            or self.scheduler.has_unfinished_requests()
             or self.scheduler.has_pending_reports()
+        )
 
     def can_make_progress(self) -> bool:
         """False when the only work left is held by a pause (stepping would just spin)."""
@@ -91,8 +95,11 @@ class EngineCore:
         if len(self.batch_queue) < self.batch_queue_size and self._has_schedulable_work():
             prev_step_scheduled_req_ids = self.scheduler.prev_step_scheduled_req_ids
             scheduler_output = self.scheduler.schedule()
-            if scheduler_output.total_num_scheduled_tokens > 0 or scheduler_output.finished_req_ids \
-                    or scheduler_output.preempted_req_ids:
+            if (
+                scheduler_output.total_num_scheduled_tokens > 0
+                or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids
+            ):
                 future = self.executor.execute_model(scheduler_output, non_block=True)
                 self.batch_queue.append((scheduler_output, future, self.weight_version))
                 launched = True
@@ -100,8 +107,11 @@ class EngineCore:
                 self.scheduler.prev_step_scheduled_req_ids = prev_step_scheduled_req_ids
         # While a pause is in effect only token-less report batches go out: apply them at once, so that no batch is
         # ever in flight while paused (update_weights and a repeated pause rely on it).
-        if not self.batch_queue or (launched and len(self.batch_queue) < self.batch_queue_size
-                                    and not self.pause_effective()):
+        if not self.batch_queue or (
+            launched
+            and len(self.batch_queue) < self.batch_queue_size
+            and not self.pause_effective()
+        ):
             return self._finish_pause_if_effective()
         scheduler_output, future, weight_version = self.batch_queue.popleft()
         outputs = self._update(scheduler_output, future.result(), weight_version)
@@ -118,15 +128,21 @@ class EngineCore:
             return self.scheduler.get_num_started_requests() > 0
         return self.scheduler.has_unfinished_requests()
 
-    def _update(self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput,
-                weight_version: int) -> list[EngineCoreOutput]:
+    def _update(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+        weight_version: int,
+    ) -> list[EngineCoreOutput]:
         outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         for output in outputs:
             output.weight_version = weight_version
         return outputs
 
     # ------------------------------------------------------------------------------------------------ pause
-    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> list[EngineCoreOutput]:
+    def pause_generation(
+        self, mode: str = "abort", clear_cache: bool = True
+    ) -> list[EngineCoreOutput]:
         """Start a pause. "abort" finishes every unfinished request now (returned as "abort" outputs); "wait" lets
         started requests finish and holds new ones; "keep" schedules nothing. Requests added while paused are
         queued (counted, abortable) and run after `resume_generation`. Drive `step()` until `pause_effective()`;
@@ -137,17 +153,28 @@ class EngineCore:
         if mode == "abort":
             outputs = self._abort_all()
         self._pause_mode = mode  # type: ignore[assignment]
-        self._pause_clear_cache = self._pause_clear_cache or clear_cache if self._pause_pending else clear_cache
+        self._pause_clear_cache = (
+            self._pause_clear_cache or clear_cache if self._pause_pending else clear_cache
+        )
         self._pause_pending = True
-        self.scheduler.set_pause_state(PauseState.PAUSED_NEW if mode == "wait" else PauseState.PAUSED_ALL)
+        self.scheduler.set_pause_state(
+            PauseState.PAUSED_NEW if mode == "wait" else PauseState.PAUSED_ALL
+        )
         return outputs + self._finish_pause_if_effective()
 
     def _abort_all(self) -> list[EngineCoreOutput]:
-        request_ids = [request_id for request_id, request in self.scheduler.requests.items()
-                       if not request.is_finished()]
+        request_ids = [
+            request_id
+            for request_id, request in self.scheduler.requests.items()
+            if not request.is_finished()
+        ]
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [EngineCoreOutput(request_id, [], finish_reason="abort", weight_version=self.weight_version)
-                for request_id in request_ids]
+        return [
+            EngineCoreOutput(
+                request_id, [], finish_reason="abort", weight_version=self.weight_version
+            )
+            for request_id in request_ids
+        ]
 
     def pause_effective(self) -> bool:
         """True once a requested pause has fully taken effect (False when not paused)."""
@@ -164,7 +191,9 @@ class EngineCore:
         self._pause_pending = False
         if self._pause_clear_cache:
             self.scheduler.reset_prefix_cache(reset_running_requests=True)
-        self.scheduler.set_pause_state(PauseState.PAUSED_ALL)  # in effect: nothing runs until resume
+        self.scheduler.set_pause_state(
+            PauseState.PAUSED_ALL
+        )  # in effect: nothing runs until resume
         return []
 
     def resume_generation(self) -> None:
@@ -193,8 +222,10 @@ class EngineCore:
         returns the new weight version. Only while paused with nothing in flight (the RLHF loop: pause(keep) ->
         update_weights -> reset cache -> resume)."""
         if not self.pause_effective():
-            raise RuntimeError("update_weights needs a paused engine: call pause_generation() and let it take "
-                               "effect first")
+            raise RuntimeError(
+                "update_weights needs a paused engine: call pause_generation() and let it take "
+                "effect first"
+            )
         assert not self.batch_queue
         self.executor.update_weights(weights)
         self.weight_version += 1

@@ -43,15 +43,18 @@ class IncrementalDetokenizer:
         `include_stop_str_in_output` is False (vLLM's behaviour).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> None:
         self.tokenizer = tokenizer
         self._backend = tokenizer.backend
         self.skip_special_tokens = sampling_params.skip_special_tokens
         self.stop: list[str] = list(sampling_params.stop or [])
         self.include_stop_str_in_output = sampling_params.include_stop_str_in_output
         self.min_tokens = sampling_params.min_tokens
-        self.stop_buffer_length = (max(map(len, self.stop)) - 1
-                                   if self.stop and not self.include_stop_str_in_output else 0)
+        self.stop_buffer_length = (
+            max(map(len, self.stop)) - 1 if self.stop and not self.include_stop_str_in_output else 0
+        )
         self.num_output_tokens = 0
         self.stop_string: str | None = None  # the stop string that matched, once one has
         self._text = ""
@@ -77,11 +80,13 @@ class IncrementalDetokenizer:
             return None
         skip_last = stop_terminated and not self.include_stop_str_in_output
         stop_check_offset = len(self._text)
-        for token_id in (new_token_ids[:-1] if skip_last else new_token_ids):
+        for token_id in new_token_ids[:-1] if skip_last else new_token_ids:
             self.num_output_tokens += 1
             self._text += self._decode_next(token_id)
             if self.num_output_tokens <= self.min_tokens:
-                stop_check_offset = len(self._text)  # no stop string may end within the first min_tokens
+                stop_check_offset = len(
+                    self._text
+                )  # no stop string may end within the first min_tokens
         if skip_last:
             self.num_output_tokens += 1
         if not self.stop or len(self._text) == stop_check_offset:
@@ -124,7 +129,7 @@ class IncrementalDetokenizer:
         emitted_end = len(self._prefix_text) + self._window_emitted
         if len(window_text) > len(self._prefix_text) and not window_text.endswith(REPLACEMENT_CHAR):
             # Everything up to here is final: slide the window so it starts at the previous read point.
-            self._window_ids = self._window_ids[self._read_index:]
+            self._window_ids = self._window_ids[self._read_index :]
             self._read_index = len(self._window_ids)
             self._prefix_text = self._decode(self._window_ids)
             self._window_emitted = 0
@@ -144,7 +149,7 @@ class IncrementalDetokenizer:
         if self.stop_string is not None:
             return
         window_text = self._decode(self._window_ids)
-        self._text += window_text[len(self._prefix_text) + self._window_emitted:]
+        self._text += window_text[len(self._prefix_text) + self._window_emitted :]
 
     # ------------------------------------------------------------------------------------------------ stop strings
     def _check_stop_strings(self, new_char_count: int) -> str | None:
@@ -152,7 +157,11 @@ class IncrementalDetokenizer:
         if match is None:
             return None
         stop_string, start = match
-        self._text = self._text[:start + len(stop_string)] if self.include_stop_str_in_output else self._text[:start]
+        self._text = (
+            self._text[: start + len(stop_string)]
+            if self.include_stop_str_in_output
+            else self._text[:start]
+        )
         self.stop_string = stop_string
         return stop_string
 

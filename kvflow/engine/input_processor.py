@@ -36,26 +36,38 @@ class InputProcessor:
     token ids unless `ignore_eos`. A bad prompt or parameter raises `ValueError` naming it.
     """
 
-    def __init__(self, model_info: ModelInfo, tokenizer: Tokenizer | None, max_model_len: int) -> None:
+    def __init__(
+        self, model_info: ModelInfo, tokenizer: Tokenizer | None, max_model_len: int
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = model_info.vocab_size
         self.max_model_len = max_model_len
         self.eos_token_id = model_info.eos_token_id
         if self.eos_token_id is None and tokenizer is not None:
             self.eos_token_id = tokenizer.eos_token_id
-        self.extra_eos_token_ids = [t for t in model_info.eos_token_ids[1:] if t != self.eos_token_id]
+        self.extra_eos_token_ids = [
+            t for t in model_info.eos_token_ids[1:] if t != self.eos_token_id
+        ]
 
-    def process(self, prompt: PromptType, sampling_params: SamplingParams | None) -> ProcessedPrompt:
+    def process(
+        self, prompt: PromptType, sampling_params: SamplingParams | None
+    ) -> ProcessedPrompt:
         """Validate and tokenize one prompt."""
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}")
+            raise ValueError(
+                f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}"
+            )
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} leaves "
-                             "no room to generate")
-        return ProcessedPrompt(prompt_text, prompt_token_ids, self.with_model_stop_ids(sampling_params))
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} leaves "
+                "no room to generate"
+            )
+        return ProcessedPrompt(
+            prompt_text, prompt_token_ids, self.with_model_stop_ids(sampling_params)
+        )
 
     def with_model_stop_ids(self, sampling_params: SamplingParams) -> SamplingParams:
         if not self.extra_eos_token_ids or sampling_params.ignore_eos:
@@ -68,36 +80,67 @@ class InputProcessor:
         """(text, token ids) of a string, `{"prompt_token_ids": [...]}` or `{"prompt": "..."}` prompt."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True or model='hash'): "
-                                 "pass {'prompt_token_ids': [...]} prompts")
+                raise ValueError(
+                    "this engine has no tokenizer (skip_tokenizer_init=True or model='hash'): "
+                    "pass {'prompt_token_ids': [...]} prompts"
+                )
             token_ids = self.tokenizer.encode(prompt)
             if not token_ids:
                 raise ValueError("prompt is empty after tokenization")
             return prompt, token_ids
         if not isinstance(prompt, dict) or not ({"prompt_token_ids", "prompt"} & prompt.keys()):
-            raise ValueError(f"a prompt must be a string, {{'prompt_token_ids': [...]}} or {{'prompt': str}}, "
-                             f"got {prompt!r}")
+            raise ValueError(
+                f"a prompt must be a string, {{'prompt_token_ids': [...]}} or {{'prompt': str}}, "
+                f"got {prompt!r}"
+            )
         if "prompt_token_ids" not in prompt:
             return self.tokenize(prompt["prompt"])
         token_ids = prompt["prompt_token_ids"]
         if not isinstance(token_ids, list | tuple) or not token_ids:
             raise ValueError("prompt_token_ids must be a non-empty list of ints")
         for token_id in token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < self.vocab_size:
-                raise ValueError(f"prompt_token_ids holds {token_id!r}, not a token id in [0, {self.vocab_size})")
+            if (
+                not isinstance(token_id, int)
+                or isinstance(token_id, bool)
+                or not 0 <= token_id < self.vocab_size
+            ):
+                raise ValueError(
+                    f"prompt_token_ids holds {token_id!r}, not a token id in [0, {self.vocab_size})"
+                )
         return prompt.get("prompt"), list(token_ids)
 
-    def make_requests(self, request_id: str, processed: ProcessedPrompt, arrival_time: float,
-                      resumable: bool = False) -> list[Request]:
+    def make_requests(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        arrival_time: float,
+        resumable: bool = False,
+    ) -> list[Request]:
         """The core requests of one prompt: itself, or `n` children `i_<id>` with seeds `seed + i` (they share the
         prompt's KV blocks through the prefix cache)."""
         params = processed.sampling_params
         if params.n == 1:
-            return [Request(request_id, processed.prompt_token_ids, params, eos_token_id=self.eos_token_id,
-                            arrival_time=arrival_time, resumable=resumable)]
+            return [
+                Request(
+                    request_id,
+                    processed.prompt_token_ids,
+                    params,
+                    eos_token_id=self.eos_token_id,
+                    arrival_time=arrival_time,
+                    resumable=resumable,
+                )
+            ]
         if resumable:
             raise ValueError("SamplingParams.n must be 1 for a streaming-input session")
-        return [Request(child_request_id(request_id, index), processed.prompt_token_ids,
-                       dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index),
-                       eos_token_id=self.eos_token_id, arrival_time=arrival_time)
-                for index in range(params.n)]
+        return [
+            Request(
+                child_request_id(request_id, index),
+                processed.prompt_token_ids,
+                dataclasses.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + index
+                ),
+                eos_token_id=self.eos_token_id,
+                arrival_time=arrival_time,
+            )
+            for index in range(params.n)
+        ]

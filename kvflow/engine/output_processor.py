@@ -41,7 +41,9 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
-        return all(completion is not None and completion.finished for completion in self.completions)
+        return all(
+            completion is not None and completion.finished for completion in self.completions
+        )
 
 
 @dataclass
@@ -86,29 +88,58 @@ class OutputProcessor:
         self.parent_requests: dict[str, ParentRequest] = {}
 
     # ------------------------------------------------------------------------------------------------ add
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    sampling_params: SamplingParams, arrival_time: float | None = None,
-                    parent: ParentRequest | None = None, index: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        arrival_time: float | None = None,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+    ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        metrics = RequestMetrics(
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic()
+        )
         detokenizer = None
         if self.tokenizer is not None:
             from kvflow.engine.detokenizer import IncrementalDetokenizer
 
-            detokenizer = IncrementalDetokenizer(self.tokenizer, list(prompt_token_ids), sampling_params)
-        state = RequestState(request_id, prompt, list(prompt_token_ids), sampling_params, metrics, detokenizer,
-                             self.tokenizer, parent, index)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, list(prompt_token_ids), sampling_params
+            )
+        state = RequestState(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            sampling_params,
+            metrics,
+            detokenizer,
+            self.tokenizer,
+            parent,
+            index,
+        )
         if sampling_params.logprobs is not None:
             state.logprobs = []
         self.request_states[request_id] = state
 
-    def add_parent_request(self, request_id: str, n: int, prompt: str | None, prompt_token_ids: list[int],
-                           output_kind: str, arrival_time: float | None = None) -> ParentRequest:
+    def add_parent_request(
+        self,
+        request_id: str,
+        n: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        output_kind: str,
+        arrival_time: float | None = None,
+    ) -> ParentRequest:
         """Register a parallel-sampling request; its children are added with `add_request(..., parent=...)`."""
         if request_id in self.parent_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        metrics = RequestMetrics(
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic()
+        )
         parent = ParentRequest(request_id, n, prompt, list(prompt_token_ids), output_kind, metrics)
         self.parent_requests[request_id] = parent
         return parent
@@ -120,8 +151,9 @@ class OutputProcessor:
         return len(self.request_states)
 
     # ------------------------------------------------------------------------------------------------ step
-    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput],
-                        finished_only: bool = False) -> OutputProcessorOutput:
+    def process_outputs(
+        self, engine_core_outputs: list[EngineCoreOutput], finished_only: bool = False
+    ) -> OutputProcessorOutput:
         """Apply one step's outputs; returns the RequestOutputs to deliver and the core requests to abort.
 
         `finished_only` (a caller that only wants final results, like `LLM.generate`) builds no output for an
@@ -136,7 +168,9 @@ class OutputProcessor:
                 continue  # aborted on this side already
             finish_reason, stop_reason = self._apply(state, engine_output, now)
             if finish_reason is not None and engine_output.finish_reason is None:
-                reqs_to_abort.append(state.request_id)  # a stop string ended it; the core does not know yet
+                reqs_to_abort.append(
+                    state.request_id
+                )  # a stop string ended it; the core does not know yet
             finished = finish_reason is not None and not engine_output.session_continues
             if finished:
                 state.metrics.finished_time = now
@@ -148,14 +182,17 @@ class OutputProcessor:
                 request_outputs.append(request_output)
         return OutputProcessorOutput(request_outputs, reqs_to_abort)
 
-    def _apply(self, state: RequestState, engine_output: EngineCoreOutput,
-               now: float) -> tuple[str | None, int | str | None]:
+    def _apply(
+        self, state: RequestState, engine_output: EngineCoreOutput, now: float
+    ) -> tuple[str | None, int | str | None]:
         """Append tokens, logprobs and text; returns the (finish_reason, stop_reason) after this output."""
         new_token_ids = engine_output.new_token_ids
         if new_token_ids and state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         state.output_token_ids.extend(new_token_ids)
-        if new_token_ids and (not state.weight_versions or state.weight_versions[-1] != engine_output.weight_version):
+        if new_token_ids and (
+            not state.weight_versions or state.weight_versions[-1] != engine_output.weight_version
+        ):
             state.weight_versions.append(engine_output.weight_version)
         state.metrics.num_cached_tokens = engine_output.num_cached_tokens
         if state.logprobs is not None and engine_output.new_logprobs is not None:
@@ -169,8 +206,12 @@ class OutputProcessor:
 
     def _append_logprobs(self, state: RequestState, new_logprobs: LogprobsLists) -> None:
         assert state.logprobs is not None
-        for token_ids, values, sampled_rank in zip(new_logprobs.logprob_token_ids, new_logprobs.logprobs,
-                                                   new_logprobs.sampled_token_ranks, strict=True):
+        for token_ids, values, sampled_rank in zip(
+            new_logprobs.logprob_token_ids,
+            new_logprobs.logprobs,
+            new_logprobs.sampled_token_ranks,
+            strict=True,
+        ):
             position: dict[int, Logprob] = {}
             for i, (token_id, value) in enumerate(zip(token_ids, values, strict=True)):
                 rank = sampled_rank if i == 0 else i
@@ -209,48 +250,76 @@ class OutputProcessor:
         return [child_request_id(parent.request_id, index) for index in range(parent.n)]
 
     # ------------------------------------------------------------------------------------------------ build
-    def _make_output(self, state: RequestState, finish_reason: str | None, stop_reason: int | str | None,
-                     finished: bool) -> RequestOutput | None:
-        completion = self._make_completion(state, finish_reason if finished else None,
-                                           stop_reason if finished else None, finished)
+    def _make_output(
+        self,
+        state: RequestState,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        finished: bool,
+    ) -> RequestOutput | None:
+        completion = self._make_completion(
+            state, finish_reason if finished else None, stop_reason if finished else None, finished
+        )
         if state.parent is not None:
             return self._make_parent_output(state.parent, state, completion)
         if completion is None:
             return None
-        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
-                             prompt_token_ids=state.prompt_token_ids, outputs=[completion], finished=finished,
-                             metrics=state.metrics)
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=state.metrics,
+        )
 
     @staticmethod
-    def _make_completion(state: RequestState, finish_reason: str | None, stop_reason: int | str | None,
-                         finished: bool) -> CompletionOutput | None:
+    def _make_completion(
+        state: RequestState,
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        finished: bool,
+    ) -> CompletionOutput | None:
         output_kind = state.sampling_params.output_kind
         if output_kind == "final_only" and not finished and state.parent is None:
             return None
         delta = output_kind == "delta"
-        text = state.detokenizer.get_next_output_text(finished, delta) if state.detokenizer is not None else ""
+        text = (
+            state.detokenizer.get_next_output_text(finished, delta)
+            if state.detokenizer is not None
+            else ""
+        )
         if delta:
-            token_ids = state.output_token_ids[state.num_emitted_tokens:]
+            token_ids = state.output_token_ids[state.num_emitted_tokens :]
             state.num_emitted_tokens = len(state.output_token_ids)
             logprobs = None
             if state.logprobs is not None:
-                logprobs = state.logprobs[state.num_emitted_logprobs:]
+                logprobs = state.logprobs[state.num_emitted_logprobs :]
                 state.num_emitted_logprobs = len(state.logprobs)
         else:
             token_ids = list(state.output_token_ids)
             logprobs = list(state.logprobs) if state.logprobs is not None else None
-        return CompletionOutput(index=state.index, text=text, token_ids=token_ids, finish_reason=finish_reason,
-                                stop_reason=stop_reason, logprobs=logprobs,
-                                cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
-                                weight_versions=list(state.weight_versions))
+        return CompletionOutput(
+            index=state.index,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
+            weight_versions=list(state.weight_versions),
+        )
 
-    def _make_parent_output(self, parent: ParentRequest, state: RequestState,
-                            completion: CompletionOutput | None) -> RequestOutput | None:
+    def _make_parent_output(
+        self, parent: ParentRequest, state: RequestState, completion: CompletionOutput | None
+    ) -> RequestOutput | None:
         """Fold a child's completion into its parent: delta streams only that child's news; cumulative shows
         every child's progress; final_only waits for the last child."""
         assert completion is not None
         parent.completions[state.index] = completion
-        parent.metrics.num_cached_tokens = max(parent.metrics.num_cached_tokens, state.metrics.num_cached_tokens)
+        parent.metrics.num_cached_tokens = max(
+            parent.metrics.num_cached_tokens, state.metrics.num_cached_tokens
+        )
         if state.metrics.first_token_time is not None and parent.metrics.first_token_time is None:
             parent.metrics.first_token_time = state.metrics.first_token_time
         finished = parent.finished
@@ -259,10 +328,19 @@ class OutputProcessor:
             del self.parent_requests[parent.request_id]
         if parent.output_kind == "final_only" and not finished:
             return None
-        outputs = [completion] if parent.output_kind == "delta" else [c for c in parent.completions if c is not None]
-        return RequestOutput(request_id=parent.request_id, prompt=parent.prompt,
-                             prompt_token_ids=parent.prompt_token_ids, outputs=outputs, finished=finished,
-                             metrics=parent.metrics)
+        outputs = (
+            [completion]
+            if parent.output_kind == "delta"
+            else [c for c in parent.completions if c is not None]
+        )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=outputs,
+            finished=finished,
+            metrics=parent.metrics,
+        )
 
 
 def child_request_id(parent_request_id: str, index: int) -> str:

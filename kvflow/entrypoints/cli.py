@@ -15,11 +15,16 @@ if TYPE_CHECKING:
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", default=None,
-                        help="Hugging Face checkpoint folder (default: the built-in default model, created locally "
-                             "on first use)")
+    engine.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face checkpoint folder (default: the built-in default model, created locally "
+        "on first use)",
+    )
     engine.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=128)
     engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -30,7 +35,9 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=max_tokens)
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    sampling.add_argument(
+        "--temperature", type=float, default=0.0, help="0 is greedy (the default)"
+    )
     sampling.add_argument("--top-p", type=float, default=1.0)
     sampling.add_argument("--top-k", type=int, default=0)
     sampling.add_argument("--min-p", type=float, default=0.0)
@@ -46,23 +53,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow LLM inference engine")
     subcommands = parser.add_subparsers(dest="command", required=True)
 
-    generate = subcommands.add_parser("generate", help="complete one or more prompts and print the text",
-                                      description="Complete each PROMPT and print the generated text.")
+    generate = subcommands.add_parser(
+        "generate",
+        help="complete one or more prompts and print the text",
+        description="Complete each PROMPT and print the generated text.",
+    )
     generate.add_argument("prompts", nargs="+", metavar="PROMPT")
     generate.add_argument("-n", type=int, default=1, help="samples per prompt")
-    generate.add_argument("--show-stats", action="store_true",
-                          help="print token counts and throughput to stderr")
+    generate.add_argument(
+        "--show-stats", action="store_true", help="print token counts and throughput to stderr"
+    )
     _add_engine_arguments(generate)
     _add_sampling_arguments(generate, max_tokens=64)
 
-    chat = subcommands.add_parser("chat", help="interactive chat using the model's chat template",
-                                  description="Chat on stdin/stdout; the checkpoint's chat template formats the "
-                                              "conversation. Type /exit (or end input) to leave, /reset to forget.")
+    chat = subcommands.add_parser(
+        "chat",
+        help="interactive chat using the model's chat template",
+        description="Chat on stdin/stdout; the checkpoint's chat template formats the "
+        "conversation. Type /exit (or end input) to leave, /reset to forget.",
+    )
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_arguments(chat)
     _add_sampling_arguments(chat, max_tokens=256)
 
-    demo = subcommands.add_parser("demo", help="run many requests through the engine on the hash test model")
+    demo = subcommands.add_parser(
+        "demo", help="run many requests through the engine on the hash test model"
+    )
     demo.add_argument("--num-requests", type=int, default=400)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--seed", type=int, default=0)
@@ -72,18 +88,34 @@ def build_parser() -> argparse.ArgumentParser:
 def _make_llm(args: argparse.Namespace) -> LLM:
     from kvflow.entrypoints.llm import LLM
 
-    return LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-               device=args.device)
+    return LLM(
+        args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        device=args.device,
+    )
 
 
 def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
     from kvflow.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, **overrides)
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+        **overrides,
+    )
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -98,8 +130,11 @@ def run_generate(args: argparse.Namespace) -> None:
     if args.show_stats:
         num_prompt = sum(len(output.prompt_token_ids) for output in outputs)
         num_output = sum(len(c.token_ids) for output in outputs for c in output.outputs)
-        print(f"prompt tokens: {num_prompt}, output tokens: {num_output}, {elapsed:.2f} s, "
-              f"{num_output / max(elapsed, 1e-9):.1f} output tok/s", file=sys.stderr)
+        print(
+            f"prompt tokens: {num_prompt}, output tokens: {num_output}, {elapsed:.2f} s, "
+            f"{num_output / max(elapsed, 1e-9):.1f} output tok/s",
+            file=sys.stderr,
+        )
 
 
 def run_chat(args: argparse.Namespace) -> None:
@@ -131,17 +166,30 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "demo":
         from kvflow.demo import main as run_demo
 
-        run_demo(["--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens),
-                  "--seed", str(args.seed)])
+        run_demo(
+            [
+                "--num-requests",
+                str(args.num_requests),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--seed",
+                str(args.seed),
+            ]
+        )
         return
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
         if args.command == "generate":
             run_generate(args)
         else:
             run_chat(args)
-    except (ValueError, FileNotFoundError) as error:  # bad arguments or checkpoint files: no traceback
+    except (
+        ValueError,
+        FileNotFoundError,
+    ) as error:  # bad arguments or checkpoint files: no traceback
         print(f"kvflow {args.command}: error: {error}", file=sys.stderr)
         raise SystemExit(2) from error
 

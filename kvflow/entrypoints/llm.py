@@ -37,23 +37,52 @@ class LLM:
     them.
     """
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, skip_tokenizer_init: bool = False,
-                 dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 128,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, async_scheduling: bool = True,
-                 scheduling_policy: str = "fcfs", seed: int = 0, tensor_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None, long_prefill_token_threshold: int = 0,
-                 use_v2_model_runner: bool = True, device: str = "auto") -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        async_scheduling: bool = True,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
+        long_prefill_token_threshold: int = 0,
+        use_v2_model_runner: bool = True,
+        device: str = "auto",
+    ) -> None:
         parts = build_engine(
-            model, tokenizer=tokenizer, skip_tokenizer_init=skip_tokenizer_init, dtype=dtype,
-            max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size, num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            async_scheduling=async_scheduling, scheduling_policy=scheduling_policy, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, distributed_executor_backend=distributed_executor_backend,
-            long_prefill_token_threshold=long_prefill_token_threshold, use_v2_model_runner=use_v2_model_runner,
-            device=device)
+            model,
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            async_scheduling=async_scheduling,
+            scheduling_policy=scheduling_policy,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            use_v2_model_runner=use_v2_model_runner,
+            device=device,
+        )
         self.engine_config = parts.engine_config
         self.model_info = parts.model_info
         self.tokenizer = parts.tokenizer
@@ -64,7 +93,9 @@ class LLM:
         self.eos_token_id = self.input_processor.eos_token_id
         self._request_counter = itertools.count()
         self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)  # notified after every step and every pause/resume
+        self._changed = threading.Condition(
+            self._lock
+        )  # notified after every step and every pause/resume
         self._finished: dict[str, RequestOutput] = {}
         self._num_generating = 0
 
@@ -72,9 +103,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in input order.
 
         A prompt is a string or `{"prompt_token_ids": [...]}` (or `{"prompt": "..."}`). While the engine is paused
@@ -83,8 +117,10 @@ class LLM:
         """
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params_list = self._expand_sampling_params(sampling_params, len(prompt_list))
-        processed = [self.input_processor.process(prompt, params)
-                     for prompt, params in zip(prompt_list, params_list, strict=True)]
+        processed = [
+            self.input_processor.process(prompt, params)
+            for prompt, params in zip(prompt_list, params_list, strict=True)
+        ]
         with self._lock:
             request_ids = [self._add_request(item) for item in processed]
             self._num_generating += 1
@@ -95,27 +131,43 @@ class LLM:
                 self._num_generating -= 1
         return [finished[request_id] for request_id in request_ids]
 
-    def chat(self, messages: ChatMessages | Sequence[ChatMessages],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True,
-             **chat_template_kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **chat_template_kwargs: Any,
+    ) -> list[RequestOutput]:
         """Render each conversation with the checkpoint's chat template (or `chat_template`) and generate.
 
         `messages` is one conversation (a list of `{"role", "content"}` dicts) or a list of them.
         """
         if self.tokenizer is None:
-            raise ValueError("chat() needs a tokenizer (this LLM has skip_tokenizer_init=True or no tokenizer)")
+            raise ValueError(
+                "chat() needs a tokenizer (this LLM has skip_tokenizer_init=True or no tokenizer)"
+            )
         if not isinstance(messages, list | tuple) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of them)")
+            raise ValueError(
+                "messages must be a non-empty list of {'role', 'content'} dicts (or a list of them)"
+            )
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = []
         for conversation in conversations:
             _check_conversation(conversation)
-            text = self.tokenizer.apply_chat_template(list(conversation), chat_template=chat_template,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      **chat_template_kwargs)
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text,
-                                                                                     add_special_tokens=False)})
+            text = self.tokenizer.apply_chat_template(
+                list(conversation),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **chat_template_kwargs,
+            )
+            prompts.append(
+                {
+                    "prompt": text,
+                    "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+                }
+            )
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @property
@@ -158,15 +210,18 @@ class LLM:
 
     # ------------------------------------------------------------------------------------------------ internals
     @staticmethod
-    def _expand_sampling_params(sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                                num_prompts: int) -> list[SamplingParams]:
+    def _expand_sampling_params(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
         if sampling_params is None:
             return [SamplingParams() for _ in range(num_prompts)]
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         params_list = list(sampling_params)
         if len(params_list) != num_prompts:
-            raise ValueError(f"sampling_params has {len(params_list)} entries for {num_prompts} prompts")
+            raise ValueError(
+                f"sampling_params has {len(params_list)} entries for {num_prompts} prompts"
+            )
         return params_list
 
     def _add_request(self, processed: ProcessedPrompt) -> str:
@@ -177,12 +232,24 @@ class LLM:
         parent = None
         if len(requests) > 1:
             parent = self.output_processor.add_parent_request(
-                request_id, len(requests), processed.prompt, processed.prompt_token_ids,
-                processed.sampling_params.output_kind, arrival_time)
+                request_id,
+                len(requests),
+                processed.prompt,
+                processed.prompt_token_ids,
+                processed.sampling_params.output_kind,
+                arrival_time,
+            )
         for index, request in enumerate(requests):
             self.engine_core.add_request(request)
-            self.output_processor.add_request(request.request_id, processed.prompt, processed.prompt_token_ids,
-                                              request.sampling_params, arrival_time, parent=parent, index=index)
+            self.output_processor.add_request(
+                request.request_id,
+                processed.prompt,
+                processed.prompt_token_ids,
+                request.sampling_params,
+                arrival_time,
+                parent=parent,
+                index=index,
+            )
         return request_id
 
     def _step_locked(self) -> list[EngineCoreOutput]:
@@ -200,28 +267,42 @@ class LLM:
                 self._finished[request_output.request_id] = request_output
         self._changed.notify_all()
 
-    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run_to_completion(
+        self, request_ids: list[str], use_tqdm: bool
+    ) -> dict[str, RequestOutput]:
         pending = set(request_ids)
         finished: dict[str, RequestOutput] = {}
-        progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm,
-                        dynamic_ncols=True)
+        progress = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            unit="req",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        )
         start, num_input_tokens, num_output_tokens = time.monotonic(), 0, 0
         while pending:
             with self._lock:
                 if self.engine_core.can_make_progress():
-                    num_output_tokens += sum(len(output.new_token_ids) for output in self._step_locked())
+                    num_output_tokens += sum(
+                        len(output.new_token_ids) for output in self._step_locked()
+                    )
                 elif self.engine_core.is_paused():
                     self._changed.wait(_PAUSED_POLL_S)  # held by a pause: wait for resume
                 elif not any(request_id in self._finished for request_id in pending):
                     raise RuntimeError("engine went idle with requests unfinished")
-                for request_id in [request_id for request_id in self._finished if request_id in pending]:
+                for request_id in [
+                    request_id for request_id in self._finished if request_id in pending
+                ]:
                     finished[request_id] = output = self._finished.pop(request_id)
                     pending.discard(request_id)
                     num_input_tokens += len(output.prompt_token_ids)
                     progress.update(1)
             elapsed = max(time.monotonic() - start, 1e-9)
-            progress.set_postfix_str(f"input {num_input_tokens / elapsed:.0f} tok/s, "
-                                     f"output {num_output_tokens / elapsed:.0f} tok/s", refresh=False)
+            progress.set_postfix_str(
+                f"input {num_input_tokens / elapsed:.0f} tok/s, "
+                f"output {num_output_tokens / elapsed:.0f} tok/s",
+                refresh=False,
+            )
         progress.close()
         return finished
 

@@ -28,20 +28,24 @@ class UniProcExecutor:
         self.worker = Worker(engine_config, model_info)
         self.num_kv_blocks = self.worker.num_kv_blocks
         worker_thread = engine_config.parallel_config.worker_thread
-        self.uses_worker_thread = worker_thread == "on" or (worker_thread == "auto"
-                                                            and self.worker.device.type == "cuda")
+        self.uses_worker_thread = worker_thread == "on" or (
+            worker_thread == "auto" and self.worker.device.type == "cuda"
+        )
         self._thread: ThreadPoolExecutor | None = None
 
     @overload
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[False] = False) -> ModelRunnerOutput: ...
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False
+    ) -> ModelRunnerOutput: ...
 
     @overload
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: Literal[True]) -> Future[ModelRunnerOutput]: ...
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: Literal[True]
+    ) -> Future[ModelRunnerOutput]: ...
 
-    def execute_model(self, scheduler_output: SchedulerOutput,
-                      non_block: bool = False) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
         if not non_block:
             return self.worker.execute_model(scheduler_output)
         if not self.uses_worker_thread:

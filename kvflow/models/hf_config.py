@@ -16,7 +16,13 @@ from typing import Any
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
-_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 # Architectures whose q/k/v projections always carry a bias (and whose o_proj never does).
@@ -63,15 +69,21 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                             f"num_key_value_heads ({self.num_key_value_heads})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL_ATTENTION,) * self.num_hidden_layers)
         if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
         unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
         if unknown:
-            raise ValueError(f"unsupported layer_types {unknown}; supported: {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}")
+            raise ValueError(
+                f"unsupported layer_types {unknown}; supported: {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}"
+            )
 
     def layer_sliding_window(self, layer_index: int) -> int | None:
         """The sliding window of layer `layer_index` (None: it attends to the whole sequence)."""
@@ -85,7 +97,9 @@ def load_hf_config(model_path: str | Path) -> TransformerConfig:
         raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(f"{str(config_file)!r} not found: {str(path)!r} is not a Hugging Face checkpoint")
+        raise FileNotFoundError(
+            f"{str(config_file)!r} not found: {str(path)!r} is not a Hugging Face checkpoint"
+        )
     try:
         raw = json.loads(config_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -124,7 +138,9 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITION_EMBEDDINGS),
+        max_position_embeddings=int(
+            raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITION_EMBEDDINGS
+        ),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
         qk_norm=architecture in _QK_NORM_ARCHITECTURES,
@@ -160,11 +176,15 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if scaling is not None:
         rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
         scaling.pop("type", None)
-        scaling = None if rope_type == "default" and not scaling else {"rope_type": rope_type, **scaling}
+        scaling = (
+            None if rope_type == "default" and not scaling else {"rope_type": rope_type, **scaling}
+        )
     return float(theta), scaling
 
 
-def _sliding_window(raw: dict[str, Any], architecture: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+def _sliding_window(
+    raw: dict[str, Any], architecture: str, num_layers: int
+) -> tuple[int | None, tuple[str, ...]]:
     """(window, per-layer attention types), following each architecture's rules in transformers."""
     window = raw.get("sliding_window")
     if architecture in _GATED_SLIDING_ARCHITECTURES and not raw.get("use_sliding_window", False):
@@ -176,7 +196,9 @@ def _sliding_window(raw: dict[str, Any], architecture: str, num_layers: int) -> 
         layer_types = tuple(str(layer_type) for layer_type in explicit)
     elif architecture in _GATED_SLIDING_ARCHITECTURES:
         first_sliding = int(raw.get("max_window_layers", num_layers))
-        layer_types = tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers))
+        layer_types = tuple(
+            SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)
+        )
     else:
         layer_types = (SLIDING_ATTENTION,) * num_layers
     if SLIDING_ATTENTION not in layer_types:

@@ -16,7 +16,14 @@ import torch
 from torch import nn
 
 from kvflow.models.attention import AttentionBackend, get_attention_backend
-from kvflow.models.layers import Linear, LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding, silu_and_mul
+from kvflow.models.layers import (
+    Linear,
+    LMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    silu_and_mul,
+)
 
 if TYPE_CHECKING:
     from kvflow.models.hf_config import TransformerConfig
@@ -42,35 +49,64 @@ class LlamaAttention(nn.Module):
     before RoPE; the backend is shared by every layer and holds no per-layer state.
     """
 
-    def __init__(self, config: TransformerConfig, backend: AttentionBackend, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, (q_size, kv_size, kv_size), bias=config.attention_bias,
-                               dtype=dtype, device=device)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype, device=device)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device) \
-            if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device) \
-            if config.qk_norm else None
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            (q_size, kv_size, kv_size),
+            bias=config.attention_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = Linear(
+            q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype, device=device
+        )
+        self.q_norm = (
+            RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+            if config.qk_norm
+            else None
+        )
+        self.k_norm = (
+            RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+            if config.qk_norm
+            else None
+        )
         self.backend = backend
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache_layer: torch.Tensor, metadata: Any, output_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: Any,
+        output_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attend for every token (all of them write K/V); with `output_rows`, project only those rows."""
         num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        value = qkv[:, self.num_heads + self.num_kv_heads:]
+        qkv = self.qkv_proj(hidden_states).view(
+            num_tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        )
+        value = qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None and self.k_norm is not None:
-            query = RotaryEmbedding.apply(self.q_norm(qkv[:, :self.num_heads]), cos, sin)
-            key = RotaryEmbedding.apply(self.k_norm(qkv[:, self.num_heads:self.num_heads + self.num_kv_heads]),
-                                        cos, sin)
+            query = RotaryEmbedding.apply(self.q_norm(qkv[:, : self.num_heads]), cos, sin)
+            key = RotaryEmbedding.apply(
+                self.k_norm(qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]), cos, sin
+            )
         else:
-            rotated = RotaryEmbedding.apply(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin)
-            query, key = rotated[:, :self.num_heads], rotated[:, self.num_heads:]
+            rotated = RotaryEmbedding.apply(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+            query, key = rotated[:, : self.num_heads], rotated[:, self.num_heads :]
         attended = self.backend.forward(query, key, value, kv_cache_layer, metadata)
         if output_rows is not None:
             attended = attended.index_select(0, output_rows)
@@ -80,14 +116,28 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP: `down(silu(gate(x)) * up(x))` with gate and up fused in `gate_up_proj` (gate rows first)."""
 
-    def __init__(self, config: TransformerConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: TransformerConfig, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented")
-        self.gate_up_proj = Linear(config.hidden_size, (config.intermediate_size,) * 2, bias=config.mlp_bias,
-                                   dtype=dtype, device=device)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias, dtype=dtype,
-                                device=device)
+            raise ValueError(
+                f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented"
+            )
+        self.gate_up_proj = Linear(
+            config.hidden_size,
+            (config.intermediate_size,) * 2,
+            bias=config.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.down_proj = Linear(
+            config.intermediate_size,
+            config.hidden_size,
+            bias=config.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(hidden_states)))
@@ -101,34 +151,67 @@ class LlamaDecoderLayer(nn.Module):
     token still writes its K/V, but only those rows go through the output projection and the MLP.
     """
 
-    def __init__(self, config: TransformerConfig, backend: AttentionBackend, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
+        )
         self.self_attn = LlamaAttention(config, backend, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
+        )
         self.mlp = LlamaMLP(config, dtype=dtype, device=device)
 
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, kv_cache_layer: torch.Tensor, metadata: Any,
-                output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_states, residual = self.input_layernorm.forward_with_residual(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin, kv_cache_layer, metadata, output_rows)
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: Any,
+        output_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, residual = self.input_layernorm.forward_with_residual(
+            hidden_states, residual
+        )
+        hidden_states = self.self_attn(
+            hidden_states, cos, sin, kv_cache_layer, metadata, output_rows
+        )
         if output_rows is not None:
             residual = residual.index_select(0, output_rows)
-        hidden_states, residual = self.post_attention_layernorm.forward_with_residual(hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm.forward_with_residual(
+            hidden_states, residual
+        )
         return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm (parameter names follow the checkpoint's `model.*`)."""
 
-    def __init__(self, config: TransformerConfig, backend: AttentionBackend, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend, dtype=dtype, device=device)
-                                    for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, backend, dtype=dtype, device=device)
+            for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
 
 
@@ -142,8 +225,14 @@ class LlamaForCausalLM(nn.Module):
     per forward (one metadata per distinct sliding window) and shared by all layers.
     """
 
-    def __init__(self, config: TransformerConfig, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 attention_backend: str = "torch") -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        attention_backend: str = "torch",
+    ) -> None:
         super().__init__()
         self.config = config
         self.vocab_size = config.vocab_size
@@ -153,20 +242,37 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.attention_backend: AttentionBackend = get_attention_backend(attention_backend)(
-            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim, scale=config.head_dim ** -0.5)
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            scale=config.head_dim**-0.5,
+        )
         self.model = LlamaModel(config, self.attention_backend, dtype=dtype, device=self.device)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype, device=self.device,
-                              tied_to=self.model.embed_tokens if config.tie_word_embeddings else None)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                          config.rope_scaling, device=self.device)
-        self._layer_windows = [config.layer_sliding_window(i) for i in range(config.num_hidden_layers)]
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            device=self.device,
+            tied_to=self.model.embed_tokens if config.tie_word_embeddings else None,
+        )
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            device=self.device,
+        )
+        self._layer_windows = [
+            config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
+        ]
 
     # ------------------------------------------------------------------------------------------ KV cache
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """A zeroed cache `[num_layers, *backend.kv_cache_shape(...)]` (torch backend: `[layers, 2, kv_heads,
         blocks, block_size, head_dim]`); zeros because padding that attention masks out must still be finite."""
-        layer_shape = self.attention_backend.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        layer_shape = self.attention_backend.kv_cache_shape(
+            num_blocks, block_size, self.num_kv_heads, self.head_dim
+        )
         return torch.zeros((self.num_layers, *layer_shape), dtype=self.dtype, device=self.device)
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
@@ -177,8 +283,10 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run the batch's tokens, fill their KV slots, and return float32 logits `[num_sampled, vocab_size]`."""
-        metadata_by_window = {window: self.attention_backend.build_metadata(batch, window)
-                              for window in set(self._layer_windows)}
+        metadata_by_window = {
+            window: self.attention_backend.build_metadata(batch, window)
+            for window in set(self._layer_windows)
+        }
         max_position = int(batch.seq_lens.max()) - 1 if batch.num_reqs else 0
         cos, sin = self.rotary_emb.cos_sin(batch.positions, self.dtype, max_position)
         logits_indices = batch.logits_indices.to(torch.int64)
@@ -186,16 +294,24 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         last_layer = self.num_layers - 1
         for layer_index, layer in enumerate(self.model.layers):
-            hidden_states, residual = layer(hidden_states, residual, cos, sin, kv_cache[layer_index],
-                                            metadata_by_window[self._layer_windows[layer_index]],
-                                            logits_indices if layer_index == last_layer else None)
+            hidden_states, residual = layer(
+                hidden_states,
+                residual,
+                cos,
+                sin,
+                kv_cache[layer_index],
+                metadata_by_window[self._layer_windows[layer_index]],
+                logits_indices if layer_index == last_layer else None,
+            )
         if residual is None:  # no layers
             hidden_states = hidden_states.index_select(0, logits_indices)
         hidden_states, _ = self.model.norm.forward_with_residual(hidden_states, residual)
         return self.lm_head(hidden_states)
 
     # ------------------------------------------------------------------------------------------ weights
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> None:
         """Copy Hugging Face-named tensors in (fusing q/k/v and gate/up, casting to `dtype`).
 
         Raises one ValueError naming every unexpected name, shape mismatch and (when `strict`, as for a whole
@@ -203,7 +319,9 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
-        expected = {(name, shard) for name in params for shard in range(self._num_shards(name, modules))}
+        expected = {
+            (name, shard) for name in params for shard in range(self._num_shards(name, modules))
+        }
         loaded: set[tuple[str, int]] = set()
         unexpected: list[str] = []
         mismatched: list[str] = []
@@ -220,8 +338,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             destination = self._destination(params[name], name, shard, modules)
             if tuple(destination.shape) != tuple(tensor.shape):
-                mismatched.append(f"{checkpoint_name}: checkpoint {tuple(tensor.shape)}, "
-                                  f"model {tuple(destination.shape)}")
+                mismatched.append(
+                    f"{checkpoint_name}: checkpoint {tuple(tensor.shape)}, "
+                    f"model {tuple(destination.shape)}"
+                )
                 continue
             with torch.no_grad():
                 destination.copy_(tensor)
@@ -238,22 +358,34 @@ class LlamaForCausalLM(nn.Module):
         return len(module.output_sizes) if isinstance(module, Linear) else 1
 
     @staticmethod
-    def _destination(param: torch.Tensor, name: str, shard: int, modules: dict[str, nn.Module]) -> torch.Tensor:
+    def _destination(
+        param: torch.Tensor, name: str, shard: int, modules: dict[str, nn.Module]
+    ) -> torch.Tensor:
         module = modules[name.rsplit(".", 1)[0]]
         if isinstance(module, Linear):
             return param.data[module.shard_rows(shard)]
         return param.data
 
-    def _tie_if_lm_head_absent(self, expected: set[tuple[str, int]], loaded: set[tuple[str, int]]) -> None:
+    def _tie_if_lm_head_absent(
+        self, expected: set[tuple[str, int]], loaded: set[tuple[str, int]]
+    ) -> None:
         """A checkpoint without `lm_head.weight` ties the head to the embedding (as transformers does)."""
         lm_head = ("lm_head.weight", 0)
-        if lm_head in expected and lm_head not in loaded and ("model.embed_tokens.weight", 0) in loaded:
-            logger.warning("checkpoint has no lm_head.weight: tying the LM head to the token embedding")
+        if (
+            lm_head in expected
+            and lm_head not in loaded
+            and ("model.embed_tokens.weight", 0) in loaded
+        ):
+            logger.warning(
+                "checkpoint has no lm_head.weight: tying the LM head to the token embedding"
+            )
             self.lm_head.tie(self.model.embed_tokens)
             expected.discard(lm_head)
 
     @staticmethod
-    def _raise_on_load_errors(unexpected: list[str], mismatched: list[str], missing: set[tuple[str, int]]) -> None:
+    def _raise_on_load_errors(
+        unexpected: list[str], mismatched: list[str], missing: set[tuple[str, int]]
+    ) -> None:
         problems = []
         if unexpected:
             problems.append(f"unexpected parameters: {', '.join(unexpected)}")

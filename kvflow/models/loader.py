@@ -23,7 +23,13 @@ logger = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "bf16": "bfloat16", "half": "float16", "fp16": "float16"}
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "half": "float16",
+    "fp16": "float16",
+}
 
 
 def resolve_dtype(dtype: str, config: TransformerConfig) -> torch.dtype:
@@ -33,8 +39,10 @@ def resolve_dtype(dtype: str, config: TransformerConfig) -> torch.dtype:
         name = (config.torch_dtype or "float32").removeprefix("torch.")
         name = _DTYPE_ALIASES.get(name, name)
         if name not in _DTYPES:
-            raise ValueError(f"dtype 'auto': the checkpoint's torch_dtype {config.torch_dtype!r} is not supported; "
-                             f"pass dtype as one of {', '.join(_DTYPES)}")
+            raise ValueError(
+                f"dtype 'auto': the checkpoint's torch_dtype {config.torch_dtype!r} is not supported; "
+                f"pass dtype as one of {', '.join(_DTYPES)}"
+            )
         return _DTYPES[name]
     if name not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
@@ -49,11 +57,15 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{str(index_file)!r} is not a safetensors index with a 'weight_map': {error}") from error
+            raise ValueError(
+                f"{str(index_file)!r} is not a safetensors index with a 'weight_map': {error}"
+            ) from error
         files = [path / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if not file.is_file():
-                raise FileNotFoundError(f"shard {str(file)!r} named by {str(index_file)!r} does not exist")
+                raise FileNotFoundError(
+                    f"shard {str(file)!r} named by {str(index_file)!r} does not exist"
+                )
         return files
     single = path / SINGLE_FILE
     if single.is_file():
@@ -77,14 +89,20 @@ def iterate_safetensors_weights(model_path: str | Path) -> Iterator[tuple[str, t
             raise ValueError(f"cannot read safetensors file {str(file)!r}: {error}") from error
 
 
-def load_model(model_path: str | Path, dtype: str = "auto", device: torch.device | str = "cpu",
-               attention_backend: str = "torch") -> LlamaForCausalLM:
+def load_model(
+    model_path: str | Path,
+    dtype: str = "auto",
+    device: torch.device | str = "cpu",
+    attention_backend: str = "torch",
+) -> LlamaForCausalLM:
     """Read the config, build the registered model class, load the weights, and return it in eval mode."""
     started = time.perf_counter()
     config = load_hf_config(model_path)
     model_class = get_model_class([config.architecture])
     torch_dtype = resolve_dtype(dtype, config)
-    model = model_class(config, dtype=torch_dtype, device=device, attention_backend=attention_backend)
+    model = model_class(
+        config, dtype=torch_dtype, device=device, attention_backend=attention_backend
+    )
     num_tensors = 0
     num_bytes = 0
 
@@ -98,7 +116,16 @@ def load_model(model_path: str | Path, dtype: str = "auto", device: torch.device
     model.load_weights(counted())
     model.eval()
     num_params = sum(param.numel() for param in model.parameters())
-    logger.info("loaded %s (%s) from %s: %d tensors, %.1f MiB read, %.2fM parameters as %s on %s in %.2fs",
-                config.architecture, attention_backend, model_path, num_tensors, num_bytes / 2**20,
-                num_params / 1e6, torch_dtype, device, time.perf_counter() - started)
+    logger.info(
+        "loaded %s (%s) from %s: %d tensors, %.1f MiB read, %.2fM parameters as %s on %s in %.2fs",
+        config.architecture,
+        attention_backend,
+        model_path,
+        num_tensors,
+        num_bytes / 2**20,
+        num_params / 1e6,
+        torch_dtype,
+        device,
+        time.perf_counter() - started,
+    )
     return model

@@ -22,4 +22,6 @@ def get_model_class(architectures: list[str]) -> type:
 
             return LlamaForCausalLM
     named = ", ".join(repr(name) for name in architectures) or "none"
-    raise ValueError(f"unsupported model architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise ValueError(
+        f"unsupported model architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )

@@ -43,8 +43,9 @@ def next_token(token_ids: Sequence[int], vocab_size: int = DEFAULT_VOCAB_SIZE) -
     return next_token_from_hash(hash_tokens(token_ids), len(token_ids), vocab_size)
 
 
-def reference_tokens(prompt_token_ids: Sequence[int], max_tokens: int,
-                     vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
+def reference_tokens(
+    prompt_token_ids: Sequence[int], max_tokens: int, vocab_size: int = DEFAULT_VOCAB_SIZE
+) -> list[int]:
     """The `max_tokens` tokens the hash model generates for a prompt, without the engine.
 
     Generation never stops early: the model never emits an id >= vocab_size, so the default EOS (50256) never
@@ -87,21 +88,26 @@ class HashModel:
         rows = batch.sampled_req_indices
         seq_lens = batch.seq_lens[rows].to(torch.int64)
         block_tables = batch.block_tables[rows].to(torch.int64)
-        token_ids, segment_ids, exponents = self._read_back(kv_cache, block_tables, seq_lens, batch.block_size)
+        token_ids, segment_ids, exponents = self._read_back(
+            kv_cache, block_tables, seq_lens, batch.block_size
+        )
         terms = token_ids.remainder(MODULUS) * self._powers_of_base(exponents) % MODULUS
         hashes = torch.zeros(rows.shape[0], dtype=torch.int64, device=kv_cache.device)
         hashes.index_add_(0, segment_ids, terms)
         return (hashes % MODULUS * MULTIPLIER + seq_lens) % MODULUS % self.vocab_size
 
     @staticmethod
-    def _read_back(kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _read_back(
+        kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gather positions 0..seq_len-1 of every row through its block table, as one flat tensor.
 
         Returns the tokens, the row of each, and each token's exponent `seq_len - 1 - position` in the hash.
         """
         device = kv_cache.device
-        segment_ids = torch.repeat_interleave(torch.arange(seq_lens.shape[0], device=device), seq_lens)
+        segment_ids = torch.repeat_interleave(
+            torch.arange(seq_lens.shape[0], device=device), seq_lens
+        )
         segment_starts = torch.cumsum(seq_lens, 0) - seq_lens
         positions = torch.arange(segment_ids.shape[0], device=device) - segment_starts[segment_ids]
         blocks = block_tables[segment_ids, positions // block_size]

@@ -39,11 +39,19 @@ _SMALL_SHAPE: dict[str, Any] = {
 # Per variant: the transformers config class and the settings that make it that variant.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
-    "llama3": ("LlamaConfig", {
-        "num_hidden_layers": 3,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64},
-    }),
+    "llama3": (
+        "LlamaConfig",
+        {
+            "num_hidden_layers": 3,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
     "mistral": ("MistralConfig", {"sliding_window": 12, "num_key_value_heads": 1}),
@@ -56,8 +64,14 @@ _FINAL_NORM_SCALE = 4.0
 _SAVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def make_tiny_checkpoint(path: str | Path, architecture: str, *, seed: int = 0, dtype: str = "float32",
-                         **config_overrides: Any) -> Path:
+def make_tiny_checkpoint(
+    path: str | Path,
+    architecture: str,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    **config_overrides: Any,
+) -> Path:
     """Write a random `architecture` checkpoint ("llama", "llama3", "qwen2", "qwen3", "mistral") to `path`.
 
     `config_overrides` go straight to the transformers config (e.g. `hidden_size=896, num_hidden_layers=24`);
@@ -68,7 +82,9 @@ def make_tiny_checkpoint(path: str | Path, architecture: str, *, seed: int = 0, 
     import transformers
 
     if architecture not in VARIANTS:
-        raise ValueError(f"unknown tiny checkpoint architecture {architecture!r}; known: {', '.join(VARIANTS)}")
+        raise ValueError(
+            f"unknown tiny checkpoint architecture {architecture!r}; known: {', '.join(VARIANTS)}"
+        )
     torch_dtype = _SAVE_DTYPES.get(dtype)
     if torch_dtype is None:
         raise ValueError(f"dtype must be one of {', '.join(_SAVE_DTYPES)}, got {dtype!r}")
@@ -88,8 +104,13 @@ def make_tiny_checkpoint(path: str | Path, architecture: str, *, seed: int = 0, 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
-    logger.info("wrote a %s checkpoint (%d parameters, %s) to %s", architecture,
-                sum(param.numel() for param in model.parameters()), dtype, folder)
+    logger.info(
+        "wrote a %s checkpoint (%d parameters, %s) to %s",
+        architecture,
+        sum(param.numel() for param in model.parameters()),
+        dtype,
+        folder,
+    )
     return folder
 
 
@@ -111,7 +132,9 @@ def load_hf_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTr
     return model.eval()
 
 
-def hf_logits(path: str | Path, token_ids: list[int], model: PreTrainedModel | None = None) -> torch.Tensor:
+def hf_logits(
+    path: str | Path, token_ids: list[int], model: PreTrainedModel | None = None
+) -> torch.Tensor:
     """transformers' logits `[len(token_ids), vocab_size]` (as float32) for one sequence, in one forward.
 
     `model` (from `load_hf_model`) avoids reloading the checkpoint; without it a float32 model is loaded.
@@ -121,15 +144,21 @@ def hf_logits(path: str | Path, token_ids: list[int], model: PreTrainedModel | N
         return model(input_ids=torch.tensor([token_ids]), use_cache=False).logits[0].float()
 
 
-def hf_greedy(path: str | Path, prompt_token_ids: list[int], max_new_tokens: int,
-              model: PreTrainedModel | None = None) -> list[int]:
+def hf_greedy(
+    path: str | Path,
+    prompt_token_ids: list[int],
+    max_new_tokens: int,
+    model: PreTrainedModel | None = None,
+) -> list[int]:
     """transformers' greedy continuation of a prompt: exactly `max_new_tokens` tokens (no EOS stop).
 
     Runs a float32 model loaded from `path` unless `model` (from `load_hf_model`) is given.
     """
     model = model if model is not None else load_hf_model(path)
     # transformers 5 renamed `past_key_values` to `cache` (argument and output field).
-    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_name = (
+        "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    )
     generated: list[int] = []
     with torch.no_grad():
         output = model(input_ids=torch.tensor([prompt_token_ids]), use_cache=True)
@@ -137,6 +166,9 @@ def hf_greedy(path: str | Path, prompt_token_ids: list[int], max_new_tokens: int
             next_token = int(output.logits[0, -1].argmax())
             generated.append(next_token)
             if step + 1 < max_new_tokens:
-                output = model(input_ids=torch.tensor([[next_token]]), use_cache=True,
-                               **{cache_name: getattr(output, cache_name)})
+                output = model(
+                    input_ids=torch.tensor([[next_token]]),
+                    use_cache=True,
+                    **{cache_name: getattr(output, cache_name)},
+                )
     return generated

@@ -68,9 +68,19 @@ class ModelRunner:
       * each step costs O(scheduled tokens + batch requests * blocks in the batch), never O(request history).
     """
 
-    def __init__(self, model: RunnerModel, *, max_num_reqs: int, max_model_len: int, block_size: int,
-                 num_blocks: int, use_v2_model_runner: bool = True, device: str | torch.device = "cpu",
-                 eos_token_id: int | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: RunnerModel,
+        *,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        num_blocks: int,
+        use_v2_model_runner: bool = True,
+        device: str | torch.device = "cpu",
+        eos_token_id: int | None = None,
+        seed: int = 0,
+    ) -> None:
         self.model = model
         self.eos_token_id = eos_token_id
         self.sampler = Sampler(seed)
@@ -78,7 +88,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.use_v2_model_runner = use_v2_model_runner
         self.device = torch.device(device)
-        self.slots = RequestSlots(max_num_reqs, max_model_len, int(_cdiv(max_model_len, block_size)))
+        self.slots = RequestSlots(
+            max_num_reqs, max_model_len, int(_cdiv(max_model_len, block_size))
+        )
         self.parked: dict[str, _ParkedRequest] = {}
         self.kv_cache = model.make_kv_cache(num_blocks, block_size).to(self.device)
 
@@ -107,9 +119,11 @@ class ModelRunner:
                 self.slots.remove(req_id)
             elif req_id in self.slots:
                 index = self.slots.req_id_to_index[req_id]
-                self.parked[req_id] = _ParkedRequest(self.slots.get_token_ids(req_id),
-                                                     self.slots.sampling_params[index],
-                                                     int(self.slots.num_prompt_tokens[index]))
+                self.parked[req_id] = _ParkedRequest(
+                    self.slots.get_token_ids(req_id),
+                    self.slots.sampling_params[index],
+                    int(self.slots.num_prompt_tokens[index]),
+                )
                 self.slots.remove(req_id)
 
     # ------------------------------------------------------------------------------------------ b. add
@@ -118,40 +132,68 @@ class ModelRunner:
         for new_req in new_reqs:
             self.slots.remove(new_req.req_id)
             self.parked.pop(new_req.req_id, None)
-            token_ids = new_req.prefill_token_ids if new_req.prefill_token_ids is not None \
+            token_ids = (
+                new_req.prefill_token_ids
+                if new_req.prefill_token_ids is not None
                 else new_req.prompt_token_ids
-            self.slots.add(new_req.req_id, token_ids, new_req.block_ids[0], new_req.num_computed_tokens,
-                           new_req.sampling_params, num_prompt_tokens=len(new_req.prompt_token_ids))
+            )
+            self.slots.add(
+                new_req.req_id,
+                token_ids,
+                new_req.block_ids[0],
+                new_req.num_computed_tokens,
+                new_req.sampling_params,
+                num_prompt_tokens=len(new_req.prompt_token_ids),
+            )
 
     # ------------------------------------------------------------------------------------------ c. update
     def _update_cached_requests(self, cached: CachedRequestData) -> None:
         """Apply block, token and progress updates to requests the worker already holds."""
         num_reqs = len(cached.req_ids)
-        lengths = (len(cached.new_token_ids), len(cached.new_block_ids), len(cached.num_computed_tokens))
-        assert lengths == (num_reqs,) * 3, f"CachedRequestData lists are not parallel: {num_reqs}, {lengths}"
+        lengths = (
+            len(cached.new_token_ids),
+            len(cached.new_block_ids),
+            len(cached.num_computed_tokens),
+        )
+        assert lengths == (num_reqs,) * 3, (
+            f"CachedRequestData lists are not parallel: {num_reqs}, {lengths}"
+        )
         for i, req_id in enumerate(cached.req_ids):
-            index = self._apply_cached_blocks(req_id, cached.new_block_ids[i], req_id in cached.resumed_req_ids)
+            index = self._apply_cached_blocks(
+                req_id, cached.new_block_ids[i], req_id in cached.resumed_req_ids
+            )
             num_computed_tokens = cached.num_computed_tokens[i]
             if req_id in cached.all_token_ids:
                 self.slots.write_tokens(index, 0, cached.all_token_ids[req_id])
-            elif cached.new_token_ids[i]:  # a streaming session's next chunk: all of it is prompt now
+            elif cached.new_token_ids[
+                i
+            ]:  # a streaming session's next chunk: all of it is prompt now
                 self.slots.write_tokens(index, num_computed_tokens, cached.new_token_ids[i])
                 self.slots.num_prompt_tokens[index] = self.slots.num_tokens[index]
             self.slots.set_num_computed_tokens(index, num_computed_tokens)
 
-    def _apply_cached_blocks(self, req_id: str, new_block_ids: tuple[list[int], ...] | None,
-                             resumed: bool) -> int:
+    def _apply_cached_blocks(
+        self, req_id: str, new_block_ids: tuple[list[int], ...] | None, resumed: bool
+    ) -> int:
         """Replace (resumed) or extend the request's block table; returns its slot index."""
         if resumed:
             assert new_block_ids is not None, f"resumed request {req_id!r} came without block ids"
             parked = self.parked.pop(req_id, None)
             if parked is not None:
-                return self.slots.add(req_id, parked.token_ids, new_block_ids[0], 0, parked.sampling_params,
-                                      num_prompt_tokens=parked.num_prompt_tokens)
+                return self.slots.add(
+                    req_id,
+                    parked.token_ids,
+                    new_block_ids[0],
+                    0,
+                    parked.sampling_params,
+                    num_prompt_tokens=parked.num_prompt_tokens,
+                )
             index = self._index_of(req_id)
             self.slots.set_block_ids(index, new_block_ids[0])
             return index
-        assert req_id not in self.parked, f"preempted request {req_id!r} was scheduled without being resumed"
+        assert req_id not in self.parked, (
+            f"preempted request {req_id!r} was scheduled without being resumed"
+        )
         index = self._index_of(req_id)
         if new_block_ids is not None:
             self.slots.append_block_ids(index, new_block_ids[0])
@@ -163,10 +205,14 @@ class ModelRunner:
         return index
 
     # ------------------------------------------------------------------------------------------ d. inputs
-    def _prepare_inputs(self, num_scheduled_tokens: dict[str, int]) -> tuple[BatchInputs, _StepArrays]:
+    def _prepare_inputs(
+        self, num_scheduled_tokens: dict[str, int]
+    ) -> tuple[BatchInputs, _StepArrays]:
         """Build the batch tensors with vectorised gathers over the slot arrays (O(scheduled tokens))."""
         req_ids = list(num_scheduled_tokens)
-        slot_indices = np.fromiter((self._index_of(req_id) for req_id in req_ids), np.int64, len(req_ids))
+        slot_indices = np.fromiter(
+            (self._index_of(req_id) for req_id in req_ids), np.int64, len(req_ids)
+        )
         num_scheduled = np.fromiter(num_scheduled_tokens.values(), np.int64, len(req_ids))
         start = self.slots.num_computed_tokens[slot_indices]
         seq_lens = start + num_scheduled
@@ -178,7 +224,9 @@ class ModelRunner:
         positions = np.arange(query_start_loc[-1]) - query_start_loc[token_rows] + start[token_rows]
         token_slots = slot_indices[token_rows]
         input_ids = self.slots.token_ids[token_slots, positions]
-        block_ids = self.slots.block_table[token_slots, positions // self.block_size].astype(np.int64)
+        block_ids = self.slots.block_table[token_slots, positions // self.block_size].astype(
+            np.int64
+        )
         slot_mapping = block_ids * self.block_size + positions % self.block_size
 
         samples = (num_scheduled > 0) & (seq_lens >= self.slots.num_tokens[slot_indices])
@@ -197,14 +245,20 @@ class ModelRunner:
         )
         return batch, _StepArrays(slot_indices, num_scheduled, sampled_rows)
 
-    def _check_scheduled(self, req_ids: list[str], slot_indices: np.ndarray, seq_lens: np.ndarray) -> None:
+    def _check_scheduled(
+        self, req_ids: list[str], slot_indices: np.ndarray, seq_lens: np.ndarray
+    ) -> None:
         """Refuse to read tokens the worker does not have or KV slots outside the request's blocks."""
         over_tokens = np.flatnonzero(seq_lens > self.slots.num_tokens[slot_indices])
-        assert over_tokens.size == 0, \
+        assert over_tokens.size == 0, (
             f"scheduled past the worker's known tokens: {[req_ids[i] for i in over_tokens]}"
-        over_blocks = np.flatnonzero(_cdiv(seq_lens, self.block_size) > self.slots.num_blocks[slot_indices])
-        assert over_blocks.size == 0, \
+        )
+        over_blocks = np.flatnonzero(
+            _cdiv(seq_lens, self.block_size) > self.slots.num_blocks[slot_indices]
+        )
+        assert over_blocks.size == 0, (
             f"scheduled tokens without KV blocks: {[req_ids[i] for i in over_blocks]}"
+        )
 
     def _batch_block_tables(self, slot_indices: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
         """The batch's block tables, as wide as its longest sequence needs; entries past a row's blocks are 0."""
@@ -217,7 +271,9 @@ class ModelRunner:
         return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------------------------------ e. sample
-    def _sample(self, model_output: torch.Tensor, batch: BatchInputs, arrays: _StepArrays) -> SamplerOutput:
+    def _sample(
+        self, model_output: torch.Tensor, batch: BatchInputs, arrays: _StepArrays
+    ) -> SamplerOutput:
         """Token ids from a self-sampling model pass through; logits go through the batched `Sampler`."""
         num_sampled = int(batch.logits_indices.shape[0])
         if model_output.dim() == 1 and not model_output.is_floating_point():
@@ -240,8 +296,9 @@ class ModelRunner:
         return self.sampler(model_output, metadata)
 
     # ------------------------------------------------------------------------------------------ f. update
-    def _update_states(self, batch: BatchInputs, arrays: _StepArrays,
-                       sampler_output: SamplerOutput) -> ModelRunnerOutput:
+    def _update_states(
+        self, batch: BatchInputs, arrays: _StepArrays, sampler_output: SamplerOutput
+    ) -> ModelRunnerOutput:
         """Advance progress, append each sampled token to its request's buffer, and report the samples.
 
         Logprob rows are re-indexed from sampled rows to batch rows (partial prefills get empty rows)."""
@@ -255,7 +312,9 @@ class ModelRunner:
             req_ids=batch.req_ids,
             req_id_to_index={req_id: i for i, req_id in enumerate(batch.req_ids)},
             sampled_token_ids=sampled_token_ids,
-            logprobs=_logprobs_by_batch_row(sampler_output.logprobs, arrays.sampled_rows, batch.num_reqs),
+            logprobs=_logprobs_by_batch_row(
+                sampler_output.logprobs, arrays.sampled_rows, batch.num_reqs
+            ),
         )
 
     def _append_sampled(self, slot_indices: np.ndarray, token_ids: np.ndarray) -> None:
@@ -266,8 +325,9 @@ class ModelRunner:
         self.slots.num_tokens[slot_indices[fits]] += 1
 
 
-def _logprobs_by_batch_row(logprobs: LogprobsLists | None, sampled_rows: np.ndarray,
-                           num_reqs: int) -> LogprobsLists | None:
+def _logprobs_by_batch_row(
+    logprobs: LogprobsLists | None, sampled_rows: np.ndarray, num_reqs: int
+) -> LogprobsLists | None:
     """Spread the sampler's per-sampled-row logprobs over the batch's rows (empty rows where nothing sampled)."""
     if logprobs is None:
         return None

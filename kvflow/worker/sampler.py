@@ -81,8 +81,12 @@ class SamplingMetadata:
     @property
     def is_plain_greedy(self) -> bool:
         """All rows greedy with nothing to apply before the argmax and no logprobs: the argmax-only fast path."""
-        return (self.all_greedy and self.penalties is None and self.min_tokens_mask is None
-                and self.max_num_logprobs is None)
+        return (
+            self.all_greedy
+            and self.penalties is None
+            and self.min_tokens_mask is None
+            and self.max_num_logprobs is None
+        )
 
 
 @dataclass
@@ -111,7 +115,9 @@ def build_sampling_metadata(
     The cost is O(rows) plus O(history of the rows that use penalties).
     """
     num_rows = len(params)
-    positions = np.asarray(num_tokens, dtype=np.int64) - np.asarray(num_prompt_tokens, dtype=np.int64)
+    positions = np.asarray(num_tokens, dtype=np.int64) - np.asarray(
+        num_prompt_tokens, dtype=np.int64
+    )
     temperature = np.array([p.temperature for p in params], dtype=np.float32)
     greedy = temperature < _SAMPLING_EPS
     random_rows = ~greedy
@@ -124,26 +130,45 @@ def build_sampling_metadata(
         num_logprobs=[p.logprobs for p in params],
     )
     _fill_truncation(metadata, params, random_rows, vocab_size, device)
-    metadata.penalties = _build_penalties(params, token_ids, np.asarray(slot_indices, dtype=np.int64),
-                                          np.asarray(num_prompt_tokens, dtype=np.int64),
-                                          np.asarray(num_tokens, dtype=np.int64), vocab_size, device)
-    metadata.min_tokens_mask = _build_min_tokens_mask(params, positions, vocab_size, eos_token_id, device)
+    metadata.penalties = _build_penalties(
+        params,
+        token_ids,
+        np.asarray(slot_indices, dtype=np.int64),
+        np.asarray(num_prompt_tokens, dtype=np.int64),
+        np.asarray(num_tokens, dtype=np.int64),
+        vocab_size,
+        device,
+    )
+    metadata.min_tokens_mask = _build_min_tokens_mask(
+        params, positions, vocab_size, eos_token_id, device
+    )
     for row in np.flatnonzero(random_rows).tolist():
         seed = params[row].seed
         if seed is not None:
             metadata.generators[row] = _seeded_generator(seed, int(positions[row]), device)
     metadata.logprob_rows = [row for row, k in enumerate(metadata.num_logprobs) if k is not None]
-    metadata.max_num_logprobs = max((k for k in metadata.num_logprobs if k is not None), default=None)
+    metadata.max_num_logprobs = max(
+        (k for k in metadata.num_logprobs if k is not None), default=None
+    )
     return metadata
 
 
-def _fill_truncation(metadata: SamplingMetadata, params: Sequence[SamplingParams], random_rows: np.ndarray,
-                     vocab_size: int, device: torch.device) -> None:
+def _fill_truncation(
+    metadata: SamplingMetadata,
+    params: Sequence[SamplingParams],
+    random_rows: np.ndarray,
+    vocab_size: int,
+    device: torch.device,
+) -> None:
     """Set top-k / top-p / min-p tensors when some random row uses them (neutral values elsewhere)."""
     top_k = np.array([p.top_k for p in params], dtype=np.int64)
     top_k = np.where(random_rows & (top_k > 0) & (top_k < vocab_size), top_k, vocab_size)
-    top_p = np.where(random_rows, np.array([p.top_p for p in params], dtype=np.float32), np.float32(1.0))
-    min_p = np.where(random_rows, np.array([p.min_p for p in params], dtype=np.float32), np.float32(0.0))
+    top_p = np.where(
+        random_rows, np.array([p.top_p for p in params], dtype=np.float32), np.float32(1.0)
+    )
+    min_p = np.where(
+        random_rows, np.array([p.min_p for p in params], dtype=np.float32), np.float32(0.0)
+    )
     if (top_k < vocab_size).any():
         metadata.top_k = _to_device(top_k, device)
     if (top_p < 1.0).any():
@@ -152,9 +177,15 @@ def _fill_truncation(metadata: SamplingMetadata, params: Sequence[SamplingParams
         metadata.min_p = _to_device(min_p.astype(np.float32), device)
 
 
-def _build_penalties(params: Sequence[SamplingParams], token_ids: np.ndarray, slot_indices: np.ndarray,
-                     num_prompt_tokens: np.ndarray, num_tokens: np.ndarray, vocab_size: int,
-                     device: torch.device) -> PenaltyMetadata | None:
+def _build_penalties(
+    params: Sequence[SamplingParams],
+    token_ids: np.ndarray,
+    slot_indices: np.ndarray,
+    num_prompt_tokens: np.ndarray,
+    num_tokens: np.ndarray,
+    vocab_size: int,
+    device: torch.device,
+) -> PenaltyMetadata | None:
     """Prompt masks and output counts for the rows with a penalty, by padded gathers and one scatter each."""
     repetition = np.array([p.repetition_penalty for p in params], dtype=np.float32)
     frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)
@@ -163,14 +194,20 @@ def _build_penalties(params: Sequence[SamplingParams], token_ids: np.ndarray, sl
     if rows.size == 0:
         return None
     slots, prompt_lens = slot_indices[rows], num_prompt_tokens[rows]
-    prompt_ids = _gather_padded(token_ids, slots, np.zeros_like(prompt_lens), prompt_lens, vocab_size)
-    output_ids = _gather_padded(token_ids, slots, prompt_lens, num_tokens[rows] - prompt_lens, vocab_size)
+    prompt_ids = _gather_padded(
+        token_ids, slots, np.zeros_like(prompt_lens), prompt_lens, vocab_size
+    )
+    output_ids = _gather_padded(
+        token_ids, slots, prompt_lens, num_tokens[rows] - prompt_lens, vocab_size
+    )
     # Column `vocab_size` collects the padding and is sliced off.
     prompt_mask = torch.zeros(rows.size, vocab_size + 1, dtype=torch.bool, device=device)
     prompt_mask.scatter_(1, _to_device(prompt_ids, device), True)
     output_index = _to_device(output_ids, device)
     output_counts = torch.zeros(rows.size, vocab_size + 1, dtype=torch.float32, device=device)
-    output_counts.scatter_add_(1, output_index, torch.ones(output_index.shape, dtype=torch.float32, device=device))
+    output_counts.scatter_add_(
+        1, output_index, torch.ones(output_index.shape, dtype=torch.float32, device=device)
+    )
     return PenaltyMetadata(
         rows=_to_device(rows.astype(np.int64), device),
         repetition_penalties=_to_device(repetition[rows], device),
@@ -181,8 +218,9 @@ def _build_penalties(params: Sequence[SamplingParams], token_ids: np.ndarray, sl
     )
 
 
-def _gather_padded(token_ids: np.ndarray, slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-                   pad_id: int) -> np.ndarray:
+def _gather_padded(
+    token_ids: np.ndarray, slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray, pad_id: int
+) -> np.ndarray:
     """`token_ids[slot, start:start + length]` per row as one `[rows, max length]` array padded with `pad_id`.
 
     Ids outside `[0, pad_id)` (the vocabulary) are replaced by `pad_id` too.
@@ -195,8 +233,13 @@ def _gather_padded(token_ids: np.ndarray, slots: np.ndarray, starts: np.ndarray,
     return np.where(valid, ids, pad_id).astype(np.int64)
 
 
-def _build_min_tokens_mask(params: Sequence[SamplingParams], positions: np.ndarray, vocab_size: int,
-                           eos_token_id: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _build_min_tokens_mask(
+    params: Sequence[SamplingParams],
+    positions: np.ndarray,
+    vocab_size: int,
+    eos_token_id: int | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, token ids) of the EOS and stop tokens of rows that have not yet produced `min_tokens` outputs."""
     rows: list[int] = []
     banned: list[int] = []
@@ -212,8 +255,10 @@ def _build_min_tokens_mask(params: Sequence[SamplingParams], positions: np.ndarr
                 banned.append(token_id)
     if not rows:
         return None
-    return (torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(banned, dtype=torch.int64, device=device))
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(banned, dtype=torch.int64, device=device),
+    )
 
 
 def _seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
@@ -243,7 +288,9 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- logits processing
-def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def apply_min_tokens(
+    logits: torch.Tensor, min_tokens_mask: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     """Set each (row, token id) pair of `min_tokens_mask` to -inf, in place; returns `logits`."""
     rows, token_ids = min_tokens_mask
     logits[rows, token_ids] = float("-inf")
@@ -277,7 +324,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(logits < threshold[:, None], float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Keep each row's `top_k` most likely tokens, then the smallest prefix of those with mass >= `top_p`.
 
     In place; returns `logits`. Top-p is measured on the distribution renormalised after top-k (vLLM). Ties at
@@ -316,8 +365,9 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows, \
+        assert logits.dim() == 2 and logits.shape[0] == metadata.num_rows, (
             f"logits {tuple(logits.shape)} do not match {metadata.num_rows} sampled rows"
+        )
         if metadata.num_rows == 0:
             return SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
         logits = logits.float()
@@ -330,8 +380,14 @@ class Sampler:
             sampled = self._sample_random(processed, metadata)
         else:
             greedy_ids = processed.argmax(dim=-1)
-            sampled = torch.where(metadata.greedy, greedy_ids, self._sample_random(processed, metadata))
-        logprobs = None if metadata.max_num_logprobs is None else compute_logprobs(logits, sampled, metadata)
+            sampled = torch.where(
+                metadata.greedy, greedy_ids, self._sample_random(processed, metadata)
+            )
+        logprobs = (
+            None
+            if metadata.max_num_logprobs is None
+            else compute_logprobs(logits, sampled, metadata)
+        )
         return SamplerOutput(sampled, logprobs)
 
     @staticmethod
@@ -374,7 +430,9 @@ class Sampler:
         return generator
 
 
-def compute_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, metadata: SamplingMetadata) -> LogprobsLists:
+def compute_logprobs(
+    raw_logits: torch.Tensor, sampled: torch.Tensor, metadata: SamplingMetadata
+) -> LogprobsLists:
     """The sampled token's logprob, then the top-`logprobs` tokens, from `log_softmax(raw_logits)` (float32).
 
     `sampled_token_ranks` holds the 1-based rank of the sampled token (1 + the number of tokens with a strictly
@@ -390,13 +448,18 @@ def compute_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, metadata: 
     logprobs = row_logits.float().log_softmax(dim=-1)
     sampled_logprobs = logprobs.gather(1, row_sampled[:, None])
     ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
-    top_logprobs, top_ids = logprobs.topk(min(metadata.max_num_logprobs, logprobs.shape[-1]), dim=-1)
+    top_logprobs, top_ids = logprobs.topk(
+        min(metadata.max_num_logprobs, logprobs.shape[-1]), dim=-1
+    )
     ids_list = torch.cat([row_sampled[:, None], top_ids], dim=1).tolist()
     values_list = torch.cat([sampled_logprobs, top_logprobs], dim=1).tolist()
     ranks_list = ranks.tolist()
 
-    result = LogprobsLists([[] for _ in range(metadata.num_rows)], [[] for _ in range(metadata.num_rows)],
-                           [-1] * metadata.num_rows)
+    result = LogprobsLists(
+        [[] for _ in range(metadata.num_rows)],
+        [[] for _ in range(metadata.num_rows)],
+        [-1] * metadata.num_rows,
+    )
     for i, row in enumerate(rows):
         width = 1 + metadata.num_logprobs[row]  # type: ignore[operator]
         result.logprob_token_ids[row] = ids_list[i][:width]

@@ -42,8 +42,15 @@ class RequestSlots:
         self.req_id_to_index: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------------ take / free
-    def add(self, req_id: str, token_ids: Sequence[int], block_ids: Sequence[int], num_computed_tokens: int,
-            sampling_params: SamplingParams | None = None, num_prompt_tokens: int | None = None) -> int:
+    def add(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        num_computed_tokens: int,
+        sampling_params: SamplingParams | None = None,
+        num_prompt_tokens: int | None = None,
+    ) -> int:
         """Take a free slot for `req_id` and fill it; returns the slot index.
 
         `num_prompt_tokens` (default: all of `token_ids`) marks where the prompt ends and outputs begin (a
@@ -54,10 +61,14 @@ class RequestSlots:
         holds one (callers that mean to replace must `remove` first).
         """
         if req_id in self.req_id_to_index:
-            raise ValueError(f"request {req_id!r} already holds slot {self.req_id_to_index[req_id]}")
+            raise ValueError(
+                f"request {req_id!r} already holds slot {self.req_id_to_index[req_id]}"
+            )
         if not self.free_indices:
             raise AssertionError("No free indices")
-        self._check_fits(req_id, len(token_ids), len(block_ids), num_computed_tokens, num_prompt_tokens)
+        self._check_fits(
+            req_id, len(token_ids), len(block_ids), num_computed_tokens, num_prompt_tokens
+        )
         index = self.free_indices.pop()
         self.req_id_to_index[req_id] = index
         self.req_ids[index] = req_id
@@ -65,25 +76,41 @@ class RequestSlots:
         self.num_tokens[index] = 0
         self.num_blocks[index] = 0
         self.write_tokens(index, 0, token_ids)
-        self.num_prompt_tokens[index] = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        self.num_prompt_tokens[index] = (
+            len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+        )
         self.append_block_ids(index, block_ids)
         self.set_num_computed_tokens(index, num_computed_tokens)
         return index
 
-    def _check_fits(self, req_id: str, num_tokens: int, num_blocks: int, num_computed_tokens: int,
-                    num_prompt_tokens: int | None = None) -> None:
+    def _check_fits(
+        self,
+        req_id: str,
+        num_tokens: int,
+        num_blocks: int,
+        num_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
         """Validate a new request before it takes a slot, so a failed `add` leaves every slot unchanged."""
         if num_tokens > self.max_model_len:
-            raise ValueError(f"request {req_id!r}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"request {req_id!r}: {num_tokens} tokens exceed max_model_len={self.max_model_len}"
+            )
         if num_blocks > self.max_blocks_per_req:
-            raise ValueError(f"request {req_id!r}: {num_blocks} blocks exceed "
-                             f"max_blocks_per_req={self.max_blocks_per_req}")
+            raise ValueError(
+                f"request {req_id!r}: {num_blocks} blocks exceed "
+                f"max_blocks_per_req={self.max_blocks_per_req}"
+            )
         if not 0 <= num_computed_tokens <= num_tokens:
-            raise ValueError(f"request {req_id!r}: num_computed_tokens={num_computed_tokens} is outside "
-                             f"[0, {num_tokens}]")
+            raise ValueError(
+                f"request {req_id!r}: num_computed_tokens={num_computed_tokens} is outside "
+                f"[0, {num_tokens}]"
+            )
         if num_prompt_tokens is not None and not 0 < num_prompt_tokens <= num_tokens:
-            raise ValueError(f"request {req_id!r}: num_prompt_tokens={num_prompt_tokens} is outside "
-                             f"[1, {num_tokens}]")
+            raise ValueError(
+                f"request {req_id!r}: num_prompt_tokens={num_prompt_tokens} is outside "
+                f"[1, {num_tokens}]"
+            )
 
     def remove(self, req_id: str) -> int | None:
         """Give `req_id`'s slot back; returns the freed index, or None (a no-op) for an unknown id."""
@@ -99,10 +126,14 @@ class RequestSlots:
     def write_tokens(self, index: int, start: int, token_ids: Sequence[int]) -> None:
         """Set the slot's tokens to its first `start` tokens followed by `token_ids` (truncate, then extend)."""
         if start > self.num_tokens[index]:
-            raise ValueError(f"slot {index}: cannot write at {start}, it holds {self.num_tokens[index]} tokens")
+            raise ValueError(
+                f"slot {index}: cannot write at {start}, it holds {self.num_tokens[index]} tokens"
+            )
         end = start + len(token_ids)
         if end > self.max_model_len:
-            raise ValueError(f"slot {index}: {end} tokens exceed max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"slot {index}: {end} tokens exceed max_model_len={self.max_model_len}"
+            )
         self.token_ids[index, start:end] = token_ids
         self.num_tokens[index] = end
 
@@ -111,7 +142,9 @@ class RequestSlots:
         start = int(self.num_blocks[index])
         end = start + len(block_ids)
         if end > self.max_blocks_per_req:
-            raise ValueError(f"slot {index}: {end} blocks exceed max_blocks_per_req={self.max_blocks_per_req}")
+            raise ValueError(
+                f"slot {index}: {end} blocks exceed max_blocks_per_req={self.max_blocks_per_req}"
+            )
         self.block_table[index, start:end] = block_ids
         self.num_blocks[index] = end
 
@@ -123,8 +156,10 @@ class RequestSlots:
     def set_num_computed_tokens(self, index: int, num_computed_tokens: int) -> None:
         """Record how many of the slot's tokens have their KV written."""
         if not 0 <= num_computed_tokens <= self.num_tokens[index]:
-            raise ValueError(f"slot {index}: num_computed_tokens={num_computed_tokens} is outside "
-                             f"[0, {self.num_tokens[index]}]")
+            raise ValueError(
+                f"slot {index}: num_computed_tokens={num_computed_tokens} is outside "
+                f"[0, {self.num_tokens[index]}]"
+            )
         self.num_computed_tokens[index] = num_computed_tokens
 
     # ------------------------------------------------------------------------------------------ queries
@@ -141,9 +176,9 @@ class RequestSlots:
     def get_token_ids(self, req_id: str) -> list[int]:
         """The request's known tokens (a copy; for tests and preemption, not for the hot path)."""
         index = self.req_id_to_index[req_id]
-        return self.token_ids[index, :self.num_tokens[index]].tolist()
+        return self.token_ids[index, : self.num_tokens[index]].tolist()
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table (a copy)."""
         index = self.req_id_to_index[req_id]
-        return self.block_table[index, :self.num_blocks[index]].tolist()
+        return self.block_table[index, : self.num_blocks[index]].tolist()

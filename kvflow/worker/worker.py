@@ -30,7 +30,9 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def build_model(model_config: ModelConfig, model_info: ModelInfo, device: torch.device) -> RunnerModel:
+def build_model(
+    model_config: ModelConfig, model_info: ModelInfo, device: torch.device
+) -> RunnerModel:
     """The hash test model, or a Hugging Face checkpoint loaded through `kvflow.models.loader`."""
     if model_info.path is None:
         return HashModel()
@@ -54,7 +56,9 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def determine_num_kv_blocks(engine_config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+def determine_num_kv_blocks(
+    engine_config: EngineConfig, bytes_per_block: int, device: torch.device
+) -> int:
     """`num_kv_blocks` if set; else what `kv_cache_memory_bytes` buys; else `kv_cache_memory_fraction` of free
     memory, capped at the blocks every slot needs at full length (more would only lengthen the prefix cache)."""
     cache_config = engine_config.cache_config
@@ -63,17 +67,22 @@ def determine_num_kv_blocks(engine_config: EngineConfig, bytes_per_block: int, d
     if cache_config.kv_cache_memory_bytes is not None:
         num_blocks = cache_config.kv_cache_memory_bytes // bytes_per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={cache_config.kv_cache_memory_bytes} holds no KV block "
-                             f"({bytes_per_block} bytes each)")
+            raise ValueError(
+                f"kv_cache_memory_bytes={cache_config.kv_cache_memory_bytes} holds no KV block "
+                f"({bytes_per_block} bytes each)"
+            )
         return num_blocks
     scheduler_config = engine_config.scheduler_config
-    blocks_for_all_slots = scheduler_config.max_num_seqs * cdiv(scheduler_config.max_model_len,
-                                                                 cache_config.block_size)
+    blocks_for_all_slots = scheduler_config.max_num_seqs * cdiv(
+        scheduler_config.max_model_len, cache_config.block_size
+    )
     budget = int(available_memory_bytes(device) * cache_config.kv_cache_memory_fraction)
     num_blocks = min(blocks_for_all_slots, budget // bytes_per_block)
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory_fraction={cache_config.kv_cache_memory_fraction} of free memory "
-                         f"({budget} bytes) holds no KV block ({bytes_per_block} bytes each)")
+        raise ValueError(
+            f"kv_cache_memory_fraction={cache_config.kv_cache_memory_fraction} of free memory "
+            f"({budget} bytes) holds no KV block ({bytes_per_block} bytes each)"
+        )
     return num_blocks
 
 
@@ -87,7 +96,9 @@ class Worker:
         block_size = engine_config.cache_config.block_size
         self.engine_config = engine_config
         self.device = resolve_device(model_config.device)
-        self.model_info = model_info if model_info is not None else resolve_model_info(model_config.model)
+        self.model_info = (
+            model_info if model_info is not None else resolve_model_info(model_config.model)
+        )
         self.model = build_model(model_config, self.model_info, self.device)
         bytes_per_block = self.model.kv_cache_bytes_per_block(block_size)
         self.num_kv_blocks = determine_num_kv_blocks(engine_config, bytes_per_block, self.device)
@@ -103,10 +114,17 @@ class Worker:
             seed=model_config.seed,
         )
         num_tokens = self.num_kv_blocks * block_size
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB on %s); max concurrency %.2fx at "
-                    "max_model_len=%d", self.num_kv_blocks, block_size, num_tokens,
-                    self.num_kv_blocks * bytes_per_block / 2**20, self.device,
-                    num_tokens / scheduler_config.max_model_len, scheduler_config.max_model_len)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB on %s); max concurrency %.2fx at "
+            "max_model_len=%d",
+            self.num_kv_blocks,
+            block_size,
+            num_tokens,
+            self.num_kv_blocks * bytes_per_block / 2**20,
+            self.device,
+            num_tokens / scheduler_config.max_model_len,
+            scheduler_config.max_model_len,
+        )
 
     def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
         """Reload weights in place: a checkpoint folder (every parameter) or a state dict with Hugging Face names
@@ -121,7 +139,9 @@ class Worker:
         elif isinstance(weights, Mapping):
             self.model.load_weights(weights.items(), strict=False)  # type: ignore[attr-defined]
         else:
-            raise ValueError(f"weights must be a checkpoint folder or a state dict, got {type(weights).__name__}")
+            raise ValueError(
+                f"weights must be a checkpoint folder or a state dict, got {type(weights).__name__}"
+            )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step."""

@@ -35,12 +35,18 @@ def check_step_invariants(scheduler: Scheduler, output: SchedulerOutput) -> None
     total = sum(output.num_scheduled_tokens.values())
     assert output.total_num_scheduled_tokens == total
     assert total <= scheduler.max_num_scheduled_tokens
-    assert all(num_tokens > 0 for num_tokens in output.num_scheduled_tokens.values()), output.num_scheduled_tokens
+    assert all(num_tokens > 0 for num_tokens in output.num_scheduled_tokens.values()), (
+        output.num_scheduled_tokens
+    )
     assert len(scheduler.running) <= scheduler.max_num_running_reqs
     cached = output.scheduled_cached_reqs
     num_reqs = len(cached.req_ids)
-    assert (len(cached.new_token_ids), len(cached.new_block_ids), len(cached.num_computed_tokens),
-            len(cached.num_output_tokens)) == (num_reqs,) * 4
+    assert (
+        len(cached.new_token_ids),
+        len(cached.new_block_ids),
+        len(cached.num_computed_tokens),
+        len(cached.num_output_tokens),
+    ) == (num_reqs,) * 4
     new_ids = [new_req.req_id for new_req in output.scheduled_new_reqs]
     assert sorted(new_ids + cached.req_ids) == sorted(output.num_scheduled_tokens)
     if scheduler.use_v2_model_runner:
@@ -48,8 +54,9 @@ def check_step_invariants(scheduler: Scheduler, output: SchedulerOutput) -> None
         assert not cached.resumed_req_ids
 
 
-def runner_output(scheduler: Scheduler, output: SchedulerOutput,
-                  token_fn: TokenFn | None = None) -> ModelRunnerOutput:
+def runner_output(
+    scheduler: Scheduler, output: SchedulerOutput, token_fn: TokenFn | None = None
+) -> ModelRunnerOutput:
     """One sampled token for each request that reached the end of its known tokens this step, [] otherwise.
 
     Call right after `schedule()`: `request.num_computed_tokens` is already advanced by the scheduled count.
@@ -66,8 +73,12 @@ def runner_output(scheduler: Scheduler, output: SchedulerOutput,
     return ModelRunnerOutput(req_ids, {req_id: i for i, req_id in enumerate(req_ids)}, sampled)
 
 
-def step(scheduler: Scheduler, token_fn: TokenFn | None = None, slots: WorkerSlots | None = None,
-         worker: SimWorker | None = None) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+def step(
+    scheduler: Scheduler,
+    token_fn: TokenFn | None = None,
+    slots: WorkerSlots | None = None,
+    worker: SimWorker | None = None,
+) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     """schedule() -> model output -> update_from_output(); returns the SchedulerOutput and the engine outputs."""
     output = scheduler.schedule()
     check_step_invariants(scheduler, output)
@@ -81,10 +92,14 @@ def step(scheduler: Scheduler, token_fn: TokenFn | None = None, slots: WorkerSlo
     return output, scheduler.update_from_output(output, model_output)
 
 
-def run_to_completion(scheduler: Scheduler, token_fn: TokenFn | None = None, slots: WorkerSlots | None = None,
-                      worker: SimWorker | None = None, max_steps: int = 10_000,
-                      on_step: Callable[[SchedulerOutput, list[EngineCoreOutput]], None] | None = None,
-                      ) -> dict[str, list[int]]:
+def run_to_completion(
+    scheduler: Scheduler,
+    token_fn: TokenFn | None = None,
+    slots: WorkerSlots | None = None,
+    worker: SimWorker | None = None,
+    max_steps: int = 10_000,
+    on_step: Callable[[SchedulerOutput, list[EngineCoreOutput]], None] | None = None,
+) -> dict[str, list[int]]:
     """Step until no request has work left; returns the tokens each request produced (in order)."""
     tokens: dict[str, list[int]] = {}
     for _ in range(max_steps):
@@ -101,8 +116,13 @@ def run_to_completion(scheduler: Scheduler, token_fn: TokenFn | None = None, slo
 class SimWorker:
     """A worker for either runner protocol, sampling from tokens read back through the block table."""
 
-    def __init__(self, block_size: int, num_blocks: int, use_v2_model_runner: bool = True,
-                 max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        use_v2_model_runner: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.use_v2_model_runner = use_v2_model_runner
         self.max_model_len = max_model_len
@@ -110,13 +130,19 @@ class SimWorker:
         self.tokens: dict[str, list[int]] = {}
         self.block_table: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
-        self.parked: dict[str, list[int]] = {}  # persistent-batch protocol: preempted requests keep their tokens
+        self.parked: dict[
+            str, list[int]
+        ] = {}  # persistent-batch protocol: preempted requests keep their tokens
         self.num_steps = 0
 
     @classmethod
     def for_scheduler(cls, scheduler: Scheduler) -> SimWorker:
-        return cls(scheduler.block_size, scheduler.kv_cache_manager.num_blocks, scheduler.use_v2_model_runner,
-                   scheduler.max_model_len)
+        return cls(
+            scheduler.block_size,
+            scheduler.kv_cache_manager.num_blocks,
+            scheduler.use_v2_model_runner,
+            scheduler.max_model_len,
+        )
 
     def _drop(self, req_id: str) -> None:
         self.tokens.pop(req_id, None)
@@ -134,8 +160,11 @@ class SimWorker:
             self._drop(req_id)
         for new_req in output.scheduled_new_reqs:
             self.parked.pop(new_req.req_id, None)
-            token_ids = new_req.prefill_token_ids if new_req.prefill_token_ids is not None \
+            token_ids = (
+                new_req.prefill_token_ids
+                if new_req.prefill_token_ids is not None
                 else new_req.prompt_token_ids
+            )
             self.tokens[new_req.req_id] = list(token_ids)
             self.block_table[new_req.req_id] = list(new_req.block_ids[0])
             self.computed[new_req.req_id] = new_req.num_computed_tokens
@@ -144,19 +173,25 @@ class SimWorker:
             num_computed = cached.num_computed_tokens[i]
             if req_id in cached.resumed_req_ids:
                 assert not self.use_v2_model_runner
-                assert cached.new_block_ids[i] is not None, f"resumed {req_id!r} without a block table"
+                assert cached.new_block_ids[i] is not None, (
+                    f"resumed {req_id!r} without a block table"
+                )
                 if req_id in self.parked:
                     self.tokens[req_id] = self.parked.pop(req_id)
                 self.block_table[req_id] = list(cached.new_block_ids[i][0])
             else:
-                assert req_id not in self.parked, f"parked {req_id!r} scheduled without being resumed"
+                assert req_id not in self.parked, (
+                    f"parked {req_id!r} scheduled without being resumed"
+                )
                 assert req_id in self.tokens, f"cached request {req_id!r} unknown to the worker"
                 if cached.new_block_ids[i] is not None:
                     self.block_table[req_id].extend(cached.new_block_ids[i][0])
             if req_id in cached.all_token_ids:
                 self.tokens[req_id] = list(cached.all_token_ids[req_id])
             elif cached.new_token_ids[i]:
-                self.tokens[req_id] = self.tokens[req_id][:num_computed] + list(cached.new_token_ids[i])
+                self.tokens[req_id] = self.tokens[req_id][:num_computed] + list(
+                    cached.new_token_ids[i]
+                )
             self.computed[req_id] = num_computed
 
         # Write every scheduled token first, then sample (as the hash model does).
@@ -165,9 +200,13 @@ class SimWorker:
             start = self.computed[req_id]
             end = start + num_tokens
             tokens = self.tokens[req_id]
-            assert end <= len(tokens), f"{req_id!r}: scheduled past the worker's known tokens ({end} > {len(tokens)})"
+            assert end <= len(tokens), (
+                f"{req_id!r}: scheduled past the worker's known tokens ({end} > {len(tokens)})"
+            )
             table = self.block_table[req_id]
-            assert -(-end // self.block_size) <= len(table), f"{req_id!r}: scheduled tokens without KV blocks"
+            assert -(-end // self.block_size) <= len(table), (
+                f"{req_id!r}: scheduled tokens without KV blocks"
+            )
             for position in range(start, end):
                 self.kv[self._slot(table, position)] = tokens[position]
             self.computed[req_id] = end
@@ -238,6 +277,8 @@ class AsyncDriver:
                 return self.tokens
             if self.scheduler.has_unfinished_requests():
                 self.schedule()
-            while self.in_flight and (len(self.in_flight) >= depth or not self.scheduler.has_unfinished_requests()):
+            while self.in_flight and (
+                len(self.in_flight) >= depth or not self.scheduler.has_unfinished_requests()
+            ):
                 self.update()
         raise AssertionError(f"not done after {max_steps} steps: {self.scheduler.requests}")

@@ -13,17 +13,22 @@ BLOCK_SIZE = 4
 
 
 def make_request(prompt: list[int], request_id: str = "r") -> Request:
-    return Request(request_id, prompt, SamplingParams(), block_hasher=RequestBlockHasher(BLOCK_SIZE))
+    return Request(
+        request_id, prompt, SamplingParams(), block_hasher=RequestBlockHasher(BLOCK_SIZE)
+    )
 
 
 def free_ids(pool: BlockPool) -> list[int]:
     return [block.block_id for block in pool.free_block_queue.get_all_free_blocks()]
 
 
-def cached_blocks(pool: BlockPool, num_blocks: int, prompt: list[int] | None = None,
-                  request_id: str = "r") -> tuple[Request, list[KVCacheBlock]]:
+def cached_blocks(
+    pool: BlockPool, num_blocks: int, prompt: list[int] | None = None, request_id: str = "r"
+) -> tuple[Request, list[KVCacheBlock]]:
     """Allocate `num_blocks` blocks for a request of exactly that many full blocks and register their hashes."""
-    request = make_request(prompt if prompt is not None else list(range(num_blocks * BLOCK_SIZE)), request_id)
+    request = make_request(
+        prompt if prompt is not None else list(range(num_blocks * BLOCK_SIZE)), request_id
+    )
     blocks = pool.get_new_blocks(num_blocks)
     pool.cache_full_blocks(request, blocks, 0, num_blocks)
     return request, blocks

@@ -13,8 +13,13 @@ BLOCK_SIZE = 4
 
 
 def make_request(request_id: str, prompt: list[int], cache_salt: str | None = None) -> Request:
-    return Request(request_id, prompt, SamplingParams(max_tokens=64), block_hasher=RequestBlockHasher(BLOCK_SIZE),
-                   cache_salt=cache_salt)
+    return Request(
+        request_id,
+        prompt,
+        SamplingParams(max_tokens=64),
+        block_hasher=RequestBlockHasher(BLOCK_SIZE),
+        cache_salt=cache_salt,
+    )
 
 
 def make_manager(num_blocks: int = 16, **kwargs) -> KVCacheManager:
@@ -24,7 +29,9 @@ def make_manager(num_blocks: int = 16, **kwargs) -> KVCacheManager:
 def schedule_prefill(manager: KVCacheManager, request: Request) -> KVCacheBlocks | None:
     """What the scheduler does for a new request: look up the prefix, allocate the rest, mark it computed."""
     computed_blocks, num_computed = manager.get_computed_blocks(request)
-    new_blocks = manager.allocate_slots(request, request.num_tokens - num_computed, num_computed, computed_blocks)
+    new_blocks = manager.allocate_slots(
+        request, request.num_tokens - num_computed, num_computed, computed_blocks
+    )
     if new_blocks is not None:
         request.num_computed_tokens = request.num_tokens
     return new_blocks
@@ -122,7 +129,9 @@ def test_get_computed_blocks_stops_at_first_miss():
     first = make_request("a", list(range(12)))
     schedule_prefill(manager, first)
     manager.free(first)
-    _, num_computed = manager.get_computed_blocks(make_request("b", [*range(4), 50, 51, 52, 53, *range(8, 13)]))
+    _, num_computed = manager.get_computed_blocks(
+        make_request("b", [*range(4), 50, 51, 52, 53, *range(8, 13)])
+    )
     assert num_computed == 4
 
 
@@ -136,7 +145,9 @@ def test_get_computed_blocks_misses_on_different_first_block():
 def test_get_computed_blocks_misses_for_different_cache_salt():
     manager = make_manager()
     schedule_prefill(manager, make_request("a", list(range(12)), cache_salt="x"))
-    _, num_computed = manager.get_computed_blocks(make_request("b", list(range(12)), cache_salt="y"))
+    _, num_computed = manager.get_computed_blocks(
+        make_request("b", list(range(12)), cache_salt="y")
+    )
     assert num_computed == 0
 
 
@@ -194,7 +205,9 @@ def test_allocate_slots_exact_multiple_needs_no_extra_block():
 
 def test_allocate_slots_counts_lookahead_tokens():
     manager = make_manager()
-    new_blocks = manager.allocate_slots(make_request("a", list(range(10))), 10, num_lookahead_tokens=3)
+    new_blocks = manager.allocate_slots(
+        make_request("a", list(range(10))), 10, num_lookahead_tokens=3
+    )
     assert len(new_blocks.blocks[0]) == 4
 
 
@@ -269,13 +282,17 @@ def test_allocate_slots_prefix_hit_with_lookahead():
     schedule_prefill(manager, make_request("a", list(range(10))))
     second = make_request("b", list(range(10)))
     computed_blocks, num_computed = manager.get_computed_blocks(second)
-    new_blocks = manager.allocate_slots(second, 2, num_computed, computed_blocks, num_lookahead_tokens=3)
+    new_blocks = manager.allocate_slots(
+        second, 2, num_computed, computed_blocks, num_lookahead_tokens=3
+    )
     assert len(new_blocks.blocks[0]) == 2
 
 
 def test_allocate_slots_max_model_len_caps_allocation():
     manager = make_manager(max_model_len=10)
-    new_blocks = manager.allocate_slots(make_request("a", list(range(8))), 8, num_lookahead_tokens=8)
+    new_blocks = manager.allocate_slots(
+        make_request("a", list(range(8))), 8, num_lookahead_tokens=8
+    )
     assert len(new_blocks.blocks[0]) == 3
 
 
@@ -357,7 +374,9 @@ def test_revived_prefix_hit_blocks_fit_exactly():
 def test_in_use_prefix_hit_blocks_do_not_count_against_free_capacity():
     manager = make_manager(4)
     schedule_prefill(manager, make_request("a", list(range(8))))
-    second = make_request("b", [*range(8), *range(100, 108)])  # 2 shared in-use blocks + 2 new == 2 free
+    second = make_request(
+        "b", [*range(8), *range(100, 108)]
+    )  # 2 shared in-use blocks + 2 new == 2 free
     computed_blocks, num_computed = manager.get_computed_blocks(second)
     assert manager.allocate_slots(second, 8, num_computed, computed_blocks) is not None
 
@@ -459,7 +478,10 @@ def test_cache_blocks_registers_decoded_block_once_full():
     schedule_prefill(manager, request)
     request.append_output_token_ids([100, 101])
     manager.cache_blocks(request, 8)
-    assert manager.block_pool.get_cached_block(request.block_hashes[1]) is manager.req_to_blocks["a"].blocks[1]
+    assert (
+        manager.block_pool.get_cached_block(request.block_hashes[1])
+        is manager.req_to_blocks["a"].blocks[1]
+    )
 
 
 def test_cache_blocks_never_exceeds_allocated_blocks():

@@ -25,10 +25,19 @@ def free_ids(queue: FreeKVCacheBlockQueue) -> list[int]:
     return [block.block_id for block in queue.get_all_free_blocks()]
 
 
-def make_request(prompt: list[int], request_id: str = "r", cache_salt: str | None = None,
-                 block_size: int = BLOCK_SIZE) -> Request:
-    return Request(request_id, prompt, SamplingParams(), block_hasher=RequestBlockHasher(block_size),
-                   cache_salt=cache_salt)
+def make_request(
+    prompt: list[int],
+    request_id: str = "r",
+    cache_salt: str | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> Request:
+    return Request(
+        request_id,
+        prompt,
+        SamplingParams(),
+        block_hasher=RequestBlockHasher(block_size),
+        cache_salt=cache_salt,
+    )
 
 
 # ------------------------------------------------------------------------------------------- KVCacheBlock
@@ -339,7 +348,10 @@ def test_cache_salt_changes_every_hash():
 
 def test_different_salts_hash_differently():
     tokens = list(range(4))
-    assert make_request(tokens, cache_salt="x").block_hashes != make_request(tokens, cache_salt="y").block_hashes
+    assert (
+        make_request(tokens, cache_salt="x").block_hashes
+        != make_request(tokens, cache_salt="y").block_hashes
+    )
 
 
 def test_cache_salt_enters_first_block_only():
@@ -376,5 +388,6 @@ def test_incremental_hashing_in_chunks_matches_fresh_request():
 def test_incremental_hashing_with_salt_matches_fresh_request():
     request = make_request([1, 2], cache_salt="s")
     request.append_output_token_ids([3, 4, 5, 6, 7, 8])
-    assert request.block_hashes == make_request([1, 2, 3, 4, 5, 6, 7, 8], cache_salt="s").block_hashes
-
+    assert (
+        request.block_hashes == make_request([1, 2, 3, 4, 5, 6, 7, 8], cache_salt="s").block_hashes
+    )

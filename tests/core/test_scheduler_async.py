@@ -89,9 +89,13 @@ def test_pipelined_run_produces_reference_tokens(depth):
         scheduler.add_request(make_request(req_id, prompt, max_tokens=1 + int(req_id)))
     driver = AsyncDriver(scheduler, WorkerSlots(3))
     tokens = driver.run(depth=depth)
-    assert tokens == {req_id: reference_tokens(prompt, 1 + int(req_id)) for req_id, prompt in prompts.items()}
+    assert tokens == {
+        req_id: reference_tokens(prompt, 1 + int(req_id)) for req_id, prompt in prompts.items()
+    }
     for req_id, prompt in prompts.items():
-        sampling_frames = sum(1 for output in driver.outputs if req_id in output.num_scheduled_tokens)
+        sampling_frames = sum(
+            1 for output in driver.outputs if req_id in output.num_scheduled_tokens
+        )
         assert sampling_frames <= len(prompt) + 1 + int(req_id)
 
 
@@ -122,7 +126,9 @@ def run_with_forced_reset(frames_in_flight: int, resets: list[str]):
         driver.update()
     for _ in range(frames_in_flight):
         driver.schedule()
-    assert [scheduler.requests[r].num_output_placeholders for r in prompts] == [frames_in_flight] * 2
+    assert [scheduler.requests[r].num_output_placeholders for r in prompts] == [
+        frames_in_flight
+    ] * 2
     for action in resets:
         if action == "reset":
             assert scheduler.reset_prefix_cache(reset_running_requests=True) is True
@@ -139,7 +145,9 @@ def run_with_forced_reset(frames_in_flight: int, resets: list[str]):
 def test_forced_reset_drops_exactly_the_stale_frames(frames_in_flight):
     driver, prompts, discards = run_with_forced_reset(frames_in_flight, ["reset"])
     assert discards == {"a": frames_in_flight, "b": frames_in_flight}
-    assert driver.tokens == {req_id: reference_tokens(prompt, 8) for req_id, prompt in prompts.items()}
+    assert driver.tokens == {
+        req_id: reference_tokens(prompt, 8) for req_id, prompt in prompts.items()
+    }
     assert driver.finish_reasons == {"a": "length", "b": "length"}
 
 
@@ -147,15 +155,21 @@ def test_forced_reset_drops_exactly_the_stale_frames(frames_in_flight):
 def test_forced_reset_twice_before_frames_arrive(frames_in_flight):
     driver, prompts, discards = run_with_forced_reset(frames_in_flight, ["reset", "reset"])
     assert discards == {"a": frames_in_flight, "b": frames_in_flight}
-    assert driver.tokens == {req_id: reference_tokens(prompt, 8) for req_id, prompt in prompts.items()}
+    assert driver.tokens == {
+        req_id: reference_tokens(prompt, 8) for req_id, prompt in prompts.items()
+    }
 
 
 @pytest.mark.parametrize("frames_in_flight", [1, 2])
 def test_forced_reset_again_after_resumed_frame_planned(frames_in_flight):
-    driver, prompts, discards = run_with_forced_reset(frames_in_flight, ["reset", "schedule", "reset"])
+    driver, prompts, discards = run_with_forced_reset(
+        frames_in_flight, ["reset", "schedule", "reset"]
+    )
     # The resumed prefill frame samples too and becomes stale with the second reset.
     assert discards == {"a": frames_in_flight + 1, "b": frames_in_flight + 1}
-    assert driver.tokens == {req_id: reference_tokens(prompt, 8) for req_id, prompt in prompts.items()}
+    assert driver.tokens == {
+        req_id: reference_tokens(prompt, 8) for req_id, prompt in prompts.items()
+    }
 
 
 def test_forced_reset_reports_preempted_and_resumes_as_new():
@@ -175,8 +189,9 @@ def test_forced_reset_reports_preempted_and_resumes_as_new():
 
 
 def test_kv_pressure_preemption_with_frames_in_flight():
-    scheduler = async_scheduler(block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=32,
-                                max_model_len=64)
+    scheduler = async_scheduler(
+        block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
+    )
     prompts = {str(i): [i + 1] * (5 + 2 * i) for i in range(4)}
     requests = [make_request(req_id, prompt, max_tokens=12) for req_id, prompt in prompts.items()]
     for request in requests:
@@ -202,7 +217,9 @@ def test_streaming_session_stop_with_frames_in_flight_then_next_chunk():
     prompt = list(range(12))
     first = reference_tokens(prompt, 6)
     scheduler = async_scheduler()
-    scheduler.add_request(make_request("s", prompt, max_tokens=6, eos_token_id=first[1], resumable=True))
+    scheduler.add_request(
+        make_request("s", prompt, max_tokens=6, eos_token_id=first[1], resumable=True)
+    )
     driver = AsyncDriver(scheduler, WorkerSlots(16))
     driver.schedule()
     driver.schedule()
@@ -227,8 +244,13 @@ def test_streaming_session_stop_with_frames_in_flight_then_next_chunk():
 def test_randomized_async_run_with_resets(seed):
     rng = random.Random(seed)
     max_num_seqs = rng.choice([2, 3, 4])
-    scheduler = async_scheduler(block_size=4, num_blocks=rng.randint(12, 20), max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=rng.choice([8, 16, 32]), max_model_len=64)
+    scheduler = async_scheduler(
+        block_size=4,
+        num_blocks=rng.randint(12, 20),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=rng.choice([8, 16, 32]),
+        max_model_len=64,
+    )
     prompts = {str(i): [rng.randrange(40) for _ in range(rng.randint(1, 10))] for i in range(8)}
     max_tokens = {req_id: rng.randint(1, 12) for req_id in prompts}
     for req_id, prompt in prompts.items():
@@ -242,11 +264,15 @@ def test_randomized_async_run_with_resets(seed):
             assert scheduler.reset_prefix_cache(reset_running_requests=True) is True
         if scheduler.has_unfinished_requests():
             driver.schedule()
-        while driver.in_flight and (len(driver.in_flight) >= depth or rng.random() < 0.3
-                                    or not scheduler.has_unfinished_requests()):
+        while driver.in_flight and (
+            len(driver.in_flight) >= depth
+            or rng.random() < 0.3
+            or not scheduler.has_unfinished_requests()
+        ):
             driver.update()
-    assert driver.tokens == {req_id: reference_tokens(prompt, max_tokens[req_id])
-                             for req_id, prompt in prompts.items()}
+    assert driver.tokens == {
+        req_id: reference_tokens(prompt, max_tokens[req_id]) for req_id, prompt in prompts.items()
+    }
 
 
 def test_priority_preemption_of_unscheduled_earlier_request_does_not_skip_the_next():
@@ -283,13 +309,17 @@ def test_stale_frames_of_closed_session_do_not_reach_a_reopened_session():
     first = reference_tokens(prompt, 4)
     scheduler = async_scheduler()
     driver = AsyncDriver(scheduler, WorkerSlots(16))
-    scheduler.add_request(make_request("s", prompt, max_tokens=4, eos_token_id=first[0], resumable=True))
+    scheduler.add_request(
+        make_request("s", prompt, max_tokens=4, eos_token_id=first[0], resumable=True)
+    )
     for _ in range(3):
         driver.schedule()
     driver.update()  # EOS: the session parks with two stale frames in flight
     assert scheduler.requests["s"].async_tokens_to_discard == 2
     scheduler.add_request(make_request("s", [], resumable=False))  # close it
-    scheduler.add_request(make_request("s", [3] * 6, max_tokens=3, resumable=True))  # a new session, same id
+    scheduler.add_request(
+        make_request("s", [3] * 6, max_tokens=3, resumable=True)
+    )  # a new session, same id
     driver.tokens.clear()
     driver.run(depth=2)
     assert driver.tokens == {"s": reference_tokens([3] * 6, 3)}

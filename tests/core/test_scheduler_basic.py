@@ -26,7 +26,9 @@ def test_token_budget_respected_every_step_of_a_run():
     for i in range(6):
         scheduler.add_request(make_request(str(i), [i + 1] * (7 + 9 * i), max_tokens=5))
     totals: list[int] = []
-    tokens = run_to_completion(scheduler, on_step=lambda output, _: totals.append(output.total_num_scheduled_tokens))
+    tokens = run_to_completion(
+        scheduler, on_step=lambda output, _: totals.append(output.total_num_scheduled_tokens)
+    )
     assert max(totals) == 24
     for i in range(6):
         assert tokens[str(i)] == reference_tokens([i + 1] * (7 + 9 * i), 5)
@@ -61,8 +63,11 @@ def test_max_num_seqs_never_exceeded_over_a_run():
         scheduler.add_request(request)
     slots = WorkerSlots(3)
     num_running: list[int] = []
-    tokens = run_to_completion(scheduler, slots=slots,
-                               on_step=lambda output, _: num_running.append(len(output.num_scheduled_tokens)))
+    tokens = run_to_completion(
+        scheduler,
+        slots=slots,
+        on_step=lambda output, _: num_running.append(len(output.num_scheduled_tokens)),
+    )
     assert max(num_running) == 3
     assert tokens == {str(i): reference_tokens([i] * 10, 4) for i in range(10)}
 
@@ -78,7 +83,9 @@ def test_long_prefill_token_threshold_caps_each_chunk():
 
 
 def test_long_prefill_threshold_does_not_cap_other_requests_budget():
-    scheduler = make_scheduler(max_num_batched_tokens=20, max_model_len=128, long_prefill_token_threshold=8)
+    scheduler = make_scheduler(
+        max_num_batched_tokens=20, max_model_len=128, long_prefill_token_threshold=8
+    )
     scheduler.add_request(make_request("a", [1] * 30))
     scheduler.add_request(make_request("b", [2] * 30))
     scheduler.add_request(make_request("c", [3] * 30))
@@ -109,7 +116,9 @@ def test_chunked_prefill_splits_long_prompt_with_before_step_counts():
     output, outputs = step(scheduler)
     assert output.scheduled_cached_reqs.num_computed_tokens == [32]
     assert output.num_scheduled_tokens == {"a": 8}
-    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", reference_tokens(prompt, 1))]
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [
+        ("a", reference_tokens(prompt, 1))
+    ]
 
     output, _ = step(scheduler)
     assert output.num_scheduled_tokens == {"a": 1}
@@ -126,7 +135,9 @@ def test_chunked_prefill_produces_reference_tokens():
 
 
 def test_without_chunked_prefill_prompt_is_not_split_and_nothing_jumps_the_queue():
-    scheduler = make_scheduler(max_num_batched_tokens=32, max_model_len=32, enable_chunked_prefill=False)
+    scheduler = make_scheduler(
+        max_num_batched_tokens=32, max_model_len=32, enable_chunked_prefill=False
+    )
     scheduler.add_request(make_request("a", [1] * 20, max_tokens=4))
     scheduler.add_request(make_request("b", [2] * 20, max_tokens=4))
     scheduler.add_request(make_request("c", [3] * 5, max_tokens=4))
@@ -138,7 +149,9 @@ def test_without_chunked_prefill_prompt_is_not_split_and_nothing_jumps_the_queue
 
 
 def test_without_chunked_prefill_tokens_are_correct():
-    scheduler = make_scheduler(max_num_batched_tokens=40, max_model_len=40, enable_chunked_prefill=False)
+    scheduler = make_scheduler(
+        max_num_batched_tokens=40, max_model_len=40, enable_chunked_prefill=False
+    )
     prompts = {str(i): [i + 7] * (10 + 7 * i) for i in range(4)}
     for req_id, prompt in prompts.items():
         scheduler.add_request(make_request(req_id, prompt, max_tokens=3))
@@ -195,14 +208,18 @@ def test_decode_step_gets_new_block_only_at_block_boundary():
 
 
 def test_many_requests_produce_reference_tokens():
-    scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=32, block_size=4, max_model_len=256)
+    scheduler = make_scheduler(
+        max_num_seqs=4, max_num_batched_tokens=32, block_size=4, max_model_len=256
+    )
     prompts = {str(i): [(i * 31 + j) % 97 for j in range(3 + 5 * i)] for i in range(8)}
     max_tokens = {str(i): 1 + i for i in range(8)}
     for req_id, prompt in prompts.items():
         scheduler.add_request(make_request(req_id, prompt, max_tokens=max_tokens[req_id]))
     worker = SimWorker.for_scheduler(scheduler)
     tokens = run_to_completion(scheduler, worker=worker, slots=WorkerSlots(4))
-    assert tokens == {req_id: reference_tokens(prompt, max_tokens[req_id]) for req_id, prompt in prompts.items()}
+    assert tokens == {
+        req_id: reference_tokens(prompt, max_tokens[req_id]) for req_id, prompt in prompts.items()
+    }
     assert scheduler.requests == {}
     assert scheduler.kv_cache_manager.usage == 0.0
 
@@ -231,6 +248,10 @@ def test_num_output_tokens_in_cached_data(use_v2_model_runner):
     scheduler = make_scheduler(use_v2_model_runner=use_v2_model_runner)
     scheduler.add_request(make_request("a", [3] * 5, max_tokens=5))
     num_output_tokens = []
-    run_to_completion(scheduler, on_step=lambda output, _: num_output_tokens.extend(
-        output.scheduled_cached_reqs.num_output_tokens))
+    run_to_completion(
+        scheduler,
+        on_step=lambda output, _: num_output_tokens.extend(
+            output.scheduled_cached_reqs.num_output_tokens
+        ),
+    )
     assert num_output_tokens == [1, 2, 3, 4]

@@ -14,65 +14,81 @@ EOS = DEFAULT_EOS_TOKEN_ID
 
 def tokens_then(fixed: list[int]):
     """A token source emitting `fixed[i]` as the i-th output token of every request, then 7s."""
-    return lambda request: fixed[request.num_output_tokens] if request.num_output_tokens < len(fixed) else 7
+    return lambda request: (
+        fixed[request.num_output_tokens] if request.num_output_tokens < len(fixed) else 7
+    )
 
 
 def run_one(request, token_fn=None, **scheduler_kwargs):
     scheduler = make_scheduler(**scheduler_kwargs)
     scheduler.add_request(request)
     finals = []
-    tokens = run_to_completion(scheduler, token_fn=token_fn,
-                               on_step=lambda _, outputs: finals.extend(o for o in outputs if o.finished))
+    tokens = run_to_completion(
+        scheduler,
+        token_fn=token_fn,
+        on_step=lambda _, outputs: finals.extend(o for o in outputs if o.finished),
+    )
     assert len(finals) == 1
     return scheduler, tokens[request.request_id], finals[0]
 
 
 # ------------------------------------------------------------------------------------------------ stop checks
 def test_eos_stops_with_reason_stop():
-    _, tokens, final = run_one(make_request("a", [1] * 5, max_tokens=10), tokens_then([3, 4, EOS, 5]))
+    _, tokens, final = run_one(
+        make_request("a", [1] * 5, max_tokens=10), tokens_then([3, 4, EOS, 5])
+    )
     assert tokens == [3, 4, EOS]
     assert final.finish_reason == "stop"
     assert final.stop_reason is None
 
 
 def test_ignore_eos_runs_to_max_tokens():
-    _, tokens, final = run_one(make_request("a", [1] * 5, max_tokens=6, ignore_eos=True),
-                               tokens_then([EOS, EOS, 1, EOS]))
+    _, tokens, final = run_one(
+        make_request("a", [1] * 5, max_tokens=6, ignore_eos=True), tokens_then([EOS, EOS, 1, EOS])
+    )
     assert tokens == [EOS, EOS, 1, EOS, 7, 7]
     assert final.finish_reason == "length"
 
 
 def test_custom_eos_token_id():
-    _, tokens, final = run_one(make_request("a", [1] * 5, max_tokens=10, eos_token_id=4), tokens_then([3, 4, 5]))
+    _, tokens, final = run_one(
+        make_request("a", [1] * 5, max_tokens=10, eos_token_id=4), tokens_then([3, 4, 5])
+    )
     assert tokens == [3, 4]
     assert final.finish_reason == "stop"
 
 
 def test_no_eos_token_id_never_stops_on_eos():
-    _, tokens, final = run_one(make_request("a", [1] * 5, max_tokens=3, eos_token_id=None),
-                               tokens_then([EOS, EOS, EOS]))
+    _, tokens, final = run_one(
+        make_request("a", [1] * 5, max_tokens=3, eos_token_id=None), tokens_then([EOS, EOS, EOS])
+    )
     assert tokens == [EOS, EOS, EOS]
     assert final.finish_reason == "length"
 
 
 def test_stop_token_id_sets_stop_reason():
-    _, tokens, final = run_one(make_request("a", [1] * 5, max_tokens=10, stop_token_ids=[9, 11]),
-                               tokens_then([3, 11, 5]))
+    _, tokens, final = run_one(
+        make_request("a", [1] * 5, max_tokens=10, stop_token_ids=[9, 11]), tokens_then([3, 11, 5])
+    )
     assert tokens == [3, 11]
     assert final.finish_reason == "stop"
     assert final.stop_reason == 11
 
 
 def test_min_tokens_suppresses_eos_and_stop_tokens():
-    _, tokens, final = run_one(make_request("a", [1] * 5, max_tokens=10, min_tokens=3, stop_token_ids=[9]),
-                               tokens_then([EOS, 9, EOS, 2]))
+    _, tokens, final = run_one(
+        make_request("a", [1] * 5, max_tokens=10, min_tokens=3, stop_token_ids=[9]),
+        tokens_then([EOS, 9, EOS, 2]),
+    )
     assert tokens == [EOS, 9, EOS]
     assert final.finish_reason == "stop"
 
 
 def test_min_tokens_suppresses_stop_token_until_reached():
-    _, tokens, final = run_one(make_request("a", [1] * 5, max_tokens=10, min_tokens=2, stop_token_ids=[9]),
-                               tokens_then([9, 2, 9]))
+    _, tokens, final = run_one(
+        make_request("a", [1] * 5, max_tokens=10, min_tokens=2, stop_token_ids=[9]),
+        tokens_then([9, 2, 9]),
+    )
     assert tokens == [9, 2, 9]
     assert final.stop_reason == 9
 
@@ -97,8 +113,10 @@ def test_max_model_len_never_scheduled_past():
 
     def record(output, _):
         for cached_index, req_id in enumerate(output.scheduled_cached_reqs.req_ids):
-            seq_lens.append(output.scheduled_cached_reqs.num_computed_tokens[cached_index]
-                            + output.num_scheduled_tokens[req_id])
+            seq_lens.append(
+                output.scheduled_cached_reqs.num_computed_tokens[cached_index]
+                + output.num_scheduled_tokens[req_id]
+            )
 
     run_to_completion(scheduler, worker=SimWorker.for_scheduler(scheduler), on_step=record)
     assert max(seq_lens) <= 20
@@ -112,7 +130,9 @@ def test_prompt_of_exactly_max_model_len_generates_one_token():
 
 def test_stop_token_wins_over_nothing_but_length_checked_first():
     # The last allowed token is also a stop token: length is checked first.
-    _, tokens, final = run_one(make_request("a", [1] * 5, max_tokens=2, stop_token_ids=[9]), tokens_then([3, 9]))
+    _, tokens, final = run_one(
+        make_request("a", [1] * 5, max_tokens=2, stop_token_ids=[9]), tokens_then([3, 9])
+    )
     assert tokens == [3, 9]
     assert final.finish_reason == "length"
 
@@ -121,7 +141,9 @@ def test_only_the_finishing_output_has_finish_reason():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("a", [1] * 5, max_tokens=3))
     reasons = []
-    run_to_completion(scheduler, on_step=lambda _, outputs: reasons.extend(o.finish_reason for o in outputs))
+    run_to_completion(
+        scheduler, on_step=lambda _, outputs: reasons.extend(o.finish_reason for o in outputs)
+    )
     assert reasons == [None, None, "length"]
 
 

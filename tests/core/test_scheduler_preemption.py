@@ -44,7 +44,9 @@ def test_preempted_request_goes_to_head_of_waiting():
 
 def test_no_admissions_in_a_step_that_preempted():
     scheduler = three_full_requests()
-    scheduler.add_request(make_request("late", [9], max_tokens=1))  # would fit: 1 block free after preemption
+    scheduler.add_request(
+        make_request("late", [9], max_tokens=1)
+    )  # would fit: 1 block free after preemption
     output, _ = step(scheduler)
     assert output.preempted_req_ids == {"2"}
     assert output.scheduled_new_reqs == []
@@ -106,9 +108,13 @@ def test_preemption_counts_repeat():
     for request in requests:
         scheduler.add_request(request)
     preempted: list[str] = []
-    tokens = run_to_completion(scheduler, on_step=lambda output, _: preempted.extend(output.preempted_req_ids))
-    assert tokens == {request.request_id: reference_tokens([int(request.request_id)] * 7, 16)
-                      for request in requests}
+    tokens = run_to_completion(
+        scheduler, on_step=lambda output, _: preempted.extend(output.preempted_req_ids)
+    )
+    assert tokens == {
+        request.request_id: reference_tokens([int(request.request_id)] * 7, 16)
+        for request in requests
+    }
     for request in requests:
         assert request.num_preemptions == preempted.count(request.request_id)
     assert max(request.num_preemptions for request in requests) >= 2
@@ -117,11 +123,20 @@ def test_preemption_counts_repeat():
 @pytest.mark.parametrize("use_v2_model_runner", [True, False])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_preemption_heavy_run_produces_reference_tokens(use_v2_model_runner, policy):
-    scheduler = make_scheduler(block_size=4, num_blocks=14, max_num_seqs=5, max_num_batched_tokens=24,
-                               max_model_len=64, policy=policy, use_v2_model_runner=use_v2_model_runner)
+    scheduler = make_scheduler(
+        block_size=4,
+        num_blocks=14,
+        max_num_seqs=5,
+        max_num_batched_tokens=24,
+        max_model_len=64,
+        policy=policy,
+        use_v2_model_runner=use_v2_model_runner,
+    )
     prompts = {str(i): [(7 * i + j) % 23 for j in range(5 + 3 * (i % 4))] for i in range(9)}
-    requests = [make_request(req_id, prompt, max_tokens=14, priority=int(req_id) % 3)
-                for req_id, prompt in prompts.items()]
+    requests = [
+        make_request(req_id, prompt, max_tokens=14, priority=int(req_id) % 3)
+        for req_id, prompt in prompts.items()
+    ]
     for request in requests:
         scheduler.add_request(request)
     worker = SimWorker.for_scheduler(scheduler)
@@ -137,7 +152,9 @@ def test_resumed_request_tokens_equal_reference_with_scheduler_view():
     for request in make_requests(3, num_tokens=8, max_tokens=10):
         scheduler.add_request(request)
     preempted: set[str] = set()
-    tokens = run_to_completion(scheduler, on_step=lambda output, _: preempted.update(output.preempted_req_ids))
+    tokens = run_to_completion(
+        scheduler, on_step=lambda output, _: preempted.update(output.preempted_req_ids)
+    )
     assert preempted
     assert tokens == {str(i): reference_tokens([i] * 8, 10) for i in range(3)}
 

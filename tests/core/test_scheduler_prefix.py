@@ -13,7 +13,9 @@ PREFIX = list(range(1000, 1032))  # two full blocks of 16
 def admit(scheduler, request):
     scheduler.add_request(request)
     output, _ = step(scheduler)
-    (new_req,) = [new_req for new_req in output.scheduled_new_reqs if new_req.req_id == request.request_id]
+    (new_req,) = [
+        new_req for new_req in output.scheduled_new_reqs if new_req.req_id == request.request_id
+    ]
     return output, new_req
 
 
@@ -114,14 +116,20 @@ def test_same_step_admissions_share_prefix_and_tokens_are_correct():
         scheduler.add_request(make_request(req_id, prompt, max_tokens=5))
     worker = SimWorker.for_scheduler(scheduler)
     outputs = []
-    tokens = run_to_completion(scheduler, worker=worker, on_step=lambda output, _: outputs.append(output))
-    hits = {new_req.req_id: new_req.num_computed_tokens for new_req in outputs[0].scheduled_new_reqs}
+    tokens = run_to_completion(
+        scheduler, worker=worker, on_step=lambda output, _: outputs.append(output)
+    )
+    hits = {
+        new_req.req_id: new_req.num_computed_tokens for new_req in outputs[0].scheduled_new_reqs
+    }
     assert hits == {"a": 0, "b": 32, "c": 32}
     assert tokens == {req_id: reference_tokens(prompt, 5) for req_id, prompt in prompts.items()}
 
 
 def test_prefix_hits_keep_tokens_correct_across_many_requests():
-    scheduler = make_scheduler(block_size=4, max_num_batched_tokens=40, max_model_len=256, num_blocks=64)
+    scheduler = make_scheduler(
+        block_size=4, max_num_batched_tokens=40, max_model_len=256, num_blocks=64
+    )
     shared = list(range(500, 514))
     prompts = {str(i): shared[: 4 + i] + [i] * (i % 3 + 1) for i in range(10)}
     for req_id, prompt in prompts.items():

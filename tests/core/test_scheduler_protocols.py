@@ -48,8 +48,9 @@ def test_slot_runner_resumed_request_comes_back_as_new_with_prefill_tokens():
 
 
 def test_slot_runner_cached_data_never_carries_all_token_ids():
-    scheduler = make_scheduler(block_size=4, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=16,
-                               max_model_len=64)
+    scheduler = make_scheduler(
+        block_size=4, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64
+    )
     for request in make_requests(6, num_tokens=9, max_tokens=12):
         scheduler.add_request(request)
     seen_cached = []
@@ -59,7 +60,9 @@ def test_slot_runner_cached_data_never_carries_all_token_ids():
         assert output.scheduled_cached_reqs.resumed_req_ids == set()
         seen_cached.extend(output.scheduled_cached_reqs.req_ids)
 
-    run_to_completion(scheduler, worker=SimWorker.for_scheduler(scheduler), slots=WorkerSlots(4), on_step=check)
+    run_to_completion(
+        scheduler, worker=SimWorker.for_scheduler(scheduler), slots=WorkerSlots(4), on_step=check
+    )
     assert seen_cached
 
 
@@ -69,8 +72,11 @@ def test_slot_runner_preempted_request_reported_exactly_once_per_preemption():
     for request in requests:
         scheduler.add_request(request)
     reports: list[str] = []
-    run_to_completion(scheduler, slots=WorkerSlots(16),
-                      on_step=lambda output, _: reports.extend(output.preempted_req_ids))
+    run_to_completion(
+        scheduler,
+        slots=WorkerSlots(16),
+        on_step=lambda output, _: reports.extend(output.preempted_req_ids),
+    )
     for request in requests:
         assert reports.count(request.request_id) == request.num_preemptions
 
@@ -79,18 +85,28 @@ def test_slot_runner_preempted_request_reported_exactly_once_per_preemption():
 def test_worker_slots_never_overflow_in_preemption_heavy_runs(seed):
     rng = random.Random(seed)
     max_num_seqs = rng.choice([1, 2, 3, 5])
-    scheduler = make_scheduler(block_size=4, num_blocks=rng.randint(10, 16), max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=rng.choice([8, 16, 32]), max_model_len=64,
-                               policy=rng.choice(["fcfs", "priority"]))
+    scheduler = make_scheduler(
+        block_size=4,
+        num_blocks=rng.randint(10, 16),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=rng.choice([8, 16, 32]),
+        max_model_len=64,
+        policy=rng.choice(["fcfs", "priority"]),
+    )
     prompts = {}
     for i in range(10):
         prompts[str(i)] = [rng.randrange(50) for _ in range(rng.randint(1, 12))]
-        scheduler.add_request(make_request(str(i), prompts[str(i)], max_tokens=rng.randint(1, 20),
-                                           priority=rng.randrange(3)))
+        scheduler.add_request(
+            make_request(
+                str(i), prompts[str(i)], max_tokens=rng.randint(1, 20), priority=rng.randrange(3)
+            )
+        )
     max_tokens = {req_id: scheduler.requests[req_id].max_tokens for req_id in prompts}
     slots = WorkerSlots(max_num_seqs)
     tokens = run_to_completion(scheduler, worker=SimWorker.for_scheduler(scheduler), slots=slots)
-    assert tokens == {req_id: reference_tokens(prompt, max_tokens[req_id]) for req_id, prompt in prompts.items()}
+    assert tokens == {
+        req_id: reference_tokens(prompt, max_tokens[req_id]) for req_id, prompt in prompts.items()
+    }
 
 
 # ------------------------------------------------------------------------------------------------ persistent batch
@@ -111,7 +127,9 @@ def test_persistent_batch_resumed_request_is_cached_with_full_state():
 def test_persistent_batch_preempted_and_resumed_tokens_are_correct():
     scheduler, _, _ = preempt_then_resume(use_v2_model_runner=False)
     tokens = run_to_completion(scheduler)
-    assert tokens["2"] == reference_tokens([2] * 8, 10)[2:]  # tokens 0 and 1 came out of the first steps
+    assert (
+        tokens["2"] == reference_tokens([2] * 8, 10)[2:]
+    )  # tokens 0 and 1 came out of the first steps
 
 
 def check_all_token_ids_rule():
@@ -121,8 +139,11 @@ def check_all_token_ids_rule():
 
     def check(output, _):
         cached = output.scheduled_cached_reqs
-        expected = {req_id for req_id in cached.req_ids
-                    if req_id not in state["prev"] or req_id in cached.resumed_req_ids}
+        expected = {
+            req_id
+            for req_id in cached.req_ids
+            if req_id not in state["prev"] or req_id in cached.resumed_req_ids
+        }
         assert set(cached.all_token_ids) == expected
         state["prev"] = set(output.num_scheduled_tokens)
 
@@ -132,7 +153,9 @@ def check_all_token_ids_rule():
 def test_persistent_batch_running_request_skipped_for_a_step_gets_all_token_ids():
     # PRIORITY: "worst" runs out of blocks and is its own victim, which ends the running loop: "other" behind it
     # is skipped for that step although it is running.
-    scheduler = make_scheduler(block_size=4, num_blocks=5, policy="priority", use_v2_model_runner=False)
+    scheduler = make_scheduler(
+        block_size=4, num_blocks=5, policy="priority", use_v2_model_runner=False
+    )
     scheduler.add_request(make_request("hi", [1], max_tokens=20))
     step(scheduler)
     scheduler.add_request(make_request("worst", [2] * 11, max_tokens=20, priority=9))
@@ -165,19 +188,30 @@ def test_persistent_batch_all_token_ids_after_budget_pause():
     output, _ = step(scheduler)
     cached = output.scheduled_cached_reqs
     assert cached.req_ids == ["0", "1"]
-    assert cached.all_token_ids == {"0": [0] * 10 + cached.all_token_ids["0"][10:],
-                                    "1": [1] * 10 + cached.all_token_ids["1"][10:]}
+    assert cached.all_token_ids == {
+        "0": [0] * 10 + cached.all_token_ids["0"][10:],
+        "1": [1] * 10 + cached.all_token_ids["1"][10:],
+    }
     assert [len(cached.all_token_ids[req_id]) for req_id in ("0", "1")] == [12, 12]
     output, _ = step(scheduler)
     assert output.scheduled_cached_reqs.all_token_ids == {}
 
 
 def test_persistent_batch_tokens_correct_with_worker_using_all_token_ids():
-    scheduler = make_scheduler(block_size=4, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=12,
-                               max_model_len=64, policy="priority", use_v2_model_runner=False)
+    scheduler = make_scheduler(
+        block_size=4,
+        num_blocks=12,
+        max_num_seqs=4,
+        max_num_batched_tokens=12,
+        max_model_len=64,
+        policy="priority",
+        use_v2_model_runner=False,
+    )
     prompts = {str(i): [i + 3] * (4 + 2 * i) for i in range(7)}
     for req_id, prompt in prompts.items():
-        scheduler.add_request(make_request(req_id, prompt, max_tokens=10, priority=(3 - int(req_id)) % 3))
+        scheduler.add_request(
+            make_request(req_id, prompt, max_tokens=10, priority=(3 - int(req_id)) % 3)
+        )
     worker = SimWorker.for_scheduler(scheduler)
     tokens = run_to_completion(scheduler, worker=worker, on_step=check_all_token_ids_rule())
     assert tokens == {req_id: reference_tokens(prompt, 10) for req_id, prompt in prompts.items()}

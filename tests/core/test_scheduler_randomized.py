@@ -31,10 +31,16 @@ class Harness:
     def __init__(self, seed: int, async_scheduling: bool, use_v2_model_runner: bool) -> None:
         self.rng = random.Random(seed)
         self.max_num_seqs = self.rng.choice([2, 3, 4])
-        self.scheduler = make_scheduler(block_size=4, num_blocks=48, max_num_seqs=self.max_num_seqs,
-                                        max_num_batched_tokens=self.rng.choice([8, 16, 40]),
-                                        max_model_len=MAX_MODEL_LEN, policy=self.rng.choice(["fcfs", "priority"]),
-                                        async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner)
+        self.scheduler = make_scheduler(
+            block_size=4,
+            num_blocks=48,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.rng.choice([8, 16, 40]),
+            max_model_len=MAX_MODEL_LEN,
+            policy=self.rng.choice(["fcfs", "priority"]),
+            async_scheduling=async_scheduling,
+            use_v2_model_runner=use_v2_model_runner,
+        )
         slots = WorkerSlots(self.max_num_seqs) if use_v2_model_runner else None
         self.driver = AsyncDriver(self.scheduler, slots)
         self.depth = self.rng.choice([2, 3]) if async_scheduling else 1
@@ -48,21 +54,36 @@ class Harness:
         self.next_id += 1
         resumable = self.rng.random() < 0.4
         prompt = [self.rng.randrange(60) for _ in range(self.rng.randint(1, 12))]
-        self.scheduler.add_request(make_request(req_id, prompt, max_tokens=self.rng.randint(1, 6),
-                                                priority=self.rng.randrange(3), resumable=resumable))
+        self.scheduler.add_request(
+            make_request(
+                req_id,
+                prompt,
+                max_tokens=self.rng.randint(1, 6),
+                priority=self.rng.randrange(3),
+                resumable=resumable,
+            )
+        )
         self.tracked[req_id] = Tracked(list(prompt), resumable=resumable)
 
     def feed_session(self) -> None:
-        sessions = [req_id for req_id, t in self.tracked.items() if t.resumable and not (t.pending
-                                                                                       and t.pending[-1] is None)]
+        sessions = [
+            req_id
+            for req_id, t in self.tracked.items()
+            if t.resumable and not (t.pending and t.pending[-1] is None)
+        ]
         if not sessions:
             return
         req_id = self.rng.choice(sessions)
         tracked = self.tracked[req_id]
         close = self.rng.random() < 0.2
-        chunk = [] if close and self.rng.random() < 0.5 else [self.rng.randrange(60)
-                                                              for _ in range(self.rng.randint(1, 6))]
-        request = make_request(req_id, chunk, max_tokens=self.rng.randint(1, 5), resumable=not close)
+        chunk = (
+            []
+            if close and self.rng.random() < 0.5
+            else [self.rng.randrange(60) for _ in range(self.rng.randint(1, 6))]
+        )
+        request = make_request(
+            req_id, chunk, max_tokens=self.rng.randint(1, 5), resumable=not close
+        )
         if tracked.idle:
             if chunk and len(tracked.history) + len(chunk) > MAX_MODEL_LEN:
                 with pytest.raises(ValueError):
@@ -98,13 +119,18 @@ class Harness:
             return
         assert output.finish_reason == "length"
         assert tracked.produced, output
-        assert tracked.produced == reference_tokens(tracked.history, len(tracked.produced)), output.request_id
+        assert tracked.produced == reference_tokens(tracked.history, len(tracked.produced)), (
+            output.request_id
+        )
         self.num_chunks_checked += 1
         kept = tracked.history + tracked.produced[:-1]
         tracked.produced = []
         if not output.session_continues:
-            assert not tracked.resumable or (tracked.pending and tracked.pending[0] is None) or (
-                tracked.pending and len(kept) + len(tracked.pending[0]) > MAX_MODEL_LEN)
+            assert (
+                not tracked.resumable
+                or (tracked.pending and tracked.pending[0] is None)
+                or (tracked.pending and len(kept) + len(tracked.pending[0]) > MAX_MODEL_LEN)
+            )
             del self.tracked[output.request_id]
             return
         assert tracked.resumable
@@ -125,7 +151,9 @@ class Harness:
         for req_id in idle:
             assert scheduler.requests[req_id].status == RequestStatus.WAITING_FOR_STREAMING_REQ
         assert set(scheduler.requests) == set(self.tracked)
-        assert scheduler.get_num_unfinished_requests() == len(scheduler.running) + len(scheduler.waiting)
+        assert scheduler.get_num_unfinished_requests() == len(scheduler.running) + len(
+            scheduler.waiting
+        )
 
     def run(self, num_steps: int) -> None:
         for _ in range(num_steps):
@@ -158,7 +186,9 @@ class Harness:
     def step_once(self) -> None:
         output = self.driver.schedule()
         check_step_invariants(self.scheduler, output)
-        while self.driver.in_flight and (len(self.driver.in_flight) >= self.depth or self.rng.random() < 0.2):
+        while self.driver.in_flight and (
+            len(self.driver.in_flight) >= self.depth or self.rng.random() < 0.2
+        ):
             self.update()
         self.check_scheduler_state()
 

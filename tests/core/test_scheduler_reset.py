@@ -43,7 +43,9 @@ def test_reset_on_fresh_scheduler_returns_true():
 
 
 def running_abc_waiting_d(use_v2_model_runner=True):
-    scheduler = make_scheduler(max_num_seqs=3, block_size=4, use_v2_model_runner=use_v2_model_runner)
+    scheduler = make_scheduler(
+        max_num_seqs=3, block_size=4, use_v2_model_runner=use_v2_model_runner
+    )
     prompts = {"a": [1] * 6, "b": [2] * 9, "c": [3] * 3, "d": [4] * 5}
     for req_id, prompt in prompts.items():
         scheduler.add_request(make_request(req_id, prompt, max_tokens=6))

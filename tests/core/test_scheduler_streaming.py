@@ -18,8 +18,9 @@ class Session:
     """A scheduler with a sim worker and slot model, collecting each request's tokens and final outputs."""
 
     def __init__(self, max_num_seqs=4, use_v2_model_runner=True, **kwargs):
-        self.scheduler = make_scheduler(max_num_seqs=max_num_seqs, use_v2_model_runner=use_v2_model_runner,
-                                        **kwargs)
+        self.scheduler = make_scheduler(
+            max_num_seqs=max_num_seqs, use_v2_model_runner=use_v2_model_runner, **kwargs
+        )
         self.worker = SimWorker.for_scheduler(self.scheduler)
         self.slots = WorkerSlots(max_num_seqs) if use_v2_model_runner else None
         self.tokens: dict[str, list[int]] = {}
@@ -33,9 +34,15 @@ class Session:
         return output, engine_outputs
 
     def run(self):
-        return run_to_completion(self.scheduler, worker=self.worker, slots=self.slots,
-                                 on_step=lambda output, engine_outputs: (self.outputs.append(output),
-                                                                        self._collect(engine_outputs)))
+        return run_to_completion(
+            self.scheduler,
+            worker=self.worker,
+            slots=self.slots,
+            on_step=lambda output, engine_outputs: (
+                self.outputs.append(output),
+                self._collect(engine_outputs),
+            ),
+        )
 
     def _collect(self, engine_outputs):
         for engine_output in engine_outputs:
@@ -83,8 +90,11 @@ def test_session_stopped_by_eos_reports_stop():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("s", PROMPT, max_tokens=10, resumable=True))
     stops = []
-    run_to_completion(scheduler, token_fn=lambda request: DEFAULT_EOS_TOKEN_ID if request.num_output_tokens else 5,
-                      on_step=lambda _, outputs: stops.extend(o for o in outputs if o.finish_reason))
+    run_to_completion(
+        scheduler,
+        token_fn=lambda request: DEFAULT_EOS_TOKEN_ID if request.num_output_tokens else 5,
+        on_step=lambda _, outputs: stops.extend(o for o in outputs if o.finish_reason),
+    )
     (stop,) = stops
     assert stop.finish_reason == "stop"
     assert stop.session_continues
@@ -167,7 +177,9 @@ def test_persistent_batch_session_chunk_sent_as_new_token_ids_right_after_stop()
     output, _ = session.step()
     cached = output.scheduled_cached_reqs
     assert cached.req_ids == ["s"]
-    assert cached.all_token_ids == {}  # scheduled in the previous step: the worker's copy is current
+    assert (
+        cached.all_token_ids == {}
+    )  # scheduled in the previous step: the worker's copy is current
     assert cached.new_token_ids == [CHUNK]
 
 
@@ -240,7 +252,9 @@ def test_update_while_running_is_queued_and_applied_at_stop():
     assert len(request.streaming_queue) == 1
     assert request.prompt_token_ids == PROMPT  # not applied yet
     session.step()
-    _, engine_outputs = session.step()  # third token: the first chunk stops, the queued one is applied
+    _, engine_outputs = (
+        session.step()
+    )  # third token: the first chunk stops, the queued one is applied
     (stop,) = engine_outputs
     assert stop.finish_reason == "length" and stop.session_continues
     first = reference_tokens(PROMPT, 3)
@@ -454,7 +468,9 @@ def test_session_holding_the_kv_cache_is_not_starved_behind_a_request_needing_it
         session.step()
         if "s" in session.tokens and len(session.tokens["s"]) == 2:
             break
-    assert session.tokens.get("s") == reference_tokens([*history, 5, 6], 2), "the session's chunk never ran"
+    assert session.tokens.get("s") == reference_tokens([*history, 5, 6], 2), (
+        "the session's chunk never ran"
+    )
     session.add(make_request("s", [], resumable=False))
     session.run()
     assert session.tokens["x"] == reference_tokens([1] * 12, 2)

@@ -11,9 +11,15 @@ from kvflow.testing import make_request, make_scheduler
 NUM_REQUESTS = 8
 
 
-def decode_message_sizes(history_len: int, use_v2_model_runner: bool, num_steps: int = 5) -> list[int]:
-    scheduler = make_scheduler(max_model_len=4096, max_num_batched_tokens=32768, num_blocks=4096,
-                               use_v2_model_runner=use_v2_model_runner)
+def decode_message_sizes(
+    history_len: int, use_v2_model_runner: bool, num_steps: int = 5
+) -> list[int]:
+    scheduler = make_scheduler(
+        max_model_len=4096,
+        max_num_batched_tokens=32768,
+        num_blocks=4096,
+        use_v2_model_runner=use_v2_model_runner,
+    )
     for i in range(NUM_REQUESTS):
         scheduler.add_request(make_request(str(i), [i + 1] * history_len, max_tokens=50))
     step(scheduler)  # prefill
@@ -33,4 +39,3 @@ def test_decode_message_size_does_not_grow_with_history(use_v2_model_runner):
     assert len(set(short)) == 1 and len(set(long)) == 1
     # Only the integer encodings of the counters may differ (a few bytes per request).
     assert abs(long[0] - short[0]) <= 4 * NUM_REQUESTS
-

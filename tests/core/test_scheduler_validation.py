@@ -30,7 +30,9 @@ def test_prompt_longer_than_max_model_len_rejected():
     scheduler = make_scheduler(max_model_len=32)
     assert_rejected(scheduler, make_request("too-long", [1] * 33), "max_model_len")
     assert "too-long" not in scheduler.requests
-    scheduler.add_request(make_request("fits", [1] * 32, max_tokens=1))  # exactly max_model_len is allowed
+    scheduler.add_request(
+        make_request("fits", [1] * 32, max_tokens=1)
+    )  # exactly max_model_len is allowed
 
 
 def test_prompt_needing_more_blocks_than_the_cache_rejected():

@@ -9,8 +9,12 @@ from kvflow.sampling_params import SamplingParams
 EOS = 2
 
 
-def request_with(outputs: list[int], prompt_len: int = 4, eos_token_id: int | None = EOS, **params) -> Request:
-    request = Request("r", list(range(10, 10 + prompt_len)), SamplingParams(**params), eos_token_id=eos_token_id)
+def request_with(
+    outputs: list[int], prompt_len: int = 4, eos_token_id: int | None = EOS, **params
+) -> Request:
+    request = Request(
+        "r", list(range(10, 10 + prompt_len)), SamplingParams(**params), eos_token_id=eos_token_id
+    )
     request.status = RequestStatus.RUNNING
     for token_id in outputs:
         request.append_output_token_ids(token_id)
@@ -60,11 +64,16 @@ def test_eos_ignored_with_ignore_eos():
 
 
 def test_no_eos_token_id():
-    assert check_stop(request_with([EOS], max_tokens=10, eos_token_id=None), max_model_len=100) is False
+    assert (
+        check_stop(request_with([EOS], max_tokens=10, eos_token_id=None), max_model_len=100)
+        is False
+    )
 
 
 def test_eos_only_checked_on_last_token():
-    assert check_stop(request_with([EOS, 5], max_tokens=10, min_tokens=1), max_model_len=100) is False
+    assert (
+        check_stop(request_with([EOS, 5], max_tokens=10, min_tokens=1), max_model_len=100) is False
+    )
 
 
 def test_stop_token_sets_stop_reason():
@@ -82,7 +91,12 @@ def test_stop_token_applies_even_with_ignore_eos():
 
 def test_min_tokens_suppresses_eos_and_stop_tokens():
     assert check_stop(request_with([EOS], max_tokens=10, min_tokens=2), max_model_len=100) is False
-    assert check_stop(request_with([8], max_tokens=10, min_tokens=2, stop_token_ids=[8]), max_model_len=100) is False
+    assert (
+        check_stop(
+            request_with([8], max_tokens=10, min_tokens=2, stop_token_ids=[8]), max_model_len=100
+        )
+        is False
+    )
 
 
 def test_min_tokens_reached_allows_eos():

@@ -38,26 +38,54 @@ if TYPE_CHECKING:
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-def make_engine_core(*, async_scheduling: bool = False, use_v2_model_runner: bool = True, max_num_seqs: int = 4,
-                     num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 32,
-                     max_model_len: int = 128, policy: str = "fcfs",
-                     enable_chunked_prefill: bool = True, worker_thread: str = "on") -> EngineCore:
+def make_engine_core(
+    *,
+    async_scheduling: bool = False,
+    use_v2_model_runner: bool = True,
+    max_num_seqs: int = 4,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 128,
+    policy: str = "fcfs",
+    enable_chunked_prefill: bool = True,
+    worker_thread: str = "on",
+) -> EngineCore:
     """An EngineCore on the hash model with the real executor, worker and runner. The worker thread is on by
     default (on CPU "auto" would run steps inline), so overlapped runs really have a batch executing meanwhile."""
-    return EngineCore(EngineConfig(
-        model_config=ModelConfig(model="hash", max_model_len=max_model_len),
-        cache_config=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_chunked_prefill=enable_chunked_prefill, policy=policy,  # type: ignore[arg-type]
-            async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner),
-        parallel_config=ParallelConfig(worker_thread=worker_thread)))  # type: ignore[arg-type]
+    return EngineCore(
+        EngineConfig(
+            model_config=ModelConfig(model="hash", max_model_len=max_model_len),
+            cache_config=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=policy,  # type: ignore[arg-type]
+                async_scheduling=async_scheduling,
+                use_v2_model_runner=use_v2_model_runner,
+            ),
+            parallel_config=ParallelConfig(worker_thread=worker_thread),
+        )
+    )  # type: ignore[arg-type]
 
 
-def greedy_request(request_id: str, prompt: list[int], max_tokens: int, *, resumable: bool = False,
-                   stop_token_ids: list[int] | None = None, eos_token_id: int | None = 50256) -> Request:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=eos_token_id == 50256,
-                            stop_token_ids=stop_token_ids)
+def greedy_request(
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    resumable: bool = False,
+    stop_token_ids: list[int] | None = None,
+    eos_token_id: int | None = 50256,
+) -> Request:
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=eos_token_id == 50256,
+        stop_token_ids=stop_token_ids,
+    )
     return Request(request_id, prompt, params, eos_token_id=eos_token_id, resumable=resumable)
 
 
@@ -65,7 +93,7 @@ def expected_tokens(prompt: list[int], max_tokens: int, stop_token: int | None =
     """The hash-model output, cut after the first `stop_token` (which is kept, as EOS and stop ids are)."""
     tokens = reference_tokens(prompt, max_tokens)
     if stop_token is not None and stop_token in tokens:
-        del tokens[tokens.index(stop_token) + 1:]
+        del tokens[tokens.index(stop_token) + 1 :]
     return tokens
 
 
@@ -101,7 +129,9 @@ class EngineProbe:
         def checked_send(scheduler_output: SchedulerOutput, non_block: bool = False) -> Any:
             self._check_sent(scheduler_output)
             self.max_in_flight = max(self.max_in_flight, len(core.batch_queue) + 1)
-            assert self.max_in_flight <= core.batch_queue_size, "more batches in flight than the queue allows"
+            assert self.max_in_flight <= core.batch_queue_size, (
+                "more batches in flight than the queue allows"
+            )
             self.sent_order.append(id(scheduler_output))
             result = send(scheduler_output, non_block=non_block)  # type: ignore[call-overload]
             if self.mid_step_hook is not None:
@@ -128,19 +158,26 @@ class EngineProbe:
         assert output.total_num_scheduled_tokens == sum(output.num_scheduled_tokens.values())
         cached = output.scheduled_cached_reqs
         if self.use_v2:
-            assert not cached.all_token_ids, "the slot runner never reads a cached request's all_token_ids"
-            assert not cached.resumed_req_ids, "the slot runner gets resumed requests as new requests"
+            assert not cached.all_token_ids, (
+                "the slot runner never reads a cached request's all_token_ids"
+            )
+            assert not cached.resumed_req_ids, (
+                "the slot runner gets resumed requests as new requests"
+            )
         else:
             for req_id in cached.all_token_ids:
                 assert req_id in cached.resumed_req_ids or req_id not in self.prev_executed_ids, (
-                    f"redundant all_token_ids for {req_id!r}: the worker ran it in the previous step")
+                    f"redundant all_token_ids for {req_id!r}: the worker ran it in the previous step"
+                )
         for new_req in output.scheduled_new_reqs:
             request = scheduler.requests[new_req.req_id]
             if new_req.prefill_token_ids is not None:
                 assert request.num_preemptions > 0, "prefill_token_ids only for resumed requests"
         for index, req_id in enumerate(cached.req_ids):
             if cached.new_token_ids[index]:
-                assert req_id in self.session_ids, "only a session's new chunk travels as new_token_ids"
+                assert req_id in self.session_ids, (
+                    "only a session's new chunk travels as new_token_ids"
+                )
         for request in scheduler.requests.values():
             assert request.num_output_placeholders >= 0, f"negative placeholders: {request}"
             assert request.async_tokens_to_discard >= 0, f"negative discard count: {request}"
@@ -153,7 +190,9 @@ class EngineProbe:
         released = output.finished_req_ids | output.preempted_req_ids
         still_held = self.slot_model.held - released
         for new_req in output.scheduled_new_reqs:
-            assert new_req.req_id not in still_held, f"{new_req.req_id!r} sent as new while it holds a slot"
+            assert new_req.req_id not in still_held, (
+                f"{new_req.req_id!r} sent as new while it holds a slot"
+            )
         self.slot_model.apply(output)  # raises AssertionError("No free indices") on over-admission
 
     def _check_worker_state(self) -> None:
@@ -161,7 +200,8 @@ class EngineProbe:
         assert len(slots.free_indices) + len(slots.req_id_to_index) == self.max_num_seqs
         if self.slot_model is not None:
             assert self.slot_model.held == set(slots.req_id_to_index), (
-                f"slot model {sorted(self.slot_model.held)} != runner {sorted(slots.req_id_to_index)}")
+                f"slot model {sorted(self.slot_model.held)} != runner {sorted(slots.req_id_to_index)}"
+            )
 
     def check_after_step(self) -> None:
         core = self.core
@@ -169,7 +209,9 @@ class EngineProbe:
         self.max_batch_queue = max(self.max_batch_queue, len(core.batch_queue))
         assert self.scheduler.num_slot_holders <= self.max_num_seqs
         for request in self.scheduler.requests.values():
-            assert request.num_output_placeholders >= 0 and request.async_tokens_to_discard >= 0, request
+            assert request.num_output_placeholders >= 0 and request.async_tokens_to_discard >= 0, (
+                request
+            )
         if core.pause_effective():
             assert not core.batch_queue, "a batch is in flight while a pause is in effect"
 
@@ -185,7 +227,9 @@ class EngineProbe:
         assert scheduler.num_waiting_for_streaming_input == 0
         assert not getattr(scheduler, "_stale_frames", {}), "stale-frame counts left behind"
         slots = self.runner.slots
-        assert len(slots.free_indices) == self.max_num_seqs, f"worker slots leaked: {slots.req_id_to_index}"
+        assert len(slots.free_indices) == self.max_num_seqs, (
+            f"worker slots leaked: {slots.req_id_to_index}"
+        )
         assert not self.runner.parked, f"parked requests leaked: {list(self.runner.parked)}"
         assert self.run_order == self.sent_order, "the worker ran the batches out of order"
         if self.slot_model is not None:
@@ -212,7 +256,9 @@ class EngineSimConfig:
     repause_probability: float = 0.08
     resume_probability: float = 0.25
     pause_modes: tuple[str, ...] = PAUSE_MODES
-    abort_pause_weight: float = 0.5  # relative to 1 for "wait" and "keep" (an abort pause ends every request)
+    abort_pause_weight: float = (
+        0.5  # relative to 1 for "wait" and "keep" (an abort pause ends every request)
+    )
     max_steps: int = 5000
     max_stall_steps: int = 80
     reuse_id_probability: float = 0.15
@@ -231,8 +277,12 @@ class PauseEpisode:
 
     mode: str
     clear_cache: bool
-    must_finish: set[str] = field(default_factory=set)  # "wait": non-session requests started at the call
-    held: set[str] = field(default_factory=set)  # "wait": non-session requests not started, and arrivals
+    must_finish: set[str] = field(
+        default_factory=set
+    )  # "wait": non-session requests started at the call
+    held: set[str] = field(
+        default_factory=set
+    )  # "wait": non-session requests not started, and arrivals
     seen_effective: bool = False
 
 
@@ -265,12 +315,20 @@ class EngineSimulation:
         self.rng = random.Random(seed)
         self.max_model_len = config.num_blocks * config.block_size
         self.core = make_engine_core(
-            async_scheduling=config.async_scheduling, use_v2_model_runner=config.use_v2_model_runner,
-            max_num_seqs=config.max_num_seqs, num_blocks=config.num_blocks, block_size=config.block_size,
-            max_num_batched_tokens=(config.max_num_batched_tokens if config.enable_chunked_prefill
-                                    else max(config.max_num_batched_tokens, self.max_model_len)),
-            max_model_len=self.max_model_len, policy=config.policy,
-            enable_chunked_prefill=config.enable_chunked_prefill)
+            async_scheduling=config.async_scheduling,
+            use_v2_model_runner=config.use_v2_model_runner,
+            max_num_seqs=config.max_num_seqs,
+            num_blocks=config.num_blocks,
+            block_size=config.block_size,
+            max_num_batched_tokens=(
+                config.max_num_batched_tokens
+                if config.enable_chunked_prefill
+                else max(config.max_num_batched_tokens, self.max_model_len)
+            ),
+            max_model_len=self.max_model_len,
+            policy=config.policy,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
         self.scheduler = self.core.scheduler
         self.probe = EngineProbe(self.core)
         self.probe.mid_step_hook = self._mid_step_events
@@ -298,7 +356,9 @@ class EngineSimulation:
     def _run(self) -> None:
         while self.num_added < self.config.num_requests or self._has_work():
             self.stats.num_steps += 1
-            assert self.stats.num_steps <= self.config.max_steps, "no progress: the run exceeded its step bound"
+            assert self.stats.num_steps <= self.config.max_steps, (
+                "no progress: the run exceeded its step bound"
+            )
             if self.num_added < self.config.num_requests and self.rng.random() < 0.5:
                 self._add_request()
             self._random_events()
@@ -315,14 +375,18 @@ class EngineSimulation:
         should_progress = core.can_make_progress()
         outputs = core.step()
         if frozen:
-            assert not any(output.new_token_ids for output in outputs), "a token was emitted while paused"
+            assert not any(output.new_token_ids for output in outputs), (
+                "a token was emitted while paused"
+            )
         for output in outputs:
             self._consume(output)
         self.probe.check_after_step()
         self._check_pause_effect()
         if should_progress and not outputs:
             self.stall_steps += 1
-            assert self.stall_steps <= self.config.max_stall_steps, "the engine stalls with work it could do"
+            assert self.stall_steps <= self.config.max_stall_steps, (
+                "the engine stalls with work it could do"
+            )
         else:
             self.stall_steps = 0
 
@@ -331,7 +395,10 @@ class EngineSimulation:
         request_id = self._new_request_id()
         self.num_added += 1
         is_session = self.rng.random() < self.config.session_fraction
-        prompt = [self.rng.randrange(1, 500) for _ in range(self.rng.randrange(1, 28 if not is_session else 12))]
+        prompt = [
+            self.rng.randrange(1, 500)
+            for _ in range(self.rng.randrange(1, 28 if not is_session else 12))
+        ]
         max_tokens = self.rng.randrange(1, 20 if not is_session else 8)
         track = EngineTrack(request_id, is_session, [Chunk(list(prompt), max_tokens)])
         self.tracks[request_id] = track
@@ -349,8 +416,16 @@ class EngineSimulation:
             else:
                 eos_token_id = stop_token
         num_unfinished = self.scheduler.get_num_unfinished_requests()
-        self.core.add_request(greedy_request(request_id, prompt, max_tokens, resumable=is_session,
-                                             stop_token_ids=stop_token_ids, eos_token_id=eos_token_id))
+        self.core.add_request(
+            greedy_request(
+                request_id,
+                prompt,
+                max_tokens,
+                resumable=is_session,
+                stop_token_ids=stop_token_ids,
+                eos_token_id=eos_token_id,
+            )
+        )
         # Queued visibly, even while paused: counted as unfinished, waiting.
         assert self.scheduler.get_num_unfinished_requests() == num_unfinished + 1
         assert self.scheduler.requests[request_id].status == RequestStatus.WAITING
@@ -361,8 +436,11 @@ class EngineSimulation:
 
     def _new_request_id(self) -> str:
         """Usually a fresh id; sometimes one of a finished request (its stale frames must not reach the new one)."""
-        reusable = [request_id for request_id, track in self.tracks.items()
-                    if track.done and request_id not in self.scheduler.requests]
+        reusable = [
+            request_id
+            for request_id, track in self.tracks.items()
+            if track.done and request_id not in self.scheduler.requests
+        ]
         if not reusable or self.rng.random() >= self.config.reuse_id_probability:
             return f"r{self.num_added}"
         request_id = self.rng.choice(reusable)
@@ -375,7 +453,9 @@ class EngineSimulation:
         return request_id
 
     def _random_chunk(self) -> tuple[list[int], int]:
-        return [self.rng.randrange(1, 500) for _ in range(self.rng.randrange(1, 10))], self.rng.randrange(1, 8)
+        return [
+            self.rng.randrange(1, 500) for _ in range(self.rng.randrange(1, 10))
+        ], self.rng.randrange(1, 8)
 
     def _feed_sessions(self) -> None:
         """As in simulation.py: idle sessions get their next chunk (or the close), running ones sometimes early."""
@@ -388,7 +468,9 @@ class EngineSimulation:
                 continue  # idle sessions linger a little (holding their slot); running ones mostly finish first
             update = track.pending.popleft()
             prompt, max_tokens = update if update is not None else ([], 1)
-            self.core.add_request(greedy_request(track.request_id, prompt, max_tokens, resumable=update is not None))
+            self.core.add_request(
+                greedy_request(track.request_id, prompt, max_tokens, resumable=update is not None)
+            )
             if update is None:
                 track.done = track.done or idle
             elif idle:
@@ -401,11 +483,15 @@ class EngineSimulation:
         assert not track.done, f"output for finished request {track.request_id}: {output}"
         episode = self.episode
         if episode is not None and episode.mode == "wait" and output.request_id in episode.held:
-            assert not output.new_token_ids, f"{output.request_id} produced tokens while held by a wait pause"
+            assert not output.new_token_ids, (
+                f"{output.request_id} produced tokens while held by a wait pause"
+            )
         assert output.weight_version == self.core.weight_version
         chunk = track.chunks[-1]
         chunk.tokens.extend(output.new_token_ids)
-        assert len(chunk.tokens) <= chunk.max_tokens, f"{track.request_id} produced more than max_tokens"
+        assert len(chunk.tokens) <= chunk.max_tokens, (
+            f"{track.request_id} produced more than max_tokens"
+        )
         if output.finish_reason is None:
             return
         chunk.finish_reason = output.finish_reason
@@ -454,9 +540,18 @@ class EngineSimulation:
 
     def _abort(self, track: EngineTrack, launched: SchedulerOutput | None = None) -> None:
         request = self.scheduler.requests.get(track.request_id)
-        in_flight = any(track.request_id in output.num_scheduled_tokens for output in
-                        [*(output for output, _, _ in self.core.batch_queue), *([launched] if launched else [])])
-        state = "gone" if request is None else ("in_flight" if in_flight else request.status.name.lower())
+        in_flight = any(
+            track.request_id in output.num_scheduled_tokens
+            for output in [
+                *(output for output, _, _ in self.core.batch_queue),
+                *([launched] if launched else []),
+            ]
+        )
+        state = (
+            "gone"
+            if request is None
+            else ("in_flight" if in_flight else request.status.name.lower())
+        )
         if self.core.is_paused():
             state += "/paused"
         self.stats.aborts_by_state[state] = self.stats.aborts_by_state.get(state, 0) + 1
@@ -504,9 +599,16 @@ class EngineSimulation:
         was_pending = core.is_paused() and not core.pause_effective()
         key = (mode, clear_cache)
         self.stats.pauses[key] = self.stats.pauses.get(key, 0) + 1
-        unfinished = {request_id for request_id, request in self.scheduler.requests.items()
-                      if not request.is_finished()}
-        expected_clear = (self.episode.clear_cache or clear_cache) if self.episode and was_pending else clear_cache
+        unfinished = {
+            request_id
+            for request_id, request in self.scheduler.requests.items()
+            if not request.is_finished()
+        }
+        expected_clear = (
+            (self.episode.clear_cache or clear_cache)
+            if self.episode and was_pending
+            else clear_cache
+        )
         self.episode = episode = PauseEpisode(mode, expected_clear)
         if mode == "wait":
             for request_id, request in self.scheduler.requests.items():
@@ -520,11 +622,15 @@ class EngineSimulation:
         assert core.is_paused()
         if mode == "abort":
             assert {output.request_id for output in outputs} == unfinished
-            assert all(output.finish_reason == "abort" and not output.new_token_ids for output in outputs)
+            assert all(
+                output.finish_reason == "abort" and not output.new_token_ids for output in outputs
+            )
         for output in outputs:
             self._consume(output)
         if mode == "abort":
-            assert all(track.done for track in self.tracks.values()), "an abort pause left a request running"
+            assert all(track.done for track in self.tracks.values()), (
+                "an abort pause left a request running"
+            )
             assert not self.scheduler.requests
         self._check_pause_effect()
 
@@ -542,12 +648,18 @@ class EngineSimulation:
         self.stats.num_effective += 1
         assert not core.batch_queue, "a pause took effect with a batch in flight"
         if episode.mode == "wait":
-            unfinished = [request_id for request_id in episode.must_finish if not self.tracks[request_id].done]
-            assert not unfinished, f"a wait pause took effect before started requests finished: {unfinished}"
+            unfinished = [
+                request_id for request_id in episode.must_finish if not self.tracks[request_id].done
+            ]
+            assert not unfinished, (
+                f"a wait pause took effect before started requests finished: {unfinished}"
+            )
         if episode.clear_cache:
             assert not self.scheduler.running, "clear_cache left running requests"
             pool = self.scheduler.kv_cache_manager.block_pool
-            assert pool.get_num_free_blocks() == pool.num_blocks, "clear_cache left KV blocks in use"
+            assert pool.get_num_free_blocks() == pool.num_blocks, (
+                "clear_cache left KV blocks in use"
+            )
             assert not pool.cached_block_hash_to_block, "clear_cache left the prefix cache"
 
     # ------------------------------------------------------------------------------------------------ checks
@@ -559,11 +671,16 @@ class EngineSimulation:
         chunk = track.chunks[0]
         expected = expected_tokens(chunk.prompt, chunk.max_tokens, track.stop_token)
         if track.aborted:
-            assert chunk.tokens == expected[:len(chunk.tokens)], (
-                f"{track.request_id}: aborted output {chunk.tokens} is not a prefix of {expected}")
+            assert chunk.tokens == expected[: len(chunk.tokens)], (
+                f"{track.request_id}: aborted output {chunk.tokens} is not a prefix of {expected}"
+            )
             return
-        assert chunk.tokens == expected, f"{track.request_id}: got {chunk.tokens}, expected {expected}"
-        expected_reason = "length" if len(expected) == chunk.max_tokens else "stop"  # length is checked first
+        assert chunk.tokens == expected, (
+            f"{track.request_id}: got {chunk.tokens}, expected {expected}"
+        )
+        expected_reason = (
+            "length" if len(expected) == chunk.max_tokens else "stop"
+        )  # length is checked first
         assert chunk.finish_reason == expected_reason, (track.request_id, chunk.finish_reason)
 
 
@@ -630,13 +747,22 @@ class EngineDriver:
     def assert_exact(self, request_ids: list[str] | None = None) -> None:
         for request_id in request_ids if request_ids is not None else list(self.expected):
             assert self.tokens[request_id] == self.expected[request_id], (
-                f"{request_id}: got {self.tokens[request_id]}, expected {self.expected[request_id]}")
-            assert self.finish_reasons.get(request_id) == "length", (request_id, self.finish_reasons.get(request_id))
+                f"{request_id}: got {self.tokens[request_id]}, expected {self.expected[request_id]}"
+            )
+            assert self.finish_reasons.get(request_id) == "length", (
+                request_id,
+                self.finish_reasons.get(request_id),
+            )
 
     def assert_aborted_prefix(self, request_id: str) -> None:
         tokens = self.tokens[request_id]
-        assert self.finish_reasons.get(request_id) == "abort", (request_id, self.finish_reasons.get(request_id))
-        assert tokens == self.expected[request_id][:len(tokens)], f"{request_id}: {tokens} is not a prefix"
+        assert self.finish_reasons.get(request_id) == "abort", (
+            request_id,
+            self.finish_reasons.get(request_id),
+        )
+        assert tokens == self.expected[request_id][: len(tokens)], (
+            f"{request_id}: {tokens} is not a prefix"
+        )
 
 
 def random_config(seed: int) -> EngineSimConfig:
@@ -645,13 +771,24 @@ def random_config(seed: int) -> EngineSimConfig:
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
     return EngineSimConfig(
-        use_v2_model_runner=rng.random() < 0.5, async_scheduling=rng.random() < 0.6,
-        policy=rng.choice(["fcfs", "priority"]), enable_chunked_prefill=rng.random() < 0.8,
-        max_num_seqs=rng.randrange(1, 9), block_size=block_size,
-        num_blocks=rng.randrange(max(14, -(-64 // block_size)), 60),  # max_model_len >= 64: every prompt fits
-        max_num_batched_tokens=rng.choice([8, 16, 40, 100]), num_requests=rng.randrange(10, 80),
-        session_fraction=rng.random() * 0.5, stop_fraction=rng.random() * 0.5,
-        abort_probability=rng.random() * 0.1, reset_probability=rng.random() * 0.1,
-        mid_step_probability=rng.random() * 0.1, pause_probability=rng.random() * 0.1,
-        repause_probability=rng.random() * 0.2, resume_probability=0.05 + rng.random() * 0.4,
-        reuse_id_probability=rng.random() * 0.3)
+        use_v2_model_runner=rng.random() < 0.5,
+        async_scheduling=rng.random() < 0.6,
+        policy=rng.choice(["fcfs", "priority"]),
+        enable_chunked_prefill=rng.random() < 0.8,
+        max_num_seqs=rng.randrange(1, 9),
+        block_size=block_size,
+        num_blocks=rng.randrange(
+            max(14, -(-64 // block_size)), 60
+        ),  # max_model_len >= 64: every prompt fits
+        max_num_batched_tokens=rng.choice([8, 16, 40, 100]),
+        num_requests=rng.randrange(10, 80),
+        session_fraction=rng.random() * 0.5,
+        stop_fraction=rng.random() * 0.5,
+        abort_probability=rng.random() * 0.1,
+        reset_probability=rng.random() * 0.1,
+        mid_step_probability=rng.random() * 0.1,
+        pause_probability=rng.random() * 0.1,
+        repause_probability=rng.random() * 0.2,
+        resume_probability=0.05 + rng.random() * 0.4,
+        reuse_id_probability=rng.random() * 0.3,
+    )

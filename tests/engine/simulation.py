@@ -56,8 +56,12 @@ class Track:
     request_id: str
     is_session: bool
     chunks: list[Chunk]
-    pending: deque[tuple[list[int], int] | None] = field(default_factory=deque)  # to send (None: close)
-    sent: deque[tuple[list[int], int]] = field(default_factory=deque)  # sent while running, not yet applied
+    pending: deque[tuple[list[int], int] | None] = field(
+        default_factory=deque
+    )  # to send (None: close)
+    sent: deque[tuple[list[int], int]] = field(
+        default_factory=deque
+    )  # sent while running, not yet applied
     aborted: bool = False
     done: bool = False
 
@@ -70,15 +74,27 @@ class Simulation:
         self.rng = random.Random(seed)
         self.max_model_len = config.num_blocks * config.block_size
         self.scheduler = make_scheduler(
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=max(config.max_num_batched_tokens,
-                                                                        0 if config.enable_chunked_prefill
-                                                                        else self.max_model_len),
-            block_size=config.block_size, num_blocks=config.num_blocks, max_model_len=self.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill, policy=config.policy,
-            async_scheduling=config.async_scheduling, use_v2_model_runner=config.use_v2_model_runner)
-        self.runner = ModelRunner(HashModel(), max_num_reqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                  block_size=config.block_size, num_blocks=config.num_blocks,
-                                  use_v2_model_runner=config.use_v2_model_runner)
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max(
+                config.max_num_batched_tokens,
+                0 if config.enable_chunked_prefill else self.max_model_len,
+            ),
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.policy,
+            async_scheduling=config.async_scheduling,
+            use_v2_model_runner=config.use_v2_model_runner,
+        )
+        self.runner = ModelRunner(
+            HashModel(),
+            max_num_reqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            use_v2_model_runner=config.use_v2_model_runner,
+        )
         self.slot_model = WorkerSlots(config.max_num_seqs) if config.use_v2_model_runner else None
         self.tracks: dict[str, Track] = {}
         self.in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
@@ -91,13 +107,19 @@ class Simulation:
     def run(self) -> None:
         while self.num_added < self.config.num_requests or self._has_work():
             self.num_steps += 1
-            assert self.num_steps <= self.config.max_steps, "no progress: the run exceeded its step bound"
+            assert self.num_steps <= self.config.max_steps, (
+                "no progress: the run exceeded its step bound"
+            )
             if self.num_added < self.config.num_requests and self.rng.random() < 0.5:
                 self._add_request()
             self._random_events()
             self._schedule_and_execute()
             self._random_events()
-            if not self.config.async_scheduling or len(self.in_flight) >= 2 or not self._scheduler_has_work():
+            if (
+                not self.config.async_scheduling
+                or len(self.in_flight) >= 2
+                or not self._scheduler_has_work()
+            ):
                 self._retire_oldest()
             self._feed_sessions()
         self._check_final_state()
@@ -114,20 +136,29 @@ class Simulation:
         request_id = f"r{self.num_added}"
         self.num_added += 1
         is_session = self.rng.random() < self.config.session_fraction
-        prompt = [self.rng.randrange(1, 500) for _ in range(self.rng.randrange(1, 28 if not is_session else 12))]
+        prompt = [
+            self.rng.randrange(1, 500)
+            for _ in range(self.rng.randrange(1, 28 if not is_session else 12))
+        ]
         max_tokens = self.rng.randrange(1, 20 if not is_session else 8)
         self.tracks[request_id] = Track(request_id, is_session, [Chunk(list(prompt), max_tokens)])
         if is_session:
             for _ in range(self.rng.randrange(0, 3)):
                 self.tracks[request_id].pending.append(self._random_chunk())
             self.tracks[request_id].pending.append(None)
-        self.scheduler.add_request(self._make_request(request_id, prompt, max_tokens, resumable=is_session))
+        self.scheduler.add_request(
+            self._make_request(request_id, prompt, max_tokens, resumable=is_session)
+        )
 
     def _random_chunk(self) -> tuple[list[int], int]:
-        return [self.rng.randrange(1, 500) for _ in range(self.rng.randrange(1, 10))], self.rng.randrange(1, 8)
+        return [
+            self.rng.randrange(1, 500) for _ in range(self.rng.randrange(1, 10))
+        ], self.rng.randrange(1, 8)
 
     @staticmethod
-    def _make_request(request_id: str, prompt: list[int], max_tokens: int, resumable: bool) -> Request:
+    def _make_request(
+        request_id: str, prompt: list[int], max_tokens: int, resumable: bool
+    ) -> Request:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return Request(request_id, prompt, params, eos_token_id=50256, resumable=resumable)
 
@@ -159,8 +190,11 @@ class Simulation:
                 continue  # mostly wait for the chunk to finish; sometimes queue the update while it runs
             update = track.pending.popleft()
             prompt, max_tokens = update if update is not None else ([], 1)
-            self.scheduler.add_request(self._make_request(track.request_id, prompt, max_tokens,
-                                                          resumable=update is not None))
+            self.scheduler.add_request(
+                self._make_request(
+                    track.request_id, prompt, max_tokens, resumable=update is not None
+                )
+            )
             if update is None:
                 track.done = track.done or idle  # closed while idle: no more output comes
             elif idle:
@@ -198,7 +232,9 @@ class Simulation:
         assert not track.done, f"output for finished request {track.request_id}"
         chunk = track.chunks[-1]
         chunk.tokens.extend(engine_output.new_token_ids)
-        assert len(chunk.tokens) <= chunk.max_tokens, f"{track.request_id} produced more than max_tokens"
+        assert len(chunk.tokens) <= chunk.max_tokens, (
+            f"{track.request_id} produced more than max_tokens"
+        )
         if engine_output.finish_reason is None:
             return
         chunk.finish_reason = engine_output.finish_reason
@@ -215,7 +251,9 @@ class Simulation:
         assert output.total_num_scheduled_tokens <= scheduler.max_num_scheduled_tokens
         cached = output.scheduled_cached_reqs
         if self.config.use_v2_model_runner:
-            assert not cached.all_token_ids, "the slot runner never needs a cached request's full token list"
+            assert not cached.all_token_ids, (
+                "the slot runner never needs a cached request's full token list"
+            )
             assert not cached.resumed_req_ids
         for new_req in output.scheduled_new_reqs:
             request = scheduler.requests[new_req.req_id]
@@ -223,7 +261,9 @@ class Simulation:
                 assert request.num_preemptions > 0, "prefill_token_ids only for resumed requests"
         for index, req_id in enumerate(cached.req_ids):
             if cached.new_token_ids[index]:
-                assert self.tracks[req_id].is_session, "only a session's new chunk travels as new_token_ids"
+                assert self.tracks[req_id].is_session, (
+                    "only a session's new chunk travels as new_token_ids"
+                )
 
     def _check_final_state(self) -> None:
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -233,7 +273,9 @@ class Simulation:
         assert self.scheduler.num_waiting_for_streaming_input == 0
         # The worker hears about the last finishes on its next step: deliver them and check it is empty.
         self.runner.execute_model(self.scheduler.schedule())
-        assert len(self.runner.slots.free_indices) == self.config.max_num_seqs, "worker slots leaked"
+        assert len(self.runner.slots.free_indices) == self.config.max_num_seqs, (
+            "worker slots leaked"
+        )
         for track in self.tracks.values():
             self._check_track(track)
 
@@ -243,7 +285,10 @@ class Simulation:
             expected = reference_tokens(chunk.prompt, chunk.max_tokens)
             is_last = index == len(track.chunks) - 1
             if track.aborted and is_last:
-                assert chunk.tokens == expected[:len(chunk.tokens)], f"{track.request_id}: aborted output not a prefix"
+                assert chunk.tokens == expected[: len(chunk.tokens)], (
+                    f"{track.request_id}: aborted output not a prefix"
+                )
             else:
                 assert chunk.tokens == expected, (
-                    f"{track.request_id} chunk {index}: got {chunk.tokens}, expected {expected}")
+                    f"{track.request_id} chunk {index}: got {chunk.tokens}, expected {expected}"
+                )

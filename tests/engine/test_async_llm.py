@@ -28,8 +28,13 @@ def make_llm() -> Iterator[Callable[..., AsyncLLM]]:
     engines: list[AsyncLLM] = []
 
     def make(model: str | None = "hash", **overrides: Any) -> AsyncLLM:
-        options: dict[str, Any] = dict(max_num_seqs=8, num_kv_blocks=320, block_size=4, max_model_len=1024,
-                                       max_num_batched_tokens=64)
+        options: dict[str, Any] = dict(
+            max_num_seqs=8,
+            num_kv_blocks=320,
+            block_size=4,
+            max_model_len=1024,
+            max_num_batched_tokens=64,
+        )
         options.update(overrides)
         engine = AsyncLLM(model, **options)
         engines.append(engine)
@@ -57,8 +62,12 @@ def params(max_tokens: int, output_kind: str = "cumulative", **kwargs: Any) -> S
     return SamplingParams(max_tokens=max_tokens, output_kind=output_kind, **kwargs)  # type: ignore[arg-type]
 
 
-async def collect(llm: AsyncLLM, prompt_: Any, sampling_params: SamplingParams | None = None,
-                  request_id: str | None = None) -> list[RequestOutput]:
+async def collect(
+    llm: AsyncLLM,
+    prompt_: Any,
+    sampling_params: SamplingParams | None = None,
+    request_id: str | None = None,
+) -> list[RequestOutput]:
     return [output async for output in llm.generate(prompt_, sampling_params, request_id)]
 
 
@@ -71,11 +80,16 @@ def tokens_of(outputs: list[RequestOutput], output_kind: str = "cumulative") -> 
 def engine_snapshot(core: EngineCore) -> dict[str, Any]:
     scheduler = core.scheduler
     pool = scheduler.kv_cache_manager.block_pool
-    return dict(requests=sorted(scheduler.requests), usage=scheduler.kv_cache_manager.usage,
-                free_blocks=pool.get_num_free_blocks(), num_blocks=pool.num_blocks,
-                slot_holders=scheduler.num_slot_holders, pending_reports=scheduler.has_pending_reports(),
-                free_slots=core.executor.worker.model_runner.slots.num_free,
-                max_num_seqs=scheduler.max_num_running_reqs)
+    return dict(
+        requests=sorted(scheduler.requests),
+        usage=scheduler.kv_cache_manager.usage,
+        free_blocks=pool.get_num_free_blocks(),
+        num_blocks=pool.num_blocks,
+        slot_holders=scheduler.num_slot_holders,
+        pending_reports=scheduler.has_pending_reports(),
+        free_slots=core.executor.worker.model_runner.slots.num_free,
+        max_num_seqs=scheduler.max_num_running_reqs,
+    )
 
 
 async def wait_until_clean(llm: AsyncLLM) -> dict[str, Any]:
@@ -83,9 +97,14 @@ async def wait_until_clean(llm: AsyncLLM) -> dict[str, Any]:
     snapshot: dict[str, Any] = {}
     for _ in range(300):
         snapshot = await llm.run_in_engine(engine_snapshot)
-        if (not snapshot["requests"] and snapshot["usage"] == 0 and snapshot["free_blocks"] == snapshot["num_blocks"]
-                and snapshot["slot_holders"] == 0 and not snapshot["pending_reports"]
-                and snapshot["free_slots"] == snapshot["max_num_seqs"]):
+        if (
+            not snapshot["requests"]
+            and snapshot["usage"] == 0
+            and snapshot["free_blocks"] == snapshot["num_blocks"]
+            and snapshot["slot_holders"] == 0
+            and not snapshot["pending_reports"]
+            and snapshot["free_slots"] == snapshot["max_num_seqs"]
+        ):
             return snapshot
         await asyncio.sleep(0.01)
     raise AssertionError(f"engine never became clean: {snapshot}")
@@ -146,13 +165,17 @@ async def read_chunk(iterator: AsyncIterator[RequestOutput]) -> list[RequestOutp
 
 # ------------------------------------------------------------------------------------------------ streaming
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_output_kinds_stream_the_reference_tokens(make_llm: Callable[..., AsyncLLM], async_scheduling: bool) -> None:
+def test_output_kinds_stream_the_reference_tokens(
+    make_llm: Callable[..., AsyncLLM], async_scheduling: bool
+) -> None:
     llm = make_llm(async_scheduling=async_scheduling)
     expected = reference(prompt(1), 6)
 
     async def main() -> None:
         cumulative = await collect(llm, prompt(1), params(6))
-        assert [output.outputs[0].token_ids for output in cumulative] == [expected[:i] for i in range(1, 7)]
+        assert [output.outputs[0].token_ids for output in cumulative] == [
+            expected[:i] for i in range(1, 7)
+        ]
         assert [output.finished for output in cumulative] == [False] * 5 + [True]
         assert cumulative[-1].outputs[0].finish_reason == "length"
         assert cumulative[-1].prompt_token_ids == prompt(1)["prompt_token_ids"]
@@ -161,19 +184,33 @@ def test_output_kinds_stream_the_reference_tokens(make_llm: Callable[..., AsyncL
         final_only = await collect(llm, prompt(1), params(6, "final_only"))
         assert len(final_only) == 1 and final_only[0].finished
         assert final_only[0].outputs[0].token_ids == expected
-        assert (await collect(llm, prompt(1)))[-1].outputs[0].token_ids == reference(prompt(1), 16)  # defaults
+        assert (await collect(llm, prompt(1)))[-1].outputs[0].token_ids == reference(
+            prompt(1), 16
+        )  # defaults
 
     run(main())
 
 
-def test_many_concurrent_generate_calls_all_get_their_reference(make_llm: Callable[..., AsyncLLM]) -> None:
+def test_many_concurrent_generate_calls_all_get_their_reference(
+    make_llm: Callable[..., AsyncLLM],
+) -> None:
     llm = make_llm(max_num_seqs=4)
-    cases = [(prompt(seed, 3 + seed % 9), 2 + seed % 7, random.Random(seed).choice(["cumulative", "delta"]))
-             for seed in range(24)]
+    cases = [
+        (
+            prompt(seed, 3 + seed % 9),
+            2 + seed % 7,
+            random.Random(seed).choice(["cumulative", "delta"]),
+        )
+        for seed in range(24)
+    ]
 
     async def main() -> None:
-        results = await asyncio.gather(*(collect(llm, p, params(n, kind), request_id=f"r{i}")
-                                         for i, (p, n, kind) in enumerate(cases)))
+        results = await asyncio.gather(
+            *(
+                collect(llm, p, params(n, kind), request_id=f"r{i}")
+                for i, (p, n, kind) in enumerate(cases)
+            )
+        )
         for (p, n, kind), outputs in zip(cases, results, strict=True):
             assert tokens_of(outputs, kind) == reference(p, n)
             assert outputs[-1].finished and not any(output.finished for output in outputs[:-1])
@@ -183,7 +220,9 @@ def test_many_concurrent_generate_calls_all_get_their_reference(make_llm: Callab
 
 
 @pytest.mark.parametrize("output_kind", ["cumulative", "delta", "final_only"])
-def test_n_samples_fold_into_one_stream(make_llm: Callable[..., AsyncLLM], output_kind: str) -> None:
+def test_n_samples_fold_into_one_stream(
+    make_llm: Callable[..., AsyncLLM], output_kind: str
+) -> None:
     llm = make_llm()
     expected = reference(prompt(3), 5)
 
@@ -199,7 +238,9 @@ def test_n_samples_fold_into_one_stream(make_llm: Callable[..., AsyncLLM], outpu
             assert per_index == {0: expected, 1: expected, 2: expected}
         else:
             assert [c.index for c in outputs[-1].outputs] == [0, 1, 2]
-            assert all(c.token_ids == expected and c.finish_reason == "length" for c in outputs[-1].outputs)
+            assert all(
+                c.token_ids == expected and c.finish_reason == "length" for c in outputs[-1].outputs
+            )
         if output_kind == "final_only":
             assert len(outputs) == 1
         await wait_until_clean(llm)
@@ -207,27 +248,35 @@ def test_n_samples_fold_into_one_stream(make_llm: Callable[..., AsyncLLM], outpu
     run(main())
 
 
-def test_bad_inputs_raise_value_error_before_anything_is_queued(make_llm: Callable[..., AsyncLLM]) -> None:
+def test_bad_inputs_raise_value_error_before_anything_is_queued(
+    make_llm: Callable[..., AsyncLLM],
+) -> None:
     llm = make_llm(max_model_len=64, num_kv_blocks=32)
 
     async def main() -> None:
-        bad_calls = [({"prompt_token_ids": [1, -5]}, None, "prompt_token_ids"),
-                     ("text needs a tokenizer", None, "no tokenizer"),
-                     ({"prompt_token_ids": [3] * 64}, None, "max_model_len=64"),
-                     (prompt(1), "not params", "sampling_params"),
-                     (prompt(1), None, "request_id")]
+        bad_calls = [
+            ({"prompt_token_ids": [1, -5]}, None, "prompt_token_ids"),
+            ("text needs a tokenizer", None, "no tokenizer"),
+            ({"prompt_token_ids": [3] * 64}, None, "max_model_len=64"),
+            (prompt(1), "not params", "sampling_params"),
+            (prompt(1), None, "request_id"),
+        ]
         for index, (bad_prompt, bad_params, match) in enumerate(bad_calls):
             request_id = 42 if match == "request_id" else f"bad{index}"
             with pytest.raises(ValueError, match=match):
                 await collect(llm, bad_prompt, bad_params, request_id=request_id)  # type: ignore[arg-type]
             snapshot = await llm.run_in_engine(engine_snapshot)
             assert snapshot["requests"] == [] and snapshot["free_blocks"] == snapshot["num_blocks"]
-        assert tokens_of(await collect(llm, prompt(2), params(3), request_id="bad0")) == reference(prompt(2), 3)
+        assert tokens_of(await collect(llm, prompt(2), params(3), request_id="bad0")) == reference(
+            prompt(2), 3
+        )
 
     run(main())
 
 
-def test_live_request_id_is_rejected_and_reusable_after_it_ends(make_llm: Callable[..., AsyncLLM]) -> None:
+def test_live_request_id_is_rejected_and_reusable_after_it_ends(
+    make_llm: Callable[..., AsyncLLM],
+) -> None:
     llm = make_llm()
 
     async def main() -> None:
@@ -237,7 +286,9 @@ def test_live_request_id_is_rejected_and_reusable_after_it_ends(make_llm: Callab
             await collect(llm, prompt(2), params(3), request_id="same")
         await first.aclose()
         await wait_until_clean(llm)
-        assert tokens_of(await collect(llm, prompt(2), params(3), request_id="same")) == reference(prompt(2), 3)
+        assert tokens_of(await collect(llm, prompt(2), params(3), request_id="same")) == reference(
+            prompt(2), 3
+        )
 
     run(main())
 
@@ -256,7 +307,7 @@ def test_abort_mid_stream_ends_with_partial_tokens(make_llm: Callable[..., Async
         assert final.finished and final.outputs[0].finish_reason == "abort"
         assert not any(output.finished for output in received[:-1])
         tokens = tokens_of(received, "delta")
-        assert 3 <= len(tokens) < LONG and tokens == expected[:len(tokens)]
+        assert 3 <= len(tokens) < LONG and tokens == expected[: len(tokens)]
         await llm.abort(["victim", "never-existed"])  # finished and unknown ids are ignored
         parallel = llm.generate(prompt(6), params(LONG, n=2), request_id="parallel")
         await next_output(parallel)
@@ -269,7 +320,9 @@ def test_abort_mid_stream_ends_with_partial_tokens(make_llm: Callable[..., Async
 
 
 @pytest.mark.parametrize("how", ["cancel", "aclose", "break"])
-def test_consumer_leaving_aborts_and_frees_blocks_and_slot(make_llm: Callable[..., AsyncLLM], how: str) -> None:
+def test_consumer_leaving_aborts_and_frees_blocks_and_slot(
+    make_llm: Callable[..., AsyncLLM], how: str
+) -> None:
     llm = make_llm()
 
     async def consume(seen: asyncio.Event, leave: asyncio.Event) -> None:
@@ -294,21 +347,28 @@ def test_consumer_leaving_aborts_and_frees_blocks_and_slot(make_llm: Callable[..
             if how == "cancel":
                 task.cancel()  # it waits inside generate() for the next output
             leave.set()
-            with pytest.raises(asyncio.CancelledError) if how == "cancel" else contextlib.nullcontext():
+            with (
+                pytest.raises(asyncio.CancelledError)
+                if how == "cancel"
+                else contextlib.nullcontext()
+            ):
                 await task
         snapshot = await wait_until_clean(llm)
         assert snapshot["usage"] == 0 and await llm.is_paused()
         await llm.resume_generation()
         # the id is free again and the engine still serves exact tokens
-        assert tokens_of(await collect(llm, prompt(7), params(4), request_id="leaver")) == reference(prompt(7), 4)
+        assert tokens_of(
+            await collect(llm, prompt(7), params(4), request_id="leaver")
+        ) == reference(prompt(7), 4)
 
     run(main())
 
 
 # ------------------------------------------------------------------------------------------------ pause / resume
 @pytest.mark.parametrize("clear_cache", [True, False])
-def test_pause_keep_freezes_output_and_resume_finishes_exactly(make_llm: Callable[..., AsyncLLM],
-                                                               clear_cache: bool) -> None:
+def test_pause_keep_freezes_output_and_resume_finishes_exactly(
+    make_llm: Callable[..., AsyncLLM], clear_cache: bool
+) -> None:
     llm = make_llm()
     max_tokens = 200
 
@@ -317,7 +377,9 @@ def test_pause_keep_freezes_output_and_resume_finishes_exactly(make_llm: Callabl
         started = asyncio.Event()
 
         async def consume() -> None:
-            async for output in llm.generate(prompt(9), params(max_tokens, "delta"), request_id="frozen"):
+            async for output in llm.generate(
+                prompt(9), params(max_tokens, "delta"), request_id="frozen"
+            ):
                 outputs.append(output)
                 started.set()
 
@@ -331,7 +393,9 @@ def test_pause_keep_freezes_output_and_resume_finishes_exactly(make_llm: Callabl
         assert len(outputs) == num_seen, "tokens were emitted while paused"
         assert not outputs[-1].finished and len(tokens_of(outputs, "delta")) < max_tokens
         request = await llm.run_in_engine(lambda core: core.scheduler.requests["frozen"])
-        assert (request.num_preemptions > 0) == clear_cache  # clear_cache preempted it (recompute after resume)
+        assert (
+            request.num_preemptions > 0
+        ) == clear_cache  # clear_cache preempted it (recompute after resume)
         await llm.resume_generation()
         assert not await llm.is_paused()
         await task
@@ -343,8 +407,9 @@ def test_pause_keep_freezes_output_and_resume_finishes_exactly(make_llm: Callabl
 
 
 @pytest.mark.parametrize("clear_cache", [True, False])
-def test_pause_wait_lets_running_finish_and_holds_new_until_resume(make_llm: Callable[..., AsyncLLM],
-                                                                   clear_cache: bool) -> None:
+def test_pause_wait_lets_running_finish_and_holds_new_until_resume(
+    make_llm: Callable[..., AsyncLLM], clear_cache: bool
+) -> None:
     llm = make_llm()
 
     async def main() -> None:
@@ -353,8 +418,9 @@ def test_pause_wait_lets_running_finish_and_holds_new_until_resume(make_llm: Cal
         rest = asyncio.create_task(collect_rest(running))
         await llm.pause_generation(mode="wait", clear_cache=clear_cache)
         # it returned only once in effect: the running request is done, nothing is left in the core
-        assert await llm.run_in_engine(lambda core: (core.pause_effective(), sorted(core.scheduler.requests))) \
-            == (True, [])
+        assert await llm.run_in_engine(
+            lambda core: (core.pause_effective(), sorted(core.scheduler.requests))
+        ) == (True, [])
         finished = await rest
         assert finished[-1].finished and tokens_of(finished) == reference(prompt(11), 60)
         assert finished[-1].outputs[0].finish_reason == "length"
@@ -362,7 +428,9 @@ def test_pause_wait_lets_running_finish_and_holds_new_until_resume(make_llm: Cal
         held = asyncio.create_task(collect_into(llm, prompt(12), params(5), "held", held_outputs))
         await asyncio.sleep(0.2)
         assert held_outputs == []
-        assert await llm.run_in_engine(lambda core: core.scheduler.get_num_unfinished_requests()) == 1
+        assert (
+            await llm.run_in_engine(lambda core: core.scheduler.get_num_unfinished_requests()) == 1
+        )
         await llm.resume_generation()
         await held
         assert tokens_of(held_outputs) == reference(prompt(12), 5)
@@ -375,15 +443,21 @@ async def collect_rest(stream: AsyncIterator[RequestOutput]) -> list[RequestOutp
     return [output async for output in stream]
 
 
-async def collect_into(llm: AsyncLLM, prompt_: Any, sampling_params: SamplingParams, request_id: str,
-                       into: list[RequestOutput]) -> None:
+async def collect_into(
+    llm: AsyncLLM,
+    prompt_: Any,
+    sampling_params: SamplingParams,
+    request_id: str,
+    into: list[RequestOutput],
+) -> None:
     async for output in llm.generate(prompt_, sampling_params, request_id):
         into.append(output)
 
 
 @pytest.mark.parametrize("clear_cache", [True, False])
-def test_pause_abort_ends_running_requests_and_queues_new_ones(make_llm: Callable[..., AsyncLLM],
-                                                               clear_cache: bool) -> None:
+def test_pause_abort_ends_running_requests_and_queues_new_ones(
+    make_llm: Callable[..., AsyncLLM], clear_cache: bool
+) -> None:
     llm = make_llm()
     expected = reference(prompt(13), LONG)
 
@@ -394,19 +468,28 @@ def test_pause_abort_ends_running_requests_and_queues_new_ones(make_llm: Callabl
         final = [output async for output in running][-1]
         assert final.finished and final.outputs[0].finish_reason == "abort"
         tokens = final.outputs[0].token_ids
-        assert 1 <= len(tokens) < LONG and tokens == expected[:len(tokens)]
+        assert 1 <= len(tokens) < LONG and tokens == expected[: len(tokens)]
         await wait_until_clean(llm)
         # requests that arrive while paused wait, are visible, and are abortable
         queued_outputs: list[RequestOutput] = []
         dropped_outputs: list[RequestOutput] = []
-        queued = asyncio.create_task(collect_into(llm, prompt(14), params(4), "queued", queued_outputs))
-        dropped = asyncio.create_task(collect_into(llm, prompt(15), params(4), "dropped", dropped_outputs))
+        queued = asyncio.create_task(
+            collect_into(llm, prompt(14), params(4), "queued", queued_outputs)
+        )
+        dropped = asyncio.create_task(
+            collect_into(llm, prompt(15), params(4), "dropped", dropped_outputs)
+        )
         await asyncio.sleep(0.1)
-        assert await llm.run_in_engine(lambda core: sorted(core.scheduler.requests)) == ["dropped", "queued"]
+        assert await llm.run_in_engine(lambda core: sorted(core.scheduler.requests)) == [
+            "dropped",
+            "queued",
+        ]
         await llm.abort("dropped")
         await dropped
-        assert [(o.finished, o.outputs[0].finish_reason, o.outputs[0].token_ids) for o in dropped_outputs] == \
-            [(True, "abort", [])]
+        assert [
+            (o.finished, o.outputs[0].finish_reason, o.outputs[0].token_ids)
+            for o in dropped_outputs
+        ] == [(True, "abort", [])]
         assert queued_outputs == []
         await llm.resume_generation()
         await queued
@@ -415,7 +498,9 @@ def test_pause_abort_ends_running_requests_and_queues_new_ones(make_llm: Callabl
     run(main())
 
 
-def test_invalid_pause_mode_and_weight_update_without_pause(make_llm: Callable[..., AsyncLLM]) -> None:
+def test_invalid_pause_mode_and_weight_update_without_pause(
+    make_llm: Callable[..., AsyncLLM],
+) -> None:
     llm = make_llm()
 
     async def main() -> None:
@@ -426,14 +511,18 @@ def test_invalid_pause_mode_and_weight_update_without_pause(make_llm: Callable[.
             await llm.update_weights({})
         await llm.pause_generation(mode="keep")
         with pytest.raises(ValueError, match="hash test model"):
-            await llm.update_weights({})  # the command's error reaches its caller; the engine lives on
+            await llm.update_weights(
+                {}
+            )  # the command's error reaches its caller; the engine lives on
         await llm.resume_generation()
         assert tokens_of(await collect(llm, prompt(1), params(3))) == reference(prompt(1), 3)
 
     run(main())
 
 
-def test_concurrent_pause_and_resume_never_strand_a_caller(make_llm: Callable[..., AsyncLLM]) -> None:
+def test_concurrent_pause_and_resume_never_strand_a_caller(
+    make_llm: Callable[..., AsyncLLM],
+) -> None:
     llm = make_llm(max_num_seqs=4)
     cases = [(prompt(seed, 4 + seed), 20 + 5 * seed) for seed in range(8)]
 
@@ -441,7 +530,9 @@ def test_concurrent_pause_and_resume_never_strand_a_caller(make_llm: Callable[..
         rng = random.Random(seed)
         for _ in range(12):
             if rng.random() < 0.6:
-                await llm.pause_generation(mode=rng.choice(["keep", "wait"]), clear_cache=rng.random() < 0.5)
+                await llm.pause_generation(
+                    mode=rng.choice(["keep", "wait"]), clear_cache=rng.random() < 0.5
+                )
             else:
                 await llm.resume_generation()
             await asyncio.sleep(rng.random() * 0.01)
@@ -450,7 +541,9 @@ def test_concurrent_pause_and_resume_never_strand_a_caller(make_llm: Callable[..
         generations = asyncio.gather(*(collect(llm, p, params(n)) for p, n in cases))
         await asyncio.gather(*(toggler(seed) for seed in range(3)))
         # several pauses at once all return, and one resume releases everything
-        await asyncio.gather(*(llm.pause_generation(mode="keep", clear_cache=False) for _ in range(3)))
+        await asyncio.gather(
+            *(llm.pause_generation(mode="keep", clear_cache=False) for _ in range(3))
+        )
         await asyncio.gather(llm.resume_generation(), llm.pause_generation(mode="wait"))
         await llm.resume_generation()
         results = await generations
@@ -462,7 +555,9 @@ def test_concurrent_pause_and_resume_never_strand_a_caller(make_llm: Callable[..
     run(main())
 
 
-def test_resume_releases_a_pause_that_has_not_taken_effect(make_llm: Callable[..., AsyncLLM]) -> None:
+def test_resume_releases_a_pause_that_has_not_taken_effect(
+    make_llm: Callable[..., AsyncLLM],
+) -> None:
     llm = make_llm()
 
     async def main() -> None:
@@ -518,16 +613,22 @@ def test_default_model_streams_text_and_honours_stop_strings(text_llm: AsyncLLM)
         assert "".join(output.outputs[0].text for output in delta) == full.text
         stop = full.text[8:11]
         first_match = full.text.index(stop)
-        stopped = await collect(text_llm, text, greedy(max_tokens=30, stop=[stop], output_kind="delta"))
+        stopped = await collect(
+            text_llm, text, greedy(max_tokens=30, stop=[stop], output_kind="delta")
+        )
         assert "".join(output.outputs[0].text for output in stopped) == full.text[:first_match]
         assert stopped[-1].finished and stopped[-1].outputs[0].finish_reason == "stop"
         assert stopped[-1].outputs[0].stop_reason == stop
-        assert not await text_llm.run_in_engine(lambda core: core.scheduler.requests)  # aborted in the core
+        assert not await text_llm.run_in_engine(
+            lambda core: core.scheduler.requests
+        )  # aborted in the core
 
     run(main())
 
 
-def test_default_model_session_chunks_stream_text_and_a_stop_string_ends_the_session(text_llm: AsyncLLM) -> None:
+def test_default_model_session_chunks_stream_text_and_a_stop_string_ends_the_session(
+    text_llm: AsyncLLM,
+) -> None:
     tokenizer = text_llm.get_tokenizer()
     first, second = "Once upon a time", " there was a fox"
 
@@ -536,10 +637,18 @@ def test_default_model_session_chunks_stream_text_and_a_stop_string_ends_the_ses
         stream = text_llm.generate(feed.items(), greedy(max_tokens=6, output_kind="delta"))
         feed.queue.put_nowait(StreamingInput(first))
         chunk = await read_chunk(stream)
-        assert "".join(output.outputs[0].text for output in chunk) == tokenizer.decode(tokens_of(chunk, "delta"))
-        feed.queue.put_nowait(StreamingInput({"prompt": second, "prompt_token_ids": tokenizer.encode(second)}))
+        assert "".join(output.outputs[0].text for output in chunk) == tokenizer.decode(
+            tokens_of(chunk, "delta")
+        )
+        feed.queue.put_nowait(
+            StreamingInput({"prompt": second, "prompt_token_ids": tokenizer.encode(second)})
+        )
         chunk = await read_chunk(stream)
-        assert chunk[-1].prompt == second and len(tokens_of(chunk, "delta")) == 6 and not chunk[-1].finished
+        assert (
+            chunk[-1].prompt == second
+            and len(tokens_of(chunk, "delta")) == 6
+            and not chunk[-1].finished
+        )
         feed.end()
         assert [output.finished for output in [output async for output in stream]] == [True]
 
@@ -549,9 +658,11 @@ def test_default_model_session_chunks_stream_text_and_a_stop_string_ends_the_ses
         feed.queue.put_nowait(StreamingInput(first, greedy(max_tokens=30, stop=[stop])))
         outputs = await collect(text_llm, feed.items())
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "stop"
-        assert outputs[-1].outputs[0].text == full[:full.index(stop)]
+        assert outputs[-1].outputs[0].text == full[: full.index(stop)]
         await asyncio.sleep(0.02)
-        assert feed.closed and not await text_llm.run_in_engine(lambda core: core.scheduler.requests)
+        assert feed.closed and not await text_llm.run_in_engine(
+            lambda core: core.scheduler.requests
+        )
 
     run(main())
 
@@ -564,7 +675,9 @@ def test_default_model_weight_update_between_pause_and_resume(text_llm: AsyncLLM
         assert version >= 1
         await text_llm.resume_generation()
         after = (await collect(text_llm, "Hello", greedy(max_tokens=4)))[-1].outputs[0]
-        assert after.weight_versions == [version] and after.token_ids == before.token_ids  # same weights reloaded
+        assert (
+            after.weight_versions == [version] and after.token_ids == before.token_ids
+        )  # same weights reloaded
 
     run(main())
 
@@ -574,8 +687,9 @@ CHUNKS = [([5, 6, 7, 8, 9, 10, 11, 12, 13], 3), ([21, 22, 23, 24, 25], 4), ([31,
 
 
 @pytest.mark.parametrize("output_kind", ["cumulative", "delta", "final_only"])
-def test_session_waits_for_each_chunk_and_closes_after_the_input_ends(make_llm: Callable[..., AsyncLLM],
-                                                                      output_kind: str) -> None:
+def test_session_waits_for_each_chunk_and_closes_after_the_input_ends(
+    make_llm: Callable[..., AsyncLLM], output_kind: str
+) -> None:
     llm = make_llm()
     chunks = [(CHUNKS[0][0], 3), (CHUNKS[1][0], 4), (CHUNKS[2][0], 4)]
     # chunk 0 runs with generate()'s params, chunk 1 brings its own, chunk 2 (None) reuses chunk 1's
@@ -590,16 +704,24 @@ def test_session_waits_for_each_chunk_and_closes_after_the_input_ends(make_llm: 
             outputs = await read_chunk(stream)
             assert tokens_of(outputs, output_kind) == expected[index]
             assert outputs[-1].outputs[0].finish_reason == "length"
-            assert not any(output.finished for output in outputs), "a chunk end is not the session's end"
+            assert not any(output.finished for output in outputs), (
+                "a chunk end is not the session's end"
+            )
             if output_kind == "final_only":
                 assert len(outputs) == 1
             request = await llm.run_in_engine(lambda core: core.scheduler.requests["session"])
             assert request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
-            with pytest.raises(ValueError, match="already in use"):  # never mistaken for the session's next chunk
+            with pytest.raises(
+                ValueError, match="already in use"
+            ):  # never mistaken for the session's next chunk
                 await collect(llm, prompt(2), params(2), request_id="session")
             snapshot = await llm.run_in_engine(engine_snapshot)
-            assert snapshot["slot_holders"] == 1 and snapshot["usage"] > 0  # it keeps its slot and blocks
-            if index == 0:  # a cache-clearing pause releases the idle session; its next chunk recomputes
+            assert (
+                snapshot["slot_holders"] == 1 and snapshot["usage"] > 0
+            )  # it keeps its slot and blocks
+            if (
+                index == 0
+            ):  # a cache-clearing pause releases the idle session; its next chunk recomputes
                 await llm.pause_generation(mode="keep", clear_cache=True)
                 assert (await llm.run_in_engine(engine_snapshot))["slot_holders"] == 0
                 await llm.resume_generation()
@@ -612,9 +734,12 @@ def test_session_waits_for_each_chunk_and_closes_after_the_input_ends(make_llm: 
     run(main())
 
 
-@pytest.mark.parametrize(("async_scheduling", "use_v2_model_runner"), [(True, True), (False, True), (True, False)])
-def test_session_with_all_chunks_queued_up_front(make_llm: Callable[..., AsyncLLM], async_scheduling: bool,
-                                                 use_v2_model_runner: bool) -> None:
+@pytest.mark.parametrize(
+    ("async_scheduling", "use_v2_model_runner"), [(True, True), (False, True), (True, False)]
+)
+def test_session_with_all_chunks_queued_up_front(
+    make_llm: Callable[..., AsyncLLM], async_scheduling: bool, use_v2_model_runner: bool
+) -> None:
     llm = make_llm(async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner)
     expected = session_reference(CHUNKS)
 
@@ -655,7 +780,7 @@ def test_session_abort_ends_it_with_abort(make_llm: Callable[..., AsyncLLM], whe
         assert final.finished and final.outputs[0].finish_reason == "abort"
         if when == "running":
             tokens = final.outputs[0].token_ids
-            assert 1 <= len(tokens) < LONG and tokens == expected[1][:len(tokens)]
+            assert 1 <= len(tokens) < LONG and tokens == expected[1][: len(tokens)]
         else:
             assert rest == [final] and final.outputs[0].token_ids == expected[0]
         await asyncio.sleep(0.02)
@@ -668,8 +793,9 @@ def test_session_abort_ends_it_with_abort(make_llm: Callable[..., AsyncLLM], whe
 
 
 @pytest.mark.parametrize("when", ["idle", "running"])
-def test_session_consumer_leaving_cancels_input_and_frees_everything(make_llm: Callable[..., AsyncLLM],
-                                                                     when: str) -> None:
+def test_session_consumer_leaving_cancels_input_and_frees_everything(
+    make_llm: Callable[..., AsyncLLM], when: str
+) -> None:
     llm = make_llm()
 
     async def main() -> None:
@@ -690,7 +816,9 @@ def test_session_consumer_leaving_cancels_input_and_frees_everything(make_llm: C
 
 
 @pytest.mark.parametrize("queued", [False, True])
-def test_session_chunk_past_max_model_len_raises_and_ends_it(make_llm: Callable[..., AsyncLLM], queued: bool) -> None:
+def test_session_chunk_past_max_model_len_raises_and_ends_it(
+    make_llm: Callable[..., AsyncLLM], queued: bool
+) -> None:
     llm = make_llm(max_model_len=64, num_kv_blocks=64)
 
     async def main() -> None:
@@ -698,7 +826,9 @@ def test_session_chunk_past_max_model_len_raises_and_ends_it(make_llm: Callable[
         stream = llm.generate(feed.items(), params(3), request_id="session")
         feed.send(list(range(1, 41)))
         if queued:
-            feed.send(list(range(100, 125)))  # 40 + 2 kept outputs + 25 > 64, arrives while chunk 1 runs
+            feed.send(
+                list(range(100, 125))
+            )  # 40 + 2 kept outputs + 25 > 64, arrives while chunk 1 runs
         outputs = await read_chunk(stream)
         assert tokens_of(outputs) == reference_tokens(list(range(1, 41)), 3)
         if not queued:
@@ -713,7 +843,9 @@ def test_session_chunk_past_max_model_len_raises_and_ends_it(make_llm: Callable[
 
 
 @pytest.mark.parametrize("when", ["first", "idle", "running"])
-def test_session_input_error_is_raised_to_the_consumer(make_llm: Callable[..., AsyncLLM], when: str) -> None:
+def test_session_input_error_is_raised_to_the_consumer(
+    make_llm: Callable[..., AsyncLLM], when: str
+) -> None:
     llm = make_llm()
 
     class Boom(Exception):
@@ -745,7 +877,9 @@ def test_session_input_error_is_raised_to_the_consumer(make_llm: Callable[..., A
 
 
 # ------------------------------------------------------------------------------------------------ errors, shutdown
-def test_engine_error_reaches_every_consumer_and_later_calls_fail(make_llm: Callable[..., AsyncLLM]) -> None:
+def test_engine_error_reaches_every_consumer_and_later_calls_fail(
+    make_llm: Callable[..., AsyncLLM],
+) -> None:
     llm = make_llm()
 
     class WorkerCrash(RuntimeError):

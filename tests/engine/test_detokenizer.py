@@ -25,17 +25,25 @@ def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _stream(tokenizer: Tokenizer, token_ids: list[int], params: SamplingParams, *, prompt: list[int] | None = None,
-            chunk_sizes: list[int] | None = None, stop_terminated: bool = False,
-            ) -> tuple[IncrementalDetokenizer, list[str], str | None]:
+def _stream(
+    tokenizer: Tokenizer,
+    token_ids: list[int],
+    params: SamplingParams,
+    *,
+    prompt: list[int] | None = None,
+    chunk_sizes: list[int] | None = None,
+    stop_terminated: bool = False,
+) -> tuple[IncrementalDetokenizer, list[str], str | None]:
     """Feed `token_ids` in chunks, collecting each step's delta; returns (detokenizer, deltas, stop string)."""
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt if prompt is not None else [BOS_ID], params)
+    detokenizer = IncrementalDetokenizer(
+        tokenizer, prompt if prompt is not None else [BOS_ID], params
+    )
     deltas: list[str] = []
     position, step = 0, 0
     stop_string = None
     while position < len(token_ids):
         size = chunk_sizes[step % len(chunk_sizes)] if chunk_sizes else 1
-        chunk = token_ids[position:position + size]
+        chunk = token_ids[position : position + size]
         position += size
         step += 1
         last = position >= len(token_ids)
@@ -58,7 +66,9 @@ def test_random_streams_equal_full_decode(tokenizer: Tokenizer, skip_special_tok
         token_ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 40))]
         prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 8))]
         chunk_sizes = [rng.randint(1, 4) for _ in range(3)]
-        detokenizer, deltas, _ = _stream(tokenizer, token_ids, params, prompt=prompt, chunk_sizes=chunk_sizes)
+        detokenizer, deltas, _ = _stream(
+            tokenizer, token_ids, params, prompt=prompt, chunk_sizes=chunk_sizes
+        )
         expected = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         assert "".join(deltas) == expected, (token_ids, prompt)
         assert detokenizer.output_text == expected
@@ -76,11 +86,21 @@ def test_random_byte_tokens_stream_exactly(tokenizer: Tokenizer) -> None:
         assert "".join(deltas) == tokenizer.decode(token_ids)
 
 
-@pytest.mark.parametrize("text", ["日本語のテキスト", "rocket 🚀 party 🎉 family 👨‍👩‍👧!", "crème brûlée, naïve café",
-                                  "∑ √ ≈ — “quotes”", "mixed: abc 中文 def 🇫🇷 xyz"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "日本語のテキスト",
+        "rocket 🚀 party 🎉 family 👨‍👩‍👧!",
+        "crème brûlée, naïve café",
+        "∑ √ ≈ — “quotes”",
+        "mixed: abc 中文 def 🇫🇷 xyz",
+    ],
+)
 def test_split_characters_never_show_replacement_chars(tokenizer: Tokenizer, text: str) -> None:
     token_ids = _ids(tokenizer, text)
-    assert any("\ufffd" in decode_token(tokenizer, token_id) for token_id in token_ids)  # characters are split
+    assert any(
+        "\ufffd" in decode_token(tokenizer, token_id) for token_id in token_ids
+    )  # characters are split
     detokenizer = IncrementalDetokenizer(tokenizer, [BOS_ID], SamplingParams())
     streamed = ""
     for token_id in token_ids:
@@ -113,7 +133,9 @@ def test_prompt_ending_inside_a_character(tokenizer: Tokenizer) -> None:
 
 def test_leading_spaces_and_whitespace_are_kept(tokenizer: Tokenizer) -> None:
     text = " Hello,  world!\n\n\tIndented   text "
-    _, deltas, _ = _stream(tokenizer, _ids(tokenizer, text), SamplingParams(), prompt=_ids(tokenizer, "Say:"))
+    _, deltas, _ = _stream(
+        tokenizer, _ids(tokenizer, text), SamplingParams(), prompt=_ids(tokenizer, "Say:")
+    )
     assert "".join(deltas) == text
 
 
@@ -131,7 +153,9 @@ def test_window_stays_small_over_long_outputs(tokenizer: Tokenizer) -> None:
     for token_id in token_ids:
         detokenizer.update([token_id], stop_terminated=False)
         assert len(detokenizer._window_ids) <= 8
-    assert detokenizer.get_next_output_text(finished=True, delta=False) == tokenizer.decode(token_ids)
+    assert detokenizer.get_next_output_text(finished=True, delta=False) == tokenizer.decode(
+        token_ids
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- stop strings
@@ -141,8 +165,9 @@ def test_stop_string_spanning_token_boundaries(tokenizer: Tokenizer) -> None:
     stop = "op he"
     assert not any(stop in decode_token(tokenizer, token_id) for token_id in token_ids)
     for include, expected in ((False, "Hello world, st"), (True, "Hello world, stop he")):
-        detokenizer, deltas, stop_string = _stream(tokenizer, token_ids,
-                                                   SamplingParams(stop=[stop], include_stop_str_in_output=include))
+        detokenizer, deltas, stop_string = _stream(
+            tokenizer, token_ids, SamplingParams(stop=[stop], include_stop_str_in_output=include)
+        )
         assert stop_string == stop == detokenizer.stop_string
         assert "".join(deltas) == expected == detokenizer.output_text
         assert detokenizer.get_next_output_text(finished=True, delta=False) == expected
@@ -152,8 +177,9 @@ def test_stop_string_spanning_token_boundaries(tokenizer: Tokenizer) -> None:
 def test_stop_string_at_the_very_start(tokenizer: Tokenizer) -> None:
     token_ids = _ids(tokenizer, "Hello world")
     for include, expected in ((False, ""), (True, "Hello")):
-        _, deltas, stop_string = _stream(tokenizer, token_ids,
-                                         SamplingParams(stop=["Hello"], include_stop_str_in_output=include))
+        _, deltas, stop_string = _stream(
+            tokenizer, token_ids, SamplingParams(stop=["Hello"], include_stop_str_in_output=include)
+        )
         assert stop_string == "Hello"
         assert "".join(deltas) == expected
 
@@ -170,8 +196,9 @@ def test_earliest_completed_stop_string_wins(tokenizer: Tokenizer) -> None:
     # "lo w" completes before "world" (and before "Hello world"); list order does not matter.
     for stop in (["world", "lo w", "Hello world"], ["Hello world", "lo w", "world"]):
         for chunk_sizes in ([1], [len(token_ids)], [2, 3]):
-            _, deltas, stop_string = _stream(tokenizer, token_ids, SamplingParams(stop=stop),
-                                             chunk_sizes=chunk_sizes)
+            _, deltas, stop_string = _stream(
+                tokenizer, token_ids, SamplingParams(stop=stop), chunk_sizes=chunk_sizes
+            )
             assert (stop_string, "".join(deltas)) == ("lo w", "Hel")
     # Two stop strings ending at the same character: the longer one (earlier start) wins.
     assert find_stop_string("abcdef", 6, ["def", "cdef"]) == ("cdef", 2)
@@ -180,17 +207,41 @@ def test_earliest_completed_stop_string_wins(tokenizer: Tokenizer) -> None:
 
 def test_stop_results_do_not_depend_on_chunking(tokenizer: Tokenizer) -> None:
     rng = random.Random(7)
-    words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "dog", "ran", "to", "log", "by", "bog", "日本", "🚀"]
+    words = [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "a",
+        "mat",
+        "and",
+        "then",
+        "dog",
+        "ran",
+        "to",
+        "log",
+        "by",
+        "bog",
+        "日本",
+        "🚀",
+    ]
     for _ in range(60):
         text = " ".join(rng.choice(words) for _ in range(12))
         token_ids = _ids(tokenizer, text)
-        stop = [text[start:start + rng.randint(1, 6)] for start in (rng.randrange(len(text)) for _ in range(2))]
+        stop = [
+            text[start : start + rng.randint(1, 6)]
+            for start in (rng.randrange(len(text)) for _ in range(2))
+        ]
         stop = [s for s in stop if s.strip()] or ["zzz"]
         include = rng.random() < 0.5
         results = set()
         for chunk_sizes in ([1], [3], [len(token_ids)], [1, 2, 5]):
-            _, deltas, stop_string = _stream(tokenizer, token_ids, SamplingParams(
-                stop=stop, include_stop_str_in_output=include), chunk_sizes=chunk_sizes)
+            _, deltas, stop_string = _stream(
+                tokenizer,
+                token_ids,
+                SamplingParams(stop=stop, include_stop_str_in_output=include),
+                chunk_sizes=chunk_sizes,
+            )
             results.add((stop_string, "".join(deltas)))
         assert len(results) == 1, (text, stop, results)
 
@@ -208,21 +259,25 @@ def test_partial_stop_string_is_held_back(tokenizer: Tokenizer) -> None:
         shown += delta
         full = detokenizer.output_text
         assert len(full) - len(shown) <= len(stop) - 1
-        assert stop not in shown and shown == full[:len(shown)]
+        assert stop not in shown and shown == full[: len(shown)]
         if stop_string is None:
             # the unreleased tail is exactly the held-back buffer (or everything, while it is shorter)
-            assert shown == full[:max(len(full) - (len(stop) - 1), 0)]
+            assert shown == full[: max(len(full) - (len(stop) - 1), 0)]
         else:
             break
     assert stop_string == stop
-    assert shown == "alpha <EN beta <E gamma "  # false starts are released once they cannot be a stop
+    assert (
+        shown == "alpha <EN beta <E gamma "
+    )  # false starts are released once they cannot be a stop
 
 
 def test_hold_back_is_released_on_finish_without_a_match(tokenizer: Tokenizer) -> None:
     token_ids = _ids(tokenizer, "ends with <EN")
     detokenizer = IncrementalDetokenizer(tokenizer, [BOS_ID], SamplingParams(stop=["<END>"]))
     assert detokenizer.update(token_ids, stop_terminated=False) is None
-    assert detokenizer.get_next_output_text(finished=False, delta=True) == "ends with"  # 4 characters held
+    assert (
+        detokenizer.get_next_output_text(finished=False, delta=True) == "ends with"
+    )  # 4 characters held
     assert detokenizer.get_next_output_text(finished=True, delta=True) == " <EN"
 
 
@@ -241,7 +296,7 @@ def test_delta_and_cumulative_text(tokenizer: Tokenizer) -> None:
         deltas.append(delta_detok.get_next_output_text(finished, delta=True))
         assert cumulative == "".join(deltas)
         if not finished:
-            assert cumulative == text[:len(cumulative)]
+            assert cumulative == text[: len(cumulative)]
             assert len(cumulative) == max(len(cumulative_detok.output_text) - 4, 0)
     assert "".join(deltas) == text
     assert delta_detok.get_next_output_text(finished=True, delta=True) == ""  # nothing new
@@ -249,8 +304,9 @@ def test_delta_and_cumulative_text(tokenizer: Tokenizer) -> None:
 
 def test_no_hold_back_when_stop_is_included(tokenizer: Tokenizer) -> None:
     token_ids = _ids(tokenizer, "abc def")
-    detokenizer = IncrementalDetokenizer(tokenizer, [BOS_ID], SamplingParams(stop=["xyz"],
-                                                                             include_stop_str_in_output=True))
+    detokenizer = IncrementalDetokenizer(
+        tokenizer, [BOS_ID], SamplingParams(stop=["xyz"], include_stop_str_in_output=True)
+    )
     detokenizer.update(token_ids, False)
     assert detokenizer.get_next_output_text(finished=False, delta=False) == "abc def"
 
@@ -269,21 +325,33 @@ def test_stop_token_text_is_dropped_unless_included(tokenizer: Tokenizer) -> Non
     token_ids = [*_ids(tokenizer, "Answer: 42"), IM_END_ID]
     for include, expected in ((False, "Answer: 42"), (True, "Answer: 42<|im_end|>")):
         params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include)
-        detokenizer, deltas, stop_string = _stream(tokenizer, token_ids, params, stop_terminated=True)
+        detokenizer, deltas, stop_string = _stream(
+            tokenizer, token_ids, params, stop_terminated=True
+        )
         assert stop_string is None
         assert "".join(deltas) == expected
         assert detokenizer.num_output_tokens == len(token_ids)
     # a non-special stop token id (e.g. "." in stop_token_ids) behaves the same way
     token_ids = _ids(tokenizer, "Done.")
-    _, deltas, _ = _stream(tokenizer, token_ids, SamplingParams(stop_token_ids=[token_ids[-1]]),
-                           chunk_sizes=[len(token_ids)], stop_terminated=True)
+    _, deltas, _ = _stream(
+        tokenizer,
+        token_ids,
+        SamplingParams(stop_token_ids=[token_ids[-1]]),
+        chunk_sizes=[len(token_ids)],
+        stop_terminated=True,
+    )
     assert "".join(deltas) == tokenizer.decode(token_ids[:-1])
 
 
 def test_stop_string_in_the_same_update_as_a_stop_token(tokenizer: Tokenizer) -> None:
     token_ids = [*_ids(tokenizer, "abc STOP xyz"), IM_END_ID]
-    _, deltas, stop_string = _stream(tokenizer, token_ids, SamplingParams(stop=["STOP"]),
-                                     chunk_sizes=[len(token_ids)], stop_terminated=True)
+    _, deltas, stop_string = _stream(
+        tokenizer,
+        token_ids,
+        SamplingParams(stop=["STOP"]),
+        chunk_sizes=[len(token_ids)],
+        stop_terminated=True,
+    )
     assert (stop_string, "".join(deltas)) == ("STOP", "abc ")
 
 

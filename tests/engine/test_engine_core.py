@@ -10,15 +10,21 @@ from kvflow.testing.hash_model import reference_tokens
 
 
 def make_core(**scheduler_options: object) -> EngineCore:
-    return EngineCore(EngineConfig(
-        model_config=ModelConfig(model="hash", max_model_len=128),
-        cache_config=CacheConfig(block_size=4, num_kv_blocks=64),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                                         **scheduler_options)))  # type: ignore[arg-type]
+    return EngineCore(
+        EngineConfig(
+            model_config=ModelConfig(model="hash", max_model_len=128),
+            cache_config=CacheConfig(block_size=4, num_kv_blocks=64),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128, **scheduler_options
+            ),
+        )
+    )  # type: ignore[arg-type]
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int) -> Request:
-    return Request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return Request(
+        request_id, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    )
 
 
 def run(core: EngineCore, tokens: dict[str, list[int]], max_steps: int = 500) -> None:
@@ -61,4 +67,7 @@ def test_forced_reset_mid_run_keeps_outputs_exact_in_both_modes() -> None:
         assert core.reset_prefix_cache(reset_running_requests=True)
         run(core, tokens)
         for request_id, prompt in prompts.items():
-            assert tokens[request_id] == reference_tokens(prompt, 12), (async_scheduling, request_id)
+            assert tokens[request_id] == reference_tokens(prompt, 12), (
+                async_scheduling,
+                request_id,
+            )

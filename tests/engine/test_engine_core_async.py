@@ -9,7 +9,12 @@ from dataclasses import dataclass
 import pytest
 
 from kvflow.testing.hash_model import reference_tokens
-from tests.engine.engine_simulation import EngineDriver, expected_tokens, greedy_request, make_engine_core
+from tests.engine.engine_simulation import (
+    EngineDriver,
+    expected_tokens,
+    greedy_request,
+    make_engine_core,
+)
 
 PROTOCOLS = {"slot": True, "persistent_batch": False}
 
@@ -32,24 +37,39 @@ def random_script(seed: int, num_requests: int = 14) -> list[Arrival]:
         step += rng.choice([0, 0, 1, 2, 5])
         prompt = [rng.randrange(1, 800) for _ in range(rng.randrange(1, 40))]
         max_tokens = rng.randrange(1, 24)
-        stop_token = rng.choice(reference_tokens(prompt, max_tokens)) if rng.random() < 0.3 else None
-        arrivals.append(Arrival(step, f"q{index}", prompt, max_tokens, stop_token, rng.random() < 0.5))
+        stop_token = (
+            rng.choice(reference_tokens(prompt, max_tokens)) if rng.random() < 0.3 else None
+        )
+        arrivals.append(
+            Arrival(step, f"q{index}", prompt, max_tokens, stop_token, rng.random() < 0.5)
+        )
     return arrivals
 
 
-def run_script(arrivals: list[Arrival], *, async_scheduling: bool, use_v2_model_runner: bool,
-               num_blocks: int) -> EngineDriver:
-    driver = EngineDriver(make_engine_core(async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner,
-                                           max_num_seqs=5, num_blocks=num_blocks, max_model_len=64,
-                                           max_num_batched_tokens=24))
+def run_script(
+    arrivals: list[Arrival], *, async_scheduling: bool, use_v2_model_runner: bool, num_blocks: int
+) -> EngineDriver:
+    driver = EngineDriver(
+        make_engine_core(
+            async_scheduling=async_scheduling,
+            use_v2_model_runner=use_v2_model_runner,
+            max_num_seqs=5,
+            num_blocks=num_blocks,
+            max_model_len=64,
+            max_num_batched_tokens=24,
+        )
+    )
     pending = list(arrivals)
     while pending or driver.core.has_work():
         while pending and pending[0].step <= driver.num_steps:
             arrival = pending.pop(0)
             options: dict[str, object] = {}
             if arrival.stop_token is not None:
-                options = {"eos_token_id": arrival.stop_token} if arrival.stop_as_eos \
+                options = (
+                    {"eos_token_id": arrival.stop_token}
+                    if arrival.stop_as_eos
                     else {"stop_token_ids": [arrival.stop_token]}
+                )
             driver.add(arrival.request_id, arrival.prompt, arrival.max_tokens, **options)
         driver.step()
         assert driver.num_steps < 3000, "no progress"
@@ -59,16 +79,24 @@ def run_script(arrivals: list[Arrival], *, async_scheduling: bool, use_v2_model_
 
 @pytest.mark.parametrize("num_blocks", [200, 20])  # ample, and tight enough to preempt
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_overlapped_stepping_produces_exactly_the_sync_outputs(protocol: str, num_blocks: int) -> None:
+def test_overlapped_stepping_produces_exactly_the_sync_outputs(
+    protocol: str, num_blocks: int
+) -> None:
     num_preemptions = 0
     for seed in range(8):
         arrivals = random_script(seed)
         runs = {}
         for async_scheduling in (False, True):
-            driver = run_script(arrivals, async_scheduling=async_scheduling, num_blocks=num_blocks,
-                                use_v2_model_runner=PROTOCOLS[protocol])
+            driver = run_script(
+                arrivals,
+                async_scheduling=async_scheduling,
+                num_blocks=num_blocks,
+                use_v2_model_runner=PROTOCOLS[protocol],
+            )
             assert driver.probe.max_in_flight == (2 if async_scheduling else 1)
-            assert driver.probe.max_batch_queue <= 1  # between steps: at most the batch the worker is running
+            assert (
+                driver.probe.max_batch_queue <= 1
+            )  # between steps: at most the batch the worker is running
             num_preemptions += driver.core.scheduler.num_preemptions_total
             runs[async_scheduling] = driver
         sync, overlapped = runs[False], runs[True]
@@ -97,14 +125,18 @@ def test_overlapped_steps_run_on_the_worker_thread_in_order_while_the_engine_pla
     driver.step()
     assert len(core.batch_queue) == 1 and driver.tokens["a"] == []  # launched, not applied yet
     driver.step()
-    assert len(core.batch_queue) == 1 and len(driver.tokens["a"]) == 1  # step 2 planned before step 1 applied
+    assert (
+        len(core.batch_queue) == 1 and len(driver.tokens["a"]) == 1
+    )  # step 2 planned before step 1 applied
     driver.run()
     driver.assert_exact()
     assert worker_threads == {"kvflow-worker_0"}
 
 
 # ---------------------------------------------------------------------------------------------------- bug pins
-def test_an_unlaunched_empty_step_does_not_make_the_persistent_batch_protocol_resend_history() -> None:
+def test_an_unlaunched_empty_step_does_not_make_the_persistent_batch_protocol_resend_history() -> (
+    None
+):
     """Bug: the overlapped step dropped an empty SchedulerOutput without sending it, but the scheduler had already
     recorded it as the previous step; the next step then sent `all_token_ids` (the whole history) for a request the
     worker had run in the step before. Here: a streaming session whose last token is in flight (nothing to
@@ -121,16 +153,24 @@ def test_an_unlaunched_empty_step_does_not_make_the_persistent_batch_protocol_re
     core.executor.execute_model = spy  # type: ignore[method-assign]
     prompt, chunk = [5, 6, 7, 8, 9], [11, 12, 13]
     driver.add("s", prompt, 2, resumable=True)
-    core.add_request(greedy_request("s", chunk, 3, resumable=True))  # the next chunk, queued while it runs
+    core.add_request(
+        greedy_request("s", chunk, 3, resumable=True)
+    )  # the next chunk, queued while it runs
     for _ in range(4):
         driver.step()
     first = reference_tokens(prompt, 2)
     assert driver.tokens["s"][:2] == first
-    chunk_step = next(output for output in sent if output.scheduled_cached_reqs.new_token_ids
-                      and output.scheduled_cached_reqs.new_token_ids[0])
+    chunk_step = next(
+        output
+        for output in sent
+        if output.scheduled_cached_reqs.new_token_ids
+        and output.scheduled_cached_reqs.new_token_ids[0]
+    )
     assert chunk_step.scheduled_cached_reqs.new_token_ids == [chunk]
     assert chunk_step.scheduled_cached_reqs.all_token_ids == {}
-    core.add_request(greedy_request("s", [], 1, resumable=False))  # close the session after this chunk
+    core.add_request(
+        greedy_request("s", [], 1, resumable=False)
+    )  # close the session after this chunk
     driver.run()
     assert driver.tokens["s"] == first + reference_tokens(prompt + first[:-1] + chunk, 3)
 
@@ -162,7 +202,9 @@ def test_a_paused_engine_sends_reports_without_leaving_a_batch_in_flight() -> No
 
 # ---------------------------------------------------------------------------------------------------- weights
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_outputs_carry_the_weight_version_that_computed_their_tokens(async_scheduling: bool) -> None:
+def test_outputs_carry_the_weight_version_that_computed_their_tokens(
+    async_scheduling: bool,
+) -> None:
     driver = EngineDriver(make_engine_core(async_scheduling=async_scheduling))
     core = driver.core
     updates: list[object] = []
@@ -211,4 +253,7 @@ def test_on_cpu_auto_runs_overlapped_steps_inline_with_the_same_outputs() -> Non
         results[worker_thread] = tokens
         core.shutdown()
     assert results["auto"] == results["on"]
-    assert all(results["auto"][request_id] == expected_tokens(prompt, 9) for request_id, prompt in prompts.items())
+    assert all(
+        results["auto"][request_id] == expected_tokens(prompt, 9)
+        for request_id, prompt in prompts.items()
+    )

@@ -9,23 +9,31 @@ from kvflow.testing.hash_model import reference_tokens
 
 
 def small_llm(**overrides: object) -> LLM:
-    options: dict[str, object] = dict(max_num_seqs=8, num_kv_blocks=64, block_size=4, max_model_len=128,
-                                      max_num_batched_tokens=32)
+    options: dict[str, object] = dict(
+        max_num_seqs=8, num_kv_blocks=64, block_size=4, max_model_len=128, max_num_batched_tokens=32
+    )
     options.update(overrides)
     return LLM("hash", **options)  # type: ignore[arg-type]
 
 
 def prompts_of(lengths: list[int]) -> list[dict[str, list[int]]]:
-    return [{"prompt_token_ids": [(i * 31 + j) % 997 + 1 for j in range(length)]} for i, length in enumerate(lengths)]
+    return [
+        {"prompt_token_ids": [(i * 31 + j) % 997 + 1 for j in range(length)]}
+        for i, length in enumerate(lengths)
+    ]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("use_v2_model_runner", [True, False])
-def test_generate_returns_reference_tokens_in_input_order(async_scheduling: bool, use_v2_model_runner: bool) -> None:
+def test_generate_returns_reference_tokens_in_input_order(
+    async_scheduling: bool, use_v2_model_runner: bool
+) -> None:
     llm = small_llm(async_scheduling=async_scheduling, use_v2_model_runner=use_v2_model_runner)
     prompts = prompts_of([3, 40, 7, 60, 1, 25, 33, 12, 5, 48, 19, 2])
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=9), use_tqdm=False)
-    assert [output.prompt_token_ids for output in outputs] == [p["prompt_token_ids"] for p in prompts]
+    assert [output.prompt_token_ids for output in outputs] == [
+        p["prompt_token_ids"] for p in prompts
+    ]
     for output, prompt in zip(outputs, prompts, strict=True):
         assert isinstance(output, RequestOutput) and output.finished
         assert output.outputs[0].token_ids == reference_tokens(prompt["prompt_token_ids"], 9)
@@ -44,7 +52,9 @@ def test_stop_token_ids_end_generation_with_stop_reason() -> None:
     llm = small_llm()
     prompt = prompts_of([10])[0]
     expected = reference_tokens(prompt["prompt_token_ids"], 8)
-    output = llm.generate(prompt, SamplingParams(max_tokens=8, stop_token_ids=[expected[2]]), use_tqdm=False)[0]
+    output = llm.generate(
+        prompt, SamplingParams(max_tokens=8, stop_token_ids=[expected[2]]), use_tqdm=False
+    )[0]
     assert output.outputs[0].token_ids == expected[:3]
     assert output.outputs[0].finish_reason == "stop"
     assert output.outputs[0].stop_reason == expected[2]
@@ -57,7 +67,9 @@ def test_shared_prefixes_hit_the_prefix_cache_and_stay_correct() -> None:
     first = llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
     rest = llm.generate(prompts[1:], SamplingParams(max_tokens=4), use_tqdm=False)
     assert llm.prefix_cache_hit_rate > 0.5
-    assert all(output.metrics is not None and output.metrics.num_cached_tokens == 40 for output in rest)
+    assert all(
+        output.metrics is not None and output.metrics.num_cached_tokens == 40 for output in rest
+    )
     for output, prompt in zip(first + rest, prompts, strict=True):
         assert output.outputs[0].token_ids == reference_tokens(prompt["prompt_token_ids"], 4)
 
@@ -104,7 +116,11 @@ def test_metrics_record_first_token_and_finish_times() -> None:
     llm = small_llm()
     output = llm.generate(prompts_of([5])[0], SamplingParams(max_tokens=3), use_tqdm=False)[0]
     metrics = output.metrics
-    assert metrics is not None and metrics.first_token_time is not None and metrics.finished_time is not None
+    assert (
+        metrics is not None
+        and metrics.first_token_time is not None
+        and metrics.finished_time is not None
+    )
     assert metrics.arrival_time <= metrics.first_token_time <= metrics.finished_time
 
 

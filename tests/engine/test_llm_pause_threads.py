@@ -34,7 +34,9 @@ class Hold:
     signals `reached` and waits until the controller calls `open()` (or, with `release_on_pause`, until a pause
     has begun: a pause on the async engine needs the generating thread to keep stepping)."""
 
-    def __init__(self, predicate: Callable[[], bool], release_on_pause: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self, predicate: Callable[[], bool], release_on_pause: Callable[[], bool] | None = None
+    ) -> None:
         self.predicate = predicate
         self.release_on_pause = release_on_pause
         self.reached = threading.Event()
@@ -43,8 +45,12 @@ class Hold:
     def hold(self) -> None:
         self.reached.set()
         deadline = time.monotonic() + 10
-        while not (self.opened.is_set() or (self.release_on_pause is not None and self.release_on_pause())):
-            assert time.monotonic() < deadline, "the controller never released the generating thread"
+        while not (
+            self.opened.is_set() or (self.release_on_pause is not None and self.release_on_pause())
+        ):
+            assert time.monotonic() < deadline, (
+                "the controller never released the generating thread"
+            )
             time.sleep(0.001)
 
     def wait(self) -> None:
@@ -60,7 +66,9 @@ class LoopGate(Hold):
     `after_iterations` iterations, released once the controller's pause has begun), and takes more holds."""
 
     def __init__(self, after_iterations: int, is_paused: Callable[[], bool]) -> None:
-        super().__init__(lambda: self.num_iterations == after_iterations, release_on_pause=is_paused)
+        super().__init__(
+            lambda: self.num_iterations == after_iterations, release_on_pause=is_paused
+        )
         self.num_iterations = 0
         self.holds: list[Hold] = [self]
 
@@ -102,8 +110,10 @@ def run_threads(*targets: Callable[[], Any]) -> list[Any]:
         except BaseException as error:
             errors.append(error)
 
-    threads = [threading.Thread(target=wrap, args=(index, target), daemon=True)
-               for index, target in enumerate(targets)]
+    threads = [
+        threading.Thread(target=wrap, args=(index, target), daemon=True)
+        for index, target in enumerate(targets)
+    ]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + JOIN_TIMEOUT_S
@@ -117,8 +127,9 @@ def run_threads(*targets: Callable[[], Any]) -> list[Any]:
 
 
 def hash_llm(**overrides: Any) -> LLM:
-    options: dict[str, Any] = dict(max_num_seqs=4, num_kv_blocks=96, block_size=4, max_model_len=128,
-                                   max_num_batched_tokens=32)
+    options: dict[str, Any] = dict(
+        max_num_seqs=4, num_kv_blocks=96, block_size=4, max_model_len=128, max_num_batched_tokens=32
+    )
     options.update(overrides)
     return LLM("hash", **options)
 
@@ -129,18 +140,25 @@ def prompts_of(count: int, seed: int = 0) -> list[list[int]]:
 
 
 def generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[RequestOutput]:
-    return llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return llm.generate(
+        [{"prompt_token_ids": prompt} for prompt in prompts],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )
 
 
 def progress(llm: LLM) -> dict[str, int]:
     """Tokens so far of every request the LLM still tracks (finished ones are gone), read under its lock."""
     with llm._lock:
-        return {request_id: len(state.output_token_ids)
-                for request_id, state in llm.output_processor.request_states.items()}
+        return {
+            request_id: len(state.output_token_ids)
+            for request_id, state in llm.output_processor.request_states.items()
+        }
 
 
-def check_exact_or_aborted_prefix(outputs: list[RequestOutput], prompts: list[list[int]], max_tokens: int) -> int:
+def check_exact_or_aborted_prefix(
+    outputs: list[RequestOutput], prompts: list[list[int]], max_tokens: int
+) -> int:
     """Returns how many were aborted."""
     num_aborted = 0
     for output, prompt in zip(outputs, prompts, strict=True):
@@ -148,7 +166,7 @@ def check_exact_or_aborted_prefix(outputs: list[RequestOutput], prompts: list[li
         expected = reference_tokens(prompt, max_tokens)
         if completion.finish_reason == "abort":
             num_aborted += 1
-            assert completion.token_ids == expected[:len(completion.token_ids)]
+            assert completion.token_ids == expected[: len(completion.token_ids)]
         else:
             assert completion.token_ids == expected and completion.finish_reason == "length"
     return num_aborted
@@ -158,7 +176,9 @@ def check_engine_clean(llm: LLM) -> None:
     """Once the worker has heard the last finishes (one more step), nothing is left anywhere."""
     core = llm.engine_core
     scheduler = core.scheduler
-    assert not core.is_paused() and not scheduler.requests and not scheduler.has_unfinished_requests()
+    assert (
+        not core.is_paused() and not scheduler.requests and not scheduler.has_unfinished_requests()
+    )
     with llm._lock:
         for _ in range(3):
             if core.has_work():
@@ -176,8 +196,9 @@ SCHEDULING = {"sync": False, "async": True}
 # ---------------------------------------------------------------------------------------------------- hash model
 @pytest.mark.parametrize("clear_cache", [False, True])
 @pytest.mark.parametrize("scheduling", SCHEDULING)
-def test_keep_from_another_thread_freezes_generation_until_resume(monkeypatch: pytest.MonkeyPatch, scheduling: str,
-                                                                 clear_cache: bool) -> None:
+def test_keep_from_another_thread_freezes_generation_until_resume(
+    monkeypatch: pytest.MonkeyPatch, scheduling: str, clear_cache: bool
+) -> None:
     llm = hash_llm(async_scheduling=SCHEDULING[scheduling])
     prompts = prompts_of(6)
     gate = install_gate(monkeypatch, llm, after_iterations=6)
@@ -197,13 +218,16 @@ def test_keep_from_another_thread_freezes_generation_until_resume(monkeypatch: p
 
     outputs, _ = run_threads(lambda: generate(llm, prompts, 24), controller)
     assert check_exact_or_aborted_prefix(outputs, prompts, 24) == 0
-    assert any(0 < count < 24 for count in seen["at_pause"].values()), seen  # it really paused mid-generation
+    assert any(0 < count < 24 for count in seen["at_pause"].values()), (
+        seen
+    )  # it really paused mid-generation
     check_engine_clean(llm)
 
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
-def test_wait_from_another_thread_finishes_started_requests_and_holds_the_rest(monkeypatch: pytest.MonkeyPatch,
-                                                                              scheduling: str) -> None:
+def test_wait_from_another_thread_finishes_started_requests_and_holds_the_rest(
+    monkeypatch: pytest.MonkeyPatch, scheduling: str
+) -> None:
     llm = hash_llm(async_scheduling=SCHEDULING[scheduling], max_num_seqs=3)
     prompts = prompts_of(7, seed=1)
     gate = install_gate(monkeypatch, llm, after_iterations=4)
@@ -216,7 +240,10 @@ def test_wait_from_another_thread_finishes_started_requests_and_holds_the_rest(m
         with llm._lock:
             requests = list(llm.engine_core.scheduler.requests.values())
             seen["held"] = len(requests)
-            assert all(request.num_output_tokens == 0 and request.num_computed_tokens == 0 for request in requests)
+            assert all(
+                request.num_output_tokens == 0 and request.num_computed_tokens == 0
+                for request in requests
+            )
         frozen = progress(llm)
         assert set(frozen.values()) == {0}
         time.sleep(0.1)
@@ -230,8 +257,9 @@ def test_wait_from_another_thread_finishes_started_requests_and_holds_the_rest(m
 
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
-def test_abort_from_another_thread_and_a_generate_that_arrives_while_paused(monkeypatch: pytest.MonkeyPatch,
-                                                                           scheduling: str) -> None:
+def test_abort_from_another_thread_and_a_generate_that_arrives_while_paused(
+    monkeypatch: pytest.MonkeyPatch, scheduling: str
+) -> None:
     llm = hash_llm(async_scheduling=SCHEDULING[scheduling])
     prompts, late_prompts = prompts_of(6, seed=2), prompts_of(3, seed=3)
     gate = install_gate(monkeypatch, llm, after_iterations=5)
@@ -260,7 +288,9 @@ def test_abort_from_another_thread_and_a_generate_that_arrives_while_paused(monk
     outputs, _, late_outputs = run_threads(lambda: generate(llm, prompts, 30), controller, late)
     assert queued.is_set()
     assert check_exact_or_aborted_prefix(outputs, prompts, 30) == len(prompts)
-    assert all(len(output.outputs[0].token_ids) > 0 for output in outputs[:4])  # aborted mid-generation
+    assert all(
+        len(output.outputs[0].token_ids) > 0 for output in outputs[:4]
+    )  # aborted mid-generation
     assert check_exact_or_aborted_prefix(late_outputs, late_prompts, 10) == 0
     check_engine_clean(llm)
 
@@ -288,7 +318,9 @@ def test_concurrent_pauses_resumes_and_weight_updates_strand_no_caller(schedulin
         rng = random.Random(seed)
         for _ in range(8):
             time.sleep(rng.random() * 0.004)
-            llm.pause_generation(mode=rng.choice(["abort", "wait", "keep", "keep"]), clear_cache=rng.random() < 0.5)
+            llm.pause_generation(
+                mode=rng.choice(["abort", "wait", "keep", "keep"]), clear_cache=rng.random() < 0.5
+            )
             stats["pauses"] += 1
             if rng.random() < 0.5:
                 llm.pause_generation(mode="keep", clear_cache=rng.random() < 0.5)  # repeated pause
@@ -301,8 +333,11 @@ def test_concurrent_pauses_resumes_and_weight_updates_strand_no_caller(schedulin
             time.sleep(rng.random() * 0.004)
             llm.resume_generation()
 
-    results = run_threads(lambda: generator(0), lambda: generator(1), *(lambda seed=seed: controller(seed)
-                                                                       for seed in range(3)))
+    results = run_threads(
+        lambda: generator(0),
+        lambda: generator(1),
+        *(lambda seed=seed: controller(seed) for seed in range(3)),
+    )
     assert stats["pauses"] == 24
     for batch_results in results[:2]:
         for prompts, outputs in batch_results:
@@ -322,19 +357,30 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def real_llm(checkpoint: Path, **overrides: Any) -> LLM:
-    options: dict[str, Any] = dict(max_model_len=128, block_size=4, num_kv_blocks=256, max_num_seqs=4,
-                                   max_num_batched_tokens=32)
+    options: dict[str, Any] = dict(
+        max_model_len=128,
+        block_size=4,
+        num_kv_blocks=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+    )
     options.update(overrides)
     return LLM(str(checkpoint), dtype="float32", skip_tokenizer_init=True, **options)
 
 
-REAL_PROMPTS = [[(7 * index + 3 * position) % 300 + 3 for position in range(5 + 6 * index)] for index in range(5)]
+REAL_PROMPTS = [
+    [(7 * index + 3 * position) % 300 + 3 for position in range(5 + 6 * index)]
+    for index in range(5)
+]
 REAL_MAX_TOKENS = 14
 
 
 def real_generate(llm: LLM, prompts: list[list[int]] = REAL_PROMPTS) -> list[RequestOutput]:
-    return llm.generate([{"prompt_token_ids": prompt} for prompt in prompts],
-                        SamplingParams(temperature=0.0, max_tokens=REAL_MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    return llm.generate(
+        [{"prompt_token_ids": prompt} for prompt in prompts],
+        SamplingParams(temperature=0.0, max_tokens=REAL_MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
 
 
 def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
@@ -342,9 +388,12 @@ def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
-def test_real_model_pause_keep_with_clear_cache_keeps_greedy_outputs(monkeypatch: pytest.MonkeyPatch,
-                                                                     checkpoint: Path, scheduling: str) -> None:
-    expected = token_ids(real_generate(real_llm(checkpoint, async_scheduling=SCHEDULING[scheduling])))
+def test_real_model_pause_keep_with_clear_cache_keeps_greedy_outputs(
+    monkeypatch: pytest.MonkeyPatch, checkpoint: Path, scheduling: str
+) -> None:
+    expected = token_ids(
+        real_generate(real_llm(checkpoint, async_scheduling=SCHEDULING[scheduling]))
+    )
     llm = real_llm(checkpoint, async_scheduling=SCHEDULING[scheduling])
     gate = install_gate(monkeypatch, llm, after_iterations=6)
     seen: dict[str, Any] = {}
@@ -366,8 +415,9 @@ def test_real_model_pause_keep_with_clear_cache_keeps_greedy_outputs(monkeypatch
 
 
 @pytest.mark.parametrize("clear_cache", [False, True])
-def test_real_model_update_weights_with_the_same_checkpoint_keeps_outputs(monkeypatch: pytest.MonkeyPatch,
-                                                                          checkpoint: Path, clear_cache: bool) -> None:
+def test_real_model_update_weights_with_the_same_checkpoint_keeps_outputs(
+    monkeypatch: pytest.MonkeyPatch, checkpoint: Path, clear_cache: bool
+) -> None:
     expected = token_ids(real_generate(real_llm(checkpoint)))
     llm = real_llm(checkpoint)
     with pytest.raises(RuntimeError, match="paused"):
@@ -376,7 +426,9 @@ def test_real_model_update_weights_with_the_same_checkpoint_keeps_outputs(monkey
     core = llm.engine_core
     # With clear_cache the pause preempts every request, which the worker hears in the generating thread's next
     # step: update the weights right after that step (no batch may be in flight then).
-    reported = gate.add_hold(lambda: core.pause_effective() and not core.scheduler.has_pending_reports())
+    reported = gate.add_hold(
+        lambda: core.pause_effective() and not core.scheduler.has_pending_reports()
+    )
     seen: dict[str, Any] = {}
 
     def controller() -> None:
@@ -397,19 +449,24 @@ def test_real_model_update_weights_with_the_same_checkpoint_keeps_outputs(monkey
     for output in outputs:
         num_before = seen["at_pause"].get(output.request_id, REAL_MAX_TOKENS)
         versions = output.outputs[0].weight_versions
-        assert versions == ([0, 1] if 0 < num_before < REAL_MAX_TOKENS else [1] if num_before == 0 else [0])
+        assert versions == (
+            [0, 1] if 0 < num_before < REAL_MAX_TOKENS else [1] if num_before == 0 else [0]
+        )
     assert any(output.outputs[0].weight_versions == [0, 1] for output in outputs)
     with pytest.raises(RuntimeError, match="paused"):
         llm.update_weights(str(checkpoint))
 
 
-def test_real_model_update_weights_with_changed_tensors_changes_later_tokens(monkeypatch: pytest.MonkeyPatch,
-                                                                             checkpoint: Path) -> None:
+def test_real_model_update_weights_with_changed_tensors_changes_later_tokens(
+    monkeypatch: pytest.MonkeyPatch, checkpoint: Path
+) -> None:
     from safetensors.torch import load_file
 
     weights = load_file(str(checkpoint / "model.safetensors"))
-    changed = {"lm_head.weight": -weights["lm_head.weight"], "model.embed_tokens.weight":
-               weights["model.embed_tokens.weight"] * 3.0}
+    changed = {
+        "lm_head.weight": -weights["lm_head.weight"],
+        "model.embed_tokens.weight": weights["model.embed_tokens.weight"] * 3.0,
+    }
     prompts = REAL_PROMPTS[:3]
     expected = token_ids(real_generate(real_llm(checkpoint), prompts))
     llm = real_llm(checkpoint)
@@ -422,7 +479,9 @@ def test_real_model_update_weights_with_changed_tensors_changes_later_tokens(mon
         gate.open()
         seen["at_pause"] = progress(llm)
         llm.update_weights(changed)
-        assert llm.reset_prefix_cache(reset_running_requests=True)  # the cached KV came from the old weights
+        assert llm.reset_prefix_cache(
+            reset_running_requests=True
+        )  # the cached KV came from the old weights
         llm.resume_generation()
 
     outputs, _ = run_threads(lambda: real_generate(llm, prompts), controller)
@@ -437,11 +496,22 @@ def test_real_model_update_weights_with_changed_tensors_changes_later_tokens(mon
         tokens = output.outputs[0].token_ids
         num_before = seen["at_pause"][output.request_id]
         assert 0 < num_before < REAL_MAX_TOKENS and tokens[:num_before] == reference[:num_before]
-        continuation = updated.generate({"prompt_token_ids": prompt + reference[:num_before]},
-                                        SamplingParams(temperature=0.0, max_tokens=REAL_MAX_TOKENS - num_before,
-                                                       ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+        continuation = (
+            updated.generate(
+                {"prompt_token_ids": prompt + reference[:num_before]},
+                SamplingParams(
+                    temperature=0.0, max_tokens=REAL_MAX_TOKENS - num_before, ignore_eos=True
+                ),
+                use_tqdm=False,
+            )[0]
+            .outputs[0]
+            .token_ids
+        )
         assert tokens[num_before:] == continuation
         num_changed += tokens[num_before:] != reference[num_before:]
         assert output.outputs[0].weight_versions == [0, 1]
     assert num_changed == len(prompts)
-    assert torch.equal(weights["lm_head.weight"], load_file(str(checkpoint / "model.safetensors"))["lm_head.weight"])
+    assert torch.equal(
+        weights["lm_head.weight"],
+        load_file(str(checkpoint / "model.safetensors"))["lm_head.weight"],
+    )

@@ -39,20 +39,29 @@ def test_stop_string_truncates_text_and_stops_generation(llm: LLM) -> None:
     stopped = llm.generate(PROMPT, greedy(max_tokens=40, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert stopped.text == full.text[:first_match]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
-    assert full.token_ids[:len(stopped.token_ids)] == stopped.token_ids  # generation ended at the match
+    assert (
+        full.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+    )  # generation ended at the match
     assert len(stopped.token_ids) < len(full.token_ids)
-    kept = llm.generate(PROMPT, greedy(max_tokens=40, stop=[stop], include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
-    assert kept.text == full.text[:first_match + len(stop)]
-    assert not llm.engine_core.scheduler.has_unfinished_requests()  # stopped requests were aborted in the core
+    kept = llm.generate(
+        PROMPT, greedy(max_tokens=40, stop=[stop], include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
+    assert kept.text == full.text[: first_match + len(stop)]
+    assert (
+        not llm.engine_core.scheduler.has_unfinished_requests()
+    )  # stopped requests were aborted in the core
 
 
 def test_logprobs_hold_the_sampled_token_and_the_top_alternatives(llm: LLM) -> None:
-    completion = llm.generate(PROMPT, greedy(max_tokens=6, logprobs=3), use_tqdm=False)[0].outputs[0]
+    completion = llm.generate(PROMPT, greedy(max_tokens=6, logprobs=3), use_tqdm=False)[0].outputs[
+        0
+    ]
     assert completion.logprobs is not None and len(completion.logprobs) == 6
     total = 0.0
     for token_id, position in zip(completion.token_ids, completion.logprobs, strict=True):
-        assert token_id in position and position[token_id].rank == 1  # greedy picks the most likely token
+        assert (
+            token_id in position and position[token_id].rank == 1
+        )  # greedy picks the most likely token
         assert len(position) == 3  # the sampled token is also the top-1 alternative
         ranked = sorted(position.values(), key=lambda logprob: logprob.rank or 0)
         assert [logprob.rank for logprob in ranked] == [1, 2, 3]
@@ -70,12 +79,16 @@ def test_n_samples_share_the_prompt_and_seeds_make_them_reproducible(llm: LLM) -
     [parallel] = llm.generate(long_prompt, greedy(max_tokens=8, n=3), use_tqdm=False)
     assert [c.index for c in parallel.outputs] == [0, 1, 2]
     assert all(c.token_ids == single.token_ids for c in parallel.outputs)
-    assert parallel.metrics is not None and parallel.metrics.num_cached_tokens > 0  # later samples hit the cache
+    assert (
+        parallel.metrics is not None and parallel.metrics.num_cached_tokens > 0
+    )  # later samples hit the cache
 
     sampled = SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=11, ignore_eos=True)
     first = [c.token_ids for c in llm.generate(PROMPT, sampled, use_tqdm=False)[0].outputs]
-    again = [c.token_ids for c in llm.generate([PROMPT, "unrelated neighbour"], sampled,
-                                               use_tqdm=False)[0].outputs]
+    again = [
+        c.token_ids
+        for c in llm.generate([PROMPT, "unrelated neighbour"], sampled, use_tqdm=False)[0].outputs
+    ]
     assert first == again  # same seed, different batch: same tokens
     assert len({tuple(tokens) for tokens in first}) > 1  # each sample gets its own seed
 
@@ -96,7 +109,9 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert output.prompt == rendered and "You are terse." in rendered
     assert output.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
     assert len(output.outputs[0].token_ids) == 5
-    two = llm.chat([messages, [{"role": "user", "content": "Again"}]], greedy(max_tokens=2), use_tqdm=False)
+    two = llm.chat(
+        [messages, [{"role": "user", "content": "Again"}]], greedy(max_tokens=2), use_tqdm=False
+    )
     assert len(two) == 2
 
 

@@ -33,8 +33,10 @@ def test_cumulative_outputs_grow_and_finish_once() -> None:
 
 def test_delta_outputs_carry_only_new_tokens() -> None:
     processor = processor_with("delta")
-    deltas = [step(processor, [EngineCoreOutput("a", tokens)])[0].outputs[0].token_ids
-              for tokens in ([5], [6, 7])]
+    deltas = [
+        step(processor, [EngineCoreOutput("a", tokens)])[0].outputs[0].token_ids
+        for tokens in ([5], [6, 7])
+    ]
     assert deltas == [[5], [6, 7]]
 
 
@@ -47,7 +49,9 @@ def test_final_only_emits_nothing_until_finished() -> None:
 
 def test_session_chunk_end_does_not_finish_the_request() -> None:
     processor = processor_with("cumulative")
-    out = step(processor, [EngineCoreOutput("a", [5], finish_reason="length", session_continues=True)])
+    out = step(
+        processor, [EngineCoreOutput("a", [5], finish_reason="length", session_continues=True)]
+    )
     assert not out[0].finished and processor.has_unfinished_requests()
 
 
@@ -63,8 +67,19 @@ def test_abort_returns_partial_output_with_abort_reason() -> None:
 def test_finished_only_builds_just_the_final_output_with_everything() -> None:
     for output_kind in ("cumulative", "delta"):
         processor = processor_with(output_kind)
-        assert processor.process_outputs([EngineCoreOutput("a", [5])], finished_only=True).request_outputs == []
-        assert processor.process_outputs([EngineCoreOutput("a", [6])], finished_only=True).request_outputs == []
-        [final] = processor.process_outputs([EngineCoreOutput("a", [7], finish_reason="length")],
-                                            finished_only=True).request_outputs
+        assert (
+            processor.process_outputs(
+                [EngineCoreOutput("a", [5])], finished_only=True
+            ).request_outputs
+            == []
+        )
+        assert (
+            processor.process_outputs(
+                [EngineCoreOutput("a", [6])], finished_only=True
+            ).request_outputs
+            == []
+        )
+        [final] = processor.process_outputs(
+            [EngineCoreOutput("a", [7], finish_reason="length")], finished_only=True
+        ).request_outputs
         assert final.finished and final.outputs[0].token_ids == [5, 6, 7], output_kind

@@ -35,24 +35,39 @@ def prompt_of(index: int, length: int) -> list[int]:
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("seed", range(5))
-def test_random_engine_interleavings_keep_every_invariant(protocol: str, scheduling: str, seed: int) -> None:
-    config = EngineSimConfig(use_v2_model_runner=PROTOCOLS[protocol], async_scheduling=SCHEDULING[scheduling])
+def test_random_engine_interleavings_keep_every_invariant(
+    protocol: str, scheduling: str, seed: int
+) -> None:
+    config = EngineSimConfig(
+        use_v2_model_runner=PROTOCOLS[protocol], async_scheduling=SCHEDULING[scheduling]
+    )
     stats = EngineSimulation(config, seed).run()
     assert stats.num_steps > 0
 
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("seed", range(2))
-def test_random_engine_interleavings_under_heavy_kv_pressure_with_priority(scheduling: str, seed: int) -> None:
-    config = EngineSimConfig(async_scheduling=SCHEDULING[scheduling], policy="priority", num_blocks=20,
-                             max_num_seqs=7, reset_probability=0.08)
+def test_random_engine_interleavings_under_heavy_kv_pressure_with_priority(
+    scheduling: str, seed: int
+) -> None:
+    config = EngineSimConfig(
+        async_scheduling=SCHEDULING[scheduling],
+        policy="priority",
+        num_blocks=20,
+        max_num_seqs=7,
+        reset_probability=0.08,
+    )
     assert EngineSimulation(config, 100 + seed).run().num_preemptions > 0
 
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 def test_random_engine_interleavings_without_chunked_prefill(scheduling: str) -> None:
-    config = EngineSimConfig(async_scheduling=SCHEDULING[scheduling], enable_chunked_prefill=False, num_blocks=24,
-                             use_v2_model_runner=False)
+    config = EngineSimConfig(
+        async_scheduling=SCHEDULING[scheduling],
+        enable_chunked_prefill=False,
+        num_blocks=24,
+        use_v2_model_runner=False,
+    )
     EngineSimulation(config, 7).run()
 
 
@@ -62,14 +77,24 @@ def merged_stats(configs: list[EngineSimConfig], seeds: range) -> SimStats:
         stats = EngineSimulation(config, seed).run()
         total.num_steps += stats.num_steps
         for key, count in stats.resets_by_frames_in_flight.items():
-            total.resets_by_frames_in_flight[key] = total.resets_by_frames_in_flight.get(key, 0) + count
+            total.resets_by_frames_in_flight[key] = (
+                total.resets_by_frames_in_flight.get(key, 0) + count
+            )
         for state, count in stats.aborts_by_state.items():
             total.aborts_by_state[state] = total.aborts_by_state.get(state, 0) + count
         for pause, count in stats.pauses.items():
             total.pauses[pause] = total.pauses.get(pause, 0) + count
-        for name in ("num_double_resets", "num_effective", "num_repauses", "num_resume_while_pending",
-                     "num_resume_without_pause", "num_added_while_paused", "num_preemptions", "num_stopped",
-                     "num_reused_ids"):
+        for name in (
+            "num_double_resets",
+            "num_effective",
+            "num_repauses",
+            "num_resume_while_pending",
+            "num_resume_without_pause",
+            "num_added_while_paused",
+            "num_preemptions",
+            "num_stopped",
+            "num_reused_ids",
+        ):
             setattr(total, name, getattr(total, name) + getattr(stats, name))
         total.max_in_flight = max(total.max_in_flight, stats.max_in_flight)
     return total
@@ -77,19 +102,41 @@ def merged_stats(configs: list[EngineSimConfig], seeds: range) -> SimStats:
 
 def test_random_runs_reach_every_state_they_claim_to_test() -> None:
     """The randomized runs above prove little unless they reach the hard cases: check that they do."""
-    configs = [EngineSimConfig(use_v2_model_runner=protocol, async_scheduling=scheduling, pause_probability=0.06,
-                               abort_probability=0.08, session_fraction=0.3, num_requests=30)
-               for protocol, scheduling in itertools.product(PROTOCOLS.values(), SCHEDULING.values())]
+    configs = [
+        EngineSimConfig(
+            use_v2_model_runner=protocol,
+            async_scheduling=scheduling,
+            pause_probability=0.06,
+            abort_probability=0.08,
+            session_fraction=0.3,
+            num_requests=30,
+        )
+        for protocol, scheduling in itertools.product(PROTOCOLS.values(), SCHEDULING.values())
+    ]
     stats = merged_stats(configs, range(8))
     assert stats.max_in_flight == 2
     assert {0, 1, 2} <= set(stats.resets_by_frames_in_flight), stats.resets_by_frames_in_flight
     assert stats.num_double_resets > 0
     assert set(stats.pauses) == set(itertools.product(PAUSE_MODES, (False, True))), stats.pauses
     states = {state.split("/")[0] for state in stats.aborts_by_state}
-    assert {"waiting", "running", "preempted", "in_flight", "waiting_for_streaming_req"} <= states, states
+    assert {
+        "waiting",
+        "running",
+        "preempted",
+        "in_flight",
+        "waiting_for_streaming_req",
+    } <= states, states
     assert any(state.endswith("/paused") for state in stats.aborts_by_state)
-    for name in ("num_effective", "num_repauses", "num_resume_while_pending", "num_resume_without_pause",
-                 "num_added_while_paused", "num_preemptions", "num_stopped", "num_reused_ids"):
+    for name in (
+        "num_effective",
+        "num_repauses",
+        "num_resume_while_pending",
+        "num_resume_without_pause",
+        "num_added_while_paused",
+        "num_preemptions",
+        "num_stopped",
+        "num_reused_ids",
+    ):
         assert getattr(stats, name) > 0, name
 
 
@@ -143,11 +190,17 @@ def test_repeated_pauses_and_resume_without_pause_are_harmless(scheduling: str) 
 @pytest.mark.parametrize("clear_cache", [False, True])
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_keep_emits_nothing_until_resume_and_matches_an_unpaused_run(protocol: str, scheduling: str,
-                                                                      clear_cache: bool) -> None:
+def test_keep_emits_nothing_until_resume_and_matches_an_unpaused_run(
+    protocol: str, scheduling: str, clear_cache: bool
+) -> None:
     def start() -> EngineDriver:
-        driver = EngineDriver(make_engine_core(async_scheduling=SCHEDULING[scheduling], max_num_seqs=3,
-                                               use_v2_model_runner=PROTOCOLS[protocol]))
+        driver = EngineDriver(
+            make_engine_core(
+                async_scheduling=SCHEDULING[scheduling],
+                max_num_seqs=3,
+                use_v2_model_runner=PROTOCOLS[protocol],
+            )
+        )
         for index in range(5):
             driver.add(str(index), prompt_of(index, 4 + 3 * index), 12)
         return driver
@@ -179,25 +232,41 @@ def test_keep_emits_nothing_until_resume_and_matches_an_unpaused_run(protocol: s
     core.resume_generation()
     driver.run()
     driver.assert_exact()
-    assert {request_id: driver.tokens[request_id] for request_id in unpaused.tokens} == unpaused.tokens
+    assert {
+        request_id: driver.tokens[request_id] for request_id in unpaused.tokens
+    } == unpaused.tokens
 
 
 # ---------------------------------------------------------------------------------------------------- wait
 @pytest.mark.parametrize("clear_cache", [False, True])
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_wait_finishes_started_requests_and_holds_new_ones(protocol: str, scheduling: str,
-                                                          clear_cache: bool) -> None:
+def test_wait_finishes_started_requests_and_holds_new_ones(
+    protocol: str, scheduling: str, clear_cache: bool
+) -> None:
     # Few KV blocks: some started request is preempted (started, not running) when the pause begins.
-    driver = EngineDriver(make_engine_core(async_scheduling=SCHEDULING[scheduling], max_num_seqs=3, num_blocks=14,
-                                           max_model_len=56, use_v2_model_runner=PROTOCOLS[protocol]))
+    driver = EngineDriver(
+        make_engine_core(
+            async_scheduling=SCHEDULING[scheduling],
+            max_num_seqs=3,
+            num_blocks=14,
+            max_model_len=56,
+            use_v2_model_runner=PROTOCOLS[protocol],
+        )
+    )
     core, scheduler = driver.core, driver.core.scheduler
     for index in range(6):
         driver.add(str(index), prompt_of(index, 9), 16)
-    driver.step_until(lambda: any(request.status == RequestStatus.PREEMPTED
-                                  for request in scheduler.requests.values()))
-    started = {request_id for request_id, request in scheduler.requests.items()
-               if request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)}
+    driver.step_until(
+        lambda: any(
+            request.status == RequestStatus.PREEMPTED for request in scheduler.requests.values()
+        )
+    )
+    started = {
+        request_id
+        for request_id, request in scheduler.requests.items()
+        if request.status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+    }
     held = set(scheduler.requests) - started
     assert started and held
     tokens_of_held = {request_id: list(driver.tokens[request_id]) for request_id in held}
@@ -221,15 +290,26 @@ def test_wait_finishes_started_requests_and_holds_new_ones(protocol: str, schedu
 @pytest.mark.parametrize("clear_cache", [False, True])
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_abort_ends_every_request_and_arrivals_wait_for_resume(protocol: str, scheduling: str,
-                                                               clear_cache: bool) -> None:
-    driver = EngineDriver(make_engine_core(async_scheduling=SCHEDULING[scheduling], max_num_seqs=3, num_blocks=14,
-                                           max_model_len=56, use_v2_model_runner=PROTOCOLS[protocol]))
+def test_abort_ends_every_request_and_arrivals_wait_for_resume(
+    protocol: str, scheduling: str, clear_cache: bool
+) -> None:
+    driver = EngineDriver(
+        make_engine_core(
+            async_scheduling=SCHEDULING[scheduling],
+            max_num_seqs=3,
+            num_blocks=14,
+            max_model_len=56,
+            use_v2_model_runner=PROTOCOLS[protocol],
+        )
+    )
     core, scheduler = driver.core, driver.core.scheduler
     for index in range(6):
         driver.add(str(index), prompt_of(index, 9), 16)
-    driver.step_until(lambda: any(request.status == RequestStatus.PREEMPTED
-                                  for request in scheduler.requests.values()))
+    driver.step_until(
+        lambda: any(
+            request.status == RequestStatus.PREEMPTED for request in scheduler.requests.values()
+        )
+    )
     statuses = {request.status for request in scheduler.requests.values()}
     assert {RequestStatus.RUNNING, RequestStatus.PREEMPTED, RequestStatus.WAITING} <= statuses
     original = list(driver.expected)
@@ -262,7 +342,9 @@ def test_changing_the_mode_of_a_pause(scheduling: str) -> None:
     driver.step_until(lambda: driver.num_tokens() >= 3)
     driver.pause("keep", clear_cache=True)
     driver.step_until(core.pause_effective)
-    driver.pause("wait", clear_cache=False)  # keep -> wait: the frozen (started) requests now run to the end
+    driver.pause(
+        "wait", clear_cache=False
+    )  # keep -> wait: the frozen (started) requests now run to the end
     assert not core.pause_effective()
     driver.step_until(core.pause_effective)
     driver.assert_exact(["0", "1"])
@@ -275,8 +357,13 @@ def test_changing_the_mode_of_a_pause(scheduling: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- known bugs
 def start_decoding(scheduling: str, protocol: str) -> EngineDriver:
-    driver = EngineDriver(make_engine_core(async_scheduling=SCHEDULING[scheduling], max_num_seqs=4,
-                                           use_v2_model_runner=PROTOCOLS[protocol]))
+    driver = EngineDriver(
+        make_engine_core(
+            async_scheduling=SCHEDULING[scheduling],
+            max_num_seqs=4,
+            use_v2_model_runner=PROTOCOLS[protocol],
+        )
+    )
     for index in range(3):
         driver.add(str(index), prompt_of(index, 5 + 4 * index), 14)
     driver.step_until(lambda: all(len(tokens) >= 3 for tokens in driver.tokens.values()))
@@ -286,8 +373,9 @@ def start_decoding(scheduling: str, protocol: str) -> EngineDriver:
 @pytest.mark.parametrize("when", ["after_effective", "while_pending", "mid_step"])
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_forced_reset_after_pause_keep_keeps_the_first_token_after_resume(protocol: str, scheduling: str,
-                                                                          when: str) -> None:
+def test_forced_reset_after_pause_keep_keeps_the_first_token_after_resume(
+    protocol: str, scheduling: str, when: str
+) -> None:
     """vLLM bug: pause(keep), then reset_prefix_cache(reset_running_requests=True), then resume dropped the first
     token after resume (a stale-frame discard swallowed a real token), shifting every later token by one.
 
@@ -296,17 +384,25 @@ def test_forced_reset_after_pause_keep_keeps_the_first_token_after_resume(protoc
     applied)."""
     driver = start_decoding(scheduling, protocol)
     core, scheduler = driver.core, driver.core.scheduler
-    frames_in_flight = {"after_effective": 0, "while_pending": len(core.batch_queue),
-                        "mid_step": len(core.batch_queue) + 1}[when]
-    expected_frames = {"after_effective": 0, "while_pending": 1, "mid_step": 2} if scheduling == "async" \
+    frames_in_flight = {
+        "after_effective": 0,
+        "while_pending": len(core.batch_queue),
+        "mid_step": len(core.batch_queue) + 1,
+    }[when]
+    expected_frames = (
+        {"after_effective": 0, "while_pending": 1, "mid_step": 2}
+        if scheduling == "async"
         else {"after_effective": 0, "while_pending": 0, "mid_step": 1}
+    )
     assert frames_in_flight == expected_frames[when]
 
     def reset() -> None:
         assert core.reset_prefix_cache(reset_running_requests=True)
         if scheduling == "async" and frames_in_flight:
-            assert all(request.async_tokens_to_discard == frames_in_flight
-                       for request in scheduler.requests.values())
+            assert all(
+                request.async_tokens_to_discard == frames_in_flight
+                for request in scheduler.requests.values()
+            )
 
     if when == "mid_step":
         # A pause is only ever requested between steps; the reset here models one arriving with both batches out.
@@ -335,10 +431,17 @@ def test_forced_reset_after_pause_keep_keeps_the_first_token_after_resume(protoc
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_pause_keep_with_clear_cache_resumes_every_request_exactly(protocol: str, scheduling: str) -> None:
+def test_pause_keep_with_clear_cache_resumes_every_request_exactly(
+    protocol: str, scheduling: str
+) -> None:
     for num_steps in range(1, 6):  # the pause lands at every point of the first steps
-        driver = EngineDriver(make_engine_core(async_scheduling=SCHEDULING[scheduling], max_num_seqs=4,
-                                               use_v2_model_runner=PROTOCOLS[protocol]))
+        driver = EngineDriver(
+            make_engine_core(
+                async_scheduling=SCHEDULING[scheduling],
+                max_num_seqs=4,
+                use_v2_model_runner=PROTOCOLS[protocol],
+            )
+        )
         for index in range(3):
             driver.add(str(index), prompt_of(index, 5 + 4 * index), 8)
         for _ in range(num_steps):
@@ -346,17 +449,22 @@ def test_pause_keep_with_clear_cache_resumes_every_request_exactly(protocol: str
         driver.pause("keep", clear_cache=True)
         driver.step_until(driver.core.pause_effective)
         assert driver.core.scheduler.num_preemptions_total > 0 or all(
-            reason is not None for reason in driver.finish_reasons.values())
+            reason is not None for reason in driver.finish_reasons.values()
+        )
         driver.core.resume_generation()
         driver.run()
         driver.assert_exact()
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_second_forced_preemption_before_stale_frames_arrive_adds_to_the_discard_count(protocol: str) -> None:
+def test_second_forced_preemption_before_stale_frames_arrive_adds_to_the_discard_count(
+    protocol: str,
+) -> None:
     """vLLM bug: preempting a request again while frames from its first preemption are still in flight overwrote
     `async_tokens_to_discard` with the new in-flight count; the old stale frame then consumed a real token."""
-    driver = EngineDriver(make_engine_core(async_scheduling=True, use_v2_model_runner=PROTOCOLS[protocol]))
+    driver = EngineDriver(
+        make_engine_core(async_scheduling=True, use_v2_model_runner=PROTOCOLS[protocol])
+    )
     core = driver.core
     driver.add("r", prompt_of(1, 6), 10)
     driver.step()  # launches the prefill frame F1

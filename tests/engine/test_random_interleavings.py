@@ -25,8 +25,13 @@ def test_random_interleavings_keep_every_invariant(protocol: str, mode: str, see
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seed", range(4))
 def test_random_interleavings_under_heavy_kv_pressure_with_priority(mode: str, seed: int) -> None:
-    config = SimConfig(async_scheduling=MODES[mode], policy="priority", num_blocks=20, max_num_seqs=8,
-                       reset_probability=0.08)
+    config = SimConfig(
+        async_scheduling=MODES[mode],
+        policy="priority",
+        num_blocks=20,
+        max_num_seqs=8,
+        reset_probability=0.08,
+    )
     Simulation(config, seed).run()
 
 
@@ -49,6 +54,12 @@ def test_async_runs_reset_with_two_frames_in_flight() -> None:
 @pytest.mark.parametrize("seed", range(60))
 def test_random_interleavings_long(seed: int) -> None:
     protocol, mode = list(itertools.product(PROTOCOLS.values(), MODES.values()))[seed % 4]
-    config = SimConfig(use_v2_model_runner=protocol, async_scheduling=mode, num_requests=100,
-                       session_fraction=0.1 + (seed % 3) * 0.2, max_num_seqs=4 + seed % 5, num_blocks=18 + seed % 23)
+    config = SimConfig(
+        use_v2_model_runner=protocol,
+        async_scheduling=mode,
+        num_requests=100,
+        session_fraction=0.1 + (seed % 3) * 0.2,
+        max_num_seqs=4 + seed % 5,
+        num_blocks=18 + seed % 23,
+    )
     Simulation(config, 1000 + seed).run()

@@ -27,7 +27,7 @@ class DriverRequest:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 class PagedDriver:
@@ -37,7 +37,9 @@ class PagedDriver:
     `step_query_lens` records each step's per-request query lengths (tests assert mixed steps happened).
     """
 
-    def __init__(self, model: torch.nn.Module, *, num_blocks: int = 256, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, num_blocks: int = 256, block_size: int = 4, seed: int = 0
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.kv_cache = model.make_kv_cache(num_blocks, block_size)
@@ -46,14 +48,24 @@ class PagedDriver:
         self.requests: dict[str, DriverRequest] = {}
         self.step_query_lens: list[list[int]] = []
 
-    def add_request(self, req_id: str, prompt_token_ids: list[int], *, share_prefix_from: str | None = None,
-                    num_shared_blocks: int = 0) -> DriverRequest:
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        *,
+        share_prefix_from: str | None = None,
+        num_shared_blocks: int = 0,
+    ) -> DriverRequest:
         request = DriverRequest(req_id, list(prompt_token_ids), len(prompt_token_ids))
         if share_prefix_from is not None:
             source = self.requests[share_prefix_from]
-            assert source.num_computed >= num_shared_blocks * self.block_size, "shared blocks must be computed"
-            assert source.token_ids[:num_shared_blocks * self.block_size] == \
-                request.token_ids[:num_shared_blocks * self.block_size], "shared blocks must hold the same tokens"
+            assert source.num_computed >= num_shared_blocks * self.block_size, (
+                "shared blocks must be computed"
+            )
+            assert (
+                source.token_ids[: num_shared_blocks * self.block_size]
+                == request.token_ids[: num_shared_blocks * self.block_size]
+            ), "shared blocks must hold the same tokens"
             request.block_ids = source.block_ids[:num_shared_blocks]
             request.num_computed = num_shared_blocks * self.block_size
         self.requests[req_id] = request
@@ -97,8 +109,8 @@ class PagedDriver:
         width = max(-(-length // self.block_size) for length in seq_lens)
         tables = torch.zeros(len(schedule), width, dtype=torch.int32)
         for row, req_id in enumerate(schedule):
-            blocks = self.requests[req_id].block_ids[:-(-seq_lens[row] // self.block_size)]
-            tables[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            blocks = self.requests[req_id].block_ids[: -(-seq_lens[row] // self.block_size)]
+            tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         return BatchInputs(
             req_ids=list(schedule),
             block_size=self.block_size,
@@ -112,7 +124,9 @@ class PagedDriver:
             sampled_req_indices=torch.tensor(sampled_rows, dtype=torch.int64),
         )
 
-    def step(self, schedule: dict[str, int], *, all_logits: bool = False) -> tuple[BatchInputs, torch.Tensor]:
+    def step(
+        self, schedule: dict[str, int], *, all_logits: bool = False
+    ) -> tuple[BatchInputs, torch.Tensor]:
         """Run one batch; returns it and the model's logits (one row per logits index)."""
         batch = self.build_batch(schedule, all_logits=all_logits)
         with torch.inference_mode():
@@ -132,8 +146,14 @@ class PagedDriver:
             rows.append(logits)
         return torch.cat(rows)
 
-    def generate(self, prompts: dict[str, list[int]], max_new_tokens: int, *, chunk_size: int | None = None,
-                 arrival_steps: dict[str, int] | None = None) -> dict[str, list[int]]:
+    def generate(
+        self,
+        prompts: dict[str, list[int]],
+        max_new_tokens: int,
+        *,
+        chunk_size: int | None = None,
+        arrival_steps: dict[str, int] | None = None,
+    ) -> dict[str, list[int]]:
         """Greedy-generate `max_new_tokens` for each prompt with continuous batching.
 
         Every step schedules each arrived, unfinished request: its remaining prompt (at most `chunk_size` tokens)
@@ -148,8 +168,11 @@ class PagedDriver:
                     if req_id not in self.requests:
                         self.add_request(req_id, prompt)
                     running.append(req_id)
-            active = [req_id for req_id in running
-                      if len(self.requests[req_id].output_token_ids) < max_new_tokens]
+            active = [
+                req_id
+                for req_id in running
+                if len(self.requests[req_id].output_token_ids) < max_new_tokens
+            ]
             if not active and len(running) == len(prompts):
                 break
             schedule = {}

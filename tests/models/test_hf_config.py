@@ -19,35 +19,67 @@ def _write(folder: Path, config: dict[str, Any]) -> Path:
 
 
 def _base(architecture: str = "LlamaForCausalLM", **extra: Any) -> dict[str, Any]:
-    return {"architectures": [architecture], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, **extra}
+    return {
+        "architectures": [architecture],
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        **extra,
+    }
 
 
 def test_old_style_rope_keys(tmp_path: Path) -> None:
-    scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
-    config = load_hf_config(_write(tmp_path, _base(rope_theta=500000.0, rope_scaling=scaling,
-                                                   torch_dtype="bfloat16", eos_token_id=[1, 2])))
+    scaling = {
+        "type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = load_hf_config(
+        _write(
+            tmp_path,
+            _base(
+                rope_theta=500000.0,
+                rope_scaling=scaling,
+                torch_dtype="bfloat16",
+                eos_token_id=[1, 2],
+            ),
+        )
+    )
     assert config.rope_theta == 500000.0
-    assert config.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert config.rope_scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert config.torch_dtype == "bfloat16"
     assert config.eos_token_id == [1, 2]
 
 
 def test_transformers5_rope_parameters(tmp_path: Path) -> None:
-    raw = _base(rope_parameters={"rope_type": "linear", "rope_theta": 1234.0, "factor": 2.0}, dtype="float16")
+    raw = _base(
+        rope_parameters={"rope_type": "linear", "rope_theta": 1234.0, "factor": 2.0},
+        dtype="float16",
+    )
     config = load_hf_config(_write(tmp_path, raw))
     assert config.rope_theta == 1234.0
     assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert config.torch_dtype == "float16"
 
 
-@pytest.mark.parametrize("raw_rope", [
-    {},
-    {"rope_theta": 10000.0, "rope_scaling": None},
-    {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-])
+@pytest.mark.parametrize(
+    "raw_rope",
+    [
+        {},
+        {"rope_theta": 10000.0, "rope_scaling": None},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    ],
+)
 def test_default_rope_has_no_scaling(tmp_path: Path, raw_rope: dict[str, Any]) -> None:
     config = load_hf_config(_write(tmp_path, _base(**raw_rope)))
     assert config.rope_theta == 10000.0
@@ -64,7 +96,9 @@ def test_defaults_and_derived_fields(tmp_path: Path) -> None:
 
 
 def test_explicit_head_dim_and_qwen3_qk_norm(tmp_path: Path) -> None:
-    config = load_hf_config(_write(tmp_path, _base("Qwen3ForCausalLM", head_dim=32, num_key_value_heads=2)))
+    config = load_hf_config(
+        _write(tmp_path, _base("Qwen3ForCausalLM", head_dim=32, num_key_value_heads=2))
+    )
     assert config.head_dim == 32
     assert config.qk_norm and not config.attention_bias
 
@@ -80,13 +114,23 @@ def test_llama_attention_bias_covers_o_proj(tmp_path: Path) -> None:
 
 
 def test_sliding_window_rules(tmp_path: Path) -> None:
-    mistral = load_hf_config(_write(tmp_path / "m", _base("MistralForCausalLM", sliding_window=4096)))
+    mistral = load_hf_config(
+        _write(tmp_path / "m", _base("MistralForCausalLM", sliding_window=4096))
+    )
     assert mistral.sliding_window == 4096
     assert mistral.layer_sliding_window(0) == mistral.layer_sliding_window(1) == 4096
-    qwen2_off = load_hf_config(_write(tmp_path / "q", _base("Qwen2ForCausalLM", sliding_window=4096)))
+    qwen2_off = load_hf_config(
+        _write(tmp_path / "q", _base("Qwen2ForCausalLM", sliding_window=4096))
+    )
     assert qwen2_off.sliding_window is None and qwen2_off.layer_sliding_window(1) is None
-    qwen2_on = load_hf_config(_write(tmp_path / "q2", _base("Qwen2ForCausalLM", sliding_window=64,
-                                                            use_sliding_window=True, max_window_layers=1)))
+    qwen2_on = load_hf_config(
+        _write(
+            tmp_path / "q2",
+            _base(
+                "Qwen2ForCausalLM", sliding_window=64, use_sliding_window=True, max_window_layers=1
+            ),
+        )
+    )
     assert qwen2_on.sliding_window == 64
     assert qwen2_on.layer_types[1] == SLIDING_ATTENTION
     assert (qwen2_on.layer_sliding_window(0), qwen2_on.layer_sliding_window(1)) == (None, 64)

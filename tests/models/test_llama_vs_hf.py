@@ -55,7 +55,9 @@ def test_prompt_logits_one_shot(variant: Variant) -> None:
     prompt = _prompt(1, 37)
     driver = PagedDriver(variant.model, block_size=4, seed=1)
     driver.add_request("a", prompt)
-    torch.testing.assert_close(driver.prompt_logits("a", [37]), variant.logits(prompt), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        driver.prompt_logits("a", [37]), variant.logits(prompt), atol=ATOL, rtol=RTOL
+    )
 
 
 def test_prompt_logits_chunked(variant: Variant) -> None:
@@ -91,9 +93,12 @@ def test_greedy_batch_with_mixed_steps(variant: Variant, block_size: int) -> Non
     """Prompts arrive at different steps and prefill in chunks of 6 while earlier requests decode."""
     prompts = {"a": _prompt(6, 9), "b": _prompt(7, 23), "c": _prompt(8, 3), "d": _prompt(9, 31)}
     driver = PagedDriver(variant.model, block_size=block_size, seed=6)
-    outputs = driver.generate(prompts, max_new_tokens=16, chunk_size=6, arrival_steps={"c": 2, "d": 4})
-    assert any(lens.count(1) >= 2 and max(lens) > 1 for lens in driver.step_query_lens), \
+    outputs = driver.generate(
+        prompts, max_new_tokens=16, chunk_size=6, arrival_steps={"c": 2, "d": 4}
+    )
+    assert any(lens.count(1) >= 2 and max(lens) > 1 for lens in driver.step_query_lens), (
         "no step mixing a prefill chunk with several decodes"
+    )
     assert any(lens.count(1) >= 3 for lens in driver.step_query_lens), "no batched decode step"
     for req_id, prompt in prompts.items():
         assert outputs[req_id] == variant.greedy(prompt, 16), req_id
@@ -108,7 +113,9 @@ def test_greedy_with_shared_prefix(variant: Variant) -> None:
     driver.generate({"a": prompt_a}, max_new_tokens=1)
     driver.add_request("b", prompt_b, share_prefix_from="a", num_shared_blocks=3)
     outputs = driver.generate({"a": prompt_a, "b": prompt_b}, max_new_tokens=14)
-    assert driver.step_query_lens[1] == [1, 6], "b should compute only its unshared tail, next to a's decode"
+    assert driver.step_query_lens[1] == [1, 6], (
+        "b should compute only its unshared tail, next to a's decode"
+    )
     assert outputs["b"] == variant.greedy(prompt_b, 14)
     assert outputs["a"] == variant.greedy(prompt_a, 14)
 
@@ -123,7 +130,14 @@ def test_partial_prefill_returns_no_logits(variant: Variant) -> None:
 def test_kv_cache_size(variant: Variant) -> None:
     cache = variant.model.make_kv_cache(num_blocks=3, block_size=8)
     config = variant.model.config
-    assert cache.shape == (config.num_hidden_layers, 2, config.num_key_value_heads, 3, 8, config.head_dim)
+    assert cache.shape == (
+        config.num_hidden_layers,
+        2,
+        config.num_key_value_heads,
+        3,
+        8,
+        config.head_dim,
+    )
     assert cache.numel() * cache.element_size() == 3 * variant.model.kv_cache_bytes_per_block(8)
 
 
@@ -144,7 +158,9 @@ def test_qwen2_sliding_window_on_some_layers(tmp_path: Path) -> None:
     """Qwen2 with `use_sliding_window`: layers past `max_window_layers` slide, the others see everything."""
     from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    path = make_tiny_checkpoint(
+        tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1
+    )
     model = load_model(path)
     assert [model.config.layer_sliding_window(i) for i in range(2)] == [None, 8]
     reference = load_hf_model(path)
@@ -153,5 +169,7 @@ def test_qwen2_sliding_window_on_some_layers(tmp_path: Path) -> None:
     driver.add_request("a", prompt)
     logits = driver.prompt_logits("a", [10, 23])
     torch.testing.assert_close(logits, hf_logits(path, prompt, reference), atol=ATOL, rtol=RTOL)
-    outputs = PagedDriver(model, block_size=4, seed=15).generate({"b": prompt[:12]}, max_new_tokens=20)
+    outputs = PagedDriver(model, block_size=4, seed=15).generate(
+        {"b": prompt[:12]}, max_new_tokens=20
+    )
     assert outputs["b"] == hf_greedy(path, prompt[:12], 20, reference)

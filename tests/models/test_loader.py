@@ -37,7 +37,9 @@ def _write_sharded(source: Path, destination: Path, num_shards: int = 3) -> dict
     for shard in range(num_shards):
         file_name = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
         shard_names = names[shard::num_shards]
-        save_file({name: state[name].contiguous() for name in shard_names}, str(destination / file_name))
+        save_file(
+            {name: state[name].contiguous() for name in shard_names}, str(destination / file_name)
+        )
         weight_map.update(dict.fromkeys(shard_names, file_name))
     index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
     (destination / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -52,10 +54,18 @@ def test_single_file_loads_every_tensor(llama_path: Path, caplog: pytest.LogCapt
     assert not model.training and model.dtype == torch.float32
     layer = model.model.layers[1]
     q_size = model.config.num_attention_heads * model.config.head_dim
-    torch.testing.assert_close(layer.self_attn.qkv_proj.weight[:q_size],
-                               state["model.layers.1.self_attn.q_proj.weight"], rtol=0, atol=0)
-    torch.testing.assert_close(layer.mlp.gate_up_proj.weight[model.config.intermediate_size:],
-                               state["model.layers.1.mlp.up_proj.weight"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        layer.self_attn.qkv_proj.weight[:q_size],
+        state["model.layers.1.self_attn.q_proj.weight"],
+        rtol=0,
+        atol=0,
+    )
+    torch.testing.assert_close(
+        layer.mlp.gate_up_proj.weight[model.config.intermediate_size :],
+        state["model.layers.1.mlp.up_proj.weight"],
+        rtol=0,
+        atol=0,
+    )
     torch.testing.assert_close(model.lm_head.weight, state["lm_head.weight"], rtol=0, atol=0)
 
 
@@ -63,7 +73,9 @@ def test_sharded_index_loads_the_same_model(llama_path: Path, tmp_path: Path) ->
     state = _write_sharded(llama_path, tmp_path)
     assert {name for name, _ in iterate_safetensors_weights(tmp_path)} == set(state)
     single, sharded = load_model(llama_path), load_model(tmp_path)
-    for (name, a), (_, b) in zip(single.named_parameters(), sharded.named_parameters(), strict=True):
+    for (name, a), (_, b) in zip(
+        single.named_parameters(), sharded.named_parameters(), strict=True
+    ):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
@@ -123,20 +135,31 @@ def _fresh(path: Path) -> LlamaForCausalLM:
 def test_missing_parameter_is_named(llama_path: Path) -> None:
     dropped = "model.layers.1.self_attn.k_proj.weight"
     weights = [(n, t) for n, t in iterate_safetensors_weights(llama_path) if n != dropped]
-    with pytest.raises(ValueError, match=r"missing parameters: model\.layers\.1\.self_attn\.k_proj\.weight"):
+    with pytest.raises(
+        ValueError, match=r"missing parameters: model\.layers\.1\.self_attn\.k_proj\.weight"
+    ):
         _fresh(llama_path).load_weights(weights)
 
 
 def test_unexpected_parameter_is_named(llama_path: Path) -> None:
-    weights = [*iterate_safetensors_weights(llama_path), ("model.layers.9.mystery.weight", torch.zeros(3))]
-    with pytest.raises(ValueError, match=r"unexpected parameters: model\.layers\.9\.mystery\.weight"):
+    weights = [
+        *iterate_safetensors_weights(llama_path),
+        ("model.layers.9.mystery.weight", torch.zeros(3)),
+    ]
+    with pytest.raises(
+        ValueError, match=r"unexpected parameters: model\.layers\.9\.mystery\.weight"
+    ):
         _fresh(llama_path).load_weights(weights)
 
 
 def test_shape_mismatch_is_named(llama_path: Path) -> None:
-    weights = [(n, t[:-1] if n == "model.layers.0.mlp.up_proj.weight" else t)
-               for n, t in iterate_safetensors_weights(llama_path)]
-    with pytest.raises(ValueError, match=r"shape mismatches: model\.layers\.0\.mlp\.up_proj\.weight"):
+    weights = [
+        (n, t[:-1] if n == "model.layers.0.mlp.up_proj.weight" else t)
+        for n, t in iterate_safetensors_weights(llama_path)
+    ]
+    with pytest.raises(
+        ValueError, match=r"shape mismatches: model\.layers\.0\.mlp\.up_proj\.weight"
+    ):
         _fresh(llama_path).load_weights(weights)
 
 
@@ -156,7 +179,9 @@ def test_tied_checkpoint_shares_the_embedding(tmp_path: Path) -> None:
     _fresh(path).load_weights(weights)
 
 
-def test_untied_checkpoint_without_lm_head_ties(llama_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_untied_checkpoint_without_lm_head_ties(
+    llama_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     weights = [(n, t) for n, t in iterate_safetensors_weights(llama_path) if n != "lm_head.weight"]
     model = _fresh(llama_path)
     with caplog.at_level(logging.WARNING):

@@ -14,18 +14,35 @@ from kvflow.testing.worker_slots import WorkerSlots
 from kvflow.worker.model_runner import ModelRunner
 
 
-def output(new_ids: Iterable[str] = (), cached_ids: Iterable[str] = (), scheduled: Iterable[str] = (),
-           finished: Iterable[str] = (), preempted: Iterable[str] = ()) -> SchedulerOutput:
+def output(
+    new_ids: Iterable[str] = (),
+    cached_ids: Iterable[str] = (),
+    scheduled: Iterable[str] = (),
+    finished: Iterable[str] = (),
+    preempted: Iterable[str] = (),
+) -> SchedulerOutput:
     """A plan in which every new request has a 1-token prompt in its own block; each scheduled id runs 1 token."""
-    new_reqs = [NewRequestData(req_id, [int(req_id)], SamplingParams(), ([int(req_id)],), 0) for req_id in new_ids]
+    new_reqs = [
+        NewRequestData(req_id, [int(req_id)], SamplingParams(), ([int(req_id)],), 0)
+        for req_id in new_ids
+    ]
     cached_ids = list(cached_ids)
-    cached = CachedRequestData(req_ids=cached_ids, new_token_ids=[[] for _ in cached_ids],
-                               new_block_ids=[None for _ in cached_ids],
-                               num_computed_tokens=[1 for _ in cached_ids],
-                               num_output_tokens=[1 for _ in cached_ids])
+    cached = CachedRequestData(
+        req_ids=cached_ids,
+        new_token_ids=[[] for _ in cached_ids],
+        new_block_ids=[None for _ in cached_ids],
+        num_computed_tokens=[1 for _ in cached_ids],
+        num_output_tokens=[1 for _ in cached_ids],
+    )
     num_scheduled = dict.fromkeys(scheduled, 1)
-    return SchedulerOutput(new_reqs, cached, num_scheduled, len(num_scheduled),
-                           finished_req_ids=set(finished), preempted_req_ids=set(preempted))
+    return SchedulerOutput(
+        new_reqs,
+        cached,
+        num_scheduled,
+        len(num_scheduled),
+        finished_req_ids=set(finished),
+        preempted_req_ids=set(preempted),
+    )
 
 
 def test_admits_up_to_capacity_then_refuses() -> None:
@@ -77,14 +94,18 @@ def test_agrees_with_the_slot_runner(seed: int) -> None:
     rng = random.Random(seed)
     max_num_reqs = 3
     model = WorkerSlots(max_num_reqs)
-    runner = ModelRunner(HashModel(), max_num_reqs=max_num_reqs, max_model_len=8, block_size=1, num_blocks=64)
+    runner = ModelRunner(
+        HashModel(), max_num_reqs=max_num_reqs, max_model_len=8, block_size=1, num_blocks=64
+    )
     held: set[str] = set()
     num_refused = 0
     for _ in range(60):
         released = {r for r in held if rng.random() < 0.3}
         finished = {r for r in released if rng.random() < 0.5}
         new_ids = rng.sample([str(i) for i in range(8)], rng.randint(0, 2))
-        plan = output(new_ids=new_ids, finished=finished, preempted=released - finished, scheduled=new_ids)
+        plan = output(
+            new_ids=new_ids, finished=finished, preempted=released - finished, scheduled=new_ids
+        )
         refusals = []
         for target in (model.apply, runner.execute_model):
             try:

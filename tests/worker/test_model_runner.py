@@ -30,19 +30,39 @@ class RecordingHashModel(HashModel):
         return super().forward(batch, kv_cache)
 
 
-def make_runner(max_num_reqs: int = 4, max_model_len: int = 64, num_blocks: int = 64,
-                use_v2_model_runner: bool = True) -> ModelRunner:
-    return ModelRunner(RecordingHashModel(), max_num_reqs=max_num_reqs, max_model_len=max_model_len,
-                       block_size=BLOCK_SIZE, num_blocks=num_blocks, use_v2_model_runner=use_v2_model_runner)
+def make_runner(
+    max_num_reqs: int = 4,
+    max_model_len: int = 64,
+    num_blocks: int = 64,
+    use_v2_model_runner: bool = True,
+) -> ModelRunner:
+    return ModelRunner(
+        RecordingHashModel(),
+        max_num_reqs=max_num_reqs,
+        max_model_len=max_model_len,
+        block_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        use_v2_model_runner=use_v2_model_runner,
+    )
 
 
-def new(req_id: str, prompt: list[int], block_ids: list[int], num_computed_tokens: int = 0,
-        prefill_token_ids: list[int] | None = None) -> NewRequestData:
-    return NewRequestData(req_id, prompt, SamplingParams(), (block_ids,), num_computed_tokens, prefill_token_ids)
+def new(
+    req_id: str,
+    prompt: list[int],
+    block_ids: list[int],
+    num_computed_tokens: int = 0,
+    prefill_token_ids: list[int] | None = None,
+) -> NewRequestData:
+    return NewRequestData(
+        req_id, prompt, SamplingParams(), (block_ids,), num_computed_tokens, prefill_token_ids
+    )
 
 
-def cached(*entries: tuple[str, int, list[int] | None, list[int]], resumed: Iterable[str] = (),
-           all_token_ids: dict[str, list[int]] | None = None) -> CachedRequestData:
+def cached(
+    *entries: tuple[str, int, list[int] | None, list[int]],
+    resumed: Iterable[str] = (),
+    all_token_ids: dict[str, list[int]] | None = None,
+) -> CachedRequestData:
     """Entries are (req_id, num_computed_tokens, new block ids or None, new token ids)."""
     return CachedRequestData(
         req_ids=[entry[0] for entry in entries],
@@ -55,9 +75,13 @@ def cached(*entries: tuple[str, int, list[int] | None, list[int]], resumed: Iter
     )
 
 
-def step(scheduled: dict[str, int], new_reqs: Iterable[NewRequestData] = (),
-         cached_reqs: CachedRequestData | None = None, finished: Iterable[str] = (),
-         preempted: Iterable[str] = ()) -> SchedulerOutput:
+def step(
+    scheduled: dict[str, int],
+    new_reqs: Iterable[NewRequestData] = (),
+    cached_reqs: CachedRequestData | None = None,
+    finished: Iterable[str] = (),
+    preempted: Iterable[str] = (),
+) -> SchedulerOutput:
     return SchedulerOutput(
         scheduled_new_reqs=list(new_reqs),
         scheduled_cached_reqs=cached_reqs or CachedRequestData(),
@@ -68,11 +92,16 @@ def step(scheduled: dict[str, int], new_reqs: Iterable[NewRequestData] = (),
     )
 
 
-def decode(runner: ModelRunner, req_id: str, num_computed_tokens: int,
-           new_block_ids: list[int] | None = None) -> int:
+def decode(
+    runner: ModelRunner,
+    req_id: str,
+    num_computed_tokens: int,
+    new_block_ids: list[int] | None = None,
+) -> int:
     """One decode step for one request; returns its sampled token."""
-    output = runner.execute_model(step({req_id: 1}, cached_reqs=cached((req_id, num_computed_tokens,
-                                                                        new_block_ids, []))))
+    output = runner.execute_model(
+        step({req_id: 1}, cached_reqs=cached((req_id, num_computed_tokens, new_block_ids, [])))
+    )
     (token,) = output.sampled_token_ids[output.req_id_to_index[req_id]]
     return token
 
@@ -92,11 +121,13 @@ def test_mixed_batch_tensors() -> None:
     # "d" is decoding (6 prompt tokens, computed), "p" a first prefill chunk, "q" a whole prompt.
     runner.execute_model(step({"d": 6}, [new("d", [1, 2, 3, 4, 5, 6], [9, 2])]))
     d_token = runner.slots.get_token_ids("d")[-1]
-    output = runner.execute_model(step(
-        {"d": 1, "p": 5, "q": 3},
-        [new("p", PROMPT, [5, 7]), new("q", [40, 41, 42], [3])],
-        cached(("d", 6, None, [])),
-    ))
+    output = runner.execute_model(
+        step(
+            {"d": 1, "p": 5, "q": 3},
+            [new("p", PROMPT, [5, 7]), new("q", [40, 41, 42], [3])],
+            cached(("d", 6, None, [])),
+        )
+    )
     batch = last_batch(runner)
     assert batch.req_ids == ["d", "p", "q"]
     assert batch.input_ids.tolist() == [d_token, 11, 12, 13, 14, 15, 40, 41, 42]
@@ -121,8 +152,9 @@ def test_block_table_padding_hides_a_previous_holders_blocks() -> None:
     runner = make_runner(max_num_reqs=2)
     runner.execute_model(step({"a": 10}, [new("a", PROMPT, [6, 7, 8])]))
     # "b" reuses slot 0 (which still holds a's stale table [6, 7, 8]) next to a 3-block request.
-    output = runner.execute_model(step({"b": 1, "c": 10}, [new("b", [5], [3]), new("c", PROMPT, [4, 2, 1])],
-                                       finished={"a"}))
+    output = runner.execute_model(
+        step({"b": 1, "c": 10}, [new("b", [5], [3]), new("c", PROMPT, [4, 2, 1])], finished={"a"})
+    )
     assert runner.slots.req_id_to_index["b"] == 0
     assert last_batch(runner).block_tables.tolist() == [[3, 0, 0], [4, 2, 1]]
     assert output.sampled_token_ids == [reference_tokens([5], 1), reference_tokens(PROMPT, 1)]
@@ -164,7 +196,9 @@ def test_prefix_hit_reads_blocks_written_by_another_request() -> None:
     runner = make_runner()
     runner.execute_model(step({"a": 10}, [new("a", PROMPT, [2, 3, 4])]))
     other = [*PROMPT[:8], 99, 98, 97]  # shares blocks 2 and 3 (8 tokens) with "a"
-    output = runner.execute_model(step({"b": 3}, [new("b", other, [2, 3, 5], num_computed_tokens=8)]))
+    output = runner.execute_model(
+        step({"b": 3}, [new("b", other, [2, 3, 5], num_computed_tokens=8)])
+    )
     assert last_batch(runner).input_ids.tolist() == [99, 98, 97]
     assert output.sampled_token_ids[0] == reference_tokens(other, 1)
 
@@ -172,9 +206,13 @@ def test_prefix_hit_reads_blocks_written_by_another_request() -> None:
 @pytest.mark.parametrize("wrong_block_ids", [[2, 5, 6], [3, 2, 6], [9, 3, 6]])
 def test_wrong_prefix_block_changes_the_output(wrong_block_ids: list[int]) -> None:
     runner = make_runner()
-    runner.execute_model(step({"a": 10}, [new("a", PROMPT, [2, 3, 4])]))  # writes blocks 2, 3 (and 4)
+    runner.execute_model(
+        step({"a": 10}, [new("a", PROMPT, [2, 3, 4])])
+    )  # writes blocks 2, 3 (and 4)
     other = [*PROMPT[:8], 99, 98, 97]
-    output = runner.execute_model(step({"b": 3}, [new("b", other, wrong_block_ids, num_computed_tokens=8)]))
+    output = runner.execute_model(
+        step({"b": 3}, [new("b", other, wrong_block_ids, num_computed_tokens=8)])
+    )
     assert output.sampled_token_ids[0] != reference_tokens(other, 1)
 
 
@@ -189,7 +227,9 @@ def test_skipped_token_changes_the_output() -> None:
 def test_duplicated_token_changes_the_output() -> None:
     runner = make_runner()
     duplicated = PROMPT[:5] + PROMPT[4:]
-    output = runner.execute_model(step({"a": 11}, [new("a", PROMPT, [1, 2, 3], prefill_token_ids=duplicated)]))
+    output = runner.execute_model(
+        step({"a": 11}, [new("a", PROMPT, [1, 2, 3], prefill_token_ids=duplicated)])
+    )
     assert output.sampled_token_ids[0] == reference_tokens(duplicated, 1)
     assert output.sampled_token_ids[0] != reference_tokens(PROMPT, 1)
 
@@ -239,7 +279,9 @@ def test_slot_protocol_resume_as_new_request_continues_the_reference() -> None:
     runner.execute_model(step({}, preempted={"a"}))
     assert runner.slots.num_free == 1 and not runner.parked
     prefill = PROMPT + generated  # the last sampled token was never fed: all 12 are recomputed
-    output = runner.execute_model(step({"a": 12}, [new("a", PROMPT, [7, 5, 6], prefill_token_ids=prefill)]))
+    output = runner.execute_model(
+        step({"a": 12}, [new("a", PROMPT, [7, 5, 6], prefill_token_ids=prefill)])
+    )
     generated += output.sampled_token_ids[0]
     generated.append(decode(runner, "a", 12, new_block_ids=[9]))
     assert generated == reference_tokens(PROMPT, 4)
@@ -299,9 +341,14 @@ def test_persistent_batch_preempted_request_keeps_state_and_resumes() -> None:
     # While "a" is out, "b" uses the only slot and overwrites blocks 1..3.
     runner.execute_model(step({"b": 12}, [new("b", list(range(12)), [1, 2, 3])]))
     runner.execute_model(step({}, finished={"b"}))
-    output = runner.execute_model(step(
-        {"a": 12}, cached_reqs=cached(("a", 0, [6, 4, 8], []), resumed={"a"},
-                                      all_token_ids={"a": PROMPT + generated})))
+    output = runner.execute_model(
+        step(
+            {"a": 12},
+            cached_reqs=cached(
+                ("a", 0, [6, 4, 8], []), resumed={"a"}, all_token_ids={"a": PROMPT + generated}
+            ),
+        )
+    )
     assert last_batch(runner).block_tables.tolist() == [[6, 4, 8]]
     generated += output.sampled_token_ids[0]
     generated.append(decode(runner, "a", 12, new_block_ids=[0]))
@@ -314,7 +361,9 @@ def test_persistent_batch_resume_without_all_token_ids_uses_kept_tokens() -> Non
     output = runner.execute_model(step({"a": 10}, [new("a", PROMPT, [1, 2, 3])]))
     generated = output.sampled_token_ids[0]
     runner.execute_model(step({}, preempted={"a"}))
-    output = runner.execute_model(step({"a": 11}, cached_reqs=cached(("a", 0, [7, 8, 9], []), resumed={"a"})))
+    output = runner.execute_model(
+        step({"a": 11}, cached_reqs=cached(("a", 0, [7, 8, 9], []), resumed={"a"}))
+    )
     assert output.sampled_token_ids[0] == reference_tokens(PROMPT, 2)[1:]
     assert generated == reference_tokens(PROMPT, 1)
 
@@ -339,7 +388,9 @@ def test_persistent_batch_resumed_held_request_replaces_blocks() -> None:
     # A resumed id the worker still holds in a slot (never parked) gets a replacement block table.
     runner = make_runner(use_v2_model_runner=False)
     runner.execute_model(step({"a": 4}, [new("a", PROMPT, [1])]))
-    output = runner.execute_model(step({"a": 10}, cached_reqs=cached(("a", 0, [5, 6, 7], []), resumed={"a"})))
+    output = runner.execute_model(
+        step({"a": 10}, cached_reqs=cached(("a", 0, [5, 6, 7], []), resumed={"a"}))
+    )
     assert last_batch(runner).slot_mapping.tolist()[:4] == [20, 21, 22, 23]
     assert output.sampled_token_ids[0] == reference_tokens(PROMPT, 1)
 
@@ -349,17 +400,20 @@ def test_persistent_batch_all_token_ids_replace_a_stale_copy() -> None:
     output = runner.execute_model(step({"a": 10}, [new("a", PROMPT, [1, 2, 3])]))
     # The scheduler's view differs from the worker's after the first output: its copy wins.
     scheduler_view = [*PROMPT, *output.sampled_token_ids[0], 777]
-    output = runner.execute_model(step({"a": 2}, cached_reqs=cached(("a", 10, None, []),
-                                                                    all_token_ids={"a": scheduler_view})))
+    output = runner.execute_model(
+        step({"a": 2}, cached_reqs=cached(("a", 10, None, []), all_token_ids={"a": scheduler_view}))
+    )
     assert last_batch(runner).input_ids.tolist() == scheduler_view[10:]
     assert output.sampled_token_ids[0] == reference_tokens(scheduler_view, 1)
 
 
 # ---------------------------------------------------------------------------------------------- worker
 def test_worker_runs_the_hash_model_from_config() -> None:
-    config = EngineConfig(model_config=ModelConfig(model="hash"),
-                          cache_config=CacheConfig(block_size=4, num_kv_blocks=16),
-                          scheduler_config=SchedulerConfig(max_num_seqs=3, max_model_len=32))
+    config = EngineConfig(
+        model_config=ModelConfig(model="hash"),
+        cache_config=CacheConfig(block_size=4, num_kv_blocks=16),
+        scheduler_config=SchedulerConfig(max_num_seqs=3, max_model_len=32),
+    )
     worker = Worker(config)
     assert worker.num_kv_blocks == 16
     assert worker.model_runner.slots.max_num_reqs == 3
@@ -368,22 +422,32 @@ def test_worker_runs_the_hash_model_from_config() -> None:
     assert output.sampled_token_ids == [reference_tokens(PROMPT, 1)]
     assert next_token(PROMPT) == output.sampled_token_ids[0][0]
     assert worker.model_runner.use_v2_model_runner
-    persistent = EngineConfig(model_config=ModelConfig(model="hash"), cache_config=CacheConfig(num_kv_blocks=2),
-                              scheduler_config=SchedulerConfig(use_v2_model_runner=False))
+    persistent = EngineConfig(
+        model_config=ModelConfig(model="hash"),
+        cache_config=CacheConfig(num_kv_blocks=2),
+        scheduler_config=SchedulerConfig(use_v2_model_runner=False),
+    )
     assert not Worker(persistent).model_runner.use_v2_model_runner
 
 
 def test_worker_sizes_the_kv_cache_from_memory() -> None:
     """kv_cache_memory_bytes buys whole blocks; without it, a fraction of free memory capped at full slots."""
-    by_bytes = EngineConfig(model_config=ModelConfig(model="hash"),
-                            cache_config=CacheConfig(block_size=4, kv_cache_memory_bytes=32 * 10 + 31),
-                            scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=32))
+    by_bytes = EngineConfig(
+        model_config=ModelConfig(model="hash"),
+        cache_config=CacheConfig(block_size=4, kv_cache_memory_bytes=32 * 10 + 31),
+        scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=32),
+    )
     assert Worker(by_bytes).num_kv_blocks == 10  # the hash model stores 8 bytes per token slot
-    capped = EngineConfig(model_config=ModelConfig(model="hash"), cache_config=CacheConfig(block_size=4),
-                          scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=32))
+    capped = EngineConfig(
+        model_config=ModelConfig(model="hash"),
+        cache_config=CacheConfig(block_size=4),
+        scheduler_config=SchedulerConfig(max_num_seqs=2, max_model_len=32),
+    )
     assert Worker(capped).num_kv_blocks == 2 * 8
-    too_small = EngineConfig(model_config=ModelConfig(model="hash"),
-                             cache_config=CacheConfig(block_size=4, kv_cache_memory_bytes=31))
+    too_small = EngineConfig(
+        model_config=ModelConfig(model="hash"),
+        cache_config=CacheConfig(block_size=4, kv_cache_memory_bytes=31),
+    )
     with pytest.raises(ValueError, match="kv_cache_memory_bytes=31 holds no KV block"):
         Worker(too_small)
 

@@ -33,17 +33,25 @@ class Row:
     outputs: list[int] = field(default_factory=list)
 
 
-def make_metadata(rows: Sequence[Row], vocab_size: int, *, eos_token_id: int | None = EOS,
-                  slot_indices: Sequence[int] | None = None, layout_seed: int = 0) -> SamplingMetadata:
+def make_metadata(
+    rows: Sequence[Row],
+    vocab_size: int,
+    *,
+    eos_token_id: int | None = EOS,
+    slot_indices: Sequence[int] | None = None,
+    layout_seed: int = 0,
+) -> SamplingMetadata:
     """Metadata for `rows` read from a runner-like token array whose unused entries hold random junk tokens."""
     rng = np.random.default_rng(layout_seed)
     num_slots = len(rows) + 3
     token_ids = rng.integers(0, vocab_size, (num_slots, MAX_MODEL_LEN), dtype=np.int64)
-    slots = np.array(slot_indices if slot_indices is not None else rng.permutation(num_slots)[:len(rows)],
-                     dtype=np.int64)
+    slots = np.array(
+        slot_indices if slot_indices is not None else rng.permutation(num_slots)[: len(rows)],
+        dtype=np.int64,
+    )
     for row, slot in zip(rows, slots.tolist(), strict=True):
         history = row.prompt + row.outputs
-        token_ids[slot, :len(history)] = history
+        token_ids[slot, : len(history)] = history
     return build_sampling_metadata(
         [row.params for row in rows],
         token_ids=token_ids,
@@ -56,9 +64,17 @@ def make_metadata(rows: Sequence[Row], vocab_size: int, *, eos_token_id: int | N
     )
 
 
-def sample(rows: Sequence[Row], logits: torch.Tensor, *, sampler: Sampler | None = None,
-           eos_token_id: int | None = EOS, layout_seed: int = 0) -> list[int]:
-    metadata = make_metadata(rows, logits.shape[1], eos_token_id=eos_token_id, layout_seed=layout_seed)
+def sample(
+    rows: Sequence[Row],
+    logits: torch.Tensor,
+    *,
+    sampler: Sampler | None = None,
+    eos_token_id: int | None = EOS,
+    layout_seed: int = 0,
+) -> list[int]:
+    metadata = make_metadata(
+        rows, logits.shape[1], eos_token_id=eos_token_id, layout_seed=layout_seed
+    )
     return (sampler or Sampler())(logits, metadata).sampled_token_ids.tolist()
 
 
@@ -89,23 +105,30 @@ def test_empty_batch_samples_nothing() -> None:
 def test_caller_logits_are_not_modified() -> None:
     logits = random_logits(3, 40, seed=2)
     before = logits.clone()
-    rows = [Row(SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2), outputs=[5]),
-            Row(SamplingParams(top_k=3, top_p=0.5, min_p=0.1, temperature=0.7, presence_penalty=1.0)),
-            Row(SamplingParams(seed=4, logprobs=2))]
+    rows = [
+        Row(SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2), outputs=[5]),
+        Row(SamplingParams(top_k=3, top_p=0.5, min_p=0.1, temperature=0.7, presence_penalty=1.0)),
+        Row(SamplingParams(seed=4, logprobs=2)),
+    ]
     Sampler()(logits, make_metadata(rows, 40))
     assert torch.equal(logits, before)
 
 
 # ---------------------------------------------------------------------------------------------- penalties
-def reference_penalised(logits: list[float], prompt: list[int], outputs: list[int],
-                        params: SamplingParams) -> list[float]:
+def reference_penalised(
+    logits: list[float], prompt: list[int], outputs: list[int], params: SamplingParams
+) -> list[float]:
     """vLLM / HF penalties written out one token at a time."""
     counts = Counter(outputs)
     result = []
     for token_id, logit in enumerate(logits):
         value = logit
         if token_id in prompt or counts[token_id] > 0:
-            value = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+            value = (
+                value / params.repetition_penalty
+                if value > 0
+                else value * params.repetition_penalty
+            )
         value -= params.frequency_penalty * counts[token_id]
         value -= params.presence_penalty * (counts[token_id] > 0)
         result.append(value)
@@ -130,22 +153,37 @@ def test_penalties_match_reference(case: str) -> None:
     for i in range(num_rows):
         prompt = rng.integers(0, vocab_size, rng.integers(1, 10)).tolist()
         outputs = rng.integers(0, 12, rng.integers(0, 15)).tolist()  # small ids: repeated outputs
-        params = SamplingParams(temperature=0, **PENALTY_CASES[case]) if i % 4 else SamplingParams(temperature=0)
+        params = (
+            SamplingParams(temperature=0, **PENALTY_CASES[case])
+            if i % 4
+            else SamplingParams(temperature=0)
+        )
         rows.append(Row(params, prompt, outputs))
     logits = random_logits(num_rows, vocab_size, seed=3)
     metadata = make_metadata(rows, vocab_size)
-    assert metadata.penalties is not None and metadata.penalties.prompt_mask.shape == (9, vocab_size)
+    assert metadata.penalties is not None and metadata.penalties.prompt_mask.shape == (
+        9,
+        vocab_size,
+    )
 
     penalty_rows = metadata.penalties.rows.tolist()
     assert penalty_rows == [i for i in range(num_rows) if i % 4]
     for i, row in enumerate(penalty_rows):
-        assert set(metadata.penalties.prompt_mask[i].nonzero().flatten().tolist()) == set(rows[row].prompt)
+        assert set(metadata.penalties.prompt_mask[i].nonzero().flatten().tolist()) == set(
+            rows[row].prompt
+        )
         counts = Counter(rows[row].outputs)
-        assert metadata.penalties.output_counts[i].tolist() == [counts[t] for t in range(vocab_size)]
+        assert metadata.penalties.output_counts[i].tolist() == [
+            counts[t] for t in range(vocab_size)
+        ]
 
     processed = Sampler.process_logits(logits, metadata)
-    expected = torch.tensor([reference_penalised(logits[i].tolist(), row.prompt, row.outputs, row.params)
-                             for i, row in enumerate(rows)])
+    expected = torch.tensor(
+        [
+            reference_penalised(logits[i].tolist(), row.prompt, row.outputs, row.params)
+            for i, row in enumerate(rows)
+        ]
+    )
     torch.testing.assert_close(processed, expected)
     assert not torch.allclose(expected, logits)  # the penalty changed something
     assert torch.equal(processed[::4], logits[::4])  # rows without penalties are untouched
@@ -157,10 +195,14 @@ def test_penalties_flip_the_greedy_choice_away_from_seen_tokens() -> None:
     logits = torch.zeros(4, vocab_size)
     logits[:, 5] = 2.0  # seen token, best raw logit
     logits[:, 9] = 1.5  # unseen runner-up
-    rows = [Row(SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[5, 1]),  # seen in the prompt
-            Row(SamplingParams(temperature=0, frequency_penalty=0.3), prompt=[1], outputs=[5, 5]),
-            Row(SamplingParams(temperature=0, presence_penalty=0.6), prompt=[1], outputs=[5]),
-            Row(SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0), prompt=[5])]
+    rows = [
+        Row(
+            SamplingParams(temperature=0, repetition_penalty=2.0), prompt=[5, 1]
+        ),  # seen in the prompt
+        Row(SamplingParams(temperature=0, frequency_penalty=0.3), prompt=[1], outputs=[5, 5]),
+        Row(SamplingParams(temperature=0, presence_penalty=0.6), prompt=[1], outputs=[5]),
+        Row(SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0), prompt=[5]),
+    ]
     # Frequency / presence count outputs only: the last row's 5 is only in its prompt, so it keeps 5.
     assert sample(rows, logits) == [9, 9, 9, 5]
 
@@ -173,10 +215,17 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     logits[:, 7] = 4.0
     logits[:, 11] = 3.0
     logits[:, 4] = 2.0
-    rows = [Row(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7, 11]), outputs=[9] * position)
-            for position in range(5)]
+    rows = [
+        Row(
+            SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7, 11]),
+            outputs=[9] * position,
+        )
+        for position in range(5)
+    ]
     rows.append(Row(SamplingParams(temperature=0, min_tokens=3, ignore_eos=True), outputs=[9]))
-    rows.append(Row(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7, 99]), outputs=[9]))
+    rows.append(
+        Row(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7, 99]), outputs=[9])
+    )
     rows.append(Row(SamplingParams(temperature=0, min_tokens=0, stop_token_ids=[7])))
     assert sample(rows, logits) == [4, 4, 4, EOS, EOS, 7, 11, EOS]
     # Without a model EOS only the stop ids are masked.
@@ -187,18 +236,24 @@ def test_min_tokens_random_rows_never_draw_masked_tokens() -> None:
     vocab_size, num_rows = 8, 4000
     logits = torch.zeros(num_rows, vocab_size)
     logits[:, [EOS, 5]] = 3.0  # most of the mass
-    rows = [Row(SamplingParams(min_tokens=2, stop_token_ids=[5]), outputs=[1]) for _ in range(num_rows)]
+    rows = [
+        Row(SamplingParams(min_tokens=2, stop_token_ids=[5]), outputs=[1]) for _ in range(num_rows)
+    ]
     counts = np.bincount(sample(rows, logits), minlength=vocab_size)
     assert counts[EOS] == 0 and counts[5] == 0
     assert (np.delete(counts, [EOS, 5]) > 0).all()
-    released = [Row(SamplingParams(min_tokens=2, stop_token_ids=[5]), outputs=[1, 1]) for _ in range(num_rows)]
+    released = [
+        Row(SamplingParams(min_tokens=2, stop_token_ids=[5]), outputs=[1, 1])
+        for _ in range(num_rows)
+    ]
     assert np.bincount(sample(released, logits), minlength=vocab_size)[[EOS, 5]].min() > 0
 
 
 # ---------------------------------------------------------------------------------------------- distributions
 DIST_VOCAB = 32
-DIST_LOGITS = torch.linspace(2.5, -2.5, DIST_VOCAB)[torch.randperm(DIST_VOCAB,
-                                                                   generator=torch.Generator().manual_seed(5))]
+DIST_LOGITS = torch.linspace(2.5, -2.5, DIST_VOCAB)[
+    torch.randperm(DIST_VOCAB, generator=torch.Generator().manual_seed(5))
+]
 
 
 def reference_distribution(logits: torch.Tensor, params: SamplingParams) -> np.ndarray:
@@ -247,7 +302,9 @@ def test_truncated_sampling_matches_the_renormalised_distribution(case: str) -> 
     if params.top_k > 0 or params.top_p < 1 or params.min_p > 0:
         assert 1 < np.count_nonzero(expected) < DIST_VOCAB  # the case really truncates
     rows = [Row(params)] * num_samples
-    token_ids = sample(rows, DIST_LOGITS.expand(num_samples, -1).contiguous(), sampler=Sampler(seed=11))
+    token_ids = sample(
+        rows, DIST_LOGITS.expand(num_samples, -1).contiguous(), sampler=Sampler(seed=11)
+    )
     assert_matches_distribution(token_ids, expected)
 
 
@@ -257,17 +314,25 @@ def test_temperature_sharpens_and_flattens() -> None:
     best = int(DIST_LOGITS.argmax())
     share = {}
     for temperature in (0.3, 1.0, 3.0):
-        token_ids = sample([Row(SamplingParams(temperature=temperature))] * num_samples, logits, sampler=Sampler(1))
+        token_ids = sample(
+            [Row(SamplingParams(temperature=temperature))] * num_samples, logits, sampler=Sampler(1)
+        )
         share[temperature] = token_ids.count(best) / num_samples
     assert share[0.3] > share[1.0] + 0.1 and share[1.0] > share[3.0] + 0.05
 
 
 def test_truncation_metadata_only_when_a_random_row_uses_it() -> None:
     vocab_size = 10
-    unused = [Row(SamplingParams(top_k=0)), Row(SamplingParams(top_k=-1)), Row(SamplingParams(top_k=10)),
-              Row(SamplingParams(temperature=0, top_k=2, top_p=0.5, min_p=0.5))]
+    unused = [
+        Row(SamplingParams(top_k=0)),
+        Row(SamplingParams(top_k=-1)),
+        Row(SamplingParams(top_k=10)),
+        Row(SamplingParams(temperature=0, top_k=2, top_p=0.5, min_p=0.5)),
+    ]
     metadata = make_metadata(unused, vocab_size)
-    assert metadata.top_k is None and metadata.top_p is None and metadata.min_p is None  # no sort at all
+    assert (
+        metadata.top_k is None and metadata.top_p is None and metadata.min_p is None
+    )  # no sort at all
     assert not metadata.all_greedy and not metadata.all_random
     used = make_metadata([*unused, Row(SamplingParams(top_k=3, top_p=0.9, min_p=0.1))], vocab_size)
     assert used.top_k is not None and used.top_p is not None and used.min_p is not None
@@ -278,8 +343,11 @@ def test_truncation_metadata_only_when_a_random_row_uses_it() -> None:
 
 def test_top_k_larger_than_vocab_is_off() -> None:
     num_samples = 5000
-    token_ids = sample([Row(SamplingParams(top_k=1000))] * num_samples,
-                       DIST_LOGITS.expand(num_samples, -1).contiguous(), sampler=Sampler(3))
+    token_ids = sample(
+        [Row(SamplingParams(top_k=1000))] * num_samples,
+        DIST_LOGITS.expand(num_samples, -1).contiguous(),
+        sampler=Sampler(3),
+    )
     assert_matches_distribution(token_ids, reference_distribution(DIST_LOGITS, SamplingParams()))
 
 
@@ -300,9 +368,18 @@ def seeded_row(seed: int, position: int, **kwargs: object) -> Row:
 def test_seeded_row_is_independent_of_the_batch(seed: int, position: int) -> None:
     target = seeded_row(seed, position)
     alone = sample([target], flat_logits(1))
-    neighbours = [Row(SamplingParams()), Row(SamplingParams(temperature=0)), seeded_row(seed + 1, position),
-                  seeded_row(seed, position + 1), Row(SamplingParams(top_k=3, top_p=0.5))]
-    batches = [[*neighbours[:2], target, *neighbours[2:]], [*neighbours, target], [target, *neighbours[::-1]]]
+    neighbours = [
+        Row(SamplingParams()),
+        Row(SamplingParams(temperature=0)),
+        seeded_row(seed + 1, position),
+        seeded_row(seed, position + 1),
+        Row(SamplingParams(top_k=3, top_p=0.5)),
+    ]
+    batches = [
+        [*neighbours[:2], target, *neighbours[2:]],
+        [*neighbours, target],
+        [target, *neighbours[::-1]],
+    ]
     for i, batch in enumerate(batches):
         tokens = sample(batch, flat_logits(len(batch)), sampler=Sampler(seed=i), layout_seed=i)
         assert tokens[batch.index(target)] == alone[0]
@@ -355,11 +432,13 @@ def test_unseeded_rows_are_reproducible_for_a_sampler_seed() -> None:
 # ---------------------------------------------------------------------------------------------- logprobs
 def test_logprobs_are_raw_log_softmax_sampled_first_then_top_k() -> None:
     vocab_size = 50
-    rows = [Row(SamplingParams(temperature=1.5, logprobs=3, repetition_penalty=1.5), outputs=[1, 2]),
-            Row(SamplingParams(temperature=0, logprobs=0, presence_penalty=1.0), outputs=[7]),
-            Row(SamplingParams(temperature=2.0)),
-            Row(SamplingParams(temperature=3.0, top_k=20, logprobs=5, seed=3)),
-            Row(SamplingParams(temperature=3.0, logprobs=2, seed=8))]
+    rows = [
+        Row(SamplingParams(temperature=1.5, logprobs=3, repetition_penalty=1.5), outputs=[1, 2]),
+        Row(SamplingParams(temperature=0, logprobs=0, presence_penalty=1.0), outputs=[7]),
+        Row(SamplingParams(temperature=2.0)),
+        Row(SamplingParams(temperature=3.0, top_k=20, logprobs=5, seed=3)),
+        Row(SamplingParams(temperature=3.0, logprobs=2, seed=8)),
+    ]
     logits = random_logits(len(rows), vocab_size, seed=9)
     metadata = make_metadata(rows, vocab_size)
     assert metadata.logprob_rows == [0, 1, 3, 4] and metadata.max_num_logprobs == 5
@@ -371,9 +450,13 @@ def test_logprobs_are_raw_log_softmax_sampled_first_then_top_k() -> None:
         ids, values = output.logprobs.logprob_token_ids[row], output.logprobs.logprobs[row]
         top_values, top_ids = raw[row].topk(k)
         assert ids == [sampled[row], *top_ids.tolist()]
-        assert values == pytest.approx([raw[row, sampled[row]].item(), *top_values.tolist()], abs=1e-6)
+        assert values == pytest.approx(
+            [raw[row, sampled[row]].item(), *top_values.tolist()], abs=1e-6
+        )
         assert values[1:] == sorted(values[1:], reverse=True)
-        assert output.logprobs.sampled_token_ranks[row] == 1 + int((raw[row] > raw[row, sampled[row]]).sum())
+        assert output.logprobs.sampled_token_ranks[row] == 1 + int(
+            (raw[row] > raw[row, sampled[row]]).sum()
+        )
     assert output.logprobs.logprob_token_ids[2] == [] and output.logprobs.logprobs[2] == []
     assert output.logprobs.sampled_token_ranks[2] == -1
 
@@ -393,7 +476,9 @@ def test_logprob_ranks_over_many_draws() -> None:
 
 def test_greedy_logprobs_rank_one_and_no_logprobs_when_nobody_asks() -> None:
     logits = random_logits(3, 20, seed=4)
-    output = Sampler()(logits, make_metadata([Row(SamplingParams(temperature=0, logprobs=2))] * 3, 20))
+    output = Sampler()(
+        logits, make_metadata([Row(SamplingParams(temperature=0, logprobs=2))] * 3, 20)
+    )
     assert output.logprobs is not None and output.logprobs.sampled_token_ranks == [1, 1, 1]
     assert all(ids[0] == ids[1] for ids in output.logprobs.logprob_token_ids)
     assert Sampler()(logits, make_metadata([Row(SamplingParams(seed=1))] * 3, 20)).logprobs is None
@@ -401,19 +486,21 @@ def test_greedy_logprobs_rank_one_and_no_logprobs_when_nobody_asks() -> None:
 
 # ---------------------------------------------------------------------------------------------- isolation
 def test_mixed_batch_rows_match_their_solo_results() -> None:
-    rows = [Row(SamplingParams(temperature=0)),
-            Row(SamplingParams(temperature=0, frequency_penalty=2.0), outputs=[3, 3]),
-            seeded_row(1, 0),
-            seeded_row(2, 1, top_k=3),
-            seeded_row(3, 2, top_p=0.05),
-            seeded_row(4, 0, min_p=0.9),
-            seeded_row(5, 3, temperature=0.2),
-            seeded_row(6, 0, min_tokens=4, stop_token_ids=[8]),
-            seeded_row(7, 2, repetition_penalty=3.0, logprobs=2),
-            Row(SamplingParams(top_k=2))]
+    rows = [
+        Row(SamplingParams(temperature=0)),
+        Row(SamplingParams(temperature=0, frequency_penalty=2.0), outputs=[3, 3]),
+        seeded_row(1, 0),
+        seeded_row(2, 1, top_k=3),
+        seeded_row(3, 2, top_p=0.05),
+        seeded_row(4, 0, min_p=0.9),
+        seeded_row(5, 3, temperature=0.2),
+        seeded_row(6, 0, min_tokens=4, stop_token_ids=[8]),
+        seeded_row(7, 2, repetition_penalty=3.0, logprobs=2),
+        Row(SamplingParams(top_k=2)),
+    ]
     logits = random_logits(len(rows), 60, seed=13)
     batch_tokens = sample(rows, logits, sampler=Sampler(21))
-    solo_tokens = [sample([row], logits[i:i + 1], layout_seed=i)[0] for i, row in enumerate(rows)]
+    solo_tokens = [sample([row], logits[i : i + 1], layout_seed=i)[0] for i, row in enumerate(rows)]
     assert batch_tokens[:-1] == solo_tokens[:-1]
     assert batch_tokens[-1] in logits[-1].topk(2).indices.tolist()
     reversed_tokens = sample(rows[::-1], logits.flip(0), sampler=Sampler(22))
@@ -427,6 +514,12 @@ def test_mixed_batch_rows_match_their_solo_results() -> None:
 def test_fast_path_only_for_plain_greedy_batches() -> None:
     plain = make_metadata([Row(SamplingParams(temperature=0))] * 2, 10)
     assert plain.is_plain_greedy and plain.penalties is None and plain.min_tokens_mask is None
-    for params in (SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=0, presence_penalty=1.0),
-                   SamplingParams(temperature=0, min_tokens=1), SamplingParams()):
-        assert not make_metadata([Row(SamplingParams(temperature=0)), Row(params)], 10).is_plain_greedy
+    for params in (
+        SamplingParams(temperature=0, logprobs=1),
+        SamplingParams(temperature=0, presence_penalty=1.0),
+        SamplingParams(temperature=0, min_tokens=1),
+        SamplingParams(),
+    ):
+        assert not make_metadata(
+            [Row(SamplingParams(temperature=0)), Row(params)], 10
+        ).is_plain_greedy

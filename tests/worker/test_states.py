@@ -8,7 +8,9 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.worker.states import RequestSlots
 
 
-def make_slots(max_num_reqs: int = 3, max_model_len: int = 16, max_blocks_per_req: int = 4) -> RequestSlots:
+def make_slots(
+    max_num_reqs: int = 3, max_model_len: int = 16, max_blocks_per_req: int = 4
+) -> RequestSlots:
     return RequestSlots(max_num_reqs, max_model_len, max_blocks_per_req)
 
 
@@ -105,14 +107,18 @@ def test_block_table_append_and_replace() -> None:
     assert slots.get_block_ids("a") == [5]
 
 
-@pytest.mark.parametrize(("token_ids", "block_ids", "num_computed", "message"), [
-    (list(range(17)), [0], 0, "max_model_len"),
-    ([1], [0, 1, 2, 3, 4], 0, "max_blocks_per_req"),
-    ([1, 2], [0], 3, "num_computed_tokens=3"),
-    ([1, 2], [0], -1, "num_computed_tokens=-1"),
-])
-def test_failed_add_leaves_every_slot_free(token_ids: list[int], block_ids: list[int], num_computed: int,
-                                           message: str) -> None:
+@pytest.mark.parametrize(
+    ("token_ids", "block_ids", "num_computed", "message"),
+    [
+        (list(range(17)), [0], 0, "max_model_len"),
+        ([1], [0, 1, 2, 3, 4], 0, "max_blocks_per_req"),
+        ([1, 2], [0], 3, "num_computed_tokens=3"),
+        ([1, 2], [0], -1, "num_computed_tokens=-1"),
+    ],
+)
+def test_failed_add_leaves_every_slot_free(
+    token_ids: list[int], block_ids: list[int], num_computed: int, message: str
+) -> None:
     slots = make_slots(max_model_len=16, max_blocks_per_req=4)
     with pytest.raises(ValueError, match=message):
         slots.add("a", token_ids, block_ids, num_computed)

@@ -20,8 +20,9 @@ class AsyncScheduler(Scheduler):
 
     def _num_new_tokens_for_running(self, request: Request, token_budget: int) -> int:
         if request.num_output_placeholders > 0 and (
-                request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
-                or request.num_tokens + request.num_output_placeholders >= self.max_model_len):
+            request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+            or request.num_tokens + request.num_output_placeholders >= self.max_model_len
+        ):
             return 0  # every token it may still produce is already in flight
         return super()._num_new_tokens_for_running(request, token_budget)
 
@@ -40,7 +41,9 @@ class AsyncScheduler(Scheduler):
         request.async_tokens_to_discard += request.num_output_placeholders
         request.num_output_placeholders = 0
 
-    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
         if request.async_tokens_to_discard > 0:
             request.async_tokens_to_discard -= 1  # a stale frame from before a preemption or stop
             return [], False

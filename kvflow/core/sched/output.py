@@ -31,8 +31,12 @@ class NewRequestData:
     prefill_token_ids: list[int] | None = None
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: tuple[list[int], ...],
-                     prefill_token_ids: list[int] | None = None) -> NewRequestData:
+    def from_request(
+        cls,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        prefill_token_ids: list[int] | None = None,
+    ) -> NewRequestData:
         return cls(
             req_id=request.request_id,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -135,8 +139,12 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     session_continues: bool = False
-    new_logprobs: LogprobsLists | None = None  # one row per new token, when the request asked for logprobs
-    weight_version: int = 0  # the model weights that computed `new_token_ids` (see EngineCore.update_weights)
+    new_logprobs: LogprobsLists | None = (
+        None  # one row per new token, when the request asked for logprobs
+    )
+    weight_version: int = (
+        0  # the model weights that computed `new_token_ids` (see EngineCore.update_weights)
+    )
 
     @property
     def finished(self) -> bool:

@@ -89,7 +89,9 @@ class PriorityRequestQueue(RequestQueue):
         self._counter = itertools.count()
 
     def add_request(self, request: Request) -> None:
-        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+        heapq.heappush(
+            self._heap, (request.priority, request.arrival_time, next(self._counter), request)
+        )
 
     def pop_request(self) -> Request:
         return heapq.heappop(self._heap)[-1]

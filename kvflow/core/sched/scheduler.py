@@ -83,24 +83,36 @@ class Scheduler:
         persistent-batch protocol, requests not scheduled in the previous step.
     """
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
-                 num_kv_blocks: int | None = None, use_v2_model_runner: bool | None = None) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        num_kv_blocks: int | None = None,
+        use_v2_model_runner: bool | None = None,
+    ) -> None:
         num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
         if num_blocks is None:
             raise ValueError("the scheduler needs cache_config.num_kv_blocks (or num_kv_blocks=)")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         # The runner protocol is the config's unless overridden here (the config defaults to the slot runner).
-        self.use_v2_model_runner = (scheduler_config.use_v2_model_runner if use_v2_model_runner is None
-                                    else use_v2_model_runner)
+        self.use_v2_model_runner = (
+            scheduler_config.use_v2_model_runner
+            if use_v2_model_runner is None
+            else use_v2_model_runner
+        )
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
         self.block_size = cache_config.block_size
         self.policy = SchedulingPolicy(scheduler_config.policy)
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                               enable_caching=cache_config.enable_prefix_caching,
-                                               max_model_len=self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            max_model_len=self.max_model_len,
+        )
         self.block_hasher = RequestBlockHasher(cache_config.block_size)
 
         self.requests: dict[str, Request] = {}
@@ -119,7 +131,9 @@ class Scheduler:
         self._stale_frames: dict[str, int] = {}
         self._pause_state = PauseState.UNPAUSED
         self.prefix_cache_stats = PrefixCacheStats()
-        self.num_preemptions_total = 0  # preemptions by recompute since startup (a metric, never reset)
+        self.num_preemptions_total = (
+            0  # preemptions by recompute since startup (a metric, never reset)
+        )
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -137,12 +151,16 @@ class Scheduler:
         if num_tokens == 0:
             raise ValueError(f"request {request_id!r}: prompt_token_ids must not be empty")
         if num_tokens > self.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {num_tokens} tokens is longer than "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"request {request_id!r}: prompt of {num_tokens} tokens is longer than "
+                f"max_model_len={self.max_model_len}"
+            )
         num_blocks_needed = cdiv(num_tokens, self.block_size)
         if num_blocks_needed > self.kv_cache_manager.num_blocks:
-            raise ValueError(f"request {request_id!r}: prompt of {num_tokens} tokens needs {num_blocks_needed} "
-                             f"KV blocks but the cache has only {self.kv_cache_manager.num_blocks}")
+            raise ValueError(
+                f"request {request_id!r}: prompt of {num_tokens} tokens needs {num_blocks_needed} "
+                f"KV blocks but the cache has only {self.kv_cache_manager.num_blocks}"
+            )
 
     def _add_streaming_update(self, session: Request, request: Request) -> None:
         """A same-id request feeds a streaming session: a resumable one adds a chunk; a non-resumable one is the
@@ -152,8 +170,10 @@ class Scheduler:
         update = StreamingUpdate.from_request(request)
         closes_session = not request.resumable
         if update is not None and not update.prompt_token_ids:
-            raise ValueError(f"request {request.request_id!r}: a streaming chunk must carry prompt_token_ids "
-                             "(an empty non-resumable request closes the session)")
+            raise ValueError(
+                f"request {request.request_id!r}: a streaming chunk must carry prompt_token_ids "
+                "(an empty non-resumable request closes the session)"
+            )
         if session.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
             session.streaming_queue.append(update)  # applied when the current chunk stops
             if closes_session and update is not None:
@@ -163,8 +183,10 @@ class Scheduler:
             self.finish_requests(session.request_id, RequestStatus.FINISHED_STOPPED)
             return
         if not self._chunk_fits(session, update):
-            raise ValueError(f"request {request.request_id!r}: the streaming session would grow past "
-                             f"max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"request {request.request_id!r}: the streaming session would grow past "
+                f"max_model_len={self.max_model_len}"
+            )
         self.num_waiting_for_streaming_input -= 1
         self._apply_chunk(session, update)
         if closes_session:
@@ -190,7 +212,9 @@ class Scheduler:
             self._unsent_chunk_req_ids.add(session.request_id)
         self.waiting.add_request(session)
 
-    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+    def finish_requests(
+        self, request_ids: str | Iterable[str], finished_status: RequestStatus
+    ) -> None:
         """Finish requests from outside (abort, session close). Safe for any id in any state; idempotent."""
         assert RequestStatus.is_finished(finished_status), finished_status
         ids = (request_ids,) if isinstance(request_ids, str) else request_ids
@@ -220,7 +244,9 @@ class Scheduler:
         request_id = request.request_id
         num_stale_frames = request.num_output_placeholders + request.async_tokens_to_discard
         if num_stale_frames:
-            self._stale_frames[request_id] = self._stale_frames.get(request_id, 0) + num_stale_frames
+            self._stale_frames[request_id] = (
+                self._stale_frames.get(request_id, 0) + num_stale_frames
+            )
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request_id)
         self.reset_preempted_req_ids.discard(request_id)  # reported once, as finished
@@ -271,7 +297,11 @@ class Scheduler:
         return output
 
     def _num_new_tokens_for_running(self, request: Request, token_budget: int) -> int:
-        num_new_tokens = request.num_tokens_with_spec + request.num_output_placeholders - request.num_computed_tokens
+        num_new_tokens = (
+            request.num_tokens_with_spec
+            + request.num_output_placeholders
+            - request.num_computed_tokens
+        )
         threshold = self.scheduler_config.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
@@ -317,7 +347,9 @@ class Scheduler:
 
         The caller removes it from `running` first.
         """
-        assert request.status == RequestStatus.RUNNING, f"only running requests can be preempted: {request}"
+        assert request.status == RequestStatus.RUNNING, (
+            f"only running requests can be preempted: {request}"
+        )
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -342,14 +374,19 @@ class Scheduler:
             request = self.waiting.peek_request()
             holds_slot = request.request_id in self._waiting_slot_holders
             if only_started and not holds_slot and request.status != RequestStatus.PREEMPTED:
-                skipped.add_request(self.waiting.pop_request())  # PAUSED_NEW: held, in order, until resume
+                skipped.add_request(
+                    self.waiting.pop_request()
+                )  # PAUSED_NEW: held, in order, until resume
                 continue
             if holds_slot or not head_blocked:
-                if (holds_slot or self.num_slot_holders < self.max_num_running_reqs) \
-                        and self._try_admit(request, plan):
+                if (
+                    holds_slot or self.num_slot_holders < self.max_num_running_reqs
+                ) and self._try_admit(request, plan):
                     continue
                 head_blocked = True
-            if not self._unsent_chunk_req_ids:  # exactly the slot-holding sessions queued in `waiting`
+            if (
+                not self._unsent_chunk_req_ids
+            ):  # exactly the slot-holding sessions queued in `waiting`
                 break
             skipped.add_request(self.waiting.pop_request())
         if skipped:
@@ -369,7 +406,9 @@ class Scheduler:
         if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > plan.token_budget:
             return False
         num_new_tokens = min(num_new_tokens, plan.token_budget)
-        new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, num_hit_tokens, computed_blocks)
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_hit_tokens, computed_blocks
+        )
         if new_blocks is None:
             return False
 
@@ -400,22 +439,33 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------ output
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
-        new_reqs_data = [NewRequestData.from_request(request, kv.get_block_ids(request.request_id))
-                         for request in plan.new]
+        new_reqs_data = [
+            NewRequestData.from_request(request, kv.get_block_ids(request.request_id))
+            for request in plan.new
+        ]
         cached_resumed = plan.resumed
         if self.use_v2_model_runner:
             # The slot runner dropped a preempted request's state: it comes back as a new request.
             new_reqs_data += [
-                NewRequestData.from_request(request, kv.get_block_ids(request.request_id),
-                                            prefill_token_ids=request.all_token_ids.copy())
+                NewRequestData.from_request(
+                    request,
+                    kv.get_block_ids(request.request_id),
+                    prefill_token_ids=request.all_token_ids.copy(),
+                )
                 for request in plan.resumed
             ]
             cached_resumed = []
         cached_reqs_data = self._make_cached_request_data(
-            plan.running, cached_resumed, plan.num_scheduled_tokens, {}, plan.req_to_new_blocks)
-        preempted_req_ids = {request.request_id for request in plan.preempted} | self.reset_preempted_req_ids
+            plan.running, cached_resumed, plan.num_scheduled_tokens, {}, plan.req_to_new_blocks
+        )
+        preempted_req_ids = {
+            request.request_id for request in plan.preempted
+        } | self.reset_preempted_req_ids
         num_common_prefix_blocks = (
-            kv.get_num_common_prefix_blocks(self.running[0].request_id, len(self.running)) if self.running else [0])
+            kv.get_num_common_prefix_blocks(self.running[0].request_id, len(self.running))
+            if self.running
+            else [0]
+        )
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached_reqs_data,
@@ -427,9 +477,14 @@ class Scheduler:
             preempted_req_ids=preempted_req_ids,
         )
 
-    def _make_cached_request_data(self, running_reqs: list[Request], resumed_reqs: list[Request],
-                                  num_scheduled_tokens: dict[str, int], spec_decode_tokens: dict[str, list[int]],
-                                  req_to_new_blocks: dict[str, KVCacheBlocks]) -> CachedRequestData:
+    def _make_cached_request_data(
+        self,
+        running_reqs: list[Request],
+        resumed_reqs: list[Request],
+        num_scheduled_tokens: dict[str, int],
+        spec_decode_tokens: dict[str, list[int]],
+        req_to_new_blocks: dict[str, KVCacheBlocks],
+    ) -> CachedRequestData:
         """Per-request deltas for requests the worker holds; resumed ones only in the persistent-batch protocol.
 
         Cost is O(1) per request in steady decoding: new block ids and counters, no token history. A full
@@ -445,24 +500,29 @@ class Scheduler:
             data.req_ids.append(request_id)
             chunk: list[int] = []
             # With tokens in flight the worker's copy is ahead of ours, not stale: sending ours would drop them.
-            worker_copy_may_be_stale = is_resumed or (request_id not in self.prev_step_scheduled_req_ids
-                                                      and request.num_output_placeholders == 0)
+            worker_copy_may_be_stale = is_resumed or (
+                request_id not in self.prev_step_scheduled_req_ids
+                and request.num_output_placeholders == 0
+            )
             if send_all_tokens and worker_copy_may_be_stale:
                 data.all_token_ids[request_id] = request.all_token_ids.copy()
                 self._unsent_chunk_req_ids.discard(request_id)
             elif request_id in self._unsent_chunk_req_ids:
                 self._unsent_chunk_req_ids.discard(request_id)
-                chunk = list(request.all_token_ids[request.num_computed_tokens:])
+                chunk = list(request.all_token_ids[request.num_computed_tokens :])
             data.new_token_ids.append(chunk)
             if is_resumed:
                 data.resumed_req_ids.add(request_id)
                 data.new_block_ids.append(self.kv_cache_manager.get_block_ids(request_id))
             else:
                 new_blocks = req_to_new_blocks.get(request_id)
-                data.new_block_ids.append(new_blocks.get_block_ids() if new_blocks and not new_blocks.is_empty
-                                          else None)
+                data.new_block_ids.append(
+                    new_blocks.get_block_ids() if new_blocks and not new_blocks.is_empty else None
+                )
             data.num_computed_tokens.append(request.num_computed_tokens)
-            data.num_output_tokens.append(request.num_output_tokens + request.num_output_placeholders)
+            data.num_output_tokens.append(
+                request.num_output_tokens + request.num_output_placeholders
+            )
         return data
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
@@ -475,8 +535,9 @@ class Scheduler:
         self.reset_preempted_req_ids = set()
 
     # ------------------------------------------------------------------------------------------------ update
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         """Append sampled tokens, run stop checks, finish or park stopped requests; return per-request outputs."""
         outputs: list[EngineCoreOutput] = []
         stopped_running: set[Request] = set()
@@ -492,9 +553,12 @@ class Scheduler:
                 continue  # aborted while the step ran
             status_before = request.status
             new_token_ids, stopped = self._update_request_with_output(request, list(generated))
-            output = EngineCoreOutput(request_id, new_token_ids, num_cached_tokens=max(request.num_cached_tokens, 0),
-                                      new_logprobs=_logprobs_row(model_runner_output.logprobs, index,
-                                                                 len(new_token_ids)))
+            output = EngineCoreOutput(
+                request_id,
+                new_token_ids,
+                num_cached_tokens=max(request.num_cached_tokens, 0),
+                new_logprobs=_logprobs_row(model_runner_output.logprobs, index, len(new_token_ids)),
+            )
             if stopped:
                 output.finish_reason = request.get_finished_reason()
                 output.stop_reason = request.stop_reason
@@ -519,7 +583,9 @@ class Scheduler:
             self._stale_frames[request_id] = num_stale_frames - 1
         return True
 
-    def _update_request_with_output(self, request: Request, new_token_ids: list[int]) -> tuple[list[int], bool]:
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: list[int]
+    ) -> tuple[list[int], bool]:
         """Append tokens one by one, stopping at the first that ends the request (later ones are dropped)."""
         stopped = False
         for num_appended, token_id in enumerate(new_token_ids, 1):
@@ -539,7 +605,9 @@ class Scheduler:
             self._free_request(request)
             return True
         if status_before == RequestStatus.RUNNING:
-            self._waiting_slot_holders.add(request.request_id)  # keeps its slot and KV blocks between chunks
+            self._waiting_slot_holders.add(
+                request.request_id
+            )  # keeps its slot and KV blocks between chunks
         if not request.streaming_queue:
             request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
             self.num_waiting_for_streaming_input += 1
@@ -587,9 +655,14 @@ class Scheduler:
             session.status = RequestStatus.PREEMPTED
 
 
-def _logprobs_row(logprobs: LogprobsLists | None, index: int, num_new_tokens: int) -> LogprobsLists | None:
+def _logprobs_row(
+    logprobs: LogprobsLists | None, index: int, num_new_tokens: int
+) -> LogprobsLists | None:
     """The batch row's logprobs for the tokens kept (a stop may have cut the step's tokens short)."""
     if logprobs is None or not logprobs.logprob_token_ids[index] or num_new_tokens == 0:
         return None
-    return LogprobsLists([logprobs.logprob_token_ids[index]], [logprobs.logprobs[index]],
-                         [logprobs.sampled_token_ranks[index]])
+    return LogprobsLists(
+        [logprobs.logprob_token_ids[index]],
+        [logprobs.logprobs[index]],
+        [logprobs.sampled_token_ranks[index]],
+    )

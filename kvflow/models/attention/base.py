@@ -23,14 +23,18 @@ class AttentionBackend(ABC):
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})"
+            )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
 
     @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
         """One layer's cache: `[2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]`."""
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
@@ -39,8 +43,14 @@ class AttentionBackend(ABC):
         """Everything the layers need to attend for this batch (built once per forward and window size)."""
 
     @abstractmethod
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
-                metadata: Any) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
         """Store `key`/`value` (`[num_tokens, num_kv_heads, head_dim]`) in the cache, then attend.
 
         `query` is `[num_tokens, num_heads, head_dim]`; returns `[num_tokens, num_heads, head_dim]`, where token `t`

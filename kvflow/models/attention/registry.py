@@ -19,7 +19,9 @@ def register_attention_backend(name: str) -> Callable[[BackendT], BackendT]:
     def register(backend: BackendT) -> BackendT:
         existing = _BACKENDS.get(name)
         if existing is not None and existing is not backend:
-            raise ValueError(f"attention backend {name!r} is already registered ({existing.__qualname__})")
+            raise ValueError(
+                f"attention backend {name!r} is already registered ({existing.__qualname__})"
+            )
         backend.name = name
         _BACKENDS[name] = backend
         return backend
@@ -33,7 +35,9 @@ def get_attention_backend(name: str) -> type[AttentionBackend]:
 
     backend = _BACKENDS.get(name)
     if backend is None:
-        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}")
+        raise ValueError(
+            f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}"
+        )
     return backend
 
 

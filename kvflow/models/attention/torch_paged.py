@@ -96,23 +96,31 @@ class TorchPagedAttention(AttentionBackend):
     """
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale)
+        super().__init__(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale
+        )
         self._workspace: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------------------ metadata
-    def build_metadata(self, batch: BatchInputs, sliding_window: int | None = None) -> TorchPagedMetadata:
+    def build_metadata(
+        self, batch: BatchInputs, sliding_window: int | None = None
+    ) -> TorchPagedMetadata:
         device = batch.input_ids.device
         query_start_loc = batch.query_start_loc.to("cpu", torch.int64)
         seq_lens = batch.seq_lens.to("cpu", torch.int64)
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
         context_lens = seq_lens - query_lens
-        builder = _GroupBuilder(batch, device, query_start_loc, seq_lens, context_lens, sliding_window)
+        builder = _GroupBuilder(
+            batch, device, query_start_loc, seq_lens, context_lens, sliding_window
+        )
 
         decode_rows = torch.nonzero(query_lens == 1).flatten()
         decode = builder.decode_group(decode_rows) if decode_rows.numel() else None
         prefill_rows = torch.nonzero(query_lens > 1).flatten()
-        prefills = [builder.prefill_group(rows, query_lens[rows])
-                    for rows in _group_by_padding(prefill_rows, query_lens, seq_lens, batch.block_size)]
+        prefills = [
+            builder.prefill_group(rows, query_lens[rows])
+            for rows in _group_by_padding(prefill_rows, query_lens, seq_lens, batch.block_size)
+        ]
         return TorchPagedMetadata(
             num_tokens=batch.num_tokens,
             slot_mapping=batch.slot_mapping.to(torch.int64),
@@ -122,26 +130,39 @@ class TorchPagedAttention(AttentionBackend):
 
     # ------------------------------------------------------------------------------------------ forward
     @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
         """One layer's cache, head-major: `[2 (key, value), num_kv_heads, num_blocks, block_size, head_dim]`, so a
         gather of one head's blocks is a contiguous `[rows, keys, head_dim]` batch that matmuls read in place."""
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
     # ------------------------------------------------------------------------------------------ forward
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
-                metadata: TorchPagedMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        metadata: TorchPagedMetadata,
+    ) -> torch.Tensor:
         key_cache, value_cache = kv_cache_layer[0], kv_cache_layer[1]
         num_blocks = key_cache.shape[1]
-        key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, metadata.slot_mapping, key.transpose(0, 1))
-        value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, metadata.slot_mapping,
-                                                                           value.transpose(0, 1))
+        key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
+            1, metadata.slot_mapping, key.transpose(0, 1)
+        )
+        value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
+            1, metadata.slot_mapping, value.transpose(0, 1)
+        )
         key_blocks = key_cache.view(self.num_kv_heads, num_blocks, -1)
         value_blocks = value_cache.view(self.num_kv_heads, num_blocks, -1)
 
         outputs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         if metadata.decode is not None:
             outputs.append(self._decode(query, key_blocks, value_blocks, metadata.decode))
-        outputs.extend(self._prefill(query, key_blocks, value_blocks, group) for group in metadata.prefills)
+        outputs.extend(
+            self._prefill(query, key_blocks, value_blocks, group) for group in metadata.prefills
+        )
         if len(outputs) == 1 and outputs[0][0] is None:
             return outputs[0][1]
         output = query.new_empty(query.shape)
@@ -154,22 +175,37 @@ class TorchPagedAttention(AttentionBackend):
         `buffer_index` (0 keys, 1 values), valid until the next gather into that buffer."""
         numel = self.num_kv_heads * kv.block_ids.numel() * blocks.shape[2]
         buffer = self._workspace.get(buffer_index)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != blocks.dtype or buffer.device != blocks.device \
-                or buffer.is_inference() != torch.is_inference_mode_enabled():
+        if (
+            buffer is None
+            or buffer.numel() < numel
+            or buffer.dtype != blocks.dtype
+            or buffer.device != blocks.device
+            or buffer.is_inference() != torch.is_inference_mode_enabled()
+        ):
             buffer = torch.empty(numel, dtype=blocks.dtype, device=blocks.device)
             self._workspace[buffer_index] = buffer
         out = buffer[:numel].view(self.num_kv_heads, -1, blocks.shape[2])
-        for kv_head in range(self.num_kv_heads):  # leading-dim gathers are much faster than one along dim 1
+        for kv_head in range(
+            self.num_kv_heads
+        ):  # leading-dim gathers are much faster than one along dim 1
             torch.index_select(blocks[kv_head], 0, kv.block_ids, out=out[kv_head])
         return out.view(self.num_kv_heads, kv.num_rows, -1, self.head_dim)
 
-    def _decode(self, query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
-                group: DecodeGroup) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _decode(
+        self,
+        query: torch.Tensor,
+        key_blocks: torch.Tensor,
+        value_blocks: torch.Tensor,
+        group: DecodeGroup,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Two batched matmuls per KV head over contiguous gathers, float32 softmax in between."""
         rows = query if group.token_indices is None else query.index_select(0, group.token_indices)
         num_rows, group_size = group.kv.num_rows, self.num_heads // self.num_kv_heads
         grouped = rows.reshape(num_rows, self.num_kv_heads, group_size, self.head_dim)
-        keys, values = self._gather(key_blocks, group.kv, 0), self._gather(value_blocks, group.kv, 1)
+        keys, values = (
+            self._gather(key_blocks, group.kv, 0),
+            self._gather(value_blocks, group.kv, 1),
+        )
         scores = query.new_empty(self.num_kv_heads, num_rows, group_size, keys.shape[2])
         for kv_head in range(self.num_kv_heads):
             torch.bmm(grouped[:, kv_head], keys[kv_head].transpose(1, 2), out=scores[kv_head])
@@ -178,17 +214,34 @@ class TorchPagedAttention(AttentionBackend):
         attended = query.new_empty(self.num_kv_heads, num_rows, group_size, self.head_dim)
         for kv_head in range(self.num_kv_heads):
             torch.bmm(probs[kv_head], values[kv_head], out=attended[kv_head])
-        return group.token_indices, attended.transpose(0, 1).reshape(num_rows, self.num_heads, self.head_dim)
+        return group.token_indices, attended.transpose(0, 1).reshape(
+            num_rows, self.num_heads, self.head_dim
+        )
 
-    def _prefill(self, query: torch.Tensor, key_blocks: torch.Tensor, value_blocks: torch.Tensor,
-                 group: PrefillGroup) -> tuple[torch.Tensor | None, torch.Tensor]:
-        padded = query if group.query_indices is None else query.index_select(0, group.query_indices)
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key_blocks: torch.Tensor,
+        value_blocks: torch.Tensor,
+        group: PrefillGroup,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        padded = (
+            query if group.query_indices is None else query.index_select(0, group.query_indices)
+        )
         num_rows = group.kv.num_rows
-        padded = padded.view(num_rows, group.max_query_len, self.num_heads, self.head_dim).transpose(1, 2)
+        padded = padded.view(
+            num_rows, group.max_query_len, self.num_heads, self.head_dim
+        ).transpose(1, 2)
         keys = self._gather(key_blocks, group.kv, 0).transpose(0, 1)
         values = self._gather(value_blocks, group.kv, 1).transpose(0, 1)
-        attended = F.scaled_dot_product_attention(padded, keys, values, attn_mask=group.attn_mask, scale=self.scale,
-                                                  enable_gqa=self.num_heads != self.num_kv_heads)
+        attended = F.scaled_dot_product_attention(
+            padded,
+            keys,
+            values,
+            attn_mask=group.attn_mask,
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
         attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
         if group.output_rows is not None:
             attended = attended.index_select(0, group.output_rows)
@@ -198,8 +251,15 @@ class TorchPagedAttention(AttentionBackend):
 class _GroupBuilder:
     """Builds decode and prefill groups for one batch (host-side index arithmetic, results moved to `device`)."""
 
-    def __init__(self, batch: BatchInputs, device: torch.device, query_start_loc: torch.Tensor,
-                 seq_lens: torch.Tensor, context_lens: torch.Tensor, sliding_window: int | None) -> None:
+    def __init__(
+        self,
+        batch: BatchInputs,
+        device: torch.device,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        sliding_window: int | None,
+    ) -> None:
         self.batch = batch
         self.device = device
         self.block_size = batch.block_size
@@ -226,7 +286,9 @@ class _GroupBuilder:
     def _identity_or(self, token_indices: torch.Tensor) -> torch.Tensor | None:
         """None when `token_indices` is exactly `0..num_tokens-1` (the group is the whole batch, in order)."""
         num_tokens = self.batch.num_tokens
-        if token_indices.numel() == num_tokens and torch.equal(token_indices, torch.arange(num_tokens)):
+        if token_indices.numel() == num_tokens and torch.equal(
+            token_indices, torch.arange(num_tokens)
+        ):
             return None
         return token_indices.to(self.device)
 
@@ -237,8 +299,9 @@ class _GroupBuilder:
         return DecodeGroup(
             token_indices=self._identity_or(self.query_start_loc[rows]),
             kv=kv,
-            score_bias=torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-            [:, None, None, :].to(self.device),
+            score_bias=torch.zeros(mask.shape, dtype=torch.float32)
+            .masked_fill_(~mask, float("-inf"))[:, None, None, :]
+            .to(self.device),
         )
 
     def prefill_group(self, rows: torch.Tensor, query_lens: torch.Tensor) -> PrefillGroup:
@@ -256,17 +319,21 @@ class _GroupBuilder:
         identity = self._identity_or(token_indices)
         return PrefillGroup(
             max_query_len=max_query_len,
-            query_indices=None if identity is None and not has_padding
+            query_indices=None
+            if identity is None and not has_padding
             else padded_tokens.reshape(-1).to(self.device),
-            output_rows=torch.nonzero(is_real.reshape(-1)).flatten().to(self.device) if has_padding else None,
+            output_rows=torch.nonzero(is_real.reshape(-1)).flatten().to(self.device)
+            if has_padding
+            else None,
             token_indices=identity,
             kv=kv,
             attn_mask=mask[:, None].to(self.device),
         )
 
 
-def _group_by_padding(rows: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
-                      block_size: int) -> list[torch.Tensor]:
+def _group_by_padding(
+    rows: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, block_size: int
+) -> list[torch.Tensor]:
     """Split prefill rows (longest query first) into groups whose padded attention work stays bounded."""
     if rows.numel() == 0:
         return []
@@ -283,7 +350,12 @@ def _group_by_padding(rows: torch.Tensor, query_lens: torch.Tensor, seq_lens: to
         new_real = real_work + lens[row] * key_lens[row]
         if current and (len(current) + 1) * new_query * new_keys > _MAX_PADDING_RATIO * new_real:
             groups.append(current)
-            current, new_query, new_keys, new_real = [], lens[row], key_lens[row], lens[row] * key_lens[row]
+            current, new_query, new_keys, new_real = (
+                [],
+                lens[row],
+                key_lens[row],
+                lens[row] * key_lens[row],
+            )
         current.append(row)
         max_query, max_keys, real_work = new_query, new_keys, new_real
     groups.append(current)

@@ -17,15 +17,29 @@ class Linear(nn.Module):
     tensors load into their own row ranges.
     """
 
-    def __init__(self, input_size: int, output_sizes: int | Sequence[int], *, bias: bool, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: int | Sequence[int],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         super().__init__()
-        self.output_sizes = (output_sizes,) if isinstance(output_sizes, int) else tuple(output_sizes)
+        self.output_sizes = (
+            (output_sizes,) if isinstance(output_sizes, int) else tuple(output_sizes)
+        )
         self.input_size = input_size
         total = sum(self.output_sizes)
-        self.weight = nn.Parameter(torch.empty(total, input_size, dtype=dtype, device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(total, dtype=dtype, device=device), requires_grad=False) \
-            if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(total, input_size, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(total, dtype=dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
 
     def shard_rows(self, shard: int) -> slice:
         """The rows of `weight` (and entries of `bias`) that shard `shard` occupies."""

@@ -14,10 +14,14 @@ class RMSNorm(nn.Module):
     the reference bit for bit and half-precision ones to its rounding.
     """
 
-    def __init__(self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
@@ -25,8 +29,9 @@ class RMSNorm(nn.Module):
         variance = as_float.pow(2).mean(-1, keepdim=True)
         return self.weight * (as_float * torch.rsqrt(variance + self.eps)).to(input_dtype)
 
-    def forward_with_residual(self, hidden_states: torch.Tensor,
-                              residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_residual(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the residual stream (if any) first; returns `(normalised, new residual)`."""
         if residual is not None:
             hidden_states = hidden_states + residual

@@ -13,7 +13,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _INITIAL_CACHED_POSITIONS = 8192
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
     """The `[head_dim // 2]` float32 inverse frequencies, scaled as `scaling["rope_type"]` says.
 
     Matches transformers' `ROPE_INIT_FUNCTIONS` for the supported types; any other type is a ValueError naming it.
@@ -21,11 +23,15 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any
     scaling = scaling or {}
     rope_type = scaling.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"partial_rotary_factor {scaling['partial_rotary_factor']} is not supported")
+        raise ValueError(
+            f"partial_rotary_factor {scaling['partial_rotary_factor']} is not supported"
+        )
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+    inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
         return inv_freq / float(_parameter(scaling, "factor"))
     if rope_type == "llama3":
@@ -66,16 +72,30 @@ class RotaryEmbedding(nn.Module):
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None, *,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        *,
+        device: torch.device | str,
+    ) -> None:
         super().__init__()
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
         self.head_dim = head_dim
-        self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, theta, scaling).to(device),
-                             persistent=False)
-        self.register_buffer("cos_cache", torch.empty(0, head_dim // 2, device=device), persistent=False)
-        self.register_buffer("sin_cache", torch.empty(0, head_dim // 2, device=device), persistent=False)
+        self.register_buffer(
+            "inv_freq",
+            rope_inverse_frequencies(head_dim, theta, scaling).to(device),
+            persistent=False,
+        )
+        self.register_buffer(
+            "cos_cache", torch.empty(0, head_dim // 2, device=device), persistent=False
+        )
+        self.register_buffer(
+            "sin_cache", torch.empty(0, head_dim // 2, device=device), persistent=False
+        )
         self._grow(max(min(max_position, _INITIAL_CACHED_POSITIONS), 1))
 
     def _grow(self, num_positions: int) -> None:
@@ -84,8 +104,9 @@ class RotaryEmbedding(nn.Module):
         self.cos_cache = freqs.cos()
         self.sin_cache = freqs.sin()
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
-                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(cos, sin)` for each position as `[num_tokens, 1, head_dim // 2]` in `dtype`.
 
         `max_position`, if known, is the largest entry of `positions`; the cache grows to cover it.

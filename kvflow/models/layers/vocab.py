@@ -10,10 +10,13 @@ from torch import nn
 class VocabEmbedding(nn.Module):
     """Looks token ids up in a `[vocab_size, hidden_size]` table (`weight`)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
+        )
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
@@ -26,11 +29,24 @@ class LMHead(nn.Module):
     Parameter (one tensor, loaded once). The matmul runs in the model dtype; only its output is upcast.
     """
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device | str,
-                 tied_to: VocabEmbedding | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tied_to: VocabEmbedding | None = None,
+    ) -> None:
         super().__init__()
-        self.weight = tied_to.weight if tied_to is not None else nn.Parameter(
-            torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight = (
+            tied_to.weight
+            if tied_to is not None
+            else nn.Parameter(
+                torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
+                requires_grad=False,
+            )
+        )
 
     def tie(self, embedding: VocabEmbedding) -> None:
         """Share the embedding's weight (for checkpoints that ship no `lm_head.weight`)."""
