@@ -7,13 +7,10 @@ from typing import TYPE_CHECKING
 
 from kvflow.core.block_pool import BlockPool
 from kvflow.core.kv_cache_utils import KVCacheBlock
+from kvflow.utils import cdiv
 
 if TYPE_CHECKING:
     from kvflow.request import Request
-
-
-def cdiv(numerator: int, denominator: int) -> int:
-    return -(-numerator // denominator)
 
 
 @dataclass

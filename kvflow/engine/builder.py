@@ -10,7 +10,7 @@ from kvflow.engine.core import EngineCore
 from kvflow.engine.input_processor import InputProcessor
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.model_info import ModelInfo, resolve_model_info
-from kvflow.worker.worker import resolve_device
+from kvflow.utils import resolve_device
 
 if TYPE_CHECKING:
     from kvflow.tokenizer import Tokenizer

@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from kvflow.engine.output_processor import child_request_id
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
+from kvflow.utils import child_request_id
 
 if TYPE_CHECKING:
     from kvflow.model_info import ModelInfo

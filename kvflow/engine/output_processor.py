@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvflow.utils import child_request_id
 
 if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreOutput, LogprobsLists
@@ -341,8 +342,3 @@ class OutputProcessor:
             finished=finished,
             metrics=parent.metrics,
         )
-
-
-def child_request_id(parent_request_id: str, index: int) -> str:
-    """The core request id of sample `index` of a parallel-sampling request (vLLM's convention)."""
-    return f"{index}_{parent_request_id}"

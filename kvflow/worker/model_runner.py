@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kvflow.core.sched.output import LogprobsLists, ModelRunnerOutput
+from kvflow.utils import cdiv, to_device
 from kvflow.worker.inputs import BatchInputs
 from kvflow.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
 from kvflow.worker.states import RequestSlots
@@ -52,10 +53,6 @@ class _StepArrays:
     sampled_rows: np.ndarray  # [num_sampled] batch rows that sample
 
 
-def _cdiv(a: np.ndarray | int, b: int) -> np.ndarray | int:
-    return -(-a // b)
-
-
 class ModelRunner:
     """Turns `SchedulerOutput`s into forward passes over a paged KV cache owned by the runner.
 
@@ -88,9 +85,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.use_v2_model_runner = use_v2_model_runner
         self.device = torch.device(device)
-        self.slots = RequestSlots(
-            max_num_reqs, max_model_len, int(_cdiv(max_model_len, block_size))
-        )
+        self.slots = RequestSlots(max_num_reqs, max_model_len, int(cdiv(max_model_len, block_size)))
         self.parked: dict[str, _ParkedRequest] = {}
         self.kv_cache = model.make_kv_cache(num_blocks, block_size).to(self.device)
 
@@ -234,14 +229,14 @@ class ModelRunner:
         batch = BatchInputs(
             req_ids=req_ids,
             block_size=self.block_size,
-            input_ids=self._to_device(input_ids),
-            positions=self._to_device(positions),
-            slot_mapping=self._to_device(slot_mapping),
-            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            block_tables=self._to_device(self._batch_block_tables(slot_indices, seq_lens)),
-            logits_indices=self._to_device(query_start_loc[sampled_rows + 1] - 1),
-            sampled_req_indices=self._to_device(sampled_rows.astype(np.int64)),
+            input_ids=to_device(input_ids, self.device),
+            positions=to_device(positions, self.device),
+            slot_mapping=to_device(slot_mapping, self.device),
+            query_start_loc=to_device(query_start_loc.astype(np.int32), self.device),
+            seq_lens=to_device(seq_lens.astype(np.int32), self.device),
+            block_tables=to_device(self._batch_block_tables(slot_indices, seq_lens), self.device),
+            logits_indices=to_device(query_start_loc[sampled_rows + 1] - 1, self.device),
+            sampled_req_indices=to_device(sampled_rows.astype(np.int64), self.device),
         )
         return batch, _StepArrays(slot_indices, num_scheduled, sampled_rows)
 
@@ -254,7 +249,7 @@ class ModelRunner:
             f"scheduled past the worker's known tokens: {[req_ids[i] for i in over_tokens]}"
         )
         over_blocks = np.flatnonzero(
-            _cdiv(seq_lens, self.block_size) > self.slots.num_blocks[slot_indices]
+            cdiv(seq_lens, self.block_size) > self.slots.num_blocks[slot_indices]
         )
         assert over_blocks.size == 0, (
             f"scheduled tokens without KV blocks: {[req_ids[i] for i in over_blocks]}"
@@ -262,13 +257,10 @@ class ModelRunner:
 
     def _batch_block_tables(self, slot_indices: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
         """The batch's block tables, as wide as its longest sequence needs; entries past a row's blocks are 0."""
-        width = int(_cdiv(seq_lens.max(), self.block_size)) if seq_lens.size else 0
+        width = int(cdiv(seq_lens.max(), self.block_size)) if seq_lens.size else 0
         tables = self.slots.block_table[slot_indices, :width]
         tables[np.arange(width)[None, :] >= self.slots.num_blocks[slot_indices][:, None]] = 0
         return tables
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------------------------------ e. sample
     def _sample(

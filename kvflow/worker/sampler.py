@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvflow.core.sched.output import LogprobsLists
+from kvflow.utils import to_device
 
 if TYPE_CHECKING:
     from kvflow.sampling_params import SamplingParams
@@ -123,8 +124,8 @@ def build_sampling_metadata(
     random_rows = ~greedy
     metadata = SamplingMetadata(
         num_rows=num_rows,
-        temperature=_to_device(np.where(greedy, np.float32(1.0), temperature), device),
-        greedy=_to_device(greedy, device),
+        temperature=to_device(np.where(greedy, np.float32(1.0), temperature), device),
+        greedy=to_device(greedy, device),
         all_greedy=not bool(random_rows.any()),
         all_random=bool(random_rows.all()),
         num_logprobs=[p.logprobs for p in params],
@@ -170,11 +171,11 @@ def _fill_truncation(
         random_rows, np.array([p.min_p for p in params], dtype=np.float32), np.float32(0.0)
     )
     if (top_k < vocab_size).any():
-        metadata.top_k = _to_device(top_k, device)
+        metadata.top_k = to_device(top_k, device)
     if (top_p < 1.0).any():
-        metadata.top_p = _to_device(top_p.astype(np.float32), device)
+        metadata.top_p = to_device(top_p.astype(np.float32), device)
     if (min_p > 0.0).any():
-        metadata.min_p = _to_device(min_p.astype(np.float32), device)
+        metadata.min_p = to_device(min_p.astype(np.float32), device)
 
 
 def _build_penalties(
@@ -202,17 +203,17 @@ def _build_penalties(
     )
     # Column `vocab_size` collects the padding and is sliced off.
     prompt_mask = torch.zeros(rows.size, vocab_size + 1, dtype=torch.bool, device=device)
-    prompt_mask.scatter_(1, _to_device(prompt_ids, device), True)
-    output_index = _to_device(output_ids, device)
+    prompt_mask.scatter_(1, to_device(prompt_ids, device), True)
+    output_index = to_device(output_ids, device)
     output_counts = torch.zeros(rows.size, vocab_size + 1, dtype=torch.float32, device=device)
     output_counts.scatter_add_(
         1, output_index, torch.ones(output_index.shape, dtype=torch.float32, device=device)
     )
     return PenaltyMetadata(
-        rows=_to_device(rows.astype(np.int64), device),
-        repetition_penalties=_to_device(repetition[rows], device),
-        frequency_penalties=_to_device(frequency[rows], device),
-        presence_penalties=_to_device(presence[rows], device),
+        rows=to_device(rows.astype(np.int64), device),
+        repetition_penalties=to_device(repetition[rows], device),
+        frequency_penalties=to_device(frequency[rows], device),
+        presence_penalties=to_device(presence[rows], device),
         prompt_mask=prompt_mask[:, :vocab_size],
         output_counts=output_counts[:, :vocab_size],
     )
@@ -281,10 +282,6 @@ def _splitmix64(value: int) -> int:
     value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
     return value ^ (value >> 31)
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
 
 # ---------------------------------------------------------------------------------------------- logits processing

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvflow.core.kv_cache_manager import cdiv
 from kvflow.model_info import resolve_model_info
 from kvflow.testing.hash_model import HashModel
+from kvflow.utils import cdiv, resolve_device
 from kvflow.worker.model_runner import ModelRunner, RunnerModel
 
 if TYPE_CHECKING:
@@ -21,13 +21,6 @@ if TYPE_CHECKING:
     from kvflow.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    """'auto' is CUDA when present, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def build_model(

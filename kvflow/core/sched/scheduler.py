@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvflow.config import CacheConfig, SchedulerConfig
-from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, cdiv
+from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvflow.core.kv_cache_utils import RequestBlockHasher
 from kvflow.core.sched.output import (
     CachedRequestData,
@@ -22,6 +22,7 @@ from kvflow.core.sched.output import (
 from kvflow.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from kvflow.core.sched.stop import check_stop
 from kvflow.request import Request, RequestStatus, StreamingUpdate
+from kvflow.utils import cdiv
 
 
 class PauseState(enum.Enum):
