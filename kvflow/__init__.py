@@ -23,7 +23,7 @@ def __getattr__(name: str):  # lazy: importing the engine pulls in torch
 
         return AsyncLLM
     if name == "StreamingInput":
-        from kvflow.engine.async_llm import StreamingInput
+        from kvflow.engine.sessions import StreamingInput
 
         return StreamingInput
     raise AttributeError(f"module 'kvflow' has no attribute {name!r}")

@@ -129,3 +129,22 @@ def test_chat_answers_each_line_and_keeps_the_conversation() -> None:
         2 <= len(replies) <= 2 + 6
     )  # one reply per user turn (a reply may itself contain newlines)
     assert "Traceback" not in result.stderr
+
+
+def test_generate_takes_every_engine_option_and_rejects_bad_ones_in_one_line() -> None:
+    base = [*kvflow_command(), "generate", "Hello", "--max-tokens", "4"]
+    tuned = subprocess.run(
+        [*base, "--max-num-seqs", "2", "--no-enable-prefix-caching", "--no-async-scheduling"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    default = subprocess.run(base, capture_output=True, text=True, timeout=300, check=False)
+    assert tuned.returncode == 0 and default.returncode == 0, tuned.stderr + default.stderr
+    assert tuned.stdout == default.stdout  # greedy output does not depend on these engine options
+    bad = subprocess.run(
+        [*base, "--max-num-seqs", "0"], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert bad.returncode == 2
+    assert "max_num_seqs must be >= 1" in bad.stderr and "Traceback" not in bad.stderr

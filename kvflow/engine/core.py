@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvflow.core.sched.async_scheduler import AsyncScheduler
@@ -26,6 +27,32 @@ PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
+@dataclass
+class Pause:
+    """A pause the engine was asked for.
+
+    Pause semantics (`EngineCore.pause_generation`, and through it `LLM`, `AsyncLLM` and the server):
+      * "abort": every unfinished request ends now with finish_reason "abort", keeping its partial output;
+      * "wait": started requests (running or preempted) run to completion; nothing new is admitted;
+      * "keep": nothing is scheduled; requests keep their state and continue after resume.
+    Requests added while paused are queued (counted, abortable) and run after `resume_generation`. A pause is
+    `in_effect` once no batch is in flight and, for "wait", no started request is left; then, with `clear_cache`,
+    `reset_prefix_cache(reset_running_requests=True)` runs once: running requests are preempted and recompute after
+    resume. Pausing again while paused may change the mode; a pending `clear_cache` is never dropped.
+    """
+
+    mode: PauseMode
+    clear_cache: bool
+    in_effect: bool = False
+
+    @property
+    def scheduler_state(self) -> PauseState:
+        """What the scheduler may run meanwhile: a pending "wait" lets started requests finish."""
+        if self.mode == "wait" and not self.in_effect:
+            return PauseState.PAUSED_NEW
+        return PauseState.PAUSED_ALL
+
+
 class EngineCore:
     """Owns one scheduler and one executor.
 
@@ -36,8 +63,8 @@ class EngineCore:
       * a step runs whenever there is work, a batch in flight, or the worker still has to hear about finished or
         preempted requests, so every slot release reaches the worker before any admission that relies on it;
       * at most `batch_queue_size` batches are in flight (1: synchronous), and their outputs are applied in order;
-      * a pause "has taken effect" (`pause_effective`) only once no batch is in flight and, for mode "wait", no
-        started request is left; its `clear_cache` reset runs exactly then, so no in-flight frame can be lost;
+      * the scheduler's `pause_state` is always `pause.scheduler_state` (UNPAUSED without a pause); a pause is in
+        effect only when no batch is in flight (see `Pause` for the semantics), so no placeholder can be lost;
       * the weight version only changes while no batch is in flight; every output carries the version that
         computed its tokens.
     """
@@ -53,18 +80,36 @@ class EngineCore:
         self.batch_queue_size = 2 if scheduler_config.async_scheduling else 1
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], int]] = deque()
         self.weight_version = 0
-        self._pause_mode: PauseMode | None = None
-        self._pause_clear_cache = False
-        self._pause_pending = False
+        self.pause: Pause | None = None
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
+        """Queue a request (or a streaming session's next chunk); ValueError if the scheduler rejects it."""
         self.scheduler.add_request(request)
 
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue a prompt's requests (its `n` samples) all or nothing: if one is rejected (ValueError), the ones
+        queued before it are aborted and the error is raised."""
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.scheduler.add_request(request)
+                added.append(request.request_id)
+        except ValueError:
+            self.abort_requests(added)
+            raise
+
     def abort_requests(self, request_ids: list[str]) -> None:
+        """Finish requests with "abort", freeing their blocks and slots (unknown or finished ids are ignored)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def close_session(self, request_id: str) -> bool:
+        """End a streaming-input session after its current chunk. True when it ended now (it idled between chunks,
+        or is already gone): no output will report it. False: the output that ends the running chunk ends it."""
+        return self.scheduler.close_session(request_id)
+
     def has_work(self) -> bool:
+        """Anything left at all: requests (also those a pause holds), a batch in flight, or unsent reports."""
         return (
             bool(self.batch_queue)
             or self.scheduler.has_unfinished_requests()
@@ -72,20 +117,22 @@ class EngineCore:
         )
 
     def can_make_progress(self) -> bool:
-        """False when the only work left is held by a pause (stepping would just spin)."""
-        return bool(self.batch_queue) or self._has_schedulable_work()
+        """True when `step()` would do something: False when the only work left is held by a pause (or there is
+        none), so a caller should wait for input instead of spinning."""
+        pause_pending = self.pause is not None and not self.pause.in_effect
+        return bool(self.batch_queue) or pause_pending or self._has_schedulable_work()
 
     # ------------------------------------------------------------------------------------------------ stepping
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step; returns the per-request outputs it produced (empty when idle)."""
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
-        if not self.can_make_progress():
-            return self._finish_pause_if_effective()
+        if not self._has_schedulable_work():
+            return self._settle_pause()
         scheduler_output = self.scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)
         outputs = self._update(scheduler_output, model_runner_output, self.weight_version)
-        return outputs + self._finish_pause_if_effective()
+        return outputs + self._settle_pause()
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Overlapped step: launch the next batch if the queue has room, and apply the oldest batch's output once
@@ -93,29 +140,31 @@ class EngineCore:
         its next step itself, so step N+1 can be planned before step N's tokens are back."""
         launched = False
         if len(self.batch_queue) < self.batch_queue_size and self._has_schedulable_work():
-            prev_step_scheduled_req_ids = self.scheduler.prev_step_scheduled_req_ids
-            scheduler_output = self.scheduler.schedule()
-            if (
-                scheduler_output.total_num_scheduled_tokens > 0
-                or scheduler_output.finished_req_ids
-                or scheduler_output.preempted_req_ids
-            ):
-                future = self.executor.execute_model(scheduler_output, non_block=True)
-                self.batch_queue.append((scheduler_output, future, self.weight_version))
-                launched = True
-            else:  # never sent: the worker's previous step is still the last one launched
-                self.scheduler.prev_step_scheduled_req_ids = prev_step_scheduled_req_ids
+            launched = self._launch_batch()
         # While a pause is in effect only token-less report batches go out: apply them at once, so that no batch is
         # ever in flight while paused (update_weights and a repeated pause rely on it).
-        if not self.batch_queue or (
-            launched
-            and len(self.batch_queue) < self.batch_queue_size
-            and not self.pause_effective()
-        ):
-            return self._finish_pause_if_effective()
+        queue_has_room = len(self.batch_queue) < self.batch_queue_size
+        if not self.batch_queue or (launched and queue_has_room and not self.pause_effective()):
+            return self._settle_pause()
         scheduler_output, future, weight_version = self.batch_queue.popleft()
         outputs = self._update(scheduler_output, future.result(), weight_version)
-        return outputs + self._finish_pause_if_effective()
+        return outputs + self._settle_pause()
+
+    def _launch_batch(self) -> bool:
+        """Schedule a step and hand it to the executor; False (nothing sent) when it carries nothing."""
+        prev_step_scheduled_req_ids = self.scheduler.prev_step_scheduled_req_ids
+        scheduler_output = self.scheduler.schedule()
+        if not (
+            scheduler_output.total_num_scheduled_tokens
+            or scheduler_output.finished_req_ids
+            or scheduler_output.preempted_req_ids
+        ):
+            # Never sent: the worker's previous step is still the last one launched.
+            self.scheduler.prev_step_scheduled_req_ids = prev_step_scheduled_req_ids
+            return False
+        future = self.executor.execute_model(scheduler_output, non_block=True)
+        self.batch_queue.append((scheduler_output, future, self.weight_version))
+        return True
 
     def _has_schedulable_work(self) -> bool:
         """Something `schedule()` would send: reports, or requests the pause state lets run."""
@@ -143,24 +192,16 @@ class EngineCore:
     def pause_generation(
         self, mode: str = "abort", clear_cache: bool = True
     ) -> list[EngineCoreOutput]:
-        """Start a pause. "abort" finishes every unfinished request now (returned as "abort" outputs); "wait" lets
-        started requests finish and holds new ones; "keep" schedules nothing. Requests added while paused are
-        queued (counted, abortable) and run after `resume_generation`. Drive `step()` until `pause_effective()`;
-        the `clear_cache` reset happens then. Pausing again while paused may change the mode."""
+        """Ask for a pause (semantics: `Pause`). Returns the "abort" outputs of mode "abort". The pause is in
+        effect at once if nothing is in flight; otherwise drive `step()` until `pause_effective()`."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        outputs: list[EngineCoreOutput] = []
-        if mode == "abort":
-            outputs = self._abort_all()
-        self._pause_mode = mode  # type: ignore[assignment]
-        self._pause_clear_cache = (
-            self._pause_clear_cache or clear_cache if self._pause_pending else clear_cache
+        outputs = self._abort_all() if mode == "abort" else []
+        pending_clear = (
+            self.pause is not None and not self.pause.in_effect and self.pause.clear_cache
         )
-        self._pause_pending = True
-        self.scheduler.set_pause_state(
-            PauseState.PAUSED_NEW if mode == "wait" else PauseState.PAUSED_ALL
-        )
-        return outputs + self._finish_pause_if_effective()
+        self._set_pause(Pause(mode, clear_cache or pending_clear))  # type: ignore[arg-type]
+        return outputs + self._settle_pause()
 
     def _abort_all(self) -> list[EngineCoreOutput]:
         request_ids = [
@@ -178,35 +219,39 @@ class EngineCore:
 
     def pause_effective(self) -> bool:
         """True once a requested pause has fully taken effect (False when not paused)."""
-        return self._pause_mode is not None and not self._pause_pending
+        return self.pause is not None and self.pause.in_effect
 
     def is_paused(self) -> bool:
-        return self._pause_mode is not None
+        return self.pause is not None
 
-    def _finish_pause_if_effective(self) -> list[EngineCoreOutput]:
-        if not self._pause_pending or self.batch_queue:
+    def _settle_pause(self) -> list[EngineCoreOutput]:
+        """Put a pending pause into effect once nothing is in flight (and, for "wait", no started request is
+        left), running its cache reset exactly then."""
+        pause = self.pause
+        if pause is None or pause.in_effect or self.batch_queue:
             return []
-        if self._pause_mode == "wait" and self.scheduler.get_num_started_requests() > 0:
+        if pause.mode == "wait" and self.scheduler.get_num_started_requests() > 0:
             return []
-        self._pause_pending = False
-        if self._pause_clear_cache:
+        if pause.clear_cache:
             self.scheduler.reset_prefix_cache(reset_running_requests=True)
-        self.scheduler.set_pause_state(
-            PauseState.PAUSED_ALL
-        )  # in effect: nothing runs until resume
+        pause.in_effect = True
+        self._set_pause(pause)
         return []
 
     def resume_generation(self) -> None:
         """End the pause: held and frozen requests are scheduled again (preempted ones recompute)."""
-        self._pause_mode = None
-        self._pause_pending = False
-        self._pause_clear_cache = False
-        self.scheduler.set_pause_state(PauseState.UNPAUSED)
+        self._set_pause(None)
+
+    def _set_pause(self, pause: Pause | None) -> None:
+        self.pause = pause
+        self.scheduler.set_pause_state(
+            PauseState.UNPAUSED if pause is None else pause.scheduler_state
+        )
 
     # ------------------------------------------------------------------------------------------------ cache, weights
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget cached prefixes; `reset_running_requests` preempts every running request first. Batches may be
-        in flight: the scheduler discards exactly their stale frames of the preempted requests."""
+        in flight: the scheduler discards exactly their stale placeholders of the preempted requests."""
         return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def drain(self) -> list[EngineCoreOutput]:
@@ -219,12 +264,11 @@ class EngineCore:
 
     def update_weights(self, weights: str | Any) -> int:
         """Load new weights (a checkpoint folder or a state dict of Hugging Face names) into the running model;
-        returns the new weight version. Only while paused with nothing in flight (the RLHF loop: pause(keep) ->
-        update_weights -> reset cache -> resume)."""
+        returns the new weight version. Only while a pause is in effect, so nothing is in flight (the RLHF loop:
+        pause -> update_weights -> resume)."""
         if not self.pause_effective():
             raise RuntimeError(
-                "update_weights needs a paused engine: call pause_generation() and let it take "
-                "effect first"
+                "update_weights needs a paused engine: call pause_generation() and let it take effect first"
             )
         assert not self.batch_queue
         self.executor.update_weights(weights)

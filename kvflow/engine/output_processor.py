@@ -17,6 +17,8 @@ from kvflow.utils import child_request_id
 if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreOutput, LogprobsLists
     from kvflow.engine.detokenizer import IncrementalDetokenizer
+    from kvflow.engine.input_processor import ProcessedPrompt
+    from kvflow.request import Request
     from kvflow.sampling_params import SamplingParams
     from kvflow.tokenizer import Tokenizer
 
@@ -145,6 +147,32 @@ class OutputProcessor:
         self.parent_requests[request_id] = parent
         return parent
 
+    def add_prompt(
+        self, request_id: str, processed: ProcessedPrompt, requests: list[Request]
+    ) -> None:
+        """Track one prompt's core requests (from `InputProcessor.make_requests`): the request itself, or a
+        parent `request_id` that folds its `n` children's outputs into one."""
+        parent = None
+        if len(requests) > 1:
+            parent = self.add_parent_request(
+                request_id,
+                len(requests),
+                processed.prompt,
+                processed.prompt_token_ids,
+                processed.sampling_params.output_kind,
+                requests[0].arrival_time,
+            )
+        for index, request in enumerate(requests):
+            self.add_request(
+                request.request_id,
+                processed.prompt,
+                processed.prompt_token_ids,
+                request.sampling_params,
+                request.arrival_time,
+                parent=parent,
+                index=index,
+            )
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
@@ -169,9 +197,8 @@ class OutputProcessor:
                 continue  # aborted on this side already
             finish_reason, stop_reason = self._apply(state, engine_output, now)
             if finish_reason is not None and engine_output.finish_reason is None:
-                reqs_to_abort.append(
-                    state.request_id
-                )  # a stop string ended it; the core does not know yet
+                # A stop string ended it; the core does not know yet.
+                reqs_to_abort.append(state.request_id)
             finished = finish_reason is not None and not engine_output.session_continues
             if finished:
                 state.metrics.finished_time = now

@@ -14,22 +14,10 @@ if TYPE_CHECKING:
 
 
 def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--model",
-        default=None,
-        help="Hugging Face checkpoint folder (default: the built-in default model, created locally "
-        "on first use)",
-    )
-    engine.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    engine.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
-    )
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--max-num-seqs", type=int, default=128)
-    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    engine.add_argument("--device", default="auto", help="'auto', 'cpu' or 'cuda'")
-    engine.add_argument("--verbose", action="store_true", help="log engine startup and progress")
+    from kvflow.engine.arg_utils import EngineArgs
+
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--verbose", action="store_true", help="log engine startup and progress")
 
 
 def _add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -44,7 +32,6 @@ def _add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) ->
     sampling.add_argument("--repetition-penalty", type=float, default=1.0)
     sampling.add_argument("--presence-penalty", type=float, default=0.0)
     sampling.add_argument("--frequency-penalty", type=float, default=0.0)
-    sampling.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true")
 
@@ -86,17 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _make_llm(args: argparse.Namespace) -> LLM:
+    from kvflow.engine.arg_utils import EngineArgs
     from kvflow.entrypoints.llm import LLM
 
-    return LLM(
-        args.model,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        device=args.device,
-    )
+    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
@@ -111,7 +91,6 @@ def _sampling_params(args: argparse.Namespace, **overrides: Any) -> SamplingPara
         repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
-        seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         **overrides,

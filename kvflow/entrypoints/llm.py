@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.builder import build_engine
 from kvflow.engine.input_processor import ProcessedPrompt, PromptType
 from kvflow.sampling_params import SamplingParams
@@ -37,52 +39,9 @@ class LLM:
     them.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        tokenizer: str | None = None,
-        skip_tokenizer_init: bool = False,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        async_scheduling: bool = True,
-        scheduling_policy: str = "fcfs",
-        seed: int = 0,
-        tensor_parallel_size: int = 1,
-        distributed_executor_backend: str | None = None,
-        long_prefill_token_threshold: int = 0,
-        use_v2_model_runner: bool = True,
-        device: str = "auto",
-    ) -> None:
-        parts = build_engine(
-            model,
-            tokenizer=tokenizer,
-            skip_tokenizer_init=skip_tokenizer_init,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            async_scheduling=async_scheduling,
-            scheduling_policy=scheduling_policy,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            distributed_executor_backend=distributed_executor_backend,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            use_v2_model_runner=use_v2_model_runner,
-            device=device,
-        )
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`kwargs` are the `EngineArgs` options (unknown names are a TypeError, bad values a ValueError)."""
+        parts = build_engine(EngineArgs(model=model, **kwargs))
         self.engine_config = parts.engine_config
         self.model_info = parts.model_info
         self.tokenizer = parts.tokenizer
@@ -93,11 +52,14 @@ class LLM:
         self.eos_token_id = self.input_processor.eos_token_id
         self._request_counter = itertools.count()
         self._lock = threading.RLock()
-        self._changed = threading.Condition(
-            self._lock
-        )  # notified after every step and every pause/resume
+        # Notified after every step and every pause/resume.
+        self._changed = threading.Condition(self._lock)
         self._finished: dict[str, RequestOutput] = {}
         self._num_generating = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        return cls(**dataclasses.asdict(engine_args))
 
     # ------------------------------------------------------------------------------------------------ public
     def get_tokenizer(self) -> Tokenizer | None:
@@ -181,10 +143,8 @@ class LLM:
 
     # ------------------------------------------------------------------------------------------------ pause
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Pause: "abort" ends every request now (finish_reason "abort", partial output kept); "wait" lets running
-        requests finish and holds new ones; "keep" freezes everything until `resume_generation`. Returns once the
-        pause has taken effect (with `clear_cache`, after the prefix cache was reset and running requests were
-        preempted to recompute after resume). A concurrent `resume_generation` also releases the caller."""
+        """Pause (semantics: `kvflow.engine.core.Pause`). Returns once the pause has taken effect, or once a
+        concurrent `resume_generation` released it."""
         with self._lock:
             self._apply(self.engine_core.pause_generation(mode, clear_cache))
             while self.engine_core.is_paused() and not self.engine_core.pause_effective():
@@ -227,29 +187,13 @@ class LLM:
     def _add_request(self, processed: ProcessedPrompt) -> str:
         """Queue one prompt (n child requests when `n > 1`). Caller holds the lock."""
         request_id = str(next(self._request_counter))
-        arrival_time = time.monotonic()
-        requests = self.input_processor.make_requests(request_id, processed, arrival_time)
-        parent = None
-        if len(requests) > 1:
-            parent = self.output_processor.add_parent_request(
-                request_id,
-                len(requests),
-                processed.prompt,
-                processed.prompt_token_ids,
-                processed.sampling_params.output_kind,
-                arrival_time,
-            )
-        for index, request in enumerate(requests):
-            self.engine_core.add_request(request)
-            self.output_processor.add_request(
-                request.request_id,
-                processed.prompt,
-                processed.prompt_token_ids,
-                request.sampling_params,
-                arrival_time,
-                parent=parent,
-                index=index,
-            )
+        requests = self.input_processor.make_requests(request_id, processed, time.monotonic())
+        self.output_processor.add_prompt(request_id, processed, requests)
+        try:
+            self.engine_core.add_requests(requests)
+        except ValueError:
+            self.output_processor.abort_requests([request_id])
+            raise
         return request_id
 
     def _step_locked(self) -> list[EngineCoreOutput]:

@@ -930,7 +930,7 @@ def test_shutdown_ends_live_requests_and_is_idempotent(make_llm: Callable[..., A
             await llm.is_paused()
 
     run(main())
-    assert not llm._thread.is_alive()
+    assert not llm.engine_core_client.is_alive()
 
     async def with_block() -> AsyncLLM:
         async with make_llm() as engine:
@@ -938,6 +938,6 @@ def test_shutdown_ends_live_requests_and_is_idempotent(make_llm: Callable[..., A
         return engine
 
     engine = run(with_block())
-    assert not engine._thread.is_alive()
+    assert not engine.engine_core_client.is_alive()
     with pytest.raises(EngineDeadError):
         run(collect(engine, prompt(3), params(2)))

@@ -1,0 +1,212 @@
+"""EngineArgs: every engine option, declared once, with its default and help text.
+
+`LLM(**kwargs)`, `AsyncLLM(**kwargs)`, the CLI (`add_cli_args` / `from_cli_args`) and `kvflow serve` all build an
+`EngineArgs`, so an option is spelled, defaulted, documented and validated in exactly one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
+
+from kvflow.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from kvflow.utils import resolve_device
+
+if TYPE_CHECKING:
+    from kvflow.model_info import ModelInfo
+
+# Tokens per step when not given: on CPU, steps of ~2k tokens keep activations cache-resident (README has the
+# measurements); GPUs want bigger steps.
+_DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+
+
+def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A field with its CLI help (and allowed values, checked on construction)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options, as users pass them (`LLM(model, **options)`, `--kebab-case` flags).
+
+    Invariants: after construction every field has its declared type (ValueError naming the field otherwise) and
+    every field with choices holds one of them; `create_engine_config` does the checks that need the model.
+    """
+
+    model: str | None = _option(
+        None,
+        "Hugging Face checkpoint folder; default: the built-in default model (created locally on first "
+        "use); 'hash': the deterministic test model",
+    )
+    tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
+    skip_tokenizer_init: bool = _option(
+        False, "load no tokenizer: prompts must be token ids, outputs carry no text"
+    )
+    dtype: str = _option(
+        "auto",
+        "weight and activation dtype ('auto': the checkpoint's)",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    max_model_len: int | None = _option(
+        None, "longest sequence (prompt + output) in tokens; default: the model's limit"
+    )
+    max_num_seqs: int = _option(128, "most requests holding a worker slot at once")
+    max_num_batched_tokens: int | None = _option(
+        None, "most tokens per engine step; default: 2048 on CPU, 8192 on CUDA"
+    )
+    block_size: int = _option(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _option(None, "KV cache blocks (overrides --kv-cache-memory-bytes)")
+    kv_cache_memory_bytes: int | None = _option(None, "KV cache size in bytes")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes")
+    enable_chunked_prefill: bool = _option(True, "split long prompts across engine steps")
+    async_scheduling: bool = _option(True, "plan step N+1 while step N runs (overlapped steps)")
+    scheduling_policy: str = _option("fcfs", "admission and preemption order", ("fcfs", "priority"))
+    seed: int = _option(0, "engine seed: draws of requests without their own seed")
+    tensor_parallel_size: int = _option(1, "tensor-parallel ranks (only 1 in this build)")
+    distributed_executor_backend: str | None = _option(
+        None, "executor: 'uni' (in-process worker; only it in this build)", ("uni",)
+    )
+    data_parallel_size: int = _option(1, "engine cores behind one front end (only 1 in this build)")
+    long_prefill_token_threshold: int = _option(
+        0, "cap on one request's prefill tokens per step (0: no cap)"
+    )
+    use_v2_model_runner: bool = _option(
+        True, "slot model runner protocol (off: the persistent-batch protocol)"
+    )
+    device: str = _option("auto", "'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'")
+
+    def __post_init__(self) -> None:
+        for path_option in ("model", "tokenizer"):  # accept pathlib paths for folders
+            if isinstance(getattr(self, path_option), os.PathLike):
+                setattr(self, path_option, os.fspath(getattr(self, path_option)))
+        hints = get_type_hints(EngineArgs)
+        for option in dataclasses.fields(self):
+            value = getattr(self, option.name)
+            _check_type(option.name, value, hints[option.name])
+            choices = option.metadata["choices"]
+            if choices is not None and value is not None and value not in choices:
+                raise ValueError(f"{option.name} must be one of {choices}, got {value!r}")
+        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
+            raise ValueError(
+                "tensor_parallel_size and data_parallel_size must be 1: parallel engines are not "
+                "available in this build"
+            )
+
+    # ------------------------------------------------------------------------------------------------ config
+    def create_engine_config(self, model_info: ModelInfo) -> EngineConfig:
+        """The frozen configs for this model (their constructors validate each value)."""
+        if self.max_model_len is not None and self.max_model_len > model_info.max_model_len:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model supports "
+                f"({model_info.max_model_len})"
+            )
+        max_model_len = self.max_model_len or model_info.max_model_len
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=str(model_info.path) if model_info.path else model_info.name,
+                tokenizer=self.tokenizer,
+                skip_tokenizer_init=self.skip_tokenizer_init,
+                dtype=self.dtype,
+                max_model_len=max_model_len,
+                seed=self.seed,
+                device=self.device,
+            ),
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self._max_num_batched_tokens(max_model_len),
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                policy=self.scheduling_policy,  # type: ignore[arg-type]
+                async_scheduling=self.async_scheduling,
+                use_v2_model_runner=self.use_v2_model_runner,
+            ),
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+        )
+
+    def _max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        default = _DEFAULT_MAX_NUM_BATCHED_TOKENS[resolve_device(self.device).type]
+        return default if self.enable_chunked_prefill else max(default, max_model_len)
+
+    # ------------------------------------------------------------------------------------------------ CLI
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()
+    ) -> argparse.ArgumentParser:
+        """Add one `--kebab-case` flag per field (booleans as `--flag/--no-flag`), in an "engine" group."""
+        group = parser.add_argument_group("engine")
+        hints = get_type_hints(cls)
+        for option in dataclasses.fields(cls):
+            if option.name in exclude:
+                continue
+            flag = "--" + option.name.replace("_", "-")
+            help_text = option.metadata["help"]
+            if option.default is not None:
+                help_text += f" (default: {option.default})"
+            value_type = _value_type(hints[option.name])
+            if value_type is bool:
+                group.add_argument(
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=option.default,
+                    help=help_text,
+                )
+            else:
+                group.add_argument(
+                    flag,
+                    type=value_type,
+                    default=option.default,
+                    choices=option.metadata["choices"],
+                    help=help_text,
+                )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of a namespace parsed with `add_cli_args` (fields it lacks keep their defaults)."""
+        names = (option.name for option in dataclasses.fields(cls))
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+def _value_type(annotation: Any) -> type:
+    """`int` for `int` and `int | None`."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        [value_type] = [arg for arg in get_args(annotation) if arg is not type(None)]
+        return value_type
+    return annotation
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    if value is None and type(None) in get_args(annotation):
+        return
+    expected = _value_type(annotation)
+    # bool is an int subclass: `max_num_seqs=True` is a mistake, not 1.
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise ValueError(f"{name} must be {_type_name(annotation)}, got {value!r}")
+
+
+def _type_name(annotation: Any) -> str:
+    """'int', 'int or None'."""
+    names = [arg.__name__ for arg in get_args(annotation)] or [annotation.__name__]
+    return " or ".join(name if name != "NoneType" else "None" for name in names)
