@@ -26,8 +26,8 @@ from kvflow.models.layers import (
 )
 
 if TYPE_CHECKING:
+    from kvflow.batch import BatchInputs
     from kvflow.models.hf_config import TransformerConfig
-    from kvflow.worker.inputs import BatchInputs
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from kvflow.worker.inputs import BatchInputs
+    from kvflow.batch import BatchInputs
 
 MODULUS = 2**31 - 1
 BASE = 1_000_003

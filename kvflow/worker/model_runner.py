@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from kvflow.batch import BatchInputs
 from kvflow.core.sched.output import LogprobsLists, ModelRunnerOutput
 from kvflow.utils import cdiv, to_device
-from kvflow.worker.inputs import BatchInputs
 from kvflow.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
 from kvflow.worker.states import RequestSlots
 

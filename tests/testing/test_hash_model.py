@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvflow.batch import BatchInputs
 from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.testing.hash_model import (
@@ -21,7 +22,6 @@ from kvflow.testing.hash_model import (
     next_token,
     reference_tokens,
 )
-from kvflow.worker.inputs import BatchInputs
 from kvflow.worker.model_runner import ModelRunner
 
 token_lists = st.lists(st.integers(0, DEFAULT_VOCAB_SIZE - 1), min_size=1, max_size=40)

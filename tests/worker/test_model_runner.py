@@ -7,11 +7,11 @@ from collections.abc import Iterable
 import pytest
 import torch
 
+from kvflow.batch import BatchInputs
 from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.testing.hash_model import HashModel, next_token, reference_tokens
-from kvflow.worker.inputs import BatchInputs
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.worker import Worker
 

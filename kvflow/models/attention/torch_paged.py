@@ -23,7 +23,7 @@ from kvflow.models.attention.base import AttentionBackend
 from kvflow.models.attention.registry import register_attention_backend
 
 if TYPE_CHECKING:
-    from kvflow.worker.inputs import BatchInputs
+    from kvflow.batch import BatchInputs
 
 # A prefill group may cost at most this many times the attention work of its rows unpadded.
 _MAX_PADDING_RATIO = 2.0
