@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,22 +17,8 @@ from kvflow.worker.states import RequestSlots
 
 if TYPE_CHECKING:
     from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from kvflow.models.interface import RunnerModel
     from kvflow.sampling_params import SamplingParams
-
-
-class RunnerModel(Protocol):
-    """What the runner needs of a model: a KV cache factory and a forward pass over a `BatchInputs`.
-
-    `forward` returns either sampled token ids (int64, one per `batch.logits_indices` entry: a model that
-    samples itself, such as the hash model) or, for a real model, float logits `[len(logits_indices), vocab]`
-    that the runner's `Sampler` turns into tokens.
-    """
-
-    def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor: ...
-
-    def kv_cache_bytes_per_block(self, block_size: int) -> int: ...
-
-    def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -268,7 +254,7 @@ class ModelRunner:
     ) -> SamplerOutput:
         """Token ids from a self-sampling model pass through; logits go through the batched `Sampler`."""
         num_sampled = int(batch.logits_indices.shape[0])
-        if model_output.dim() == 1 and not model_output.is_floating_point():
+        if self.model.samples_own_tokens:
             assert model_output.shape[0] == num_sampled, "one sampled token per logits index"
             return SamplerOutput(sampled_token_ids=model_output, logprobs=None)
         assert model_output.shape[0] == num_sampled, "one row of logits per logits index"

@@ -11,27 +11,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow.model_info import resolve_model_info
-from kvflow.testing.hash_model import HashModel
+from kvflow.models.registry import build_model
 from kvflow.utils import cdiv, resolve_device
-from kvflow.worker.model_runner import ModelRunner, RunnerModel
+from kvflow.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
-    from kvflow.config import EngineConfig, ModelConfig
+    from kvflow.config import EngineConfig
     from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
-
-
-def build_model(
-    model_config: ModelConfig, model_info: ModelInfo, device: torch.device
-) -> RunnerModel:
-    """The hash test model, or a Hugging Face checkpoint loaded through `kvflow.models.loader`."""
-    if model_info.path is None:
-        return HashModel()
-    from kvflow.models.loader import load_model
-
-    return load_model(model_info.path, dtype=model_config.dtype, device=device)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -122,15 +111,14 @@ class Worker:
     def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
         """Reload weights in place: a checkpoint folder (every parameter) or a state dict with Hugging Face names
         (just those tensors). The KV cache, slots and shapes stay; a bad update raises before touching the model
-        only for unknown names or shapes found up front, so pass complete, checked tensors."""
-        if self.model_info.path is None:
-            raise ValueError("the hash test model has no weights to update")
+        only for unknown names or shapes found up front, so pass complete, checked tensors. A model without weights
+        (the hash model) raises ValueError."""
         from kvflow.models.loader import iterate_safetensors_weights
 
         if isinstance(weights, str | Path):
-            self.model.load_weights(iterate_safetensors_weights(Path(weights)))  # type: ignore[attr-defined]
+            self.model.load_weights(iterate_safetensors_weights(Path(weights)))
         elif isinstance(weights, Mapping):
-            self.model.load_weights(weights.items(), strict=False)  # type: ignore[attr-defined]
+            self.model.load_weights(weights.items(), strict=False)
         else:
             raise ValueError(
                 f"weights must be a checkpoint folder or a state dict, got {type(weights).__name__}"

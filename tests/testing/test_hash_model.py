@@ -308,3 +308,14 @@ def test_batched_runner_matches_reference_for_long_prompts(seed: int) -> None:
     assert [scheduler.outputs[str(i)] for i in range(8)] == [
         reference_tokens(p, 8) for p in prompts
     ]
+
+
+def test_the_testing_package_re_exports_the_models_hash_model() -> None:
+    """Tests outside this repository import the oracle from `kvflow.testing`; it is the model's own objects."""
+    import kvflow.models.hash_model as model_module
+    import kvflow.testing
+    import kvflow.testing.hash_model as testing_module
+
+    for name in testing_module.__all__:
+        assert getattr(testing_module, name) is getattr(model_module, name)
+    assert kvflow.testing.DEFAULT_EOS_TOKEN_ID == model_module.DEFAULT_EOS_TOKEN_ID == 50256

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 import torch
@@ -450,6 +451,17 @@ def test_worker_sizes_the_kv_cache_from_memory() -> None:
     )
     with pytest.raises(ValueError, match="kv_cache_memory_bytes=31 holds no KV block"):
         Worker(too_small)
+
+
+def test_worker_refuses_a_weight_update_for_the_hash_model(tmp_path: Path) -> None:
+    worker = Worker(
+        EngineConfig(
+            model_config=ModelConfig(model="hash"), cache_config=CacheConfig(num_kv_blocks=2)
+        )
+    )
+    for weights in (str(tmp_path), {"model.embed_tokens.weight": torch.zeros(1)}):
+        with pytest.raises(ValueError, match="the hash test model has no weights to update"):
+            worker.update_weights(weights)
 
 
 def test_worker_refuses_a_missing_checkpoint() -> None:
