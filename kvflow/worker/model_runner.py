@@ -1,4 +1,4 @@
-"""The model runner: applies each `SchedulerOutput` to the worker's request slots, builds the batch, runs the model."""
+"""The slot runner: applies each `SchedulerOutput` to the worker's request slots, builds the batch, runs the model."""
 
 from __future__ import annotations
 
@@ -18,16 +18,6 @@ from kvflow.worker.states import RequestSlots
 if TYPE_CHECKING:
     from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
     from kvflow.models.interface import RunnerModel
-    from kvflow.sampling_params import SamplingParams
-
-
-@dataclass
-class _ParkedRequest:
-    """A preempted request's state kept by the persistent-batch protocol until it resumes (outside any slot)."""
-
-    token_ids: list[int]
-    sampling_params: SamplingParams | None
-    num_prompt_tokens: int
 
 
 @dataclass
@@ -40,15 +30,20 @@ class _StepArrays:
 
 
 class ModelRunner:
-    """Turns `SchedulerOutput`s into forward passes over a paged KV cache owned by the runner.
+    """The slot runner (the default protocol, `use_v2_model_runner=True`): turns `SchedulerOutput`s into forward
+    passes over a paged KV cache owned by the runner.
 
     Invariants:
-      * every request the scheduler may schedule holds a slot in `slots` (`slots.req_id_to_index`); with the
-        persistent-batch protocol (`use_v2_model_runner=False`) a preempted request instead sits in `parked`
-        (tokens kept, no slot, no blocks) until it returns in `resumed_req_ids`;
+      * every request the scheduler may schedule holds a slot in `slots` (`slots.req_id_to_index`): it takes one
+        when it first appears in `scheduled_new_reqs` and gives it back when its id appears in `finished_req_ids` or
+        `preempted_req_ids`; a resumed request comes back as a new request carrying `prefill_token_ids`;
       * a held request's token buffer includes its last sampled token: the worker feeds that token into the next
         step itself, the scheduler never sends it back;
-      * each step costs O(scheduled tokens + batch requests * blocks in the batch), never O(request history).
+      * each step costs O(scheduled tokens + batch requests * blocks in the batch), never O(request history);
+      * persistent-batch data (`resumed_req_ids`, `all_token_ids`) is a protocol error: the scheduler never sends
+        it to this runner.
+    Another protocol (`kvflow.worker.persistent_batch`) subclasses this runner and overrides the per-request steps
+    `_forget`, `_preempt`, `_apply_cached_blocks` and `_apply_cached_tokens`, and `_update_cached_requests`.
     """
 
     def __init__(
@@ -59,7 +54,6 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         num_blocks: int,
-        use_v2_model_runner: bool = True,
         device: str | torch.device = "cpu",
         eos_token_id: int | None = None,
         seed: int = 0,
@@ -69,10 +63,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.use_v2_model_runner = use_v2_model_runner
         self.device = torch.device(device)
         self.slots = RequestSlots(max_num_reqs, max_model_len, int(cdiv(max_model_len, block_size)))
-        self.parked: dict[str, _ParkedRequest] = {}
         self.kv_cache = model.make_kv_cache(num_blocks, block_size).to(self.device)
 
     # ------------------------------------------------------------------------------------------ step
@@ -91,28 +83,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ a. release
     def _release(self, finished_req_ids: set[str], preempted_req_ids: set[str]) -> None:
-        """Finished requests are dropped; preempted ones free their slot (slot protocol) or are parked."""
+        """Finished requests are forgotten, then preempted ones are released the protocol's way."""
         for req_id in finished_req_ids:
-            self.slots.remove(req_id)
-            self.parked.pop(req_id, None)
+            self._forget(req_id)
         for req_id in preempted_req_ids - finished_req_ids:
-            if self.use_v2_model_runner:
-                self.slots.remove(req_id)
-            elif req_id in self.slots:
-                index = self.slots.req_id_to_index[req_id]
-                self.parked[req_id] = _ParkedRequest(
-                    self.slots.get_token_ids(req_id),
-                    self.slots.sampling_params[index],
-                    int(self.slots.num_prompt_tokens[index]),
-                )
-                self.slots.remove(req_id)
+            self._preempt(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        """Drop whatever the worker holds for `req_id` (a no-op for an id it does not hold)."""
+        self.slots.remove(req_id)
+
+    def _preempt(self, req_id: str) -> None:
+        """A preempted request gives its slot back: it will return as a new request."""
+        self.slots.remove(req_id)
 
     # ------------------------------------------------------------------------------------------ b. add
     def _add_new_requests(self, new_reqs: Iterable[NewRequestData]) -> None:
         """Give each new request a slot; a same-id add replaces whatever the worker held for that id."""
         for new_req in new_reqs:
-            self.slots.remove(new_req.req_id)
-            self.parked.pop(new_req.req_id, None)
+            self._forget(new_req.req_id)
             token_ids = (
                 new_req.prefill_token_ids
                 if new_req.prefill_token_ids is not None
@@ -129,6 +118,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ c. update
     def _update_cached_requests(self, cached: CachedRequestData) -> None:
+        """Refuse persistent-batch data, then update the requests the worker already holds."""
+        assert not cached.resumed_req_ids and not cached.all_token_ids, (
+            "the slot runner got persistent-batch data (resumed_req_ids / all_token_ids); "
+            "it takes resumed requests back as new requests"
+        )
+        self._apply_cached_updates(cached)
+
+    def _apply_cached_updates(self, cached: CachedRequestData) -> None:
         """Apply block, token and progress updates to requests the worker already holds."""
         num_reqs = len(cached.req_ids)
         lengths = (
@@ -139,46 +136,25 @@ class ModelRunner:
         assert lengths == (num_reqs,) * 3, (
             f"CachedRequestData lists are not parallel: {num_reqs}, {lengths}"
         )
-        for i, req_id in enumerate(cached.req_ids):
-            index = self._apply_cached_blocks(
-                req_id, cached.new_block_ids[i], req_id in cached.resumed_req_ids
-            )
-            num_computed_tokens = cached.num_computed_tokens[i]
-            if req_id in cached.all_token_ids:
-                self.slots.write_tokens(index, 0, cached.all_token_ids[req_id])
-            elif cached.new_token_ids[
-                i
-            ]:  # a streaming session's next chunk: all of it is prompt now
-                self.slots.write_tokens(index, num_computed_tokens, cached.new_token_ids[i])
-                self.slots.num_prompt_tokens[index] = self.slots.num_tokens[index]
-            self.slots.set_num_computed_tokens(index, num_computed_tokens)
+        for i in range(num_reqs):
+            index = self._apply_cached_blocks(cached, i)
+            self._apply_cached_tokens(index, cached, i)
+            self.slots.set_num_computed_tokens(index, cached.num_computed_tokens[i])
 
-    def _apply_cached_blocks(
-        self, req_id: str, new_block_ids: tuple[list[int], ...] | None, resumed: bool
-    ) -> int:
-        """Replace (resumed) or extend the request's block table; returns its slot index."""
-        if resumed:
-            assert new_block_ids is not None, f"resumed request {req_id!r} came without block ids"
-            parked = self.parked.pop(req_id, None)
-            if parked is not None:
-                return self.slots.add(
-                    req_id,
-                    parked.token_ids,
-                    new_block_ids[0],
-                    0,
-                    parked.sampling_params,
-                    num_prompt_tokens=parked.num_prompt_tokens,
-                )
-            index = self._index_of(req_id)
-            self.slots.set_block_ids(index, new_block_ids[0])
-            return index
-        assert req_id not in self.parked, (
-            f"preempted request {req_id!r} was scheduled without being resumed"
-        )
-        index = self._index_of(req_id)
+    def _apply_cached_blocks(self, cached: CachedRequestData, i: int) -> int:
+        """Extend cached request `i`'s block table with its new blocks; returns its slot index."""
+        index = self._index_of(cached.req_ids[i])
+        new_block_ids = cached.new_block_ids[i]
         if new_block_ids is not None:
             self.slots.append_block_ids(index, new_block_ids[0])
         return index
+
+    def _apply_cached_tokens(self, index: int, cached: CachedRequestData, i: int) -> None:
+        """A streaming session's next chunk replaces the unfed last token; all of the session is prompt now."""
+        new_token_ids = cached.new_token_ids[i]
+        if new_token_ids:
+            self.slots.write_tokens(index, cached.num_computed_tokens[i], new_token_ids)
+            self.slots.num_prompt_tokens[index] = self.slots.num_tokens[index]
 
     def _index_of(self, req_id: str) -> int:
         index = self.slots.req_id_to_index.get(req_id)
