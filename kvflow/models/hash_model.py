@@ -97,6 +97,7 @@ class HashModel:
             kv_cache, block_tables, seq_lens, batch.block_size
         )
         terms = token_ids.remainder(MODULUS) * self._powers_of_base(exponents) % MODULUS
+        # Sum each row's terms into its hash: h = sum_i t_i * B**(L-1-i) (each term is already reduced mod P).
         hashes = torch.zeros(rows.shape[0], dtype=torch.int64, device=kv_cache.device)
         hashes.index_add_(0, segment_ids, terms)
         return (hashes % MODULUS * MULTIPLIER + seq_lens) % MODULUS % self.vocab_size
@@ -113,16 +114,26 @@ class HashModel:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gather positions 0..seq_len-1 of every row through its block table, as one flat tensor.
 
-        Returns the tokens, the row of each, and each token's exponent `seq_len - 1 - position` in the hash.
+        Returns the tokens, the row of each, and each token's exponent `seq_len - 1 - position` in the hash. Every
+        token is read back through the block table (never taken from the batch), so a wrong block or slot shows.
+
+        E.g., seq_lens [3, 2], block_size 2, block_tables [[4, 1], [7, 0]]: the tokens sit in KV slots
+        [8, 9, 2, 14, 15], rows [0, 0, 0, 1, 1], exponents [2, 1, 0, 1, 0].
         """
         device = kv_cache.device
+        # The row (segment) of each flat token. E.g., [3, 2] -> [0, 0, 0, 1, 1]
         segment_ids = torch.repeat_interleave(
             torch.arange(seq_lens.shape[0], device=device), seq_lens
         )
+        # Where each row starts in the flat list. E.g., [3, 5] - [3, 2] -> [0, 3]
         segment_starts = torch.cumsum(seq_lens, 0) - seq_lens
+        # Position within its row. E.g., [0, 1, 2, 3, 4] - [0, 0, 0, 3, 3] -> [0, 1, 2, 0, 1]
         positions = torch.arange(segment_ids.shape[0], device=device) - segment_starts[segment_ids]
+        # E.g., table columns [0, 0, 1, 0, 0] -> blocks [4, 4, 1, 7, 7]
         blocks = block_tables[segment_ids, positions // block_size]
+        # E.g., [4, 4, 1, 7, 7] * 2 + [0, 1, 0, 0, 1] -> KV slots [8, 9, 2, 14, 15]
         token_ids = kv_cache[blocks * block_size + positions % block_size]
+        # Horner order: the last token has exponent 0. E.g., [2, 2, 2, 1, 1] - [0, 1, 2, 0, 1] -> [2, 1, 0, 1, 0]
         return token_ids, segment_ids, seq_lens[segment_ids] - 1 - positions
 
     def _powers_of_base(self, exponents: torch.Tensor) -> torch.Tensor:

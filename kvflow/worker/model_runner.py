@@ -165,27 +165,47 @@ class ModelRunner:
     def _prepare_inputs(
         self, num_scheduled_tokens: dict[str, int]
     ) -> tuple[BatchInputs, _StepArrays]:
-        """Build the batch tensors with vectorised gathers over the slot arrays (O(scheduled tokens))."""
+        """Build the batch tensors with vectorised gathers over the slot arrays (O(scheduled tokens)).
+
+        The comments follow one example: requests [a, b, c] hold slots [3, 0, 1], have [7, 0, 4] tokens computed
+        and [2, 5, 3] scheduled, with block_size 4 and block tables a: [5, 9, 1], b: [2, 6], c: [8, 3]; b is the
+        first chunk of a 12-token prompt, a and c reach their last known token.
+        """
         req_ids = list(num_scheduled_tokens)
         slot_indices = np.fromiter(
             (self._index_of(req_id) for req_id in req_ids), np.int64, len(req_ids)
         )
         num_scheduled = np.fromiter(num_scheduled_tokens.values(), np.int64, len(req_ids))
         start = self.slots.num_computed_tokens[slot_indices]
-        seq_lens = start + num_scheduled
+        seq_lens = start + num_scheduled  # E.g., [7, 0, 4] + [2, 5, 3] -> [9, 5, 7]
         self._check_scheduled(req_ids, slot_indices, seq_lens)
 
+        # Where each request's tokens start in the flat batch; the last entry is the batch's token count.
+        # E.g., [2, 5, 3] -> [0, 2, 7, 10]
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
+        # The batch row (request) of each flat token.
+        # E.g., [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
         token_rows = np.repeat(np.arange(len(req_ids)), num_scheduled)
+        # Offset within the request's scheduled tokens, shifted past the tokens it has computed.
+        # E.g., [0, 1, 0, 1, 2, 3, 4, 0, 1, 2] + [7, 7, 0, 0, 0, 0, 0, 4, 4, 4]
+        #    -> [7, 8, 0, 1, 2, 3, 4, 4, 5, 6]
         positions = np.arange(query_start_loc[-1]) - query_start_loc[token_rows] + start[token_rows]
+        # One 2-D gather reads every token from its request's slot row: slots [3, 3, 0, 0, 0, 0, 0, 1, 1, 1].
         token_slots = slot_indices[token_rows]
         input_ids = self.slots.token_ids[token_slots, positions]
+        # The block holding each position, through the request's block table (column position // block_size).
+        # E.g., columns [1, 2, 0, 0, 0, 0, 1, 1, 1, 1] -> blocks [9, 1, 2, 2, 2, 2, 6, 3, 3, 3]
         block_ids = self.slots.block_table[token_slots, positions // self.block_size].astype(
             np.int64
         )
+        # The KV cache slot each token's K/V is written to: its block's first slot plus its offset in the block.
+        # E.g., [9, 1, 2, ...] * 4 + [3, 0, 0, ...] -> [39, 4, 8, 9, 10, 11, 24, 12, 13, 14]
         slot_mapping = block_ids * self.block_size + positions % self.block_size
 
+        # A request samples once its scheduled tokens reach its last known token (partial prefills do not), from
+        # the logits of its last scheduled token, the flat index just before the next request's start.
+        # E.g., sampled_rows [0, 2] -> logits_indices [2 - 1, 10 - 1] = [1, 9]
         samples = (num_scheduled > 0) & (seq_lens >= self.slots.num_tokens[slot_indices])
         sampled_rows = np.flatnonzero(samples)
         batch = BatchInputs(
@@ -218,9 +238,18 @@ class ModelRunner:
         )
 
     def _batch_block_tables(self, slot_indices: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-        """The batch's block tables, as wide as its longest sequence needs; entries past a row's blocks are 0."""
+        """The batch's block tables, as wide as its longest sequence needs; entries past a row's blocks are 0.
+
+        A slot's table keeps stale entries past its `num_blocks` (a previous holder's blocks); they are zeroed so no
+        model can read another request's KV through the padding.
+        """
+        # E.g., seq_lens [9, 5, 7] with block_size 4 -> width cdiv(9, 4) = 3 columns
         width = int(cdiv(seq_lens.max(), self.block_size)) if seq_lens.size else 0
+        # Fancy indexing copies the rows, so zeroing the padding below leaves the slots' own tables intact.
+        # E.g., slots [3, 0, 1] -> [[5, 9, 1], [2, 6, 7], [8, 3, 7]] (7: a previous holder's block)
         tables = self.slots.block_table[slot_indices, :width]
+        # Column j is padding where j >= the row's block count.
+        # E.g., num_blocks [3, 2, 2] -> [[5, 9, 1], [2, 6, 0], [8, 3, 0]]
         tables[np.arange(width)[None, :] >= self.slots.num_blocks[slot_indices][:, None]] = 0
         return tables
 
