@@ -11,7 +11,7 @@ import random
 import time
 
 from kvflow import LLM, SamplingParams
-from kvflow.testing.hash_model import reference_tokens
+from kvflow.models.hash_model import reference_tokens
 
 
 def build_prompts(

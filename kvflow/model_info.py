@@ -14,10 +14,11 @@ _HASH_MODEL_MAX_MODEL_LEN = 4096
 class ModelInfo:
     """A resolved model reference.
 
-    Invariants: `path` is an existing checkpoint folder (None only for the hash test model); `max_model_len` is
-    the longest sequence the model supports (`max_position_embeddings`; sliding-window layers mask keys outside
-    their window, so it is not capped by the window); `eos_token_ids[0]` is the primary EOS id when the list is
-    non-empty.
+    Invariants: `path` is an existing checkpoint folder (None only for the hash test model); `architecture` is
+    the key `kvflow.models.registry.build_model` builds the model by (the checkpoint's Hugging Face architecture, or
+    `HASH_MODEL_ARCHITECTURE` exactly when `path` is None); `max_model_len` is the longest sequence the model
+    supports (`max_position_embeddings`; sliding-window layers mask keys outside their window, so it is not capped
+    by the window); `eos_token_ids[0]` is the primary EOS id when the list is non-empty.
     """
 
     name: str
@@ -25,6 +26,7 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
+    architecture: str
 
     @property
     def eos_token_id(self) -> int | None:
@@ -56,8 +58,8 @@ def resolve_model_info(model: str | None) -> ModelInfo:
     """Read the checkpoint's config (and generation_config.json) without loading any weights."""
     path = resolve_model_path(model)
     if path is None:
-        from kvflow.testing import DEFAULT_EOS_TOKEN_ID
-        from kvflow.testing.hash_model import DEFAULT_VOCAB_SIZE
+        from kvflow.models.hash_model import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE
+        from kvflow.models.registry import HASH_MODEL_ARCHITECTURE
 
         return ModelInfo(
             HASH_MODEL_NAME,
@@ -65,6 +67,7 @@ def resolve_model_info(model: str | None) -> ModelInfo:
             DEFAULT_VOCAB_SIZE,
             _HASH_MODEL_MAX_MODEL_LEN,
             (DEFAULT_EOS_TOKEN_ID,),
+            HASH_MODEL_ARCHITECTURE,
         )
     from kvflow.models.hf_config import load_hf_config
 
@@ -77,6 +80,7 @@ def resolve_model_info(model: str | None) -> ModelInfo:
         config.vocab_size,
         max_model_len,
         eos_token_ids,
+        config.architecture,
     )
 
 

@@ -18,8 +18,8 @@ class UniProcExecutor:
     thread (`ParallelConfig.worker_thread`: "on", or "auto" on CUDA) the step runs on that one dedicated thread, so
     the caller schedules the next step meanwhile (PyTorch releases the GIL in its kernels); steps run one at a time,
     in submission order. Without it the step runs inline and the Future is already done. On a CPU device inline is
-    the better choice: there the scheduler's Python work would take a core from PyTorch's OpenMP team (measured on
-    2 cores: 0.57-0.65x throughput on a small model, no gain on a 0.5B one; see benchmarks/throughput.py).
+    the better choice: there the scheduler's Python work would take a core from PyTorch's OpenMP team, and the
+    forward pass loses more than the overlap gains (see benchmarks/throughput.py).
 
     `num_kv_blocks` is what the worker allocated, which the scheduler's KV cache manager must use.
     """

@@ -1,16 +1,28 @@
-"""Real models: the Llama-family implementation, its config parser, the architecture registry and the loader."""
+"""The models: the one model contract (`RunnerModel`), the Llama-family implementation and its config parser, the
+hash model (the test oracle, a model like any other), the architecture registry and the checkpoint loader."""
 
 from __future__ import annotations
 
+from kvflow.models.hash_model import HashModel
 from kvflow.models.hf_config import TransformerConfig, load_hf_config
+from kvflow.models.interface import RunnerModel
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import iterate_safetensors_weights, load_model, resolve_dtype
-from kvflow.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
+from kvflow.models.registry import (
+    HASH_MODEL_ARCHITECTURE,
+    SUPPORTED_ARCHITECTURES,
+    build_model,
+    get_model_class,
+)
 
 __all__ = [
+    "HASH_MODEL_ARCHITECTURE",
     "SUPPORTED_ARCHITECTURES",
+    "HashModel",
     "LlamaForCausalLM",
+    "RunnerModel",
     "TransformerConfig",
+    "build_model",
     "get_model_class",
     "iterate_safetensors_weights",
     "load_hf_config",

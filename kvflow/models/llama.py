@@ -26,8 +26,8 @@ from kvflow.models.layers import (
 )
 
 if TYPE_CHECKING:
+    from kvflow.batch import BatchInputs
     from kvflow.models.hf_config import TransformerConfig
-    from kvflow.worker.inputs import BatchInputs
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +222,11 @@ class LlamaForCausalLM(nn.Module):
     `model.embed_tokens.weight`. The KV cache is `[num_layers, *backend.kv_cache_shape(...)]`
     (K then V) in `dtype`; `forward` writes each scheduled token's K/V at `batch.slot_mapping` before any layer reads
     it, and returns float32 logits for `batch.logits_indices` only. Attention metadata and RoPE cos/sin are built once
-    per forward (one metadata per distinct sliding window) and shared by all layers.
+    per forward (one metadata per distinct sliding window) and shared by all layers. It does not sample: the
+    runner's `Sampler` turns its logits into tokens (`samples_own_tokens` is False).
     """
+
+    samples_own_tokens = False
 
     def __init__(
         self,

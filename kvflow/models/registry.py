@@ -1,6 +1,26 @@
-"""Which model class runs which Hugging Face architecture."""
+"""Which model runs which architecture, and how the worker builds it.
+
+A checkpoint's architecture is the Hugging Face name its config.json lists; every supported one shares
+`kvflow.models.llama.LlamaForCausalLM` (the differences, such as q/k/v bias, q/k norm and sliding windows, come from
+the parsed config) and is built by loading the checkpoint. `HASH_MODEL_ARCHITECTURE` names the hash model, which has
+no checkpoint and is built from its `ModelInfo` alone.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvflow.config import ModelConfig
+    from kvflow.model_info import ModelInfo
+    from kvflow.models.interface import RunnerModel
+
+    ModelBuilder = Callable[[ModelConfig, ModelInfo, torch.device], RunnerModel]
+
+HASH_MODEL_ARCHITECTURE = "HashModel"
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
@@ -11,17 +31,52 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 
 
 def get_model_class(architectures: list[str]) -> type:
-    """The kvflow model class for the first supported name in a config's `architectures` list.
-
-    Every supported architecture shares one implementation (`kvflow.models.llama.LlamaForCausalLM`); the differences
-    (q/k/v bias, q/k norm, sliding window) come from the parsed config.
-    """
+    """The kvflow model class for the first supported checkpoint architecture in a config's `architectures` list."""
     for architecture in architectures:
         if architecture in SUPPORTED_ARCHITECTURES:
             from kvflow.models.llama import LlamaForCausalLM
 
             return LlamaForCausalLM
+    raise _unsupported(architectures)
+
+
+def build_model(
+    model_config: ModelConfig, model_info: ModelInfo, device: torch.device
+) -> RunnerModel:
+    """The model `model_info.architecture` names, built on `device` the way the registry says."""
+    builder = _MODEL_BUILDERS.get(model_info.architecture)
+    if builder is None:
+        raise _unsupported([model_info.architecture])
+    return builder(model_config, model_info, device)
+
+
+def _build_hash_model(
+    model_config: ModelConfig, model_info: ModelInfo, device: torch.device
+) -> RunnerModel:
+    """The hash model over `model_info`'s vocabulary (it has no weights; the runner moves its cache to `device`)."""
+    from kvflow.models.hash_model import HashModel
+
+    return HashModel(model_info.vocab_size)
+
+
+def _load_checkpoint(
+    model_config: ModelConfig, model_info: ModelInfo, device: torch.device
+) -> RunnerModel:
+    """The checkpoint folder's model with its weights, in `model_config.dtype`."""
+    from kvflow.models.loader import load_model
+
+    assert model_info.path is not None, f"model {model_info.name!r} has no checkpoint folder"
+    return load_model(model_info.path, dtype=model_config.dtype, device=device)
+
+
+_MODEL_BUILDERS: dict[str, ModelBuilder] = {
+    HASH_MODEL_ARCHITECTURE: _build_hash_model,
+    **dict.fromkeys(SUPPORTED_ARCHITECTURES, _load_checkpoint),
+}
+
+
+def _unsupported(architectures: list[str]) -> ValueError:
     named = ", ".join(repr(name) for name in architectures) or "none"
-    raise ValueError(
+    return ValueError(
         f"unsupported model architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )

@@ -1,15 +1,18 @@
-"""Test doubles and helpers: the hash model (an oracle model run by the real runner), the worker slot model,
-and factories for schedulers and requests used by tests and the randomized simulations."""
+"""Test doubles and helpers: the hash model re-exported (an oracle model run by the real runner; it lives in
+`kvflow.models.hash_model`), the worker slot model, and factories for schedulers and requests used by tests and the
+randomized simulations."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvflow.models.hash_model import DEFAULT_EOS_TOKEN_ID
+
 if TYPE_CHECKING:
     from kvflow.core.sched.scheduler import Scheduler
     from kvflow.request import Request
 
-DEFAULT_EOS_TOKEN_ID = 50256
+__all__ = ["DEFAULT_EOS_TOKEN_ID", "make_request", "make_requests", "make_scheduler"]
 
 
 def make_scheduler(

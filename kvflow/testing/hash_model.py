@@ -1,125 +1,30 @@
-"""A deterministic stand-in model whose output is computable without the engine: the test oracle.
-
-The model writes every scheduled token into a paged "KV cache" (one int64 per slot: the token itself) and samples
-`next = H(tokens)` where the tokens are READ BACK from the cache through the request's block table. `H` is a
-position-sensitive polynomial rolling hash, so a wrong block, slot, prefix-cache hit, or a dropped, duplicated or
-reordered token changes the output; `reference_tokens` computes the expected output in plain Python.
-
-    h(t_0..t_{L-1}) = sum_i (t_i mod P) * B**(L-1-i)  mod P
-    next            = (h * MULTIPLIER + L) mod P mod vocab_size
-"""
+"""The hash model, re-exported for tests: it lives in `kvflow.models.hash_model` (a model like any other), and
+tests inside and outside this repository import it from here as the oracle."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from kvflow.models.hash_model import (
+    BASE,
+    DEFAULT_EOS_TOKEN_ID,
+    DEFAULT_VOCAB_SIZE,
+    MODULUS,
+    MULTIPLIER,
+    HashModel,
+    hash_tokens,
+    next_token,
+    next_token_from_hash,
+    reference_tokens,
+)
 
-import torch
-
-if TYPE_CHECKING:
-    from kvflow.worker.inputs import BatchInputs
-
-MODULUS = 2**31 - 1
-BASE = 1_000_003
-MULTIPLIER = 2654435761
-DEFAULT_VOCAB_SIZE = 50256
-
-
-def hash_tokens(token_ids: Sequence[int]) -> int:
-    """`h(token_ids)`: the polynomial hash, computed by Horner's rule (each step reduced mod P)."""
-    value = 0
-    for token_id in token_ids:
-        value = (value * BASE + token_id % MODULUS) % MODULUS
-    return value
-
-
-def next_token_from_hash(value: int, num_tokens: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
-    """The token sampled after `num_tokens` tokens whose hash is `value`."""
-    return (value * MULTIPLIER + num_tokens) % MODULUS % vocab_size
-
-
-def next_token(token_ids: Sequence[int], vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
-    """The token the hash model samples after `token_ids`."""
-    return next_token_from_hash(hash_tokens(token_ids), len(token_ids), vocab_size)
-
-
-def reference_tokens(
-    prompt_token_ids: Sequence[int], max_tokens: int, vocab_size: int = DEFAULT_VOCAB_SIZE
-) -> list[int]:
-    """The `max_tokens` tokens the hash model generates for a prompt, without the engine.
-
-    Generation never stops early: the model never emits an id >= vocab_size, so the default EOS (50256) never
-    appears. The hash is extended one token at a time (Horner), which equals rehashing the whole sequence.
-    """
-    value = hash_tokens(prompt_token_ids)
-    num_tokens = len(prompt_token_ids)
-    generated: list[int] = []
-    for _ in range(max_tokens):
-        token_id = next_token_from_hash(value, num_tokens, vocab_size)
-        generated.append(token_id)
-        value = (value * BASE + token_id) % MODULUS
-        num_tokens += 1
-    return generated
-
-
-class HashModel:
-    """The hash model, run by the real `ModelRunner`.
-
-    Invariants: `forward` writes exactly the scheduled tokens into the cache (at `batch.slot_mapping`) before reading
-    anything, and computes every sampled token only from values read back from the cache; it never emits an id
-    outside [0, vocab_size). Its only state is a cache of powers of BASE mod P (grown on demand, never shrunk).
-    """
-
-    def __init__(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
-        self.vocab_size = vocab_size
-        self._powers = torch.ones(1, dtype=torch.int64)
-
-    def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """One int64 per KV slot, -1 for never written."""
-        return torch.full((num_blocks * block_size,), -1, dtype=torch.int64)
-
-    def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """One int64 per token slot."""
-        return block_size * 8
-
-    def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Write the scheduled tokens, then sample one token per `logits_indices` entry from the read-back KV."""
-        kv_cache[batch.slot_mapping] = batch.input_ids
-        rows = batch.sampled_req_indices
-        seq_lens = batch.seq_lens[rows].to(torch.int64)
-        block_tables = batch.block_tables[rows].to(torch.int64)
-        token_ids, segment_ids, exponents = self._read_back(
-            kv_cache, block_tables, seq_lens, batch.block_size
-        )
-        terms = token_ids.remainder(MODULUS) * self._powers_of_base(exponents) % MODULUS
-        hashes = torch.zeros(rows.shape[0], dtype=torch.int64, device=kv_cache.device)
-        hashes.index_add_(0, segment_ids, terms)
-        return (hashes % MODULUS * MULTIPLIER + seq_lens) % MODULUS % self.vocab_size
-
-    @staticmethod
-    def _read_back(
-        kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Gather positions 0..seq_len-1 of every row through its block table, as one flat tensor.
-
-        Returns the tokens, the row of each, and each token's exponent `seq_len - 1 - position` in the hash.
-        """
-        device = kv_cache.device
-        segment_ids = torch.repeat_interleave(
-            torch.arange(seq_lens.shape[0], device=device), seq_lens
-        )
-        segment_starts = torch.cumsum(seq_lens, 0) - seq_lens
-        positions = torch.arange(segment_ids.shape[0], device=device) - segment_starts[segment_ids]
-        blocks = block_tables[segment_ids, positions // block_size]
-        token_ids = kv_cache[blocks * block_size + positions % block_size]
-        return token_ids, segment_ids, seq_lens[segment_ids] - 1 - positions
-
-    def _powers_of_base(self, exponents: torch.Tensor) -> torch.Tensor:
-        """BASE**exponents mod P, from a cached table grown by doubling."""
-        needed = int(exponents.max()) + 1 if exponents.numel() else 1
-        while self._powers.shape[0] < needed:
-            step = int(self._powers[-1]) * BASE % MODULUS  # BASE ** len(powers)
-            self._powers = torch.cat([self._powers, self._powers * step % MODULUS])
-        if self._powers.device != exponents.device:
-            self._powers = self._powers.to(exponents.device)
-        return self._powers[exponents]
+__all__ = [
+    "BASE",
+    "DEFAULT_EOS_TOKEN_ID",
+    "DEFAULT_VOCAB_SIZE",
+    "MODULUS",
+    "MULTIPLIER",
+    "HashModel",
+    "hash_tokens",
+    "next_token",
+    "next_token_from_hash",
+    "reference_tokens",
+]

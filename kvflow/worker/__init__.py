@@ -1,1 +1,2 @@
-"""The worker side: per-slot request state, input preparation, and the model runner."""
+"""The worker side: per-slot request state, the slot runner (input preparation, model, sampler) and, in
+`persistent_batch/`, the runner for the persistent-batch protocol."""

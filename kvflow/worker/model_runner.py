@@ -1,47 +1,23 @@
-"""The model runner: applies each `SchedulerOutput` to the worker's request slots, builds the batch, runs the model."""
+"""The slot runner: applies each `SchedulerOutput` to the worker's request slots, builds the batch, runs the model."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from kvflow.batch import BatchInputs
 from kvflow.core.sched.output import LogprobsLists, ModelRunnerOutput
 from kvflow.utils import cdiv, to_device
-from kvflow.worker.inputs import BatchInputs
 from kvflow.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
 from kvflow.worker.states import RequestSlots
 
 if TYPE_CHECKING:
     from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-    from kvflow.sampling_params import SamplingParams
-
-
-class RunnerModel(Protocol):
-    """What the runner needs of a model: a KV cache factory and a forward pass over a `BatchInputs`.
-
-    `forward` returns either sampled token ids (int64, one per `batch.logits_indices` entry: a model that
-    samples itself, such as the hash model) or, for a real model, float logits `[len(logits_indices), vocab]`
-    that the runner's `Sampler` turns into tokens.
-    """
-
-    def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor: ...
-
-    def kv_cache_bytes_per_block(self, block_size: int) -> int: ...
-
-    def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor: ...
-
-
-@dataclass
-class _ParkedRequest:
-    """A preempted request's state kept by the persistent-batch protocol until it resumes (outside any slot)."""
-
-    token_ids: list[int]
-    sampling_params: SamplingParams | None
-    num_prompt_tokens: int
+    from kvflow.models.interface import RunnerModel
 
 
 @dataclass
@@ -54,15 +30,20 @@ class _StepArrays:
 
 
 class ModelRunner:
-    """Turns `SchedulerOutput`s into forward passes over a paged KV cache owned by the runner.
+    """The slot runner (the default protocol, `use_v2_model_runner=True`): turns `SchedulerOutput`s into forward
+    passes over a paged KV cache owned by the runner.
 
     Invariants:
-      * every request the scheduler may schedule holds a slot in `slots` (`slots.req_id_to_index`); with the
-        persistent-batch protocol (`use_v2_model_runner=False`) a preempted request instead sits in `parked`
-        (tokens kept, no slot, no blocks) until it returns in `resumed_req_ids`;
+      * every request the scheduler may schedule holds a slot in `slots` (`slots.req_id_to_index`): it takes one
+        when it first appears in `scheduled_new_reqs` and gives it back when its id appears in `finished_req_ids` or
+        `preempted_req_ids`; a resumed request comes back as a new request carrying `prefill_token_ids`;
       * a held request's token buffer includes its last sampled token: the worker feeds that token into the next
         step itself, the scheduler never sends it back;
-      * each step costs O(scheduled tokens + batch requests * blocks in the batch), never O(request history).
+      * each step costs O(scheduled tokens + batch requests * blocks in the batch), never O(request history);
+      * persistent-batch data (`resumed_req_ids`, `all_token_ids`) is a protocol error: the scheduler never sends
+        it to this runner.
+    Another protocol (`kvflow.worker.persistent_batch`) subclasses this runner and overrides the per-request steps
+    `_forget`, `_preempt`, `_apply_cached_blocks` and `_apply_cached_tokens`, and `_update_cached_requests`.
     """
 
     def __init__(
@@ -73,7 +54,6 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         num_blocks: int,
-        use_v2_model_runner: bool = True,
         device: str | torch.device = "cpu",
         eos_token_id: int | None = None,
         seed: int = 0,
@@ -83,10 +63,8 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.use_v2_model_runner = use_v2_model_runner
         self.device = torch.device(device)
         self.slots = RequestSlots(max_num_reqs, max_model_len, int(cdiv(max_model_len, block_size)))
-        self.parked: dict[str, _ParkedRequest] = {}
         self.kv_cache = model.make_kv_cache(num_blocks, block_size).to(self.device)
 
     # ------------------------------------------------------------------------------------------ step
@@ -105,28 +83,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ a. release
     def _release(self, finished_req_ids: set[str], preempted_req_ids: set[str]) -> None:
-        """Finished requests are dropped; preempted ones free their slot (slot protocol) or are parked."""
+        """Finished requests are forgotten, then preempted ones are released the protocol's way."""
         for req_id in finished_req_ids:
-            self.slots.remove(req_id)
-            self.parked.pop(req_id, None)
+            self._forget(req_id)
         for req_id in preempted_req_ids - finished_req_ids:
-            if self.use_v2_model_runner:
-                self.slots.remove(req_id)
-            elif req_id in self.slots:
-                index = self.slots.req_id_to_index[req_id]
-                self.parked[req_id] = _ParkedRequest(
-                    self.slots.get_token_ids(req_id),
-                    self.slots.sampling_params[index],
-                    int(self.slots.num_prompt_tokens[index]),
-                )
-                self.slots.remove(req_id)
+            self._preempt(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        """Drop whatever the worker holds for `req_id` (a no-op for an id it does not hold)."""
+        self.slots.remove(req_id)
+
+    def _preempt(self, req_id: str) -> None:
+        """A preempted request gives its slot back: it will return as a new request."""
+        self.slots.remove(req_id)
 
     # ------------------------------------------------------------------------------------------ b. add
     def _add_new_requests(self, new_reqs: Iterable[NewRequestData]) -> None:
         """Give each new request a slot; a same-id add replaces whatever the worker held for that id."""
         for new_req in new_reqs:
-            self.slots.remove(new_req.req_id)
-            self.parked.pop(new_req.req_id, None)
+            self._forget(new_req.req_id)
             token_ids = (
                 new_req.prefill_token_ids
                 if new_req.prefill_token_ids is not None
@@ -143,6 +118,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ c. update
     def _update_cached_requests(self, cached: CachedRequestData) -> None:
+        """Refuse persistent-batch data, then update the requests the worker already holds."""
+        assert not cached.resumed_req_ids and not cached.all_token_ids, (
+            "the slot runner got persistent-batch data (resumed_req_ids / all_token_ids); "
+            "it takes resumed requests back as new requests"
+        )
+        self._apply_cached_updates(cached)
+
+    def _apply_cached_updates(self, cached: CachedRequestData) -> None:
         """Apply block, token and progress updates to requests the worker already holds."""
         num_reqs = len(cached.req_ids)
         lengths = (
@@ -153,46 +136,25 @@ class ModelRunner:
         assert lengths == (num_reqs,) * 3, (
             f"CachedRequestData lists are not parallel: {num_reqs}, {lengths}"
         )
-        for i, req_id in enumerate(cached.req_ids):
-            index = self._apply_cached_blocks(
-                req_id, cached.new_block_ids[i], req_id in cached.resumed_req_ids
-            )
-            num_computed_tokens = cached.num_computed_tokens[i]
-            if req_id in cached.all_token_ids:
-                self.slots.write_tokens(index, 0, cached.all_token_ids[req_id])
-            elif cached.new_token_ids[
-                i
-            ]:  # a streaming session's next chunk: all of it is prompt now
-                self.slots.write_tokens(index, num_computed_tokens, cached.new_token_ids[i])
-                self.slots.num_prompt_tokens[index] = self.slots.num_tokens[index]
-            self.slots.set_num_computed_tokens(index, num_computed_tokens)
+        for i in range(num_reqs):
+            index = self._apply_cached_blocks(cached, i)
+            self._apply_cached_tokens(index, cached, i)
+            self.slots.set_num_computed_tokens(index, cached.num_computed_tokens[i])
 
-    def _apply_cached_blocks(
-        self, req_id: str, new_block_ids: tuple[list[int], ...] | None, resumed: bool
-    ) -> int:
-        """Replace (resumed) or extend the request's block table; returns its slot index."""
-        if resumed:
-            assert new_block_ids is not None, f"resumed request {req_id!r} came without block ids"
-            parked = self.parked.pop(req_id, None)
-            if parked is not None:
-                return self.slots.add(
-                    req_id,
-                    parked.token_ids,
-                    new_block_ids[0],
-                    0,
-                    parked.sampling_params,
-                    num_prompt_tokens=parked.num_prompt_tokens,
-                )
-            index = self._index_of(req_id)
-            self.slots.set_block_ids(index, new_block_ids[0])
-            return index
-        assert req_id not in self.parked, (
-            f"preempted request {req_id!r} was scheduled without being resumed"
-        )
-        index = self._index_of(req_id)
+    def _apply_cached_blocks(self, cached: CachedRequestData, i: int) -> int:
+        """Extend cached request `i`'s block table with its new blocks; returns its slot index."""
+        index = self._index_of(cached.req_ids[i])
+        new_block_ids = cached.new_block_ids[i]
         if new_block_ids is not None:
             self.slots.append_block_ids(index, new_block_ids[0])
         return index
+
+    def _apply_cached_tokens(self, index: int, cached: CachedRequestData, i: int) -> None:
+        """A streaming session's next chunk replaces the unfed last token; all of the session is prompt now."""
+        new_token_ids = cached.new_token_ids[i]
+        if new_token_ids:
+            self.slots.write_tokens(index, cached.num_computed_tokens[i], new_token_ids)
+            self.slots.num_prompt_tokens[index] = self.slots.num_tokens[index]
 
     def _index_of(self, req_id: str) -> int:
         index = self.slots.req_id_to_index.get(req_id)
@@ -203,27 +165,47 @@ class ModelRunner:
     def _prepare_inputs(
         self, num_scheduled_tokens: dict[str, int]
     ) -> tuple[BatchInputs, _StepArrays]:
-        """Build the batch tensors with vectorised gathers over the slot arrays (O(scheduled tokens))."""
+        """Build the batch tensors with vectorised gathers over the slot arrays (O(scheduled tokens)).
+
+        The comments follow one example: requests [a, b, c] hold slots [3, 0, 1], have [7, 0, 4] tokens computed
+        and [2, 5, 3] scheduled, with block_size 4 and block tables a: [5, 9, 1], b: [2, 6], c: [8, 3]; b is the
+        first chunk of a 12-token prompt, a and c reach their last known token.
+        """
         req_ids = list(num_scheduled_tokens)
         slot_indices = np.fromiter(
             (self._index_of(req_id) for req_id in req_ids), np.int64, len(req_ids)
         )
         num_scheduled = np.fromiter(num_scheduled_tokens.values(), np.int64, len(req_ids))
         start = self.slots.num_computed_tokens[slot_indices]
-        seq_lens = start + num_scheduled
+        seq_lens = start + num_scheduled  # E.g., [7, 0, 4] + [2, 5, 3] -> [9, 5, 7]
         self._check_scheduled(req_ids, slot_indices, seq_lens)
 
+        # Where each request's tokens start in the flat batch; the last entry is the batch's token count.
+        # E.g., [2, 5, 3] -> [0, 2, 7, 10]
         query_start_loc = np.zeros(len(req_ids) + 1, dtype=np.int64)
         np.cumsum(num_scheduled, out=query_start_loc[1:])
+        # The batch row (request) of each flat token.
+        # E.g., [2, 5, 3] -> [0, 0, 1, 1, 1, 1, 1, 2, 2, 2]
         token_rows = np.repeat(np.arange(len(req_ids)), num_scheduled)
+        # Offset within the request's scheduled tokens, shifted past the tokens it has computed.
+        # E.g., [0, 1, 0, 1, 2, 3, 4, 0, 1, 2] + [7, 7, 0, 0, 0, 0, 0, 4, 4, 4]
+        #    -> [7, 8, 0, 1, 2, 3, 4, 4, 5, 6]
         positions = np.arange(query_start_loc[-1]) - query_start_loc[token_rows] + start[token_rows]
+        # One 2-D gather reads every token from its request's slot row: slots [3, 3, 0, 0, 0, 0, 0, 1, 1, 1].
         token_slots = slot_indices[token_rows]
         input_ids = self.slots.token_ids[token_slots, positions]
+        # The block holding each position, through the request's block table (column position // block_size).
+        # E.g., columns [1, 2, 0, 0, 0, 0, 1, 1, 1, 1] -> blocks [9, 1, 2, 2, 2, 2, 6, 3, 3, 3]
         block_ids = self.slots.block_table[token_slots, positions // self.block_size].astype(
             np.int64
         )
+        # The KV cache slot each token's K/V is written to: its block's first slot plus its offset in the block.
+        # E.g., [9, 1, 2, ...] * 4 + [3, 0, 0, ...] -> [39, 4, 8, 9, 10, 11, 24, 12, 13, 14]
         slot_mapping = block_ids * self.block_size + positions % self.block_size
 
+        # A request samples once its scheduled tokens reach its last known token (partial prefills do not), from
+        # the logits of its last scheduled token, the flat index just before the next request's start.
+        # E.g., sampled_rows [0, 2] -> logits_indices [2 - 1, 10 - 1] = [1, 9]
         samples = (num_scheduled > 0) & (seq_lens >= self.slots.num_tokens[slot_indices])
         sampled_rows = np.flatnonzero(samples)
         batch = BatchInputs(
@@ -256,9 +238,18 @@ class ModelRunner:
         )
 
     def _batch_block_tables(self, slot_indices: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-        """The batch's block tables, as wide as its longest sequence needs; entries past a row's blocks are 0."""
+        """The batch's block tables, as wide as its longest sequence needs; entries past a row's blocks are 0.
+
+        A slot's table keeps stale entries past its `num_blocks` (a previous holder's blocks); they are zeroed so no
+        model can read another request's KV through the padding.
+        """
+        # E.g., seq_lens [9, 5, 7] with block_size 4 -> width cdiv(9, 4) = 3 columns
         width = int(cdiv(seq_lens.max(), self.block_size)) if seq_lens.size else 0
+        # Fancy indexing copies the rows, so zeroing the padding below leaves the slots' own tables intact.
+        # E.g., slots [3, 0, 1] -> [[5, 9, 1], [2, 6, 7], [8, 3, 7]] (7: a previous holder's block)
         tables = self.slots.block_table[slot_indices, :width]
+        # Column j is padding where j >= the row's block count.
+        # E.g., num_blocks [3, 2, 2] -> [[5, 9, 1], [2, 6, 0], [8, 3, 0]]
         tables[np.arange(width)[None, :] >= self.slots.num_blocks[slot_indices][:, None]] = 0
         return tables
 
@@ -268,7 +259,7 @@ class ModelRunner:
     ) -> SamplerOutput:
         """Token ids from a self-sampling model pass through; logits go through the batched `Sampler`."""
         num_sampled = int(batch.logits_indices.shape[0])
-        if model_output.dim() == 1 and not model_output.is_floating_point():
+        if self.model.samples_own_tokens:
             assert model_output.shape[0] == num_sampled, "one sampled token per logits index"
             return SamplerOutput(sampled_token_ids=model_output, logprobs=None)
         assert model_output.shape[0] == num_sampled, "one row of logits per logits index"

@@ -224,12 +224,24 @@ def _gather_padded(
 ) -> np.ndarray:
     """`token_ids[slot, start:start + length]` per row as one `[rows, max length]` array padded with `pad_id`.
 
-    Ids outside `[0, pad_id)` (the vocabulary) are replaced by `pad_id` too.
+    Ids outside `[0, pad_id)` (the vocabulary) are replaced by `pad_id` too. The caller scatters the result into
+    `pad_id + 1` columns and drops the last, so padding never counts as a token; one gather serves every row,
+    whatever its length.
+
+    E.g., slot 4 holds [11, 12, 13, 40, 41] and slot 1 holds [7, 8, 50], prompts of 3 and 2 tokens, pad_id 100:
+    the prompts (starts [0, 0], lengths [3, 2]) -> [[11, 12, 13], [7, 8, 100]] and the outputs
+    (starts [3, 2], lengths [2, 1]) -> [[40, 41], [50, 100]].
     """
+    # The widest row sets the width; shorter rows read past their end and are masked below.
+    # E.g., lengths [2, 1] -> width 2, offsets [0, 1]
     width = int(lengths.max()) if lengths.size else 0
     offsets = np.arange(width, dtype=np.int64)
+    # Each row's column range, clamped to the array so a padding read near max_model_len stays in bounds.
+    # E.g., starts [3, 2] -> [[3, 4], [2, 3]]
     columns = np.minimum(starts[:, None] + offsets[None, :], token_ids.shape[1] - 1)
+    # E.g., -> [[40, 41], [50, <stale>]]
     ids = token_ids[slots[:, None], columns]
+    # E.g., offsets < lengths -> [[True, True], [True, False]] -> [[40, 41], [50, 100]]
     valid = (offsets[None, :] < lengths[:, None]) & (ids >= 0) & (ids < pad_id)
     return np.where(valid, ids, pad_id).astype(np.int64)
 

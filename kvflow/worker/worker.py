@@ -11,27 +11,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow.model_info import resolve_model_info
-from kvflow.testing.hash_model import HashModel
+from kvflow.models.registry import build_model
 from kvflow.utils import cdiv, resolve_device
-from kvflow.worker.model_runner import ModelRunner, RunnerModel
+from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.persistent_batch import PersistentBatchModelRunner
 
 if TYPE_CHECKING:
-    from kvflow.config import EngineConfig, ModelConfig
+    from kvflow.config import EngineConfig
     from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
 
 
-def build_model(
-    model_config: ModelConfig, model_info: ModelInfo, device: torch.device
-) -> RunnerModel:
-    """The hash test model, or a Hugging Face checkpoint loaded through `kvflow.models.loader`."""
-    if model_info.path is None:
-        return HashModel()
-    from kvflow.models.loader import load_model
-
-    return load_model(model_info.path, dtype=model_config.dtype, device=device)
+def get_model_runner_class(use_v2_model_runner: bool) -> type[ModelRunner]:
+    """The runner for a scheduler's protocol: the slot runner (default) or the persistent-batch runner."""
+    return ModelRunner if use_v2_model_runner else PersistentBatchModelRunner
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -80,8 +75,9 @@ def determine_num_kv_blocks(
 
 
 class Worker:
-    """One device's worker: a model plus the `ModelRunner` that holds its request slots and a KV cache of
-    `num_kv_blocks` blocks. Its slot count is `max_num_seqs`, so the scheduler's admission bound matches it."""
+    """One device's worker: a model plus the runner that holds its request slots and a KV cache of `num_kv_blocks`
+    blocks. The runner speaks the scheduler's protocol (`SchedulerConfig.use_v2_model_runner`: the slot runner, else
+    the persistent-batch runner). Its slot count is `max_num_seqs`, so the scheduler's admission bound matches it."""
 
     def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
         model_config = engine_config.model_config
@@ -95,13 +91,13 @@ class Worker:
         self.model = build_model(model_config, self.model_info, self.device)
         bytes_per_block = self.model.kv_cache_bytes_per_block(block_size)
         self.num_kv_blocks = determine_num_kv_blocks(engine_config, bytes_per_block, self.device)
-        self.model_runner = ModelRunner(
+        runner_class = get_model_runner_class(scheduler_config.use_v2_model_runner)
+        self.model_runner = runner_class(
             self.model,
             max_num_reqs=scheduler_config.max_num_seqs,
             max_model_len=scheduler_config.max_model_len,
             block_size=block_size,
             num_blocks=self.num_kv_blocks,
-            use_v2_model_runner=scheduler_config.use_v2_model_runner,
             device=self.device,
             eos_token_id=self.model_info.eos_token_id,
             seed=model_config.seed,
@@ -122,15 +118,14 @@ class Worker:
     def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
         """Reload weights in place: a checkpoint folder (every parameter) or a state dict with Hugging Face names
         (just those tensors). The KV cache, slots and shapes stay; a bad update raises before touching the model
-        only for unknown names or shapes found up front, so pass complete, checked tensors."""
-        if self.model_info.path is None:
-            raise ValueError("the hash test model has no weights to update")
+        only for unknown names or shapes found up front, so pass complete, checked tensors. A model without weights
+        (the hash model) raises ValueError."""
         from kvflow.models.loader import iterate_safetensors_weights
 
         if isinstance(weights, str | Path):
-            self.model.load_weights(iterate_safetensors_weights(Path(weights)))  # type: ignore[attr-defined]
+            self.model.load_weights(iterate_safetensors_weights(Path(weights)))
         elif isinstance(weights, Mapping):
-            self.model.load_weights(weights.items(), strict=False)  # type: ignore[attr-defined]
+            self.model.load_weights(weights.items(), strict=False)
         else:
             raise ValueError(
                 f"weights must be a checkpoint folder or a state dict, got {type(weights).__name__}"

@@ -19,7 +19,7 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.testing import make_scheduler
 from kvflow.testing.hash_model import HashModel, reference_tokens
 from kvflow.testing.worker_slots import WorkerSlots
-from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.worker import get_model_runner_class
 
 
 @dataclass
@@ -87,13 +87,12 @@ class Simulation:
             async_scheduling=config.async_scheduling,
             use_v2_model_runner=config.use_v2_model_runner,
         )
-        self.runner = ModelRunner(
+        self.runner = get_model_runner_class(config.use_v2_model_runner)(
             HashModel(),
             max_num_reqs=config.max_num_seqs,
             max_model_len=self.max_model_len,
             block_size=config.block_size,
             num_blocks=config.num_blocks,
-            use_v2_model_runner=config.use_v2_model_runner,
         )
         self.slot_model = WorkerSlots(config.max_num_seqs) if config.use_v2_model_runner else None
         self.tracks: dict[str, Track] = {}

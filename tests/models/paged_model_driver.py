@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvflow.worker.inputs import BatchInputs
+from kvflow.batch import BatchInputs
 
 
 @dataclass

@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
+from kvflow.batch import BatchInputs
 from kvflow.models.attention import (
     AttentionBackend,
     TorchPagedAttention,
     get_attention_backend,
     register_attention_backend,
 )
-from kvflow.worker.inputs import BatchInputs
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 64
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvflow.batch import BatchInputs
 from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.testing.hash_model import (
@@ -21,7 +22,6 @@ from kvflow.testing.hash_model import (
     next_token,
     reference_tokens,
 )
-from kvflow.worker.inputs import BatchInputs
 from kvflow.worker.model_runner import ModelRunner
 
 token_lists = st.lists(st.integers(0, DEFAULT_VOCAB_SIZE - 1), min_size=1, max_size=40)
@@ -308,3 +308,14 @@ def test_batched_runner_matches_reference_for_long_prompts(seed: int) -> None:
     assert [scheduler.outputs[str(i)] for i in range(8)] == [
         reference_tokens(p, 8) for p in prompts
     ]
+
+
+def test_the_testing_package_re_exports_the_models_hash_model() -> None:
+    """Tests outside this repository import the oracle from `kvflow.testing`; it is the model's own objects."""
+    import kvflow.models.hash_model as model_module
+    import kvflow.testing
+    import kvflow.testing.hash_model as testing_module
+
+    for name in testing_module.__all__:
+        assert getattr(testing_module, name) is getattr(model_module, name)
+    assert kvflow.testing.DEFAULT_EOS_TOKEN_ID == model_module.DEFAULT_EOS_TOKEN_ID == 50256

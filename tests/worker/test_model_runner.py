@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 import torch
 
+from kvflow.batch import BatchInputs
 from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from kvflow.sampling_params import SamplingParams
 from kvflow.testing.hash_model import HashModel, next_token, reference_tokens
-from kvflow.worker.inputs import BatchInputs
 from kvflow.worker.model_runner import ModelRunner
-from kvflow.worker.worker import Worker
+from kvflow.worker.persistent_batch import PersistentBatchModelRunner
+from kvflow.worker.worker import Worker, get_model_runner_class
 
 BLOCK_SIZE = 4
 
@@ -36,14 +38,20 @@ def make_runner(
     num_blocks: int = 64,
     use_v2_model_runner: bool = True,
 ) -> ModelRunner:
-    return ModelRunner(
+    """The slot runner, or with `use_v2_model_runner=False` the persistent-batch runner, on the hash model."""
+    return get_model_runner_class(use_v2_model_runner)(
         RecordingHashModel(),
         max_num_reqs=max_num_reqs,
         max_model_len=max_model_len,
         block_size=BLOCK_SIZE,
         num_blocks=num_blocks,
-        use_v2_model_runner=use_v2_model_runner,
     )
+
+
+def make_persistent_runner(max_num_reqs: int = 4) -> PersistentBatchModelRunner:
+    runner = make_runner(max_num_reqs=max_num_reqs, use_v2_model_runner=False)
+    assert isinstance(runner, PersistentBatchModelRunner)
+    return runner
 
 
 def new(
@@ -269,7 +277,7 @@ def test_empty_output_still_releases() -> None:
     runner.execute_model(step({"a": 2, "b": 2}, [new("a", [1, 2], [0]), new("b", [3, 4], [1])]))
     output = runner.execute_model(step({}, finished={"a"}, preempted={"b"}))
     assert (output.req_ids, output.req_id_to_index, output.sampled_token_ids) == ([], {}, [])
-    assert runner.slots.num_free == 2 and not runner.parked
+    assert runner.slots.num_free == 2 and not hasattr(runner, "parked")
 
 
 def test_slot_protocol_resume_as_new_request_continues_the_reference() -> None:
@@ -277,7 +285,7 @@ def test_slot_protocol_resume_as_new_request_continues_the_reference() -> None:
     output = runner.execute_model(step({"a": 10}, [new("a", PROMPT, [1, 2, 3])]))
     generated = output.sampled_token_ids[0] + [decode(runner, "a", 10)]
     runner.execute_model(step({}, preempted={"a"}))
-    assert runner.slots.num_free == 1 and not runner.parked
+    assert runner.slots.num_free == 1 and not hasattr(runner, "parked")
     prefill = PROMPT + generated  # the last sampled token was never fed: all 12 are recomputed
     output = runner.execute_model(
         step({"a": 12}, [new("a", PROMPT, [7, 5, 6], prefill_token_ids=prefill)])
@@ -313,6 +321,19 @@ def test_token_sampled_at_max_model_len_is_reported_not_stored() -> None:
     assert runner.slots.get_token_ids("a") == PROMPT
 
 
+@pytest.mark.parametrize(
+    "persistent_batch_data",
+    [{"resumed": {"a"}}, {"all_token_ids": {"a": PROMPT}}],
+    ids=["resumed_req_ids", "all_token_ids"],
+)
+def test_slot_runner_refuses_persistent_batch_data(persistent_batch_data: dict) -> None:
+    runner = make_runner()
+    runner.execute_model(step({"a": 4}, [new("a", PROMPT, [1])]))
+    cached_reqs = cached(("a", 4, [2, 3], []), **persistent_batch_data)
+    with pytest.raises(AssertionError, match="slot runner got persistent-batch data"):
+        runner.execute_model(step({"a": 6}, cached_reqs=cached_reqs))
+
+
 # ---------------------------------------------------------------------------------------------- streaming
 def test_streaming_chunk_truncates_the_unfed_token_then_extends() -> None:
     runner = make_runner()
@@ -332,7 +353,7 @@ def test_streaming_chunk_truncates_the_unfed_token_then_extends() -> None:
 
 # ---------------------------------------------------------------------------------------------- persistent batch
 def test_persistent_batch_preempted_request_keeps_state_and_resumes() -> None:
-    runner = make_runner(max_num_reqs=1, use_v2_model_runner=False)
+    runner = make_persistent_runner(max_num_reqs=1)
     output = runner.execute_model(step({"a": 10}, [new("a", PROMPT, [1, 2, 3])]))
     generated = output.sampled_token_ids[0] + [decode(runner, "a", 10)]
     runner.execute_model(step({}, preempted={"a"}))
@@ -357,7 +378,7 @@ def test_persistent_batch_preempted_request_keeps_state_and_resumes() -> None:
 
 
 def test_persistent_batch_resume_without_all_token_ids_uses_kept_tokens() -> None:
-    runner = make_runner(use_v2_model_runner=False)
+    runner = make_persistent_runner()
     output = runner.execute_model(step({"a": 10}, [new("a", PROMPT, [1, 2, 3])]))
     generated = output.sampled_token_ids[0]
     runner.execute_model(step({}, preempted={"a"}))
@@ -369,7 +390,7 @@ def test_persistent_batch_resume_without_all_token_ids_uses_kept_tokens() -> Non
 
 
 def test_persistent_batch_preempted_request_cannot_run_unresumed() -> None:
-    runner = make_runner(use_v2_model_runner=False)
+    runner = make_persistent_runner()
     runner.execute_model(step({"a": 10}, [new("a", PROMPT, [1, 2, 3])]))
     runner.execute_model(step({}, preempted={"a"}))
     with pytest.raises(AssertionError, match="without being resumed"):
@@ -377,7 +398,7 @@ def test_persistent_batch_preempted_request_cannot_run_unresumed() -> None:
 
 
 def test_persistent_batch_finished_drops_parked_state() -> None:
-    runner = make_runner(use_v2_model_runner=False)
+    runner = make_persistent_runner()
     runner.execute_model(step({"a": 10}, [new("a", PROMPT, [1, 2, 3])]))
     runner.execute_model(step({}, preempted={"a"}))
     runner.execute_model(step({}, finished={"a"}))
@@ -386,7 +407,7 @@ def test_persistent_batch_finished_drops_parked_state() -> None:
 
 def test_persistent_batch_resumed_held_request_replaces_blocks() -> None:
     # A resumed id the worker still holds in a slot (never parked) gets a replacement block table.
-    runner = make_runner(use_v2_model_runner=False)
+    runner = make_persistent_runner()
     runner.execute_model(step({"a": 4}, [new("a", PROMPT, [1])]))
     output = runner.execute_model(
         step({"a": 10}, cached_reqs=cached(("a", 0, [5, 6, 7], []), resumed={"a"}))
@@ -396,7 +417,7 @@ def test_persistent_batch_resumed_held_request_replaces_blocks() -> None:
 
 
 def test_persistent_batch_all_token_ids_replace_a_stale_copy() -> None:
-    runner = make_runner(use_v2_model_runner=False)
+    runner = make_persistent_runner()
     output = runner.execute_model(step({"a": 10}, [new("a", PROMPT, [1, 2, 3])]))
     # The scheduler's view differs from the worker's after the first output: its copy wins.
     scheduler_view = [*PROMPT, *output.sampled_token_ids[0], 777]
@@ -421,13 +442,13 @@ def test_worker_runs_the_hash_model_from_config() -> None:
     output = worker.execute_model(step({"a": 10}, [new("a", PROMPT, [3, 4, 5])]))
     assert output.sampled_token_ids == [reference_tokens(PROMPT, 1)]
     assert next_token(PROMPT) == output.sampled_token_ids[0][0]
-    assert worker.model_runner.use_v2_model_runner
+    assert type(worker.model_runner) is ModelRunner
     persistent = EngineConfig(
         model_config=ModelConfig(model="hash"),
         cache_config=CacheConfig(num_kv_blocks=2),
         scheduler_config=SchedulerConfig(use_v2_model_runner=False),
     )
-    assert not Worker(persistent).model_runner.use_v2_model_runner
+    assert isinstance(Worker(persistent).model_runner, PersistentBatchModelRunner)
 
 
 def test_worker_sizes_the_kv_cache_from_memory() -> None:
@@ -450,6 +471,17 @@ def test_worker_sizes_the_kv_cache_from_memory() -> None:
     )
     with pytest.raises(ValueError, match="kv_cache_memory_bytes=31 holds no KV block"):
         Worker(too_small)
+
+
+def test_worker_refuses_a_weight_update_for_the_hash_model(tmp_path: Path) -> None:
+    worker = Worker(
+        EngineConfig(
+            model_config=ModelConfig(model="hash"), cache_config=CacheConfig(num_kv_blocks=2)
+        )
+    )
+    for weights in (str(tmp_path), {"model.embed_tokens.weight": torch.zeros(1)}):
+        with pytest.raises(ValueError, match="the hash test model has no weights to update"):
+            worker.update_weights(weights)
 
 
 def test_worker_refuses_a_missing_checkpoint() -> None:

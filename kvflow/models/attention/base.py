@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from kvflow.worker.inputs import BatchInputs
+    from kvflow.batch import BatchInputs
 
 
 class AttentionBackend(ABC):

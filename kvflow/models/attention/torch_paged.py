@@ -5,7 +5,7 @@ through its block table (whole blocks, one `index_select` per tensor), and atten
 `scaled_dot_product_attention` under a boolean mask. Requests are split into
   * one decode group: every request with a single query token, attended with two batched matmuls and a float32
     softmax, the GQA heads folded into the query-length axis (`[n, kv_heads, group, head_dim]`), so no K/V head is
-    repeated (CPU SDPA kernels are tuned for long queries; for these 1-token queries plain matmuls are ~2.5x faster);
+    repeated (CPU SDPA kernels are tuned for long queries; for these 1-token queries plain matmuls are faster);
   * prefill groups: requests with several query tokens (fresh prompts, chunks continuing cached KV, prefix-cache
     hits), padded to the group's longest query; rows are grouped by length so padding at most doubles the work.
 All indices and masks are built once per forward in `build_metadata`; `forward` does no Python work per request.
@@ -23,7 +23,7 @@ from kvflow.models.attention.base import AttentionBackend
 from kvflow.models.attention.registry import register_attention_backend
 
 if TYPE_CHECKING:
-    from kvflow.worker.inputs import BatchInputs
+    from kvflow.batch import BatchInputs
 
 # A prefill group may cost at most this many times the attention work of its rows unpadded.
 _MAX_PADDING_RATIO = 2.0

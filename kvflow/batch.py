@@ -1,4 +1,5 @@
-"""The tensors one forward pass reads: what the model runner builds from a `SchedulerOutput`."""
+"""The tensors one forward pass reads: the batch the model runner builds from a `SchedulerOutput` and every model
+consumes. It sits below both `kvflow.worker` and `kvflow.models`, so neither imports the other for it."""
 
 from __future__ import annotations
 
