@@ -26,7 +26,7 @@ from kvflow.engine.builder import build_engine
 from kvflow.engine.core import PAUSE_MODES
 from kvflow.engine.core_client import EngineDeadError, InprocEngineCoreClient, fresh_dead_error
 from kvflow.engine.output_stream import OutputStream
-from kvflow.engine.sessions import StreamingInput, StreamingSessions
+from kvflow.engine.sessions import SessionFeeder, StreamingInput
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class AsyncLLM:
         self.engine_core_client = InprocEngineCoreClient(
             parts.engine_core, self._process_engine_outputs, self._fail_all
         )
-        self._sessions = StreamingSessions(
+        self._sessions = SessionFeeder(
             self.engine_core_client, self.input_processor, self.output_processor, self._lock
         )
 

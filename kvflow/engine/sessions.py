@@ -71,9 +71,10 @@ class Session:
     last_output: RequestOutput | None = None
 
 
-class StreamingSessions:
-    """Every live session of one front end. All methods run under the front end's `lock`, which also guards the
-    output processor; Future callbacks take it themselves."""
+class SessionFeeder:
+    """Every live session of one front end: feeds each session's chunks to the core one at a time and streams its
+    outputs. (The core keeps its own table of sessions, `kvflow.core.sched.sessions`.) All methods run under the
+    front end's `lock`, which also guards the output processor; Future callbacks take it themselves."""
 
     def __init__(
         self,
