@@ -16,7 +16,11 @@ BlockHasher = Callable[["Request"], list[Any]]
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
+    """Lifecycle of a request. Every status after PREEMPTED is a finished one.
+
+    An IntEnum so statuses order (`is_finished` compares with PREEMPTED), but it prints and formats as its name:
+    `f"{RequestStatus.WAITING}" == "WAITING"`, not the number.
+    """
 
     WAITING = enum.auto()
     WAITING_FOR_STREAMING_REQ = enum.auto()
@@ -27,6 +31,13 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
     FINISHED_ERROR = enum.auto()
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, format_spec: str) -> str:
+        # IntEnum members format as int; define both, since f-strings call __format__, not __str__.
+        return format(self.name, format_spec)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
