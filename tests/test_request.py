@@ -233,7 +233,7 @@ def test_status_prints_and_formats_as_its_name(status):
 
 def test_status_formats_as_its_name_in_messages():
     assert f"{RequestStatus.WAITING}" == "WAITING"
-    assert "status %s" % RequestStatus.FINISHED_ERROR == "status FINISHED_ERROR"
+    assert f"request is {RequestStatus.FINISHED_ERROR}" == "request is FINISHED_ERROR"
 
 
 def test_statuses_still_order_like_ints():
