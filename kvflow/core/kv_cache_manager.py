@@ -27,9 +27,6 @@ class KVCacheBlocks:
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([block.block_id for block in group] for group in self.blocks)
 
-    def get_unhashed_block_ids(self) -> list[int]:
-        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
-
     @property
     def is_empty(self) -> bool:
         return not any(self.blocks)

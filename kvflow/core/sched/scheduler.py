@@ -91,6 +91,7 @@ class Scheduler:
         *,
         num_kv_blocks: int | None = None,
         use_v2_model_runner: bool | None = None,
+        compute_common_prefix_blocks: bool = False,
     ) -> None:
         num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
         if num_blocks is None:
@@ -103,6 +104,8 @@ class Scheduler:
             if use_v2_model_runner is None
             else use_v2_model_runner
         )
+        # Only cascade attention reads `num_common_prefix_blocks`; counting them walks block lists every step.
+        self.compute_common_prefix_blocks = compute_common_prefix_blocks
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -462,20 +465,25 @@ class Scheduler:
         preempted_req_ids = {
             request.request_id for request in plan.preempted
         } | self.reset_preempted_req_ids
-        num_common_prefix_blocks = (
-            kv.get_num_common_prefix_blocks(self.running[0].request_id, len(self.running))
-            if self.running
-            else [0]
-        )
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached_reqs_data,
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             scheduled_spec_decode_tokens={},
-            num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_req_ids,
+        )
+        if self.compute_common_prefix_blocks:
+            output.num_common_prefix_blocks = self._num_common_prefix_blocks()
+        return output
+
+    def _num_common_prefix_blocks(self) -> list[int]:
+        """Leading blocks shared by every running request, per KV cache group ([0] with nothing running)."""
+        if not self.running:
+            return [0]
+        return self.kv_cache_manager.get_num_common_prefix_blocks(
+            self.running[0].request_id, len(self.running)
         )
 
     def _make_cached_request_data(
