@@ -116,8 +116,9 @@ class Request:
       * `all_token_ids == prompt_token_ids + output_token_ids`; both views are read-only, tokens are added only
         through `append_output_token_ids` (which also extends `block_hashes` for every newly full block).
       * `num_computed_tokens <= num_tokens + num_output_placeholders`: tokens whose KV is (or is being) written.
-      * `num_output_placeholders` counts sampled tokens in flight (async scheduling) that are not yet appended;
-        `async_tokens_to_discard` counts stale in-flight frames (from before a forced preemption) to drop.
+      * `num_output_placeholders` counts placeholders: tokens sampled by a step in flight (async scheduling), not
+        yet appended; `async_tokens_to_discard` counts stale placeholders (in flight when the request was
+        preempted or stopped), whose tokens are dropped on arrival.
       * `block_hashes[i]` is the chained hash of the i-th full block of `all_token_ids`.
     """
 

@@ -233,8 +233,8 @@ class SimWorker:
 
 
 class AsyncDriver:
-    """Schedules ahead of updates: `schedule()` plans a frame and the worker runs it at once (in order);
-    `update()` delivers the oldest frame's output to the scheduler."""
+    """Schedules ahead of updates: `schedule()` plans a step and the worker runs it at once (in order);
+    `update()` delivers the oldest step's output to the scheduler."""
 
     def __init__(self, scheduler: Scheduler, slots: WorkerSlots | None = None) -> None:
         self.scheduler = scheduler
@@ -271,7 +271,7 @@ class AsyncDriver:
             assert request.async_tokens_to_discard >= 0, request
 
     def run(self, depth: int = 2, max_steps: int = 10_000) -> dict[str, list[int]]:
-        """Keep `depth` frames in flight until everything is done and delivered."""
+        """Keep `depth` steps in flight until everything is done and delivered."""
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests() and not self.in_flight:
                 return self.tokens

@@ -8,14 +8,17 @@ from kvflow.request import Request, RequestStatus
 
 
 class AsyncScheduler(Scheduler):
-    """A scheduler that counts in-flight sampled tokens as `num_output_placeholders`.
+    """A scheduler that plans the next step before the current one's sampled tokens are back.
+
+    A placeholder is a token sampled by a step in flight and not yet appended; a stale placeholder is one whose
+    token must be discarded when it arrives.
 
     Invariants:
-      * `num_output_placeholders` = frames scheduled to sample for the request whose output has not arrived;
-        it never goes negative, and no step is planned once outputs plus placeholders reach `max_tokens`.
-      * whenever a request with frames in flight is preempted (in-step or by a forced reset) or stops, those
-        frames become stale: they are added to `async_tokens_to_discard` (accumulated, never overwritten) and
-        the next that many frames to arrive for the request are dropped, so no token is lost or duplicated.
+      * `num_output_placeholders` = steps planned to sample a token for the request whose output has not
+        arrived; it never goes negative, and no step is planned once outputs plus placeholders reach `max_tokens`.
+      * whenever a request with placeholders is preempted (in-step or by a forced reset) or stops, they become
+        stale: they are added to `async_tokens_to_discard` (accumulated, never overwritten) and the next that
+        many tokens to arrive for the request are dropped, so no token is lost or duplicated.
     """
 
     def _num_new_tokens_for_running(self, request: Request, token_budget: int) -> int:
@@ -23,7 +26,7 @@ class AsyncScheduler(Scheduler):
             request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
             or request.num_tokens + request.num_output_placeholders >= self.max_model_len
         ):
-            return 0  # every token it may still produce is already in flight
+            return 0  # every token it may still produce is already a placeholder
         return super()._num_new_tokens_for_running(request, token_budget)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
@@ -45,7 +48,9 @@ class AsyncScheduler(Scheduler):
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
         if request.async_tokens_to_discard > 0:
-            request.async_tokens_to_discard -= 1  # a stale frame from before a preemption or stop
+            request.async_tokens_to_discard -= (
+                1  # a stale placeholder from before a preemption or stop
+            )
             return [], False
         status_before = request.status
         request.num_output_placeholders -= 1

@@ -51,7 +51,7 @@ class _StepPlan:
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
-    running: list[Request] = field(default_factory=list)  # already on the worker: sent as cached
+    cached: list[Request] = field(default_factory=list)  # already on the worker: sent as cached
     new: list[Request] = field(default_factory=list)
     resumed: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -63,7 +63,7 @@ class _StepPlan:
 
     def undo(self, request: Request) -> None:
         """Take back a running request scheduled earlier in this step (it is being preempted)."""
-        self.running.remove(request)
+        self.cached.remove(request)
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
         self.req_to_new_blocks.pop(request.request_id)
 
@@ -131,8 +131,9 @@ class Scheduler:
         self._waiting_slot_holders: set[str] = set()
         # Sessions whose next prompt chunk the worker has not received yet.
         self._unsent_chunk_req_ids: set[str] = set()
-        # Sampling frames still in flight for requests that finished: dropped even if the id is reused.
-        self._stale_frames: dict[str, int] = {}
+        # Placeholders of finished requests, by id: their tokens still arrive and are dropped, even if the id is
+        # reused meanwhile.
+        self._stale_placeholders: dict[str, int] = {}
         self._pause_state = PauseState.UNPAUSED
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_preemptions_total = (
@@ -203,7 +204,7 @@ class Scheduler:
     def _apply_chunk(self, session: Request, update: StreamingUpdate) -> None:
         """Fold the session's outputs into its prompt, append the chunk, and queue it for scheduling."""
         session.extend_prompt(update.prompt_token_ids)
-        # With async scheduling a frame past the stop may have computed the dropped token: forget it.
+        # With async scheduling a step past the stop may have computed the dropped token: forget it.
         num_kept = session.num_tokens - len(update.prompt_token_ids)
         session.num_computed_tokens = min(session.num_computed_tokens, num_kept)
         session.sampling_params = update.sampling_params
@@ -246,10 +247,10 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request_id = request.request_id
-        num_stale_frames = request.num_output_placeholders + request.async_tokens_to_discard
-        if num_stale_frames:
-            self._stale_frames[request_id] = (
-                self._stale_frames.get(request_id, 0) + num_stale_frames
+        num_stale_placeholders = request.num_output_placeholders + request.async_tokens_to_discard
+        if num_stale_placeholders:
+            self._stale_placeholders[request_id] = (
+                self._stale_placeholders.get(request_id, 0) + num_stale_placeholders
             )
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request_id)
@@ -317,7 +318,9 @@ class Scheduler:
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens_for_running(request, plan.token_budget)
             if num_new_tokens <= 0:
-                req_index += 1  # nothing to compute now (e.g. async: the last token is in flight)
+                req_index += (
+                    1  # nothing to compute now (e.g. async: its last token is a placeholder)
+                )
                 continue
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
@@ -336,7 +339,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            plan.running.append(request)
+            plan.cached.append(request)
             plan.add(request, num_new_tokens, new_blocks)
             req_index += 1
 
@@ -420,7 +423,7 @@ class Scheduler:
         self.running.append(request)
         if request.request_id in self._waiting_slot_holders:
             self._waiting_slot_holders.discard(request.request_id)
-            plan.running.append(request)  # a session continuing in its own slot
+            plan.cached.append(request)  # a session continuing in its own slot
         elif request.status == RequestStatus.PREEMPTED:
             plan.resumed.append(request)
         else:
@@ -460,7 +463,7 @@ class Scheduler:
             ]
             cached_resumed = []
         cached_reqs_data = self._make_cached_request_data(
-            plan.running, cached_resumed, plan.num_scheduled_tokens, {}, plan.req_to_new_blocks
+            plan.cached, cached_resumed, plan.num_scheduled_tokens, {}, plan.req_to_new_blocks
         )
         preempted_req_ids = {
             request.request_id for request in plan.preempted
@@ -508,7 +511,7 @@ class Scheduler:
             is_resumed = position >= num_running
             data.req_ids.append(request_id)
             chunk: list[int] = []
-            # With tokens in flight the worker's copy is ahead of ours, not stale: sending ours would drop them.
+            # With placeholders the worker's copy is ahead of ours, not stale: sending ours would drop their tokens.
             worker_copy_may_be_stale = is_resumed or (
                 request_id not in self.prev_step_scheduled_req_ids
                 and request.num_output_placeholders == 0
@@ -555,7 +558,7 @@ class Scheduler:
         for request_id in scheduler_output.num_scheduled_tokens:
             index = req_id_to_index.get(request_id)
             generated = sampled_token_ids[index] if index is not None else []
-            if not generated or self._drop_stale_frame(request_id):
+            if not generated or self._drop_stale_placeholder(request_id):
                 continue
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
@@ -581,15 +584,15 @@ class Scheduler:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
 
-    def _drop_stale_frame(self, request_id: str) -> bool:
-        """True for a sampled frame of an earlier, finished request with this id (it was in flight at finish)."""
-        num_stale_frames = self._stale_frames.get(request_id)
-        if not num_stale_frames:
+    def _drop_stale_placeholder(self, request_id: str) -> bool:
+        """True for a stale placeholder: a token of an earlier, finished request with this id, in flight at finish."""
+        num_stale_placeholders = self._stale_placeholders.get(request_id)
+        if not num_stale_placeholders:
             return False
-        if num_stale_frames == 1:
-            del self._stale_frames[request_id]
+        if num_stale_placeholders == 1:
+            del self._stale_placeholders[request_id]
         else:
-            self._stale_frames[request_id] = num_stale_frames - 1
+            self._stale_placeholders[request_id] = num_stale_placeholders - 1
         return True
 
     def _update_request_with_output(
