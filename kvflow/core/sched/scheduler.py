@@ -20,6 +20,7 @@ from kvflow.core.sched.output import (
     SchedulerOutput,
 )
 from kvflow.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from kvflow.core.sched.sessions import StreamingSessions
 from kvflow.core.sched.stop import check_stop
 from kvflow.request import Request, RequestStatus, StreamingUpdate
 from kvflow.utils import cdiv
@@ -74,10 +75,11 @@ class Scheduler:
     Invariants (checked by the randomized tests after every step):
       * every request in `requests` is in exactly one of: `running`, `waiting`, or (idle streaming sessions)
         `WAITING_FOR_STREAMING_REQ` outside both queues; finished requests are gone from `requests`.
-      * worker slot holders are `running` plus sessions in `_waiting_slot_holders`; there are never more
-        than `max_num_running_reqs`. A preempted or finished request gives its slot back in the very next
-        `SchedulerOutput` (`preempted_req_ids` / `finished_req_ids`), which the worker applies before admitting,
-        so at admission time the holders above are exactly what the worker holds.
+      * worker slot holders are `running` plus the streaming sessions that keep a slot outside it (see
+        `StreamingSessions`); there are never more than `max_num_running_reqs`. A preempted or finished request
+        gives its slot back in the very next `SchedulerOutput` (`preempted_req_ids` / `finished_req_ids`), which
+        the worker applies before admitting, so at admission time the holders above are exactly what the worker
+        holds.
       * each step schedules at most `max_num_scheduled_tokens` tokens, and a step that preempted admits nothing.
       * per-step cost grows with the number of scheduled requests, not with their token histories: full token
         lists are copied only for requests the worker cannot know (new, slot-runner resumes) or, for the
@@ -126,11 +128,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.reset_preempted_req_ids: set[str] = set()
         self.prev_step_scheduled_req_ids: set[str] = set()
-        self.num_waiting_for_streaming_input = 0
-        # Streaming sessions outside `running` that still hold a worker slot and their KV blocks.
-        self._waiting_slot_holders: set[str] = set()
-        # Sessions whose next prompt chunk the worker has not received yet.
-        self._unsent_chunk_req_ids: set[str] = set()
+        self.sessions = StreamingSessions(self.max_model_len, self.waiting, self.kv_cache_manager)
         # Placeholders of finished requests, by id: their tokens still arrive and are dropped, even if the id is
         # reused meanwhile.
         self._stale_placeholders: dict[str, int] = {}
@@ -142,15 +140,29 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
-        """Queue a new request, or feed the next chunk to the streaming session with the same id."""
-        existing = self.requests.get(request.request_id)
-        if existing is not None:
-            self._add_streaming_update(existing, request)
+        """Queue a new request, or feed the streaming session with the same id: a resumable request adds a chunk,
+        a non-resumable one adds the last chunk, and one without tokens just closes the session.
+        """
+        session = self.requests.get(request.request_id)
+        if session is not None:
+            if session.streaming_queue is None:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            chunk = StreamingUpdate.from_request(request)
+            self._update_session(session, chunk, close_after=not request.resumable)
             return
         self._validate_prompt_length(request.request_id, len(request.prompt_token_ids))
         request.set_block_hasher(self.block_hasher)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+
+    def _update_session(
+        self, session: Request, chunk: StreamingUpdate | None, close_after: bool
+    ) -> bool:
+        """Pass a session its next chunk and/or close; True when it ended at once (it idled, nothing to run)."""
+        ends_now = self.sessions.add_update(session, chunk, close_after)
+        if ends_now:
+            self.finish_requests(session.request_id, RequestStatus.FINISHED_STOPPED)
+        return ends_now
 
     def _validate_prompt_length(self, request_id: str, num_tokens: int) -> None:
         if num_tokens == 0:
@@ -167,56 +179,6 @@ class Scheduler:
                 f"KV blocks but the cache has only {self.kv_cache_manager.num_blocks}"
             )
 
-    def _add_streaming_update(self, session: Request, request: Request) -> None:
-        """A same-id request feeds a streaming session: a resumable one adds a chunk; a non-resumable one is the
-        last chunk (or, with no tokens, just closes the session)."""
-        if session.streaming_queue is None:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        update = StreamingUpdate.from_request(request)
-        closes_session = not request.resumable
-        if update is not None and not update.prompt_token_ids:
-            raise ValueError(
-                f"request {request.request_id!r}: a streaming chunk must carry prompt_token_ids "
-                "(an empty non-resumable request closes the session)"
-            )
-        if session.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
-            session.streaming_queue.append(update)  # applied when the current chunk stops
-            if closes_session and update is not None:
-                session.streaming_queue.append(None)
-            return
-        if update is None:
-            self.finish_requests(session.request_id, RequestStatus.FINISHED_STOPPED)
-            return
-        if not self._chunk_fits(session, update):
-            raise ValueError(
-                f"request {request.request_id!r}: the streaming session would grow past "
-                f"max_model_len={self.max_model_len}"
-            )
-        self.num_waiting_for_streaming_input -= 1
-        self._apply_chunk(session, update)
-        if closes_session:
-            session.streaming_queue.append(None)
-
-    def _chunk_fits(self, session: Request, update: StreamingUpdate) -> bool:
-        num_kept = session.num_tokens - 1 if session.num_output_tokens else session.num_tokens
-        return num_kept + len(update.prompt_token_ids) <= self.max_model_len
-
-    def _apply_chunk(self, session: Request, update: StreamingUpdate) -> None:
-        """Fold the session's outputs into its prompt, append the chunk, and queue it for scheduling."""
-        session.extend_prompt(update.prompt_token_ids)
-        # With async scheduling a step past the stop may have computed the dropped token: forget it.
-        num_kept = session.num_tokens - len(update.prompt_token_ids)
-        session.num_computed_tokens = min(session.num_computed_tokens, num_kept)
-        session.sampling_params = update.sampling_params
-        session.arrival_time = update.arrival_time
-        session.stop_reason = None
-        holds_slot = session.request_id in self._waiting_slot_holders
-        # A session that kept its slot continues on the worker; one that lost it resumes like a preempted one.
-        session.status = RequestStatus.WAITING if holds_slot else RequestStatus.PREEMPTED
-        if holds_slot:
-            self._unsent_chunk_req_ids.add(session.request_id)
-        self.waiting.add_request(session)
-
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
     ) -> None:
@@ -230,11 +192,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
                 continue
+            # Idle streaming sessions (WAITING_FOR_STREAMING_REQ) are in neither queue.
             if request.status == RequestStatus.RUNNING:
                 running_to_remove.add(request)
-            elif request.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
-                self.num_waiting_for_streaming_input -= 1
-            else:
+            elif request.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
                 waiting_to_remove.append(request)
             request.status = finished_status
             to_free.append(request)
@@ -255,8 +216,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request_id)
         self.reset_preempted_req_ids.discard(request_id)  # reported once, as finished
-        self._waiting_slot_holders.discard(request_id)
-        self._unsent_chunk_req_ids.discard(request_id)
+        self.sessions.forget(request_id)
         del self.requests[request_id]
 
     def get_num_unfinished_requests(self) -> int:
@@ -285,7 +245,12 @@ class Scheduler:
     @property
     def num_slot_holders(self) -> int:
         """Requests holding a worker slot: running ones plus streaming sessions that kept theirs."""
-        return len(self.running) + len(self._waiting_slot_holders)
+        return len(self.running) + self.sessions.num_slot_holders
+
+    @property
+    def num_waiting_for_streaming_input(self) -> int:
+        """Streaming sessions parked in WAITING_FOR_STREAMING_REQ, waiting for their next chunk."""
+        return self.sessions.num_waiting_for_input
 
     # ------------------------------------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -379,7 +344,7 @@ class Scheduler:
         head_blocked = False
         while self.waiting and plan.token_budget > 0:
             request = self.waiting.peek_request()
-            holds_slot = request.request_id in self._waiting_slot_holders
+            holds_slot = self.sessions.holds_slot(request.request_id)
             if only_started and not holds_slot and request.status != RequestStatus.PREEMPTED:
                 skipped.add_request(
                     self.waiting.pop_request()
@@ -391,9 +356,7 @@ class Scheduler:
                 ) and self._try_admit(request, plan):
                     continue
                 head_blocked = True
-            if (
-                not self._unsent_chunk_req_ids
-            ):  # exactly the slot-holding sessions queued in `waiting`
+            if not self.sessions.has_unsent_chunks:  # no slot-holding session waits behind the head
                 break
             skipped.add_request(self.waiting.pop_request())
         if skipped:
@@ -421,9 +384,8 @@ class Scheduler:
 
         self.waiting.pop_request()
         self.running.append(request)
-        if request.request_id in self._waiting_slot_holders:
-            self._waiting_slot_holders.discard(request.request_id)
-            plan.cached.append(request)  # a session continuing in its own slot
+        if self.sessions.resume_in_own_slot(request.request_id):
+            plan.cached.append(request)
         elif request.status == RequestStatus.PREEMPTED:
             plan.resumed.append(request)
         else:
@@ -505,6 +467,7 @@ class Scheduler:
         """
         data = CachedRequestData()
         send_all_tokens = not self.use_v2_model_runner
+        sessions = self.sessions
         num_running = len(running_reqs)
         for position, request in enumerate(itertools.chain(running_reqs, resumed_reqs)):
             request_id = request.request_id
@@ -516,11 +479,10 @@ class Scheduler:
                 request_id not in self.prev_step_scheduled_req_ids
                 and request.num_output_placeholders == 0
             )
+            has_unsent_chunk = sessions.take_unsent_chunk(request_id)
             if send_all_tokens and worker_copy_may_be_stale:
-                data.all_token_ids[request_id] = request.all_token_ids.copy()
-                self._unsent_chunk_req_ids.discard(request_id)
-            elif request_id in self._unsent_chunk_req_ids:
-                self._unsent_chunk_req_ids.discard(request_id)
+                data.all_token_ids[request_id] = request.all_token_ids.copy()  # the chunk included
+            elif has_unsent_chunk:
                 chunk = list(request.all_token_ids[request.num_computed_tokens :])
             data.new_token_ids.append(chunk)
             if is_resumed:
@@ -609,31 +571,15 @@ class Scheduler:
         return new_token_ids, stopped
 
     def _handle_stopped_request(self, request: Request, status_before: RequestStatus) -> bool:
-        """Finish a stopped request, or park a streaming session for its next chunk. True if finished.
+        """Finish a stopped request, or keep a streaming session for its next chunk. True if finished.
 
         The caller has taken the request out of (or will filter it from) `running` / `waiting`.
         """
-        if not request.resumable:
-            self._free_request(request)
-            return True
-        if status_before == RequestStatus.RUNNING:
-            self._waiting_slot_holders.add(
-                request.request_id
-            )  # keeps its slot and KV blocks between chunks
-        if not request.streaming_queue:
-            request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
-            self.num_waiting_for_streaming_input += 1
+        kept_slot = status_before == RequestStatus.RUNNING
+        if request.resumable and not self.sessions.park_stopped(request, kept_slot):
             return False
-        update = request.streaming_queue.popleft()
-        if update is None:
-            self._free_request(request)
-            return True
-        if not self._chunk_fits(request, update):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            self._free_request(request)
-            return True
-        self._apply_chunk(request, update)
-        return False
+        self._free_request(request)
+        return True
 
     # ------------------------------------------------------------------------------------------------ reset
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
@@ -647,24 +593,12 @@ class Scheduler:
                 request = self.running.pop()
                 self._preempt_request(request, timestamp)
                 self.reset_preempted_req_ids.add(request.request_id)
-            for request_id in list(self._waiting_slot_holders):
-                self._release_session(self.requests[request_id])
+            self.reset_preempted_req_ids.update(self.sessions.release_slot_holders())
             self.prev_step_scheduled_req_ids.clear()
         reset_ok = self.kv_cache_manager.reset_prefix_cache()
         if reset_running_requests and not reset_ok:
             raise RuntimeError("KV blocks still in use after preempting every running request")
         return reset_ok
-
-    def _release_session(self, session: Request) -> None:
-        """Drop a parked streaming session's KV blocks and worker slot; it will resume by recompute."""
-        self.kv_cache_manager.free(session)
-        session.num_computed_tokens = 0
-        session.num_preemptions += 1
-        self._waiting_slot_holders.discard(session.request_id)
-        self._unsent_chunk_req_ids.discard(session.request_id)
-        self.reset_preempted_req_ids.add(session.request_id)
-        if session.status == RequestStatus.WAITING:
-            session.status = RequestStatus.PREEMPTED
 
 
 def _logprobs_row(
