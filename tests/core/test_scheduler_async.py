@@ -305,7 +305,8 @@ def test_stale_placeholders_of_aborted_request_do_not_reach_a_new_request_with_t
     assert driver.tokens == {"a": reference_tokens([2] * 7, 3)}
 
 
-def test_stale_placeholders_of_closed_session_do_not_reach_a_reopened_session():
+@pytest.mark.parametrize("close_by", ["close_session", "empty_request"])
+def test_stale_placeholders_of_closed_session_do_not_reach_a_reopened_session(close_by):
     prompt = list(range(12))
     first = reference_tokens(prompt, 4)
     scheduler = async_scheduler()
@@ -317,7 +318,11 @@ def test_stale_placeholders_of_closed_session_do_not_reach_a_reopened_session():
         driver.schedule()
     driver.update()  # EOS: the session parks with two stale placeholders in flight
     assert scheduler.requests["s"].async_tokens_to_discard == 2
-    scheduler.add_request(make_request("s", [], resumable=False))  # close it
+    if close_by == "close_session":
+        assert scheduler.close_session("s") is True
+    else:
+        scheduler.add_request(make_request("s", [], resumable=False))
+    assert "s" not in scheduler.requests
     scheduler.add_request(
         make_request("s", [3] * 6, max_tokens=3, resumable=True)
     )  # a new session, same id

@@ -167,10 +167,11 @@ class Harness:
             elif roll < 0.6:
                 assert self.scheduler.reset_prefix_cache(reset_running_requests=True) is True
             self.step_once()
-        # Drain: close every session, then run until nothing is left.
+        # Drain: close every session (feed_session closes them with same-id requests), then run until nothing
+        # is left.
         for req_id, tracked in list(self.tracked.items()):
             if tracked.resumable:
-                self.scheduler.add_request(make_request(req_id, [], resumable=False))
+                assert self.scheduler.close_session(req_id) is tracked.idle
                 if tracked.idle:
                     del self.tracked[req_id]
                 else:

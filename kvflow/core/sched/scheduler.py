@@ -141,7 +141,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
         """Queue a new request, or feed the streaming session with the same id: a resumable request adds a chunk,
-        a non-resumable one adds the last chunk, and one without tokens just closes the session.
+        a non-resumable one adds the last chunk, and one without tokens just closes the session (`close_session`).
         """
         session = self.requests.get(request.request_id)
         if session is not None:
@@ -154,6 +154,21 @@ class Scheduler:
         request.set_block_hasher(self.block_hasher)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+
+    def close_session(self, request_id: str) -> bool:
+        """End streaming session `request_id` once its current chunk stops.
+
+        Returns True when nothing is left in the core: the id is unknown (already finished), or the session was
+        idle, so it finishes now (FINISHED_STOPPED, blocks and slot freed, reported in `finished_req_ids`).
+        Returns False when a chunk runs or is queued: the close waits behind it, and the output that ends that
+        chunk ends the session. Raises ValueError for a request that is not a streaming session.
+        """
+        session = self.requests.get(request_id)
+        if session is None:
+            return True
+        if session.streaming_queue is None:
+            raise ValueError(f"request {request_id!r} is not a streaming session")
+        return self._update_session(session, None, close_after=True)
 
     def _update_session(
         self, session: Request, chunk: StreamingUpdate | None, close_after: bool
