@@ -205,6 +205,7 @@ class Request:
         The last sampled token was never fed back to the model (its KV does not exist), so it is dropped; every
         earlier output becomes prompt. Block hashes of full blocks that survive the cut stay valid.
         """
+        # E.g., prompt [p0..p9], outputs [a, b, c], chunk [x, y]: the prompt becomes [p0..p9, a, b, x, y].
         num_kept = self.num_tokens - 1 if self._output_token_ids else self.num_tokens
         del self._all_token_ids[num_kept:]
         self._output_token_ids.clear()
@@ -213,6 +214,8 @@ class Request:
         self._all_token_ids.extend(token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # A block that held the dropped token is stale: keep only hashes of blocks that are still full.
+        # E.g., block_size 4, 13 tokens (3 hashed blocks), 12 kept: the dropped token (index 12) sat in block 3,
+        # so all 12 // 4 = 3 hashes stay; with 12 tokens and 11 kept, block 2 lost index 11: 11 // 4 = 2 stay.
         block_size = getattr(self._block_hasher, "block_size", None)
         del self.block_hashes[num_kept // block_size if block_size else 0 :]
         self.update_block_hashes()

@@ -33,6 +33,9 @@ class AsyncScheduler(Scheduler):
         super()._update_after_schedule(output)
         for request_id in output.num_scheduled_tokens:
             request = self.requests[request_id]
+            # A step samples once it computes the last known position; a partial prefill samples nothing.
+            # E.g., a 20-token prompt in chunks of 8: after 8 and 16 computed, no placeholder; after 20, one.
+            # Then each decode step computes the previous placeholder's position and adds one more.
             if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples a token we will see later
 
@@ -48,9 +51,8 @@ class AsyncScheduler(Scheduler):
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
         if request.async_tokens_to_discard > 0:
-            request.async_tokens_to_discard -= (
-                1  # a stale placeholder from before a preemption or stop
-            )
+            # A stale placeholder from before a preemption or stop: its token is dropped.
+            request.async_tokens_to_discard -= 1
             return [], False
         status_before = request.status
         request.num_output_placeholders -= 1
@@ -59,5 +61,7 @@ class AsyncScheduler(Scheduler):
         if stopped:
             self._discard_in_flight(request)
         elif status_before == RequestStatus.RUNNING:
+            # A block filled by a placeholder's position had no hash when it was allocated (its last token was
+            # unknown); now that the token is appended, its hash exists and the block can join the prefix cache.
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
         return new_token_ids, stopped

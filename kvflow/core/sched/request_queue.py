@@ -68,6 +68,7 @@ class FCFSRequestQueue(RequestQueue):
         self._queue.appendleft(request)
 
     def prepend_requests(self, requests: RequestQueue) -> None:
+        # extendleft reverses its input. E.g., queue [x, y], prepend [a, b]: extendleft([b, a]) -> [a, b, x, y].
         self._queue.extendleft(reversed(list(requests)))
 
     def remove_requests(self, requests: Iterable[Request]) -> None:

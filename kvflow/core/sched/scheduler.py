@@ -106,7 +106,8 @@ class Scheduler:
             if use_v2_model_runner is None
             else use_v2_model_runner
         )
-        # Only cascade attention reads `num_common_prefix_blocks`; counting them walks block lists every step.
+        # Counting `num_common_prefix_blocks` walks a running request's block list every step; only an attention
+        # backend that shares a prefix across the batch (cascade attention) needs it, so it is asked for.
         self.compute_common_prefix_blocks = compute_common_prefix_blocks
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
@@ -134,9 +135,8 @@ class Scheduler:
         self._stale_placeholders: dict[str, int] = {}
         self._pause_state = PauseState.UNPAUSED
         self.prefix_cache_stats = PrefixCacheStats()
-        self.num_preemptions_total = (
-            0  # preemptions by recompute since startup (a metric, never reset)
-        )
+        # Preemptions by recompute since startup (a metric, never reset).
+        self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -282,6 +282,10 @@ class Scheduler:
         return output
 
     def _num_new_tokens_for_running(self, request: Request, token_budget: int) -> int:
+        """Tokens to compute for a running request this step: what it has (placeholders included) minus what
+        is computed, capped by the long-prefill threshold and the budget."""
+        # A placeholder's position is computable before its token is back: the worker feeds its own sample.
+        # E.g., async: 10 tokens, 1 placeholder, 10 computed -> 1 new token, at the placeholder's position.
         num_new_tokens = (
             request.num_tokens_with_spec
             + request.num_output_placeholders
@@ -298,9 +302,8 @@ class Scheduler:
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens_for_running(request, plan.token_budget)
             if num_new_tokens <= 0:
-                req_index += (
-                    1  # nothing to compute now (e.g. async: its last token is a placeholder)
-                )
+                # Nothing to compute now (e.g. async: every token it may still produce is a placeholder).
+                req_index += 1
                 continue
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
@@ -309,7 +312,9 @@ class Scheduler:
                 victim = self._pick_preemption_victim()
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
-                if victim_index < req_index:  # PRIORITY may pick one we already passed
+                # PRIORITY may pick one we already passed; the request we are at then moves up one.
+                # E.g., running [a, b, c] at c (req_index 2), victim a: running [b, c], c at req_index 1.
+                if victim_index < req_index:
                     req_index -= 1
                 if victim.request_id in plan.num_scheduled_tokens:
                     plan.undo(victim)
@@ -361,18 +366,16 @@ class Scheduler:
             request = self.waiting.peek_request()
             holds_slot = self.sessions.holds_slot(request.request_id)
             if only_started and not holds_slot and request.status != RequestStatus.PREEMPTED:
-                skipped.add_request(
-                    self.waiting.pop_request()
-                )  # PAUSED_NEW: held, in order, until resume
+                # PAUSED_NEW: a request that never ran is held, in order, until resume.
+                skipped.add_request(self.waiting.pop_request())
                 continue
             if holds_slot or not head_blocked:
-                if (
-                    holds_slot or self.num_slot_holders < self.max_num_running_reqs
-                ) and self._try_admit(request, plan):
+                has_slot = holds_slot or self.num_slot_holders < self.max_num_running_reqs
+                if has_slot and self._try_admit(request, plan):
                     continue
                 head_blocked = True
-            if not self.sessions.has_unsent_chunks:  # no slot-holding session waits behind the head
-                break
+            if not self.sessions.has_unsent_chunks:
+                break  # no slot-holding session waits behind the blocked head: nothing may pass it
             skipped.add_request(self.waiting.pop_request())
         if skipped:
             self.waiting.prepend_requests(skipped)
@@ -498,6 +501,8 @@ class Scheduler:
             if send_all_tokens and worker_copy_may_be_stale:
                 data.all_token_ids[request_id] = request.all_token_ids.copy()  # the chunk included
             elif has_unsent_chunk:
+                # The chunk is exactly the tokens past the computed ones: applying it cut the computed count
+                # back to the kept history. E.g., 12 kept tokens computed, chunk [x, y]: all_token_ids[12:].
                 chunk = list(request.all_token_ids[request.num_computed_tokens :])
             data.new_token_ids.append(chunk)
             if is_resumed:
@@ -581,6 +586,7 @@ class Scheduler:
             request.append_output_token_ids(token_id)
             stopped = check_stop(request, self.max_model_len)
             if stopped:
+                # E.g., [5, EOS, 9]: stops at EOS (num_appended 2), so 9 is dropped -> [5, EOS].
                 del new_token_ids[num_appended:]
                 break
         return new_token_ids, stopped

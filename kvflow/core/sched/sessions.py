@@ -36,9 +36,8 @@ class StreamingSessions:
         self, max_model_len: int, waiting: RequestQueue, kv_cache_manager: KVCacheManager
     ) -> None:
         self.max_model_len = max_model_len
-        self._waiting = (
-            waiting  # the scheduler's waiting queue, where a session's new chunk is queued
-        )
+        # The scheduler's waiting queue: a session with a new chunk is queued there.
+        self._waiting = waiting
         self._kv_cache_manager = kv_cache_manager
         self._idle_ids: set[str] = set()
         self._slot_holders: dict[str, Request] = {}
@@ -180,9 +179,8 @@ class StreamingSessions:
         session.num_preemptions += 1
         del self._slot_holders[session.request_id]
         self._unsent_chunk_ids.discard(session.request_id)
-        if (
-            session.status == RequestStatus.WAITING
-        ):  # its chunk waits: it now resumes like a preempted one
+        # A session whose chunk waits in `waiting` now resumes like a preempted one; an idle one stays idle.
+        if session.status == RequestStatus.WAITING:
             session.status = RequestStatus.PREEMPTED
 
     def forget(self, request_id: str) -> None:
