@@ -34,8 +34,11 @@ class KVCacheBlocks:
 
 @dataclass
 class _RequestBlocks:
+    """One request's blocks in position order. Invariant: its first `num_cached_blocks` blocks are registered
+    in the prefix cache (or were prefix hits), and `num_cached_blocks <= len(blocks)`."""
+
     blocks: list[KVCacheBlock] = field(default_factory=list)
-    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_cached_blocks: int = 0
 
 
 class KVCacheManager:

@@ -12,6 +12,8 @@ from kvflow.request import Request
 
 
 class SchedulingPolicy(enum.Enum):
+    """Order of the waiting queue and choice of preemption victim: arrival order, or (priority, arrival)."""
+
     FCFS = "fcfs"
     PRIORITY = "priority"
 

@@ -27,6 +27,8 @@ from kvflow.utils import cdiv
 
 
 class PauseState(enum.Enum):
+    """What `schedule()` may do while the engine is paused. Requests that arrive meanwhile still queue."""
+
     UNPAUSED = "unpaused"
     PAUSED_NEW = "paused_new"  # running requests continue; nothing is admitted
     PAUSED_ALL = "paused_all"  # nothing is scheduled
@@ -34,7 +36,10 @@ class PauseState(enum.Enum):
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups at admission: prompt tokens queried and tokens found in the cache."""
+    """Prefix-cache lookups at admission: prompt tokens queried and tokens found in the cache.
+
+    Invariant: `num_hit_tokens <= num_query_tokens`; all three counts only grow.
+    """
 
     num_queries: int = 0
     num_query_tokens: int = 0
@@ -47,12 +52,17 @@ class PrefixCacheStats:
 
 @dataclass
 class _StepPlan:
-    """What one `schedule()` call decided, before it is turned into a `SchedulerOutput`."""
+    """What one `schedule()` call decided, before it is turned into a `SchedulerOutput`.
+
+    Invariants: `token_budget` is the step's budget minus the sum of `num_scheduled_tokens`; every scheduled
+    request is in exactly one of `cached` (the worker holds it), `new` and `resumed`, and has an entry in
+    `req_to_new_blocks`; a request in `preempted` is scheduled nowhere.
+    """
 
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
-    cached: list[Request] = field(default_factory=list)  # already on the worker: sent as cached
+    cached: list[Request] = field(default_factory=list)
     new: list[Request] = field(default_factory=list)
     resumed: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
