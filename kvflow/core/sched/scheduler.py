@@ -496,6 +496,8 @@ class Scheduler:
         data = CachedRequestData()
         send_all_tokens = not self.use_v2_model_runner
         sessions = self.sessions
+        # Steady decoding has no unsent chunk: then skip the per-request lookup (the set only shrinks here).
+        any_unsent_chunk = sessions.has_unsent_chunks
         num_running = len(running_reqs)
         for position, request in enumerate(itertools.chain(running_reqs, resumed_reqs)):
             request_id = request.request_id
@@ -507,7 +509,7 @@ class Scheduler:
                 request_id not in self.prev_step_scheduled_req_ids
                 and request.num_output_placeholders == 0
             )
-            has_unsent_chunk = sessions.take_unsent_chunk(request_id)
+            has_unsent_chunk = any_unsent_chunk and sessions.take_unsent_chunk(request_id)
             if send_all_tokens and worker_copy_may_be_stale:
                 data.all_token_ids[request_id] = request.all_token_ids.copy()  # the chunk included
             elif has_unsent_chunk:
