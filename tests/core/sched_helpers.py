@@ -21,6 +21,7 @@ from kvflow.core.sched.scheduler import Scheduler
 from kvflow.request import Request
 from kvflow.testing.hash_model import next_token, reference_tokens
 from kvflow.testing.worker_slots import WorkerSlots
+from kvflow.utils import cdiv
 
 TokenFn = Callable[[Request], int]
 
@@ -204,7 +205,7 @@ class SimWorker:
                 f"{req_id!r}: scheduled past the worker's known tokens ({end} > {len(tokens)})"
             )
             table = self.block_table[req_id]
-            assert -(-end // self.block_size) <= len(table), (
+            assert cdiv(end, self.block_size) <= len(table), (
                 f"{req_id!r}: scheduled tokens without KV blocks"
             )
             for position in range(start, end):
