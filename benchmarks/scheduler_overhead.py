@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import platform
 import shlex
@@ -50,6 +49,7 @@ import msgspec
 from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvflow.core.sched.scheduler import Scheduler
 from kvflow.testing import make_request, make_scheduler
+from kvflow.utils import cdiv
 
 COMMAND = "python benchmarks/scheduler_overhead.py"
 BLOCK_SIZE = 16
@@ -170,7 +170,7 @@ def decoding_scheduler(
     """A scheduler with `num_requests` requests past prefill, able to decode `num_decode_steps` more steps."""
     max_tokens = num_decode_steps + NUM_EXTRA_STEADY_STEPS + 2 * BLOCK_SIZE
     max_model_len = prompt_len + max_tokens + BLOCK_SIZE
-    blocks_per_request = math.ceil(max_model_len / BLOCK_SIZE) + 1
+    blocks_per_request = cdiv(max_model_len, BLOCK_SIZE) + 1
     scheduler = make_scheduler(
         max_num_seqs=num_requests,
         max_num_batched_tokens=max(8192, num_requests),
@@ -246,7 +246,7 @@ def measure_step_time(num_requests: int, num_steps: int) -> StepTiming:
 
 
 def whole_blocks(num_steps: int) -> int:
-    return max(1, math.ceil(num_steps / BLOCK_SIZE)) * BLOCK_SIZE
+    return max(1, cdiv(num_steps, BLOCK_SIZE)) * BLOCK_SIZE
 
 
 def measure_message_bytes(

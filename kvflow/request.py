@@ -16,7 +16,11 @@ BlockHasher = Callable[["Request"], list[Any]]
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle of a request. Every status after PREEMPTED is a finished one."""
+    """Lifecycle of a request. Every status after PREEMPTED is a finished one.
+
+    An IntEnum so statuses order (`is_finished` compares with PREEMPTED), but it prints and formats as its name:
+    `f"{RequestStatus.WAITING}" == "WAITING"`, not the number.
+    """
 
     WAITING = enum.auto()
     WAITING_FOR_STREAMING_REQ = enum.auto()
@@ -27,6 +31,13 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
     FINISHED_ERROR = enum.auto()
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __format__(self, format_spec: str) -> str:
+        # IntEnum members format as int; define both, since f-strings call __format__, not __str__.
+        return format(self.name, format_spec)
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -105,8 +116,9 @@ class Request:
       * `all_token_ids == prompt_token_ids + output_token_ids`; both views are read-only, tokens are added only
         through `append_output_token_ids` (which also extends `block_hashes` for every newly full block).
       * `num_computed_tokens <= num_tokens + num_output_placeholders`: tokens whose KV is (or is being) written.
-      * `num_output_placeholders` counts sampled tokens in flight (async scheduling) that are not yet appended;
-        `async_tokens_to_discard` counts stale in-flight frames (from before a forced preemption) to drop.
+      * `num_output_placeholders` counts placeholders: tokens sampled by a step in flight (async scheduling), not
+        yet appended; `async_tokens_to_discard` counts stale placeholders (in flight when the request was
+        preempted or stopped), whose tokens are dropped on arrival.
       * `block_hashes[i]` is the chained hash of the i-th full block of `all_token_ids`.
     """
 
@@ -193,6 +205,7 @@ class Request:
         The last sampled token was never fed back to the model (its KV does not exist), so it is dropped; every
         earlier output becomes prompt. Block hashes of full blocks that survive the cut stay valid.
         """
+        # E.g., prompt [p0..p9], outputs [a, b, c], chunk [x, y]: the prompt becomes [p0..p9, a, b, x, y].
         num_kept = self.num_tokens - 1 if self._output_token_ids else self.num_tokens
         del self._all_token_ids[num_kept:]
         self._output_token_ids.clear()
@@ -201,6 +214,8 @@ class Request:
         self._all_token_ids.extend(token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # A block that held the dropped token is stale: keep only hashes of blocks that are still full.
+        # E.g., block_size 4, 13 tokens (3 hashed blocks), 12 kept: the dropped token (index 12) sat in block 3,
+        # so all 12 // 4 = 3 hashes stay; with 12 tokens and 11 kept, block 2 lost index 11: 11 // 4 = 2 stay.
         block_size = getattr(self._block_hasher, "block_size", None)
         del self.block_hashes[num_kept // block_size if block_size else 0 :]
         self.update_block_hashes()

@@ -225,6 +225,22 @@ def test_unfinished_statuses_are_not_finished(status):
     assert not RequestStatus.is_finished(status)
 
 
+@pytest.mark.parametrize("status", FINISHED_STATUSES + UNFINISHED_STATUSES)
+def test_status_prints_and_formats_as_its_name(status):
+    assert f"{status}" == str(status) == f"{status:s}" == status.name
+    assert f"{status:>30}" == f"{status.name:>30}"
+
+
+def test_status_formats_as_its_name_in_messages():
+    assert f"{RequestStatus.WAITING}" == "WAITING"
+    assert f"request is {RequestStatus.FINISHED_ERROR}" == "request is FINISHED_ERROR"
+
+
+def test_statuses_still_order_like_ints():
+    assert sorted(FINISHED_STATUSES + UNFINISHED_STATUSES) == list(RequestStatus)
+    assert RequestStatus.PREEMPTED < RequestStatus.FINISHED_STOPPED
+
+
 def test_request_is_finished_follows_status():
     request = make_request([1])
     assert not request.is_finished()

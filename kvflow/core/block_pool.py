@@ -71,7 +71,9 @@ class BlockPool:
                     unhashed.append(block)
                 else:
                     self.free_block_queue.append(block)
-        for block in reversed(unhashed):  # keep eviction priority among the unhashed ones too
+        # Keep eviction priority among the unhashed ones too: appendleft reverses, so feed them reversed.
+        # E.g., unhashed freed as [a, b, c]: appendleft c, b, a -> the queue starts a, b, c (a evicted first).
+        for block in reversed(unhashed):
             self.free_block_queue.appendleft(block)
 
     def cache_full_blocks(

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class KVCacheBlocks:
-    """Blocks of one request, one list per KV cache group (kvflow has one group today)."""
+    """Blocks of one request, one list per KV cache group (kvflow has one group)."""
 
     blocks: tuple[list[KVCacheBlock], ...]
 
@@ -27,9 +27,6 @@ class KVCacheBlocks:
     def get_block_ids(self) -> tuple[list[int], ...]:
         return tuple([block.block_id for block in group] for group in self.blocks)
 
-    def get_unhashed_block_ids(self) -> list[int]:
-        return [block.block_id for block in self.blocks[0] if block.block_hash is None]
-
     @property
     def is_empty(self) -> bool:
         return not any(self.blocks)
@@ -37,8 +34,11 @@ class KVCacheBlocks:
 
 @dataclass
 class _RequestBlocks:
+    """One request's blocks in position order. Invariant: its first `num_cached_blocks` blocks are registered
+    in the prefix cache (or were prefix hits), and `num_cached_blocks <= len(blocks)`."""
+
     blocks: list[KVCacheBlock] = field(default_factory=list)
-    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_cached_blocks: int = 0
 
 
 class KVCacheManager:
@@ -82,6 +82,8 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return self._empty_blocks(), 0
+        # The last prompt token must be computed, so the block holding it never counts as a hit.
+        # E.g., block_size 16: a 32-token prompt may hit 1 block (token 31 is in block 1); a 33-token one, 2.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit_blocks: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -113,6 +115,8 @@ class KVCacheManager:
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if self.max_model_len is not None:
             num_tokens_need_slot = min(num_tokens_need_slot, self.max_model_len)
+        # E.g., block_size 16, 3 blocks held, 40 computed, 10 new tokens: 50 tokens need cdiv(50, 16) = 4
+        # blocks, so 1 more. Prefix-hit blocks (passed in, not yet held) count like held ones.
         num_blocks_to_allocate = max(
             0, cdiv(num_tokens_need_slot, self.block_size) - num_existing - len(computed_blocks)
         )
@@ -132,6 +136,8 @@ class KVCacheManager:
         req_blocks.blocks.extend(new_blocks)
 
         if self.enable_caching:
+            # Only known tokens can be hashed: a position scheduled for a placeholder (async) is not yet in
+            # `request.num_tokens`; its block is registered once the token arrives.
             self.cache_blocks(
                 request, min(num_computed_tokens + num_new_tokens, request.num_tokens)
             )
@@ -142,6 +148,7 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.get(request.request_id)
         if req_blocks is None or not self.enable_caching:
             return
+        # E.g., block_size 16, num_tokens 40: blocks 0 and 1 are full (32 tokens); block 2 holds 8 and waits.
         num_full_blocks = min(
             num_tokens // self.block_size, len(req_blocks.blocks), len(request.block_hashes)
         )

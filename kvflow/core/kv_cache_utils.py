@@ -43,6 +43,7 @@ class RequestBlockHasher:
 
     def __call__(self, request: Request) -> list[BlockHash]:
         block_size = self.block_size
+        # E.g., block_size 16, 2 blocks hashed, 50 tokens: block 2 (tokens 32..47) is new; 48..49 wait.
         start_block = len(request.block_hashes)
         num_full_blocks = request.num_tokens // block_size
         if num_full_blocks <= start_block:

@@ -21,6 +21,7 @@ from kvflow.core.sched.scheduler import Scheduler
 from kvflow.request import Request
 from kvflow.testing.hash_model import next_token, reference_tokens
 from kvflow.testing.worker_slots import WorkerSlots
+from kvflow.utils import cdiv
 
 TokenFn = Callable[[Request], int]
 
@@ -204,7 +205,7 @@ class SimWorker:
                 f"{req_id!r}: scheduled past the worker's known tokens ({end} > {len(tokens)})"
             )
             table = self.block_table[req_id]
-            assert -(-end // self.block_size) <= len(table), (
+            assert cdiv(end, self.block_size) <= len(table), (
                 f"{req_id!r}: scheduled tokens without KV blocks"
             )
             for position in range(start, end):
@@ -233,8 +234,8 @@ class SimWorker:
 
 
 class AsyncDriver:
-    """Schedules ahead of updates: `schedule()` plans a frame and the worker runs it at once (in order);
-    `update()` delivers the oldest frame's output to the scheduler."""
+    """Schedules ahead of updates: `schedule()` plans a step and the worker runs it at once (in order);
+    `update()` delivers the oldest step's output to the scheduler."""
 
     def __init__(self, scheduler: Scheduler, slots: WorkerSlots | None = None) -> None:
         self.scheduler = scheduler
@@ -271,7 +272,7 @@ class AsyncDriver:
             assert request.async_tokens_to_discard >= 0, request
 
     def run(self, depth: int = 2, max_steps: int = 10_000) -> dict[str, list[int]]:
-        """Keep `depth` frames in flight until everything is done and delivered."""
+        """Keep `depth` steps in flight until everything is done and delivered."""
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests() and not self.in_flight:
                 return self.tokens

@@ -1,4 +1,4 @@
-"""AsyncScheduler: planning step N+1 before step N's output, placeholders, and stale frames after a forced reset."""
+"""AsyncScheduler: planning step N+1 before step N's output, placeholders, and stale ones after a forced reset."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_schedules_next_step_before_previous_output():
     assert request.num_output_tokens == 1
 
 
-def test_decode_requests_scheduled_with_one_token_per_frame():
+def test_decode_requests_scheduled_with_one_token_per_step():
     scheduler = async_scheduler()
     for i in range(3):
         scheduler.add_request(make_request(str(i), [i] * 5, max_tokens=10))
@@ -52,7 +52,7 @@ def test_decode_requests_scheduled_with_one_token_per_frame():
     assert [request.num_output_placeholders for request in scheduler.running] == [4, 4, 4]
 
 
-def test_partial_prefill_frame_has_no_placeholder():
+def test_partial_prefill_step_has_no_placeholder():
     scheduler = async_scheduler(max_num_batched_tokens=8, max_model_len=64)
     prompt = list(range(20))
     scheduler.add_request(make_request("a", prompt, max_tokens=3))
@@ -65,7 +65,7 @@ def test_partial_prefill_frame_has_no_placeholder():
     assert driver.run(depth=3) == {"a": reference_tokens(prompt, 3)}
 
 
-def test_never_plans_more_sampling_frames_than_max_tokens():
+def test_never_plans_more_placeholders_than_max_tokens():
     scheduler = async_scheduler()
     scheduler.add_request(make_request("a", [3] * 6, max_tokens=2))
     driver = AsyncDriver(scheduler)
@@ -93,10 +93,10 @@ def test_pipelined_run_produces_reference_tokens(depth):
         req_id: reference_tokens(prompt, 1 + int(req_id)) for req_id, prompt in prompts.items()
     }
     for req_id, prompt in prompts.items():
-        sampling_frames = sum(
+        num_scheduled_steps = sum(
             1 for output in driver.outputs if req_id in output.num_scheduled_tokens
         )
-        assert sampling_frames <= len(prompt) + 1 + int(req_id)
+        assert num_scheduled_steps <= len(prompt) + 1 + int(req_id)
 
 
 def test_max_model_len_caps_async_planning():
@@ -113,9 +113,10 @@ def test_max_model_len_caps_async_planning():
             assert cached.num_computed_tokens[index] + output.num_scheduled_tokens[req_id] <= 12
 
 
-def run_with_forced_reset(frames_in_flight: int, resets: list[str]):
-    """Run two requests, then with `frames_in_flight` frames planned but not delivered do the `resets` actions
-    ("reset" or "schedule"), then finish the run. Returns (driver, prompts, discards after the resets)."""
+def run_with_forced_reset(placeholders_in_flight: int, resets: list[str]):
+    """Run two requests, then with `placeholders_in_flight` sampling steps planned but not delivered do the
+    `resets` actions ("reset" or "schedule"), then finish the run. Returns (driver, prompts, discards after the
+    resets)."""
     scheduler = async_scheduler(max_num_seqs=4)
     prompts = {"a": list(range(10)), "b": [4] * 6}
     for req_id, prompt in prompts.items():
@@ -124,10 +125,10 @@ def run_with_forced_reset(frames_in_flight: int, resets: list[str]):
     for _ in range(2):  # two tokens each, delivered
         driver.schedule()
         driver.update()
-    for _ in range(frames_in_flight):
+    for _ in range(placeholders_in_flight):
         driver.schedule()
     assert [scheduler.requests[r].num_output_placeholders for r in prompts] == [
-        frames_in_flight
+        placeholders_in_flight
     ] * 2
     for action in resets:
         if action == "reset":
@@ -141,32 +142,32 @@ def run_with_forced_reset(frames_in_flight: int, resets: list[str]):
     return driver, prompts, discards
 
 
-@pytest.mark.parametrize("frames_in_flight", [1, 2])
-def test_forced_reset_drops_exactly_the_stale_frames(frames_in_flight):
-    driver, prompts, discards = run_with_forced_reset(frames_in_flight, ["reset"])
-    assert discards == {"a": frames_in_flight, "b": frames_in_flight}
+@pytest.mark.parametrize("placeholders_in_flight", [1, 2])
+def test_forced_reset_drops_exactly_the_stale_placeholders(placeholders_in_flight):
+    driver, prompts, discards = run_with_forced_reset(placeholders_in_flight, ["reset"])
+    assert discards == {"a": placeholders_in_flight, "b": placeholders_in_flight}
     assert driver.tokens == {
         req_id: reference_tokens(prompt, 8) for req_id, prompt in prompts.items()
     }
     assert driver.finish_reasons == {"a": "length", "b": "length"}
 
 
-@pytest.mark.parametrize("frames_in_flight", [1, 2])
-def test_forced_reset_twice_before_frames_arrive(frames_in_flight):
-    driver, prompts, discards = run_with_forced_reset(frames_in_flight, ["reset", "reset"])
-    assert discards == {"a": frames_in_flight, "b": frames_in_flight}
+@pytest.mark.parametrize("placeholders_in_flight", [1, 2])
+def test_forced_reset_twice_before_placeholders_arrive(placeholders_in_flight):
+    driver, prompts, discards = run_with_forced_reset(placeholders_in_flight, ["reset", "reset"])
+    assert discards == {"a": placeholders_in_flight, "b": placeholders_in_flight}
     assert driver.tokens == {
         req_id: reference_tokens(prompt, 8) for req_id, prompt in prompts.items()
     }
 
 
-@pytest.mark.parametrize("frames_in_flight", [1, 2])
-def test_forced_reset_again_after_resumed_frame_planned(frames_in_flight):
+@pytest.mark.parametrize("placeholders_in_flight", [1, 2])
+def test_forced_reset_again_after_resumed_step_planned(placeholders_in_flight):
     driver, prompts, discards = run_with_forced_reset(
-        frames_in_flight, ["reset", "schedule", "reset"]
+        placeholders_in_flight, ["reset", "schedule", "reset"]
     )
-    # The resumed prefill frame samples too and becomes stale with the second reset.
-    assert discards == {"a": frames_in_flight + 1, "b": frames_in_flight + 1}
+    # The resumed prefill step samples too and becomes stale with the second reset.
+    assert discards == {"a": placeholders_in_flight + 1, "b": placeholders_in_flight + 1}
     assert driver.tokens == {
         req_id: reference_tokens(prompt, 8) for req_id, prompt in prompts.items()
     }
@@ -188,7 +189,7 @@ def test_forced_reset_reports_preempted_and_resumes_as_new():
     assert driver.tokens == {"a": reference_tokens(list(range(10)), 6)}
 
 
-def test_kv_pressure_preemption_with_frames_in_flight():
+def test_kv_pressure_preemption_with_placeholders_in_flight():
     scheduler = async_scheduler(
         block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64
     )
@@ -202,7 +203,7 @@ def test_kv_pressure_preemption_with_frames_in_flight():
     assert sum(request.num_preemptions for request in requests) > 0
 
 
-def test_stop_with_frames_in_flight_drops_them():
+def test_stop_with_placeholders_in_flight_drops_them():
     prompt = list(range(12))
     expected = reference_tokens(prompt, 6)
     scheduler = async_scheduler()
@@ -213,7 +214,7 @@ def test_stop_with_frames_in_flight_drops_them():
     assert "a" not in scheduler.requests
 
 
-def test_streaming_session_stop_with_frames_in_flight_then_next_chunk():
+def test_streaming_session_stop_with_placeholders_in_flight_then_next_chunk():
     prompt = list(range(12))
     first = reference_tokens(prompt, 6)
     scheduler = async_scheduler()
@@ -226,7 +227,7 @@ def test_streaming_session_stop_with_frames_in_flight_then_next_chunk():
     driver.schedule()
     driver.schedule()
     driver.update()
-    driver.update()  # second token is EOS: the session stops with two frames still in flight
+    driver.update()  # second token is EOS: the session stops with two placeholders still in flight
     request = scheduler.requests["s"]
     assert request.status == RequestStatus.WAITING_FOR_STREAMING_REQ
     assert request.async_tokens_to_discard == 2
@@ -291,12 +292,12 @@ def test_priority_preemption_of_unscheduled_earlier_request_does_not_skip_the_ne
     assert output.num_scheduled_tokens == {"R": 1, "Y": 1}
 
 
-def test_stale_frames_of_aborted_request_do_not_reach_a_new_request_with_the_same_id():
+def test_stale_placeholders_of_aborted_request_do_not_reach_a_new_request_with_the_same_id():
     scheduler = async_scheduler()
     driver = AsyncDriver(scheduler, WorkerSlots(16))
     scheduler.add_request(make_request("a", [1] * 5, max_tokens=5))
     driver.schedule()
-    driver.schedule()  # two sampling frames of the first "a" in flight
+    driver.schedule()  # two placeholders of the first "a" in flight
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     scheduler.add_request(make_request("a", [2] * 7, max_tokens=3))  # the id is free again
     driver.tokens.clear()
@@ -304,7 +305,8 @@ def test_stale_frames_of_aborted_request_do_not_reach_a_new_request_with_the_sam
     assert driver.tokens == {"a": reference_tokens([2] * 7, 3)}
 
 
-def test_stale_frames_of_closed_session_do_not_reach_a_reopened_session():
+@pytest.mark.parametrize("close_by", ["close_session", "empty_request"])
+def test_stale_placeholders_of_closed_session_do_not_reach_a_reopened_session(close_by):
     prompt = list(range(12))
     first = reference_tokens(prompt, 4)
     scheduler = async_scheduler()
@@ -314,9 +316,13 @@ def test_stale_frames_of_closed_session_do_not_reach_a_reopened_session():
     )
     for _ in range(3):
         driver.schedule()
-    driver.update()  # EOS: the session parks with two stale frames in flight
+    driver.update()  # EOS: the session parks with two stale placeholders in flight
     assert scheduler.requests["s"].async_tokens_to_discard == 2
-    scheduler.add_request(make_request("s", [], resumable=False))  # close it
+    if close_by == "close_session":
+        assert scheduler.close_session("s") is True
+    else:
+        scheduler.add_request(make_request("s", [], resumable=False))
+    assert "s" not in scheduler.requests
     scheduler.add_request(
         make_request("s", [3] * 6, max_tokens=3, resumable=True)
     )  # a new session, same id

@@ -6,6 +6,7 @@ import pytest
 from sched_helpers import SimWorker, run_to_completion, runner_output, step
 
 from kvflow.core.sched.output import ModelRunnerOutput
+from kvflow.core.sched.scheduler import Scheduler
 from kvflow.request import RequestStatus
 from kvflow.testing import make_request, make_requests, make_scheduler
 from kvflow.testing.hash_model import reference_tokens
@@ -255,3 +256,33 @@ def test_num_output_tokens_in_cached_data(use_v2_model_runner):
         ),
     )
     assert num_output_tokens == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------ common prefix blocks
+def _scheduler_counting_common_prefix_blocks(**kwargs) -> Scheduler:
+    config_source = make_scheduler(**kwargs)
+    return Scheduler(
+        config_source.scheduler_config,
+        config_source.cache_config,
+        compute_common_prefix_blocks=True,
+    )
+
+
+def test_common_prefix_blocks_not_counted_by_default():
+    scheduler = make_scheduler(block_size=4)
+    scheduler.add_request(make_request("a", [*range(8), 20, 21]))
+    scheduler.add_request(make_request("b", [*range(8), 30, 31]))
+    step(scheduler)
+    output = scheduler.schedule()
+    assert output.num_common_prefix_blocks == []
+
+
+def test_common_prefix_blocks_counted_when_asked():
+    scheduler = _scheduler_counting_common_prefix_blocks(block_size=4)
+    assert scheduler.schedule().num_common_prefix_blocks == [0]  # nothing running
+    scheduler.add_request(make_request("a", [*range(8), 20, 21]))
+    step(scheduler)
+    scheduler.add_request(make_request("b", [*range(8), 30, 31]))
+    output, _ = step(scheduler)
+    assert output.scheduled_new_reqs[0].num_computed_tokens == 8  # "b" shares a's first two blocks
+    assert output.num_common_prefix_blocks == [2]

@@ -151,6 +151,16 @@ class Harness:
         for req_id in idle:
             assert scheduler.requests[req_id].status == RequestStatus.WAITING_FOR_STREAMING_REQ
         assert set(scheduler.requests) == set(self.tracked)
+        # A request outside `running` holds KV blocks only as a session that kept its slot between chunks.
+        running = set(map(id, scheduler.running))
+        holding_outside_running = [
+            request
+            for request in scheduler.requests.values()
+            if id(request) not in running
+            and scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]
+        ]
+        assert all(request.resumable for request in holding_outside_running)
+        assert scheduler.num_slot_holders == len(scheduler.running) + len(holding_outside_running)
         assert scheduler.get_num_unfinished_requests() == len(scheduler.running) + len(
             scheduler.waiting
         )
@@ -167,10 +177,11 @@ class Harness:
             elif roll < 0.6:
                 assert self.scheduler.reset_prefix_cache(reset_running_requests=True) is True
             self.step_once()
-        # Drain: close every session, then run until nothing is left.
+        # Drain: close every session (feed_session closes them with same-id requests), then run until nothing
+        # is left.
         for req_id, tracked in list(self.tracked.items()):
             if tracked.resumable:
-                self.scheduler.add_request(make_request(req_id, [], resumable=False))
+                assert self.scheduler.close_session(req_id) is tracked.idle
                 if tracked.idle:
                     del self.tracked[req_id]
                 else:

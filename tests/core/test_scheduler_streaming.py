@@ -307,6 +307,125 @@ def test_chunk_past_max_model_len_is_rejected():
     assert len(session.tokens["s"]) == 1
 
 
+# ------------------------------------------------------------------------------------------------ close_session
+def assert_session_gone(session: Session, request_id: str = "s") -> None:
+    """The session left nothing behind in the scheduler, the KV cache or (after one more step) the worker slots."""
+    scheduler = session.scheduler
+    assert request_id not in scheduler.requests
+    assert scheduler.num_waiting_for_streaming_input == 0
+    assert scheduler.num_slot_holders == len(scheduler.running)
+    assert scheduler.kv_cache_manager.get_block_ids(request_id) == ([],)
+    session.step()  # delivers the finish to the worker slots, if not delivered yet
+    assert request_id not in session.slots.held
+
+
+def test_close_session_ends_an_idle_session_at_once():
+    session = idle_session()
+    scheduler = session.scheduler
+    assert session.slots.held == {"s"}
+    assert scheduler.kv_cache_manager.usage > 0.0
+    assert scheduler.close_session("s") is True
+    assert scheduler.kv_cache_manager.usage == 0.0
+    output, _ = session.step()
+    assert output.finished_req_ids == {"s"}
+    assert session.slots.held == set()
+    assert_session_gone(session)
+
+
+def test_close_session_frees_the_idle_sessions_slot_for_a_waiting_request():
+    session = idle_session(max_num_seqs=1)
+    session.add(make_request("other", [1] * 4, max_tokens=2))
+    output, _ = session.step()
+    assert "other" not in output.num_scheduled_tokens  # the idle session holds the only slot
+    assert session.scheduler.close_session("s") is True
+    output, _ = session.step()
+    assert output.finished_req_ids == {"s"}
+    assert [new_req.req_id for new_req in output.scheduled_new_reqs] == ["other"]
+
+
+def test_close_session_while_its_chunk_runs_ends_it_with_that_chunk():
+    session = Session()
+    session.add(make_request("s", PROMPT, max_tokens=3, resumable=True))
+    session.step()
+    assert session.scheduler.close_session("s") is False
+    assert session.scheduler.requests["s"].status == RequestStatus.RUNNING
+    session.run()
+    assert session.tokens["s"] == reference_tokens(PROMPT, 3)
+    (stop,) = session.stops
+    assert stop.finish_reason == "length"
+    assert stop.finished and not stop.session_continues
+    assert session.scheduler.kv_cache_manager.usage == 0.0
+    output, _ = session.step()
+    assert output.finished_req_ids == {"s"}
+    assert_session_gone(session)
+
+
+def test_close_session_queued_behind_a_queued_chunk_runs_that_chunk_first():
+    session = Session()
+    session.add(make_request("s", PROMPT, max_tokens=2, resumable=True))
+    session.step()
+    session.add(
+        make_request("s", CHUNK, max_tokens=2, resumable=True)
+    )  # queued behind the running chunk
+    assert session.scheduler.close_session("s") is False
+    session.run()
+    first = reference_tokens(PROMPT, 2)
+    assert session.tokens["s"] == first + reference_tokens(PROMPT + first[:-1] + CHUNK, 2)
+    assert [stop.session_continues for stop in session.stops] == [True, False]
+    assert session.scheduler.kv_cache_manager.usage == 0.0
+    assert_session_gone(session)
+
+
+def test_close_session_with_a_chunk_waiting_to_run_runs_it_first():
+    session = idle_session()
+    history = PROMPT + session.tokens["s"][:-1] + CHUNK
+    session.add(
+        make_request("s", CHUNK, max_tokens=2, resumable=True)
+    )  # applied: waits in `waiting`
+    assert session.scheduler.requests["s"].status == RequestStatus.WAITING
+    assert session.scheduler.close_session("s") is False
+    session.tokens.clear()
+    session.stops.clear()
+    session.run()
+    assert session.tokens["s"] == reference_tokens(history, 2)
+    (stop,) = session.stops
+    assert stop.finished and not stop.session_continues
+    assert_session_gone(session)
+
+
+def test_close_session_of_unknown_id_reports_nothing_left():
+    session = idle_session()
+    assert session.scheduler.close_session("never-seen") is True
+    assert session.scheduler.close_session("s") is True
+    assert session.scheduler.close_session("s") is True  # already finished: still nothing left
+    output, _ = session.step()
+    assert output.finished_req_ids == {"s"}
+    assert_session_gone(session)
+
+
+def test_close_session_of_a_request_that_is_no_session_raises_and_changes_nothing():
+    session = Session()
+    session.add(make_request("r", PROMPT, max_tokens=3))
+    session.step()
+    with pytest.raises(ValueError, match="'r'"):
+        session.scheduler.close_session("r")
+    assert session.scheduler.requests["r"].status == RequestStatus.RUNNING
+    session.run()
+    assert session.tokens["r"] == reference_tokens(PROMPT, 3)
+
+
+def test_close_session_and_an_empty_closing_request_end_a_session_alike():
+    by_close_session = idle_session()
+    by_close_session.scheduler.close_session("s")
+    by_request = idle_session()
+    by_request.add(make_request("s", [], resumable=False))
+    first, _ = by_close_session.step()
+    second, _ = by_request.step()
+    assert first.finished_req_ids == second.finished_req_ids == {"s"}
+    assert_session_gone(by_close_session)
+    assert_session_gone(by_request)
+
+
 # ------------------------------------------------------------------------------------------------ abort / reset
 def test_abort_idle_session_frees_it():
     session = idle_session()

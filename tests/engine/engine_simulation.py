@@ -225,7 +225,9 @@ class EngineProbe:
         assert not scheduler.requests, f"requests left: {list(scheduler.requests)}"
         assert not scheduler.running and not scheduler.waiting
         assert scheduler.num_waiting_for_streaming_input == 0
-        assert not getattr(scheduler, "_stale_frames", {}), "stale-frame counts left behind"
+        assert not getattr(scheduler, "_stale_placeholders", {}), (
+            "stale-placeholder counts left behind"
+        )
         slots = self.runner.slots
         assert len(slots.free_indices) == self.max_num_seqs, (
             f"worker slots leaked: {slots.req_id_to_index}"

@@ -139,12 +139,10 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     session_continues: bool = False
-    new_logprobs: LogprobsLists | None = (
-        None  # one row per new token, when the request asked for logprobs
-    )
-    weight_version: int = (
-        0  # the model weights that computed `new_token_ids` (see EngineCore.update_weights)
-    )
+    # One row per new token, when the request asked for logprobs.
+    new_logprobs: LogprobsLists | None = None
+    # The model weights that computed `new_token_ids` (see EngineCore.update_weights).
+    weight_version: int = 0
 
     @property
     def finished(self) -> bool:

@@ -12,6 +12,8 @@ from kvflow.request import Request
 
 
 class SchedulingPolicy(enum.Enum):
+    """Order of the waiting queue and choice of preemption victim: arrival order, or (priority, arrival)."""
+
     FCFS = "fcfs"
     PRIORITY = "priority"
 
@@ -68,6 +70,7 @@ class FCFSRequestQueue(RequestQueue):
         self._queue.appendleft(request)
 
     def prepend_requests(self, requests: RequestQueue) -> None:
+        # extendleft reverses its input. E.g., queue [x, y], prepend [a, b]: extendleft([b, a]) -> [a, b, x, y].
         self._queue.extendleft(reversed(list(requests)))
 
     def remove_requests(self, requests: Iterable[Request]) -> None:

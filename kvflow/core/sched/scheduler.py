@@ -20,12 +20,15 @@ from kvflow.core.sched.output import (
     SchedulerOutput,
 )
 from kvflow.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from kvflow.core.sched.sessions import StreamingSessions
 from kvflow.core.sched.stop import check_stop
 from kvflow.request import Request, RequestStatus, StreamingUpdate
 from kvflow.utils import cdiv
 
 
 class PauseState(enum.Enum):
+    """What `schedule()` may do while the engine is paused. Requests that arrive meanwhile still queue."""
+
     UNPAUSED = "unpaused"
     PAUSED_NEW = "paused_new"  # running requests continue; nothing is admitted
     PAUSED_ALL = "paused_all"  # nothing is scheduled
@@ -33,7 +36,10 @@ class PauseState(enum.Enum):
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups at admission: prompt tokens queried and tokens found in the cache."""
+    """Prefix-cache lookups at admission: prompt tokens queried and tokens found in the cache.
+
+    Invariant: `num_hit_tokens <= num_query_tokens`; all three counts only grow.
+    """
 
     num_queries: int = 0
     num_query_tokens: int = 0
@@ -46,12 +52,17 @@ class PrefixCacheStats:
 
 @dataclass
 class _StepPlan:
-    """What one `schedule()` call decided, before it is turned into a `SchedulerOutput`."""
+    """What one `schedule()` call decided, before it is turned into a `SchedulerOutput`.
+
+    Invariants: `token_budget` is the step's budget minus the sum of `num_scheduled_tokens`; every scheduled
+    request is in exactly one of `cached` (the worker holds it), `new` and `resumed`, and has an entry in
+    `req_to_new_blocks`; a request in `preempted` is scheduled nowhere.
+    """
 
     token_budget: int
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
-    running: list[Request] = field(default_factory=list)  # already on the worker: sent as cached
+    cached: list[Request] = field(default_factory=list)
     new: list[Request] = field(default_factory=list)
     resumed: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
@@ -63,7 +74,7 @@ class _StepPlan:
 
     def undo(self, request: Request) -> None:
         """Take back a running request scheduled earlier in this step (it is being preempted)."""
-        self.running.remove(request)
+        self.cached.remove(request)
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
         self.req_to_new_blocks.pop(request.request_id)
 
@@ -74,10 +85,11 @@ class Scheduler:
     Invariants (checked by the randomized tests after every step):
       * every request in `requests` is in exactly one of: `running`, `waiting`, or (idle streaming sessions)
         `WAITING_FOR_STREAMING_REQ` outside both queues; finished requests are gone from `requests`.
-      * worker slot holders are `running` plus sessions in `_waiting_slot_holders`; there are never more
-        than `max_num_running_reqs`. A preempted or finished request gives its slot back in the very next
-        `SchedulerOutput` (`preempted_req_ids` / `finished_req_ids`), which the worker applies before admitting,
-        so at admission time the holders above are exactly what the worker holds.
+      * worker slot holders are `running` plus the streaming sessions that keep a slot outside it (see
+        `StreamingSessions`); there are never more than `max_num_running_reqs`. A preempted or finished request
+        gives its slot back in the very next `SchedulerOutput` (`preempted_req_ids` / `finished_req_ids`), which
+        the worker applies before admitting, so at admission time the holders above are exactly what the worker
+        holds.
       * each step schedules at most `max_num_scheduled_tokens` tokens, and a step that preempted admits nothing.
       * per-step cost grows with the number of scheduled requests, not with their token histories: full token
         lists are copied only for requests the worker cannot know (new, slot-runner resumes) or, for the
@@ -91,6 +103,7 @@ class Scheduler:
         *,
         num_kv_blocks: int | None = None,
         use_v2_model_runner: bool | None = None,
+        compute_common_prefix_blocks: bool = False,
     ) -> None:
         num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
         if num_blocks is None:
@@ -103,6 +116,9 @@ class Scheduler:
             if use_v2_model_runner is None
             else use_v2_model_runner
         )
+        # Counting `num_common_prefix_blocks` walks a running request's block list every step; only an attention
+        # backend that shares a prefix across the batch (cascade attention) needs it, so it is asked for.
+        self.compute_common_prefix_blocks = compute_common_prefix_blocks
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
@@ -123,30 +139,55 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.reset_preempted_req_ids: set[str] = set()
         self.prev_step_scheduled_req_ids: set[str] = set()
-        self.num_waiting_for_streaming_input = 0
-        # Streaming sessions outside `running` that still hold a worker slot and their KV blocks.
-        self._waiting_slot_holders: set[str] = set()
-        # Sessions whose next prompt chunk the worker has not received yet.
-        self._unsent_chunk_req_ids: set[str] = set()
-        # Sampling frames still in flight for requests that finished: dropped even if the id is reused.
-        self._stale_frames: dict[str, int] = {}
+        self.sessions = StreamingSessions(self.max_model_len, self.waiting, self.kv_cache_manager)
+        # Placeholders of finished requests, by id: their tokens still arrive and are dropped, even if the id is
+        # reused meanwhile.
+        self._stale_placeholders: dict[str, int] = {}
         self._pause_state = PauseState.UNPAUSED
         self.prefix_cache_stats = PrefixCacheStats()
-        self.num_preemptions_total = (
-            0  # preemptions by recompute since startup (a metric, never reset)
-        )
+        # Preemptions by recompute since startup (a metric, never reset).
+        self.num_preemptions_total = 0
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
-        """Queue a new request, or feed the next chunk to the streaming session with the same id."""
-        existing = self.requests.get(request.request_id)
-        if existing is not None:
-            self._add_streaming_update(existing, request)
+        """Queue a new request, or feed the streaming session with the same id: a resumable request adds a chunk,
+        a non-resumable one adds the last chunk, and one without tokens just closes the session (`close_session`).
+        """
+        session = self.requests.get(request.request_id)
+        if session is not None:
+            if session.streaming_queue is None:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            chunk = StreamingUpdate.from_request(request)
+            self._update_session(session, chunk, close_after=not request.resumable)
             return
         self._validate_prompt_length(request.request_id, len(request.prompt_token_ids))
         request.set_block_hasher(self.block_hasher)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+
+    def close_session(self, request_id: str) -> bool:
+        """End streaming session `request_id` once its current chunk stops.
+
+        Returns True when nothing is left in the core: the id is unknown (already finished), or the session was
+        idle, so it finishes now (FINISHED_STOPPED, blocks and slot freed, reported in `finished_req_ids`).
+        Returns False when a chunk runs or is queued: the close waits behind it, and the output that ends that
+        chunk ends the session. Raises ValueError for a request that is not a streaming session.
+        """
+        session = self.requests.get(request_id)
+        if session is None:
+            return True
+        if session.streaming_queue is None:
+            raise ValueError(f"request {request_id!r} is not a streaming session")
+        return self._update_session(session, None, close_after=True)
+
+    def _update_session(
+        self, session: Request, chunk: StreamingUpdate | None, close_after: bool
+    ) -> bool:
+        """Pass a session its next chunk and/or close; True when it ended at once (it idled, nothing to run)."""
+        ends_now = self.sessions.add_update(session, chunk, close_after)
+        if ends_now:
+            self.finish_requests(session.request_id, RequestStatus.FINISHED_STOPPED)
+        return ends_now
 
     def _validate_prompt_length(self, request_id: str, num_tokens: int) -> None:
         if num_tokens == 0:
@@ -163,56 +204,6 @@ class Scheduler:
                 f"KV blocks but the cache has only {self.kv_cache_manager.num_blocks}"
             )
 
-    def _add_streaming_update(self, session: Request, request: Request) -> None:
-        """A same-id request feeds a streaming session: a resumable one adds a chunk; a non-resumable one is the
-        last chunk (or, with no tokens, just closes the session)."""
-        if session.streaming_queue is None:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        update = StreamingUpdate.from_request(request)
-        closes_session = not request.resumable
-        if update is not None and not update.prompt_token_ids:
-            raise ValueError(
-                f"request {request.request_id!r}: a streaming chunk must carry prompt_token_ids "
-                "(an empty non-resumable request closes the session)"
-            )
-        if session.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
-            session.streaming_queue.append(update)  # applied when the current chunk stops
-            if closes_session and update is not None:
-                session.streaming_queue.append(None)
-            return
-        if update is None:
-            self.finish_requests(session.request_id, RequestStatus.FINISHED_STOPPED)
-            return
-        if not self._chunk_fits(session, update):
-            raise ValueError(
-                f"request {request.request_id!r}: the streaming session would grow past "
-                f"max_model_len={self.max_model_len}"
-            )
-        self.num_waiting_for_streaming_input -= 1
-        self._apply_chunk(session, update)
-        if closes_session:
-            session.streaming_queue.append(None)
-
-    def _chunk_fits(self, session: Request, update: StreamingUpdate) -> bool:
-        num_kept = session.num_tokens - 1 if session.num_output_tokens else session.num_tokens
-        return num_kept + len(update.prompt_token_ids) <= self.max_model_len
-
-    def _apply_chunk(self, session: Request, update: StreamingUpdate) -> None:
-        """Fold the session's outputs into its prompt, append the chunk, and queue it for scheduling."""
-        session.extend_prompt(update.prompt_token_ids)
-        # With async scheduling a frame past the stop may have computed the dropped token: forget it.
-        num_kept = session.num_tokens - len(update.prompt_token_ids)
-        session.num_computed_tokens = min(session.num_computed_tokens, num_kept)
-        session.sampling_params = update.sampling_params
-        session.arrival_time = update.arrival_time
-        session.stop_reason = None
-        holds_slot = session.request_id in self._waiting_slot_holders
-        # A session that kept its slot continues on the worker; one that lost it resumes like a preempted one.
-        session.status = RequestStatus.WAITING if holds_slot else RequestStatus.PREEMPTED
-        if holds_slot:
-            self._unsent_chunk_req_ids.add(session.request_id)
-        self.waiting.add_request(session)
-
     def finish_requests(
         self, request_ids: str | Iterable[str], finished_status: RequestStatus
     ) -> None:
@@ -226,11 +217,10 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
                 continue
+            # Idle streaming sessions (WAITING_FOR_STREAMING_REQ) are in neither queue.
             if request.status == RequestStatus.RUNNING:
                 running_to_remove.add(request)
-            elif request.status == RequestStatus.WAITING_FOR_STREAMING_REQ:
-                self.num_waiting_for_streaming_input -= 1
-            else:
+            elif request.status != RequestStatus.WAITING_FOR_STREAMING_REQ:
                 waiting_to_remove.append(request)
             request.status = finished_status
             to_free.append(request)
@@ -243,16 +233,15 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request_id = request.request_id
-        num_stale_frames = request.num_output_placeholders + request.async_tokens_to_discard
-        if num_stale_frames:
-            self._stale_frames[request_id] = (
-                self._stale_frames.get(request_id, 0) + num_stale_frames
+        num_stale_placeholders = request.num_output_placeholders + request.async_tokens_to_discard
+        if num_stale_placeholders:
+            self._stale_placeholders[request_id] = (
+                self._stale_placeholders.get(request_id, 0) + num_stale_placeholders
             )
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request_id)
         self.reset_preempted_req_ids.discard(request_id)  # reported once, as finished
-        self._waiting_slot_holders.discard(request_id)
-        self._unsent_chunk_req_ids.discard(request_id)
+        self.sessions.forget(request_id)
         del self.requests[request_id]
 
     def get_num_unfinished_requests(self) -> int:
@@ -281,7 +270,12 @@ class Scheduler:
     @property
     def num_slot_holders(self) -> int:
         """Requests holding a worker slot: running ones plus streaming sessions that kept theirs."""
-        return len(self.running) + len(self._waiting_slot_holders)
+        return len(self.running) + self.sessions.num_slot_holders
+
+    @property
+    def num_waiting_for_streaming_input(self) -> int:
+        """Streaming sessions parked in WAITING_FOR_STREAMING_REQ, waiting for their next chunk."""
+        return self.sessions.num_waiting_for_input
 
     # ------------------------------------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -298,6 +292,10 @@ class Scheduler:
         return output
 
     def _num_new_tokens_for_running(self, request: Request, token_budget: int) -> int:
+        """Tokens to compute for a running request this step: what it has (placeholders included) minus what
+        is computed, capped by the long-prefill threshold and the budget."""
+        # A placeholder's position is computable before its token is back: the worker feeds its own sample.
+        # E.g., async: 10 tokens, 1 placeholder, 10 computed -> 1 new token, at the placeholder's position.
         num_new_tokens = (
             request.num_tokens_with_spec
             + request.num_output_placeholders
@@ -314,7 +312,8 @@ class Scheduler:
             request = self.running[req_index]
             num_new_tokens = self._num_new_tokens_for_running(request, plan.token_budget)
             if num_new_tokens <= 0:
-                req_index += 1  # nothing to compute now (e.g. async: the last token is in flight)
+                # Nothing to compute now (e.g. async: every token it may still produce is a placeholder).
+                req_index += 1
                 continue
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
@@ -323,7 +322,9 @@ class Scheduler:
                 victim = self._pick_preemption_victim()
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
-                if victim_index < req_index:  # PRIORITY may pick one we already passed
+                # PRIORITY may pick one we already passed; the request we are at then moves up one.
+                # E.g., running [a, b, c] at c (req_index 2), victim a: running [b, c], c at req_index 1.
+                if victim_index < req_index:
                     req_index -= 1
                 if victim.request_id in plan.num_scheduled_tokens:
                     plan.undo(victim)
@@ -333,7 +334,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break
-            plan.running.append(request)
+            plan.cached.append(request)
             plan.add(request, num_new_tokens, new_blocks)
             req_index += 1
 
@@ -373,22 +374,18 @@ class Scheduler:
         head_blocked = False
         while self.waiting and plan.token_budget > 0:
             request = self.waiting.peek_request()
-            holds_slot = request.request_id in self._waiting_slot_holders
+            holds_slot = self.sessions.holds_slot(request.request_id)
             if only_started and not holds_slot and request.status != RequestStatus.PREEMPTED:
-                skipped.add_request(
-                    self.waiting.pop_request()
-                )  # PAUSED_NEW: held, in order, until resume
+                # PAUSED_NEW: a request that never ran is held, in order, until resume.
+                skipped.add_request(self.waiting.pop_request())
                 continue
             if holds_slot or not head_blocked:
-                if (
-                    holds_slot or self.num_slot_holders < self.max_num_running_reqs
-                ) and self._try_admit(request, plan):
+                has_slot = holds_slot or self.num_slot_holders < self.max_num_running_reqs
+                if has_slot and self._try_admit(request, plan):
                     continue
                 head_blocked = True
-            if (
-                not self._unsent_chunk_req_ids
-            ):  # exactly the slot-holding sessions queued in `waiting`
-                break
+            if not self.sessions.has_unsent_chunks:
+                break  # no slot-holding session waits behind the blocked head: nothing may pass it
             skipped.add_request(self.waiting.pop_request())
         if skipped:
             self.waiting.prepend_requests(skipped)
@@ -415,9 +412,8 @@ class Scheduler:
 
         self.waiting.pop_request()
         self.running.append(request)
-        if request.request_id in self._waiting_slot_holders:
-            self._waiting_slot_holders.discard(request.request_id)
-            plan.running.append(request)  # a session continuing in its own slot
+        if self.sessions.resume_in_own_slot(request.request_id):
+            plan.cached.append(request)
         elif request.status == RequestStatus.PREEMPTED:
             plan.resumed.append(request)
         else:
@@ -457,25 +453,30 @@ class Scheduler:
             ]
             cached_resumed = []
         cached_reqs_data = self._make_cached_request_data(
-            plan.running, cached_resumed, plan.num_scheduled_tokens, {}, plan.req_to_new_blocks
+            plan.cached, cached_resumed, plan.num_scheduled_tokens, {}, plan.req_to_new_blocks
         )
         preempted_req_ids = {
             request.request_id for request in plan.preempted
         } | self.reset_preempted_req_ids
-        num_common_prefix_blocks = (
-            kv.get_num_common_prefix_blocks(self.running[0].request_id, len(self.running))
-            if self.running
-            else [0]
-        )
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached_reqs_data,
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             scheduled_spec_decode_tokens={},
-            num_common_prefix_blocks=num_common_prefix_blocks,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_req_ids,
+        )
+        if self.compute_common_prefix_blocks:
+            output.num_common_prefix_blocks = self._num_common_prefix_blocks()
+        return output
+
+    def _num_common_prefix_blocks(self) -> list[int]:
+        """Leading blocks shared by every running request, per KV cache group ([0] with nothing running)."""
+        if not self.running:
+            return [0]
+        return self.kv_cache_manager.get_num_common_prefix_blocks(
+            self.running[0].request_id, len(self.running)
         )
 
     def _make_cached_request_data(
@@ -494,22 +495,26 @@ class Scheduler:
         """
         data = CachedRequestData()
         send_all_tokens = not self.use_v2_model_runner
+        sessions = self.sessions
+        # Steady decoding has no unsent chunk: then skip the per-request lookup (the set only shrinks here).
+        any_unsent_chunk = sessions.has_unsent_chunks
         num_running = len(running_reqs)
         for position, request in enumerate(itertools.chain(running_reqs, resumed_reqs)):
             request_id = request.request_id
             is_resumed = position >= num_running
             data.req_ids.append(request_id)
             chunk: list[int] = []
-            # With tokens in flight the worker's copy is ahead of ours, not stale: sending ours would drop them.
+            # With placeholders the worker's copy is ahead of ours, not stale: sending ours would drop their tokens.
             worker_copy_may_be_stale = is_resumed or (
                 request_id not in self.prev_step_scheduled_req_ids
                 and request.num_output_placeholders == 0
             )
+            has_unsent_chunk = any_unsent_chunk and sessions.take_unsent_chunk(request_id)
             if send_all_tokens and worker_copy_may_be_stale:
-                data.all_token_ids[request_id] = request.all_token_ids.copy()
-                self._unsent_chunk_req_ids.discard(request_id)
-            elif request_id in self._unsent_chunk_req_ids:
-                self._unsent_chunk_req_ids.discard(request_id)
+                data.all_token_ids[request_id] = request.all_token_ids.copy()  # the chunk included
+            elif has_unsent_chunk:
+                # The chunk is exactly the tokens past the computed ones: applying it cut the computed count
+                # back to the kept history. E.g., 12 kept tokens computed, chunk [x, y]: all_token_ids[12:].
                 chunk = list(request.all_token_ids[request.num_computed_tokens :])
             data.new_token_ids.append(chunk)
             if is_resumed:
@@ -547,7 +552,7 @@ class Scheduler:
         for request_id in scheduler_output.num_scheduled_tokens:
             index = req_id_to_index.get(request_id)
             generated = sampled_token_ids[index] if index is not None else []
-            if not generated or self._drop_stale_frame(request_id):
+            if not generated or self._drop_stale_placeholder(request_id):
                 continue
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
@@ -573,15 +578,15 @@ class Scheduler:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
 
-    def _drop_stale_frame(self, request_id: str) -> bool:
-        """True for a sampled frame of an earlier, finished request with this id (it was in flight at finish)."""
-        num_stale_frames = self._stale_frames.get(request_id)
-        if not num_stale_frames:
+    def _drop_stale_placeholder(self, request_id: str) -> bool:
+        """True for a stale placeholder: a token of an earlier, finished request with this id, in flight at finish."""
+        num_stale_placeholders = self._stale_placeholders.get(request_id)
+        if not num_stale_placeholders:
             return False
-        if num_stale_frames == 1:
-            del self._stale_frames[request_id]
+        if num_stale_placeholders == 1:
+            del self._stale_placeholders[request_id]
         else:
-            self._stale_frames[request_id] = num_stale_frames - 1
+            self._stale_placeholders[request_id] = num_stale_placeholders - 1
         return True
 
     def _update_request_with_output(
@@ -593,36 +598,21 @@ class Scheduler:
             request.append_output_token_ids(token_id)
             stopped = check_stop(request, self.max_model_len)
             if stopped:
+                # E.g., [5, EOS, 9]: stops at EOS (num_appended 2), so 9 is dropped -> [5, EOS].
                 del new_token_ids[num_appended:]
                 break
         return new_token_ids, stopped
 
     def _handle_stopped_request(self, request: Request, status_before: RequestStatus) -> bool:
-        """Finish a stopped request, or park a streaming session for its next chunk. True if finished.
+        """Finish a stopped request, or keep a streaming session for its next chunk. True if finished.
 
         The caller has taken the request out of (or will filter it from) `running` / `waiting`.
         """
-        if not request.resumable:
-            self._free_request(request)
-            return True
-        if status_before == RequestStatus.RUNNING:
-            self._waiting_slot_holders.add(
-                request.request_id
-            )  # keeps its slot and KV blocks between chunks
-        if not request.streaming_queue:
-            request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
-            self.num_waiting_for_streaming_input += 1
+        kept_slot = status_before == RequestStatus.RUNNING
+        if request.resumable and not self.sessions.park_stopped(request, kept_slot):
             return False
-        update = request.streaming_queue.popleft()
-        if update is None:
-            self._free_request(request)
-            return True
-        if not self._chunk_fits(request, update):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            self._free_request(request)
-            return True
-        self._apply_chunk(request, update)
-        return False
+        self._free_request(request)
+        return True
 
     # ------------------------------------------------------------------------------------------------ reset
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
@@ -636,24 +626,12 @@ class Scheduler:
                 request = self.running.pop()
                 self._preempt_request(request, timestamp)
                 self.reset_preempted_req_ids.add(request.request_id)
-            for request_id in list(self._waiting_slot_holders):
-                self._release_session(self.requests[request_id])
+            self.reset_preempted_req_ids.update(self.sessions.release_slot_holders())
             self.prev_step_scheduled_req_ids.clear()
         reset_ok = self.kv_cache_manager.reset_prefix_cache()
         if reset_running_requests and not reset_ok:
             raise RuntimeError("KV blocks still in use after preempting every running request")
         return reset_ok
-
-    def _release_session(self, session: Request) -> None:
-        """Drop a parked streaming session's KV blocks and worker slot; it will resume by recompute."""
-        self.kv_cache_manager.free(session)
-        session.num_computed_tokens = 0
-        session.num_preemptions += 1
-        self._waiting_slot_holders.discard(session.request_id)
-        self._unsent_chunk_req_ids.discard(session.request_id)
-        self.reset_preempted_req_ids.add(session.request_id)
-        if session.status == RequestStatus.WAITING:
-            session.status = RequestStatus.PREEMPTED
 
 
 def _logprobs_row(
