@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
+# The allowed values of the choice options; `EngineArgs` offers the same lists on the command line.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES: tuple[SchedulingPolicyName, ...] = ("fcfs", "priority")
+EXECUTOR_BACKENDS = ("uni",)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -26,10 +30,7 @@ class ModelConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(
-            self.dtype in ("auto", "float32", "bfloat16", "float16"),
-            f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}",
-        )
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(
             self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
@@ -104,8 +105,8 @@ class SchedulerConfig:
             f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}",
         )
         _require(
-            self.policy in ("fcfs", "priority"),
-            f"policy (scheduling_policy) must be 'fcfs' or 'priority', got {self.policy!r}",
+            self.policy in SCHEDULING_POLICIES,
+            f"policy (scheduling_policy) must be one of {SCHEDULING_POLICIES}, got {self.policy!r}",
         )
         _require(
             self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
@@ -128,6 +129,11 @@ class ParallelConfig:
         _require(
             self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+        )
+        _require(
+            self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
+            f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+            f"got {self.distributed_executor_backend!r}",
         )
         _require(
             self.worker_thread in ("auto", "on", "off"),

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
 
 from kvflow.config import (
+    DTYPES,
+    EXECUTOR_BACKENDS,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -55,7 +58,7 @@ class EngineArgs:
     dtype: str = _option(
         "auto",
         "weight and activation dtype ('auto': the checkpoint's)",
-        ("auto", "float32", "bfloat16", "float16"),
+        DTYPES,
     )
     max_model_len: int | None = _option(
         None, "longest sequence (prompt + output) in tokens; default: the model's limit"
@@ -70,11 +73,11 @@ class EngineArgs:
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _option(True, "split long prompts across engine steps")
     async_scheduling: bool = _option(True, "plan step N+1 while step N runs (overlapped steps)")
-    scheduling_policy: str = _option("fcfs", "admission and preemption order", ("fcfs", "priority"))
+    scheduling_policy: str = _option("fcfs", "admission and preemption order", SCHEDULING_POLICIES)
     seed: int = _option(0, "engine seed: draws of requests without their own seed")
     tensor_parallel_size: int = _option(1, "tensor-parallel ranks (only 1 in this build)")
     distributed_executor_backend: str | None = _option(
-        None, "executor: 'uni' (in-process worker; only it in this build)", ("uni",)
+        None, "executor: 'uni' (in-process worker; only it in this build)", EXECUTOR_BACKENDS
     )
     data_parallel_size: int = _option(1, "engine cores behind one front end (only 1 in this build)")
     long_prefill_token_threshold: int = _option(

@@ -164,9 +164,8 @@ class AsyncLLM:
         with self._lock:
             for each_id in request_ids:
                 self._abort_request(each_id)
-        await self._await(
-            self.engine_core_client.run(lambda core: None)
-        )  # the core has applied them
+        # Messages apply in order: once this empty abort is done, the core has applied the ones above.
+        await self._await(self.engine_core_client.abort_requests([]))
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause (semantics: `kvflow.engine.core.Pause`). Returns once the pause has taken effect (with

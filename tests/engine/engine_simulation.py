@@ -1,6 +1,6 @@
 """A randomized simulation one level up from `simulation.py`: the whole `EngineCore` (scheduler, uniproc executor,
 worker, real model runner, hash model), stepped synchronously or overlapped (`async_scheduling`: two batches in
-flight), with adds, aborts in every state, forced resets with 0, 1 or 2 frames in flight, pauses in every mode
+flight), with adds, aborts in every state, forced resets with 0, 1 or 2 batches in flight, pauses in every mode
 (abort / wait / keep, with and without `clear_cache`), repeated pauses, resumes, requests arriving while paused,
 stop tokens and streaming-input sessions interleaved at random.
 
@@ -13,7 +13,7 @@ persistent-batch protocol receives `all_token_ids` only for requests it did not 
 `max_num_seqs`, no placeholder or discard count is negative, no token is emitted once a pause has taken effect,
 "wait" pauses emit nothing for held requests and finish the started ones before taking effect, an "abort" pause
 finishes every request, and the run never stalls. At the end every finished request (and session chunk) equals
-the hash-model reference, aborted ones are prefixes of it, and no KV block, worker slot, parked state, stale frame
+the hash-model reference, aborted ones are prefixes of it, and no KV block, worker slot, parked state, stale placeholder
 or request is left.
 """
 
@@ -119,7 +119,7 @@ class EngineProbe:
         self.run_order: list[int] = []  # ... and as the worker ran them
         self.session_ids: set[str] = set()
         # Called right after a batch is handed to the executor, before the step applies any output: events there
-        # meet every frame in flight (two with async scheduling: the one just launched and the one before).
+        # meet every batch in flight (two with async scheduling: the one just launched and the one before).
         self.mid_step_hook: Callable[[SchedulerOutput], None] | None = None
         executor = core.executor
         worker = executor.worker
@@ -216,7 +216,7 @@ class EngineProbe:
             assert not core.batch_queue, "a batch is in flight while a pause is in effect"
 
     def check_idle_and_clean(self) -> None:
-        """Nothing left anywhere: no work, no KV block, no slot, no parked state, no stale frame."""
+        """Nothing left anywhere: no work, no KV block, no slot, no parked state, no stale placeholder."""
         core, scheduler = self.core, self.scheduler
         assert not core.has_work(), "the engine still has work"
         assert not core.batch_queue
@@ -295,7 +295,7 @@ class SimStats:
     """What a run exercised (tests assert coverage on these)."""
 
     num_steps: int = 0
-    resets_by_frames_in_flight: dict[int, int] = field(default_factory=dict)
+    resets_by_batches_in_flight: dict[int, int] = field(default_factory=dict)
     num_double_resets: int = 0
     aborts_by_state: dict[str, int] = field(default_factory=dict)
     pauses: dict[tuple[str, bool], int] = field(default_factory=dict)
@@ -439,7 +439,8 @@ class EngineSimulation:
                 self.episode.held.add(request_id)
 
     def _new_request_id(self) -> str:
-        """Usually a fresh id; sometimes one of a finished request (its stale frames must not reach the new one)."""
+        """Usually a fresh id; sometimes one of a finished request (its stale placeholders must not reach the new
+        one)."""
         reusable = [
             request_id
             for request_id, track in self.tracks.items()
@@ -565,7 +566,7 @@ class EngineSimulation:
 
     def _forced_reset(self, num_launching: int = 0) -> None:
         in_flight = len(self.core.batch_queue) + num_launching
-        counts = self.stats.resets_by_frames_in_flight
+        counts = self.stats.resets_by_batches_in_flight
         counts[in_flight] = counts.get(in_flight, 0) + 1
         assert self.core.reset_prefix_cache(reset_running_requests=True)
         assert not self.scheduler.running

@@ -2,7 +2,7 @@
 
 The randomized runs (engine_simulation.py) check the three invariants after every step; the deterministic tests
 pin each pause mode's semantics and two bugs vLLM had: a forced reset after pause(keep) dropping the first token
-after resume, and a second forced preemption overwriting (instead of adding to) the count of stale frames.
+after resume, and a second forced preemption overwriting (instead of adding to) the count of stale placeholders.
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def merged_stats(configs: list[EngineSimConfig], seeds: range) -> SimStats:
     for config, seed in itertools.product(configs, seeds):
         stats = EngineSimulation(config, seed).run()
         total.num_steps += stats.num_steps
-        for key, count in stats.resets_by_frames_in_flight.items():
-            total.resets_by_frames_in_flight[key] = (
-                total.resets_by_frames_in_flight.get(key, 0) + count
+        for key, count in stats.resets_by_batches_in_flight.items():
+            total.resets_by_batches_in_flight[key] = (
+                total.resets_by_batches_in_flight.get(key, 0) + count
             )
         for state, count in stats.aborts_by_state.items():
             total.aborts_by_state[state] = total.aborts_by_state.get(state, 0) + count
@@ -115,7 +115,7 @@ def test_random_runs_reach_every_state_they_claim_to_test() -> None:
     ]
     stats = merged_stats(configs, range(8))
     assert stats.max_in_flight == 2
-    assert {0, 1, 2} <= set(stats.resets_by_frames_in_flight), stats.resets_by_frames_in_flight
+    assert {0, 1, 2} <= set(stats.resets_by_batches_in_flight), stats.resets_by_batches_in_flight
     assert stats.num_double_resets > 0
     assert set(stats.pauses) == set(itertools.product(PAUSE_MODES, (False, True))), stats.pauses
     states = {state.split("/")[0] for state in stats.aborts_by_state}
@@ -377,30 +377,30 @@ def test_forced_reset_after_pause_keep_keeps_the_first_token_after_resume(
     protocol: str, scheduling: str, when: str
 ) -> None:
     """vLLM bug: pause(keep), then reset_prefix_cache(reset_running_requests=True), then resume dropped the first
-    token after resume (a stale-frame discard swallowed a real token), shifting every later token by one.
+    token after resume (a stale-placeholder discard swallowed a real token), shifting every later token by one.
 
-    The reset meets 0 frames in flight once the pause took effect, the async engine's 1 while the pause is still
+    The reset meets 0 batches in flight once the pause took effect, the async engine's 1 while the pause is still
     pending, and mid-step 2 (async: the batch just launched plus the one before it) or 1 (sync: the output not yet
     applied)."""
     driver = start_decoding(scheduling, protocol)
     core, scheduler = driver.core, driver.core.scheduler
-    frames_in_flight = {
+    batches_in_flight = {
         "after_effective": 0,
         "while_pending": len(core.batch_queue),
         "mid_step": len(core.batch_queue) + 1,
     }[when]
-    expected_frames = (
+    expected_batches = (
         {"after_effective": 0, "while_pending": 1, "mid_step": 2}
         if scheduling == "async"
         else {"after_effective": 0, "while_pending": 0, "mid_step": 1}
     )
-    assert frames_in_flight == expected_frames[when]
+    assert batches_in_flight == expected_batches[when]
 
     def reset() -> None:
         assert core.reset_prefix_cache(reset_running_requests=True)
-        if scheduling == "async" and frames_in_flight:
+        if scheduling == "async" and batches_in_flight:
             assert all(
-                request.async_tokens_to_discard == frames_in_flight
+                request.async_tokens_to_discard == batches_in_flight
                 for request in scheduler.requests.values()
             )
 
@@ -457,18 +457,18 @@ def test_pause_keep_with_clear_cache_resumes_every_request_exactly(
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_second_forced_preemption_before_stale_frames_arrive_adds_to_the_discard_count(
+def test_second_forced_preemption_before_stale_placeholders_arrive_adds_to_the_discard_count(
     protocol: str,
 ) -> None:
-    """vLLM bug: preempting a request again while frames from its first preemption are still in flight overwrote
-    `async_tokens_to_discard` with the new in-flight count; the old stale frame then consumed a real token."""
+    """vLLM bug: preempting a request again while placeholders from its first preemption are still in flight overwrote
+    `async_tokens_to_discard` with the new in-flight count; the old stale placeholder then consumed a real token."""
     driver = EngineDriver(
         make_engine_core(async_scheduling=True, use_v2_model_runner=PROTOCOLS[protocol])
     )
     core = driver.core
     driver.add("r", prompt_of(1, 6), 10)
-    driver.step()  # launches the prefill frame F1
-    driver.step()  # launches F2, applies F1: "r" has one token and one frame in flight
+    driver.step()  # launches the prefill step F1
+    driver.step()  # launches F2, applies F1: "r" has one token and one placeholder in flight
     request = core.scheduler.requests["r"]
     assert driver.tokens["r"] == driver.expected["r"][:1] and request.num_output_placeholders == 1
     assert core.reset_prefix_cache(reset_running_requests=True)

@@ -40,8 +40,8 @@ def test_random_interleavings_without_chunked_prefill(seed: int) -> None:
     Simulation(SimConfig(enable_chunked_prefill=False, num_blocks=24), seed).run()
 
 
-def test_async_runs_reset_with_two_frames_in_flight() -> None:
-    """The async runs really exercise resets with several frames in flight (else the test proves little)."""
+def test_async_runs_reset_with_two_batches_in_flight() -> None:
+    """The async runs really exercise resets with several batches in flight (else the test proves little)."""
     seen = 0
     for seed in range(8):
         simulation = Simulation(SimConfig(async_scheduling=True, reset_probability=0.15), seed)
