@@ -25,6 +25,7 @@ from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.builder import build_engine
 from kvflow.engine.core import PAUSE_MODES
 from kvflow.engine.core_client import EngineDeadError, InprocEngineCoreClient, fresh_dead_error
+from kvflow.engine.input_processor import check_priority
 from kvflow.engine.output_stream import OutputStream
 from kvflow.engine.sessions import SessionFeeder, StreamingInput
 from kvflow.sampling_params import SamplingParams
@@ -100,13 +101,15 @@ class AsyncLLM:
         prompt: PromptType | AsyncIterable[StreamingInput],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream `RequestOutput`s for one prompt as tokens arrive; the last has `finished=True`.
 
         `SamplingParams.output_kind` picks cumulative outputs (default), "delta" (only the new tokens and text) or
-        "final_only" (just the finished output); `n > 1` folds the samples into one output per step. A bad prompt
-        or parameter, or a `request_id` that is live, raises ValueError before anything is queued. While the
-        engine is paused the request waits (queued) until `resume_generation`.
+        "final_only" (just the finished output); `n > 1` folds the samples into one output per step. `priority`
+        (lower runs first) needs `scheduling_policy="priority"`. A bad prompt or parameter, or a `request_id` that
+        is live, raises ValueError before anything is queued. While the engine is paused the request waits
+        (queued) until `resume_generation`.
 
         Streaming input: with an async iterable of `StreamingInput` as `prompt`, one session request (this id,
         resumable) runs each chunk in turn on the session's history (earlier prompts and outputs, except each
@@ -121,6 +124,7 @@ class AsyncLLM:
         matches inside a chunk ends the whole session (the core cannot cut a chunk short without ending it).
         """
         self._check_open()
+        check_priority(priority, self.engine_config.scheduler_config.policy)
         stream = OutputStream(asyncio.get_running_loop())
         is_session = hasattr(prompt, "__aiter__")
         processed: ProcessedPrompt | None = None
@@ -136,7 +140,7 @@ class AsyncLLM:
         ended = False
         try:
             if processed is not None:
-                self._add_request(request_id, processed, stream)
+                self._add_request(request_id, processed, stream, priority)
             else:
                 input_task = stream.loop.create_task(
                     self._sessions.feed(request_id, prompt, sampling_params, stream)  # type: ignore[arg-type]
@@ -235,10 +239,12 @@ class AsyncLLM:
         return request_id
 
     def _add_request(
-        self, request_id: str, processed: ProcessedPrompt, stream: OutputStream
+        self, request_id: str, processed: ProcessedPrompt, stream: OutputStream, priority: int
     ) -> None:
         """Register the prompt's outputs and stream, then queue its core requests (n children for `n > 1`)."""
-        requests = self.input_processor.make_requests(request_id, processed, time.monotonic())
+        requests = self.input_processor.make_requests(
+            request_id, processed, time.monotonic(), priority=priority
+        )
         with self._lock:
             self.output_processor.add_prompt(request_id, processed, requests)
             self._streams[request_id] = stream

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from kvflow.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any]
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,12 @@ class InputProcessor:
                 f"a prompt must be a string, {{'prompt_token_ids': [...]}} or {{'prompt': str}}, "
                 f"got {prompt!r}"
             )
+        unknown_keys = sorted(prompt.keys() - _PROMPT_KEYS)
+        if unknown_keys:
+            raise ValueError(
+                f"a prompt dict takes only {sorted(_PROMPT_KEYS)}; unknown key(s) {unknown_keys} (pass priority "
+                "to generate(), sampling settings in SamplingParams)"
+            )
         if "prompt_token_ids" not in prompt:
             return self.tokenize(prompt["prompt"])
         token_ids = prompt["prompt_token_ids"]
@@ -115,9 +122,10 @@ class InputProcessor:
         processed: ProcessedPrompt,
         arrival_time: float,
         resumable: bool = False,
+        priority: int = 0,
     ) -> list[Request]:
         """The core requests of one prompt: itself, or `n` children `i_<id>` with seeds `seed + i` (they share the
-        prompt's KV blocks through the prefix cache)."""
+        prompt's KV blocks through the prefix cache). `priority`: lower is scheduled first (priority policy)."""
         params = processed.sampling_params
         if params.n == 1:
             return [
@@ -127,6 +135,7 @@ class InputProcessor:
                     params,
                     eos_token_id=self.eos_token_id,
                     arrival_time=arrival_time,
+                    priority=priority,
                     resumable=resumable,
                 )
             ]
@@ -141,6 +150,19 @@ class InputProcessor:
                 ),
                 eos_token_id=self.eos_token_id,
                 arrival_time=arrival_time,
+                priority=priority,
             )
             for index in range(params.n)
         ]
+
+
+def check_priority(priority: object, scheduling_policy: str) -> int:
+    """A request's priority (lower runs first): an int, and non-zero only under the "priority" policy."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority must be an int, got {priority!r}")
+    if priority and scheduling_policy != "priority":
+        raise ValueError(
+            f"priority={priority} needs scheduling_policy='priority' (this engine schedules "
+            f"{scheduling_policy!r})"
+        )
+    return priority

@@ -6,14 +6,15 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.builder import build_engine
-from kvflow.engine.input_processor import ProcessedPrompt, PromptType
+from kvflow.engine.input_processor import ProcessedPrompt, PromptType, check_priority
+from kvflow.entrypoints.interrupts import DeferredInterrupt
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -69,28 +70,45 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in input order.
 
-        A prompt is a string or `{"prompt_token_ids": [...]}` (or `{"prompt": "..."}`). While the engine is paused
-        the call waits (its requests are queued) and continues after `resume_generation`; a pause in mode "abort"
-        finishes them with finish_reason "abort".
+        A prompt is a string or `{"prompt_token_ids": [...]}` (or `{"prompt": "..."}`). `priority` (one int, or
+        one per prompt; lower runs first) needs `scheduling_policy="priority"`. `use_tqdm` may be a tqdm-like
+        factory. While the engine is paused the call waits (its requests are queued) and continues after
+        `resume_generation`; a pause in mode "abort" finishes them with finish_reason "abort".
+
+        Any exception or interrupt (Ctrl-C) that leaves the call aborts its requests, so their KV blocks and worker
+        slots are freed and the LLM stays usable. In the main thread a Ctrl-C is held back until the running engine
+        step is over, so it never interrupts a step half-way.
         """
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         params_list = self._expand_sampling_params(sampling_params, len(prompt_list))
+        priorities = self._expand_priority(priority, len(prompt_list))
         processed = [
             self.input_processor.process(prompt, params)
             for prompt, params in zip(prompt_list, params_list, strict=True)
         ]
-        with self._lock:
-            request_ids = [self._add_request(item) for item in processed]
-            self._num_generating += 1
-        try:
-            finished = self._run_to_completion(request_ids, use_tqdm)
-        finally:
-            with self._lock:
-                self._num_generating -= 1
+        request_ids: list[str] = []
+        with DeferredInterrupt() as interrupt:
+            try:
+                with self._lock:
+                    self._num_generating += 1
+                    for item, item_priority in zip(processed, priorities, strict=True):
+                        request_ids.append(self._add_request(item, item_priority))
+                prompt_lens = {
+                    request_id: len(item.prompt_token_ids)
+                    for request_id, item in zip(request_ids, processed, strict=True)
+                }
+                finished = self._run_to_completion(prompt_lens, use_tqdm, interrupt)
+            except BaseException:
+                self._abandon(request_ids)
+                raise
+            finally:
+                with self._lock:
+                    self._num_generating -= 1
         return [finished[request_id] for request_id in request_ids]
 
     def chat(
@@ -184,10 +202,21 @@ class LLM:
             )
         return params_list
 
-    def _add_request(self, processed: ProcessedPrompt) -> str:
+    def _expand_priority(self, priority: int | Sequence[int] | None, num_prompts: int) -> list[int]:
+        if priority is None:
+            return [0] * num_prompts
+        priorities = [priority] * num_prompts if isinstance(priority, int) else list(priority)
+        if len(priorities) != num_prompts:
+            raise ValueError(f"priority has {len(priorities)} entries for {num_prompts} prompts")
+        policy = self.engine_config.scheduler_config.policy
+        return [check_priority(value, policy) for value in priorities]
+
+    def _add_request(self, processed: ProcessedPrompt, priority: int = 0) -> str:
         """Queue one prompt (n child requests when `n > 1`). Caller holds the lock."""
         request_id = str(next(self._request_counter))
-        requests = self.input_processor.make_requests(request_id, processed, time.monotonic())
+        requests = self.input_processor.make_requests(
+            request_id, processed, time.monotonic(), priority=priority
+        )
         self.output_processor.add_prompt(request_id, processed, requests)
         try:
             self.engine_core.add_requests(requests)
@@ -211,25 +240,45 @@ class LLM:
                 self._finished[request_output.request_id] = request_output
         self._changed.notify_all()
 
+    def _abandon(self, request_ids: list[str]) -> None:
+        """Abort a failed or interrupted call's requests. When no other `generate` is stepping the engine, also
+        step until the worker has heard of the aborts and nothing is in flight, so their slots are free too."""
+        with self._lock:
+            core_request_ids = [
+                core_request_id
+                for request_id in request_ids
+                for core_request_id in self.output_processor.core_request_ids(request_id)
+            ]
+            self.engine_core.abort_requests(core_request_ids)
+            self.output_processor.abort_requests(request_ids)
+            for request_id in request_ids:
+                self._finished.pop(request_id, None)
+            if self._num_generating == 1:
+                core = self.engine_core
+                while core.batch_queue or core.scheduler.has_pending_reports():
+                    self._step_locked()
+
     def _run_to_completion(
-        self, request_ids: list[str], use_tqdm: bool
+        self,
+        prompt_lens: dict[str, int],
+        use_tqdm: bool | Callable[..., tqdm],
+        interrupt: DeferredInterrupt,
     ) -> dict[str, RequestOutput]:
-        pending = set(request_ids)
+        """Step (or wait while another thread steps) until every request of `prompt_lens` has finished."""
+        pending = set(prompt_lens)
         finished: dict[str, RequestOutput] = {}
-        progress = tqdm(
-            total=len(request_ids),
-            desc="Processed prompts",
-            unit="req",
-            disable=not use_tqdm,
-            dynamic_ncols=True,
+        progress = _Progress(
+            use_tqdm,
+            {
+                core_request_id: (request_id, num_prompt_tokens)
+                for request_id, num_prompt_tokens in prompt_lens.items()
+                for core_request_id in self.output_processor.core_request_ids(request_id)
+            },
         )
-        start, num_input_tokens, num_output_tokens = time.monotonic(), 0, 0
         while pending:
             with self._lock:
                 if self.engine_core.can_make_progress():
-                    num_output_tokens += sum(
-                        len(output.new_token_ids) for output in self._step_locked()
-                    )
+                    progress.record_step(self._step_locked())
                 elif self.engine_core.is_paused():
                     self._changed.wait(_PAUSED_POLL_S)  # held by a pause: wait for resume
                 elif not any(request_id in self._finished for request_id in pending):
@@ -237,18 +286,59 @@ class LLM:
                 for request_id in [
                     request_id for request_id in self._finished if request_id in pending
                 ]:
-                    finished[request_id] = output = self._finished.pop(request_id)
+                    finished[request_id] = self._finished.pop(request_id)
                     pending.discard(request_id)
-                    num_input_tokens += len(output.prompt_token_ids)
-                    progress.update(1)
-            elapsed = max(time.monotonic() - start, 1e-9)
-            progress.set_postfix_str(
-                f"input {num_input_tokens / elapsed:.0f} tok/s, "
-                f"output {num_output_tokens / elapsed:.0f} tok/s",
-                refresh=False,
-            )
+                    progress.record_finished()
+            interrupt.check()
         progress.close()
         return finished
+
+
+class _Progress:
+    """The progress bar of one `generate` call: finished requests, and input / output tokens per second, where a
+    prompt's tokens count once its first output token arrives (it has been prefilled by then)."""
+
+    def __init__(
+        self, use_tqdm: bool | Callable[..., tqdm], prompt_of: dict[str, tuple[str, int]]
+    ) -> None:
+        """`prompt_of` maps each core request id to its user request id and prompt length."""
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        self.bar = make_bar(
+            total=len({request_id for request_id, _ in prompt_of.values()}),
+            desc="Processed prompts",
+            unit="req",
+            disable=use_tqdm is False,
+            dynamic_ncols=True,
+        )
+        self._not_prefilled = dict(prompt_of)
+        self._prefilled: set[str] = set()
+        self._start = time.monotonic()
+        self.num_input_tokens = 0
+        self.num_output_tokens = 0
+
+    def record_step(self, engine_outputs: list[EngineCoreOutput]) -> None:
+        for output in engine_outputs:
+            self.num_output_tokens += len(output.new_token_ids)
+            prompt = (
+                self._not_prefilled.pop(output.request_id, None) if output.new_token_ids else None
+            )
+            if (
+                prompt is not None and prompt[0] not in self._prefilled
+            ):  # `n` samples share one prompt
+                self._prefilled.add(prompt[0])
+                self.num_input_tokens += prompt[1]
+        elapsed = max(time.monotonic() - self._start, 1e-9)
+        self.bar.set_postfix_str(
+            f"input {self.num_input_tokens / elapsed:.0f} tok/s, "
+            f"output {self.num_output_tokens / elapsed:.0f} tok/s",
+            refresh=False,
+        )
+
+    def record_finished(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _check_conversation(conversation: object) -> None:
