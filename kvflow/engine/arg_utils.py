@@ -87,6 +87,10 @@ class EngineArgs:
         True, "slot model runner protocol (off: the persistent-batch protocol)"
     )
     device: str = _option("auto", "'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'")
+    disable_log_stats: bool = _option(
+        False,
+        "no periodic throughput / scheduler stats in the log (every $KVFLOW_LOG_STATS_INTERVAL s)",
+    )
 
     def __post_init__(self) -> None:
         for path_option in ("model", "tokenizer"):  # accept pathlib paths for folders

@@ -28,10 +28,11 @@ from kvflow.engine.core_client import EngineDeadError, InprocEngineCoreClient, f
 from kvflow.engine.input_processor import check_priority
 from kvflow.engine.output_stream import OutputStream
 from kvflow.engine.sessions import SessionFeeder, StreamingInput
+from kvflow.engine.stat_logger import LoggingStatLogger
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvflow.core.sched.output import EngineCoreOutput
+    from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
     from kvflow.engine.core import EngineCore
     from kvflow.engine.input_processor import ProcessedPrompt, PromptType
     from kvflow.outputs import RequestOutput
@@ -66,7 +67,8 @@ class AsyncLLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs` are the `EngineArgs` options (unknown names are a TypeError, bad values a ValueError)."""
-        parts = build_engine(EngineArgs(model=model, **kwargs))
+        engine_args = EngineArgs(model=model, **kwargs)
+        parts = build_engine(engine_args)
         self.engine_config = parts.engine_config
         self.model_info = parts.model_info
         self.tokenizer = parts.tokenizer
@@ -75,6 +77,7 @@ class AsyncLLM:
         self._lock = threading.RLock()
         self._streams: dict[str, OutputStream] = {}
         self._live_request_ids: set[str] = set()
+        self._stat_logger = None if engine_args.disable_log_stats else LoggingStatLogger()
         self.engine_core_client = InprocEngineCoreClient(
             parts.engine_core, self._process_engine_outputs, self._fail_all
         )
@@ -289,24 +292,41 @@ class AsyncLLM:
         logger.debug("aborted request %s", request_id)
 
     # ------------------------------------------------------------------------------------------------ outputs
-    def _process_engine_outputs(self, engine_outputs: list[EngineCoreOutput]) -> None:
+    def _process_engine_outputs(
+        self, engine_outputs: list[EngineCoreOutput], stats: SchedulerStats
+    ) -> None:
         """The client's output handler: one step's core outputs, turned into RequestOutputs and delivered."""
         with self._lock:
-            session_outputs = [out for out in engine_outputs if out.request_id in self._sessions]
-            if len(session_outputs) < len(engine_outputs):
-                other_outputs = [
-                    out for out in engine_outputs if out.request_id not in self._sessions
-                ]
-                processed = self.output_processor.process_outputs(other_outputs)
-                reqs_to_abort = processed.reqs_to_abort
-                for request_output in processed.request_outputs:
-                    self._deliver(request_output)
-            else:
-                reqs_to_abort = []
-            if session_outputs:
-                reqs_to_abort += self._sessions.process_outputs(session_outputs)
+            in_sessions = [out.request_id in self._sessions for out in engine_outputs]
+            processed = [
+                self.output_processor.process_outputs(
+                    [
+                        out
+                        for out, session in zip(engine_outputs, in_sessions, strict=True)
+                        if not session
+                    ]
+                )
+            ]
+            for request_output in processed[0].request_outputs:
+                self._deliver(request_output)
+            if any(in_sessions):
+                processed.append(
+                    self._sessions.process_outputs(
+                        [
+                            out
+                            for out, session in zip(engine_outputs, in_sessions, strict=True)
+                            if session
+                        ]
+                    )
+                )
+            reqs_to_abort = [request_id for each in processed for request_id in each.reqs_to_abort]
             if reqs_to_abort:  # stop strings (this ends a session, too)
                 self.engine_core_client.abort_requests(reqs_to_abort)
+            if self._stat_logger is not None:
+                for each in processed:
+                    self._stat_logger.record(each.num_prompt_tokens, each.num_generation_tokens)
+                if self._stat_logger.due():
+                    self._stat_logger.log(stats)
 
     def _deliver(self, request_output: RequestOutput) -> None:
         request_id = request_output.request_id

@@ -17,7 +17,7 @@ from kvflow.request import RequestStatus
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
-    from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
+    from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
     from kvflow.model_info import ModelInfo
     from kvflow.request import Request
 
@@ -107,6 +107,9 @@ class EngineCore:
         """End a streaming-input session after its current chunk. True when it ended now (it idled between chunks,
         or is already gone): no output will report it. False: the output that ends the running chunk ends it."""
         return self.scheduler.close_session(request_id)
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
 
     def has_work(self) -> bool:
         """Anything left at all: requests (also those a pause holds), a batch in flight, or unsent reports."""

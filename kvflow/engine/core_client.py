@@ -18,14 +18,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from kvflow.core.sched.output import EngineCoreOutput
+    from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
     from kvflow.engine.core import EngineCore
     from kvflow.request import Request
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-OutputHandler = Callable[[list["EngineCoreOutput"]], None]
+# Called with one step's outputs and the scheduler's stats after that step.
+OutputHandler = Callable[[list["EngineCoreOutput"], "SchedulerStats"], None]
 _IDLE_WAIT_S = (
     0.05  # how long an idle or paused engine loop waits for a message before looking again
 )
@@ -48,9 +49,9 @@ class EngineCoreClient(ABC):
 
     Invariants every implementation keeps:
       * messages are applied in the order sent, each between two engine steps; each returns a Future;
-      * the core's outputs reach the `output_handler` given at construction, one step's outputs per call, in step
-        order, from one thread at a time; all outputs produced before a message was applied are handled before
-        that message's Future completes;
+      * the core's outputs reach the `output_handler` given at construction, one step's outputs (with the
+        scheduler's stats after that step) per call, in step order, from one thread at a time; all outputs produced
+        before a message was applied are handled before that message's Future completes;
       * once the core stops (`shutdown`, or an error: `dead_error.__cause__`), `dead_handler` is called once,
         every pending Future fails with `EngineDeadError`, and every later call raises it.
     """
@@ -261,7 +262,7 @@ class InprocEngineCoreClient(EngineCoreClient):
 
     def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
         if outputs:
-            self._output_handler(outputs)
+            self._output_handler(outputs, self._engine_core.make_stats())
 
     def _release_pause_waiters(self) -> None:
         core = self._engine_core

@@ -72,10 +72,13 @@ class RequestState:
 
 @dataclass
 class OutputProcessorOutput:
-    """One step's user-visible outputs, and the core requests a stop string ended (to abort in the core)."""
+    """One step's user-visible outputs, the core requests a stop string ended (to abort in the core), and token
+    counts for stats: prompt tokens of requests whose first token arrived (they were prefilled), tokens generated."""
 
     request_outputs: list[RequestOutput]
     reqs_to_abort: list[str]
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
 
 
 class OutputProcessor:
@@ -189,12 +192,16 @@ class OutputProcessor:
         unfinished request, so a step costs O(new tokens), not a copy of every request's cumulative tokens and text.
         """
         now = time.monotonic()
-        request_outputs: list[RequestOutput] = []
-        reqs_to_abort: list[str] = []
+        result = OutputProcessorOutput([], [])
+        request_outputs, reqs_to_abort = result.request_outputs, result.reqs_to_abort
         for engine_output in engine_core_outputs:
             state = self.request_states.get(engine_output.request_id)
             if state is None:
                 continue  # aborted on this side already
+            if engine_output.new_token_ids:
+                result.num_generation_tokens += len(engine_output.new_token_ids)
+                if state.metrics.first_token_time is None:
+                    result.num_prompt_tokens += len(state.prompt_token_ids)
             finish_reason, stop_reason = self._apply(state, engine_output, now)
             if finish_reason is not None and engine_output.finish_reason is None:
                 # A stop string ended it; the core does not know yet.
@@ -208,7 +215,7 @@ class OutputProcessor:
             request_output = self._make_output(state, finish_reason, stop_reason, finished)
             if request_output is not None:
                 request_outputs.append(request_output)
-        return OutputProcessorOutput(request_outputs, reqs_to_abort)
+        return result
 
     def _apply(
         self, state: RequestState, engine_output: EngineCoreOutput, now: float

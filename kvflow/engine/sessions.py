@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreOutput
     from kvflow.engine.core_client import EngineCoreClient
     from kvflow.engine.input_processor import InputProcessor, ProcessedPrompt
-    from kvflow.engine.output_processor import OutputProcessor
+    from kvflow.engine.output_processor import OutputProcessor, OutputProcessorOutput
     from kvflow.engine.output_stream import OutputStream
     from kvflow.request import Request
 
@@ -246,9 +246,10 @@ class SessionFeeder:
             del self.sessions[session.request_id]
 
     # ------------------------------------------------------------------------------------------------ outputs
-    def process_outputs(self, engine_outputs: list[EngineCoreOutput]) -> list[str]:
+    def process_outputs(self, engine_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
         """Turn sessions' core outputs into RequestOutputs and deliver them; send the next chunk of sessions whose
-        chunk ended. Returns the core requests a stop string ended (the caller aborts them in the core)."""
+        chunk ended. Returns what the output processor made of them (the caller aborts `reqs_to_abort`, the core
+        requests a stop string ended, in the core)."""
         chunk_end_ids: set[str] = set()
         ended_sessions: dict[str, str | None] = {}
         for_processor: list[EngineCoreOutput] = []
@@ -277,7 +278,7 @@ class SessionFeeder:
             if session is not None:
                 session.chunk_running = False
                 self._send_pending(session)
-        return processed.reqs_to_abort
+        return processed
 
     def _deliver(self, session: Session, request_output: RequestOutput, chunk_end: bool) -> None:
         if chunk_end and request_output.finished:

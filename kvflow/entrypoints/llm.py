@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.builder import build_engine
 from kvflow.engine.input_processor import ProcessedPrompt, PromptType, check_priority
+from kvflow.engine.stat_logger import LoggingStatLogger
 from kvflow.entrypoints.interrupts import DeferredInterrupt
 from kvflow.sampling_params import SamplingParams
 
@@ -42,7 +43,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs` are the `EngineArgs` options (unknown names are a TypeError, bad values a ValueError)."""
-        parts = build_engine(EngineArgs(model=model, **kwargs))
+        engine_args = EngineArgs(model=model, **kwargs)
+        parts = build_engine(engine_args)
         self.engine_config = parts.engine_config
         self.model_info = parts.model_info
         self.tokenizer = parts.tokenizer
@@ -57,6 +59,7 @@ class LLM:
         self._changed = threading.Condition(self._lock)
         self._finished: dict[str, RequestOutput] = {}
         self._num_generating = 0
+        self._stat_logger = None if engine_args.disable_log_stats else LoggingStatLogger()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
@@ -233,6 +236,10 @@ class LLM:
 
     def _apply(self, engine_outputs: list[EngineCoreOutput]) -> None:
         processed = self.output_processor.process_outputs(engine_outputs, finished_only=True)
+        if self._stat_logger is not None:
+            self._stat_logger.record(processed.num_prompt_tokens, processed.num_generation_tokens)
+            if self._stat_logger.due():
+                self._stat_logger.log(self.engine_core.make_stats())
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         for request_output in processed.request_outputs:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from kvflow.core.sched.output import EngineCoreOutput
+from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
 from kvflow.engine.core import EngineCore
 from kvflow.engine.core_client import EngineDeadError, InprocEngineCoreClient
 from kvflow.request import Request
@@ -28,9 +28,11 @@ class Recorder:
         self.dead: list[EngineDeadError] = []
         self.finished_event = threading.Event()
         self.threads: set[str] = set()
+        self.stats: list[SchedulerStats] = []
 
-    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+    def on_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats) -> None:
         self.threads.add(threading.current_thread().name)
+        self.stats.append(stats)
         for output in outputs:
             self.tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
             if output.finished:
@@ -84,6 +86,9 @@ def test_outputs_reach_the_handler_on_the_engine_thread_and_rejections_fail_thei
         recorder.finished_event.clear()
     assert recorder.tokens == {"a": reference_tokens([3] * 5, 6), "b": reference_tokens([4] * 9, 4)}
     assert recorder.threads == {"kvflow-engine-core"}
+    # The stats that came with the last outputs: both requests had finished, their blocks were free.
+    assert recorder.stats[0].num_running_reqs == 2
+    assert (recorder.stats[-1].num_running_reqs, recorder.stats[-1].kv_cache_usage) == (0, 0.0)
     assert client.run(lambda core: sorted(core.scheduler.requests)).result(TIMEOUT_S) == []
 
 

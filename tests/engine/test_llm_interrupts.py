@@ -174,7 +174,9 @@ def test_the_previous_sigint_handler_is_back_after_generate() -> None:
 
 def test_async_consumer_that_raises_aborts_its_request_and_frees_its_slot() -> None:
     async def main() -> dict[str, int]:
-        async with AsyncLLM("hash", max_num_seqs=2, num_kv_blocks=1024, block_size=4, max_model_len=2048) as llm:
+        async with AsyncLLM(
+            "hash", max_num_seqs=2, num_kv_blocks=1024, block_size=4, max_model_len=2048
+        ) as llm:
             with pytest.raises(RuntimeError, match="consumer failed"):
                 async for _ in llm.generate(prompts(1)[0], greedy(1500), request_id="doomed"):
                     raise RuntimeError("consumer failed")

@@ -147,3 +147,20 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None and not self.session_continues
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler for metrics and logs.
+
+    `kv_cache_usage` is the fraction of KV blocks in use (0..1); the prefix-cache counts are prompt tokens looked
+    up and found at admission since startup; `num_preemptions_total` counts preemptions since startup. The counts
+    only grow, so a reader takes differences between snapshots.
+    """
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_query_tokens: int
+    prefix_cache_hit_tokens: int
+    num_preemptions_total: int

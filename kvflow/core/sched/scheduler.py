@@ -18,6 +18,7 @@ from kvflow.core.sched.output import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    SchedulerStats,
 )
 from kvflow.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from kvflow.core.sched.sessions import StreamingSessions
@@ -259,6 +260,17 @@ class Scheduler:
     def has_pending_reports(self) -> bool:
         """True when the worker still has to hear about finished or preempted requests."""
         return bool(self.finished_req_ids or self.reset_preempted_req_ids)
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's counters now (O(1))."""
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_query_tokens=self.prefix_cache_stats.num_query_tokens,
+            prefix_cache_hit_tokens=self.prefix_cache_stats.num_hit_tokens,
+            num_preemptions_total=self.num_preemptions_total,
+        )
 
     @property
     def pause_state(self) -> PauseState:

@@ -1,0 +1,101 @@
+"""Periodic engine statistics in the log, as vLLM prints them while it is busy."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvflow.core.sched.output import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LOG_STATS_INTERVAL_S = 10.0
+LOG_STATS_INTERVAL_ENV = "KVFLOW_LOG_STATS_INTERVAL"
+
+
+def log_stats_interval_s() -> float:
+    """Seconds between two stats lines: `$KVFLOW_LOG_STATS_INTERVAL`, else 10."""
+    value = os.environ.get(LOG_STATS_INTERVAL_ENV)
+    if value is None:
+        return DEFAULT_LOG_STATS_INTERVAL_S
+    try:
+        interval = float(value)
+    except ValueError:
+        interval = -1.0
+    if not interval > 0:
+        raise ValueError(
+            f"{LOG_STATS_INTERVAL_ENV} must be a positive number of seconds, got {value!r}"
+        )
+    return interval
+
+
+class LoggingStatLogger:
+    """Logs throughput and scheduler state at INFO every `interval_s` while tokens flow, and a warning when
+    requests were preempted in an interval (the KV cache is too small for the load).
+
+    Invariants: `record` only adds counts (O(1)); a line covers exactly the tokens recorded since the previous
+    line; nothing is logged for an interval without recorded tokens, so an idle engine stays quiet.
+    """
+
+    def __init__(
+        self, interval_s: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.interval_s = log_stats_interval_s() if interval_s is None else interval_s
+        self._clock = clock
+        self._last_log_time = clock()
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self._last_stats: SchedulerStats | None = None
+
+    def record(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """Prompt tokens of requests whose first token arrived, and tokens generated, since the last call."""
+        self._num_prompt_tokens += num_prompt_tokens
+        self._num_generation_tokens += num_generation_tokens
+
+    def due(self) -> bool:
+        return self._clock() - self._last_log_time >= self.interval_s
+
+    def log(self, stats: SchedulerStats) -> None:
+        """Write the line for the interval that ends now (call when `due()`)."""
+        now = self._clock()
+        elapsed = max(now - self._last_log_time, 1e-9)
+        previous = self._last_stats
+        if self._num_prompt_tokens or self._num_generation_tokens:
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                self._num_prompt_tokens / elapsed,
+                self._num_generation_tokens / elapsed,
+                stats.num_running_reqs,
+                stats.num_waiting_reqs,
+                100 * stats.kv_cache_usage,
+                100 * _hit_rate(previous, stats),
+            )
+        num_preemptions = stats.num_preemptions_total - (
+            previous.num_preemptions_total if previous else 0
+        )
+        if num_preemptions:
+            logger.warning(
+                "%d requests were preempted in the last %.0f s (%d since startup): the KV cache is too small "
+                "for this load, and preempted requests recompute their tokens. Raise kv_cache_memory_bytes "
+                "(or num_kv_blocks), or lower max_num_seqs",
+                num_preemptions,
+                elapsed,
+                stats.num_preemptions_total,
+            )
+        self._last_log_time = now
+        self._last_stats = stats
+        self._num_prompt_tokens = self._num_generation_tokens = 0
+
+
+def _hit_rate(previous: SchedulerStats | None, stats: SchedulerStats) -> float:
+    """The prefix-cache hit rate of the prompt tokens looked up in this interval."""
+    queried = stats.prefix_cache_query_tokens - (
+        previous.prefix_cache_query_tokens if previous else 0
+    )
+    hits = stats.prefix_cache_hit_tokens - (previous.prefix_cache_hit_tokens if previous else 0)
+    return hits / queried if queried else 0.0
