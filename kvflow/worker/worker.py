@@ -124,23 +124,32 @@ def plan_kv_cache(
                 f"kv_cache_memory_bytes={requested} holds no KV block ({bytes_per_block} bytes each)"
             )
         return KVCachePlan(num_blocks, bytes_per_block, f"kv_cache_memory_bytes={requested}")
-    budget, rule = _automatic_budget(cache_config, memory)
+    return _automatic_plan(engine_config, bytes_per_block, memory)
+
+
+def _automatic_plan(
+    engine_config: EngineConfig, bytes_per_block: int, memory: DeviceMemory
+) -> KVCachePlan:
+    """The device's budget in blocks, or the blocks every slot needs at full length if that is fewer."""
+    cache_config = engine_config.cache_config
     scheduler_config = engine_config.scheduler_config
-    blocks_for_all_slots = scheduler_config.max_num_seqs * cdiv(
-        scheduler_config.max_model_len, cache_config.block_size
-    )
-    if budget // bytes_per_block < 1:
+    budget, rule = _automatic_budget(cache_config, memory)
+    budget_blocks = max(budget, 0) // bytes_per_block
+    if budget_blocks < 1:
         raise ValueError(
             f"the KV cache budget ({rule}: {max(budget, 0)} bytes) holds no KV block ({bytes_per_block} "
             f"bytes each); {_raise_hint(memory.device_type)}"
         )
-    if blocks_for_all_slots <= budget // bytes_per_block:
+    blocks_for_all_slots = scheduler_config.max_num_seqs * cdiv(
+        scheduler_config.max_model_len, cache_config.block_size
+    )
+    if blocks_for_all_slots <= budget_blocks:
         rule = (
             f"max_num_seqs={scheduler_config.max_num_seqs} x max_model_len="
             f"{scheduler_config.max_model_len}, under the cap of {rule}"
         )
         return KVCachePlan(blocks_for_all_slots, bytes_per_block, rule)
-    return KVCachePlan(budget // bytes_per_block, bytes_per_block, rule)
+    return KVCachePlan(budget_blocks, bytes_per_block, rule)
 
 
 def _automatic_budget(cache_config: CacheConfig, memory: DeviceMemory) -> tuple[int, str]:
