@@ -92,14 +92,14 @@ class InputProcessor:
             )
         for index, prompt in enumerate(prompt_list):
             if not isinstance(prompt, str | dict):
+                hint = (
+                    "; pass token ids as {'prompt_token_ids': [...]}"
+                    if isinstance(prompt, list | tuple)
+                    else ""
+                )
                 raise ValueError(
                     f"prompts[{index}] must be a string or a {{'prompt_token_ids': [...]}} dict, got "
-                    f"{_describe(prompt)}"
-                    + (
-                        "; pass token ids as {'prompt_token_ids': [...]}"
-                        if isinstance(prompt, list | tuple)
-                        else ""
-                    )
+                    f"{_describe(prompt)}{hint}"
                 )
         return prompt_list
 
@@ -137,8 +137,7 @@ class InputProcessor:
             sampling_params = self.default_sampling_params
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(
-                "sampling_params must be SamplingParams (or a list of them), got "
-                f"{type(sampling_params).__name__}"
+                f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}"
             )
         self._check_params(sampling_params)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
