@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,9 +18,22 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+# `ModelConfig.generation_config` values that name a source rather than a folder: "auto" reads the checkpoint's
+# generation_config.json, "kvflow" (or vLLM's spelling, "vllm") ignores it.
+GENERATION_CONFIG_SOURCES = ("auto", "kvflow", "vllm")
+GIB = 1 << 30
+# The CPU KV cache budget when KVFLOW_CPU_KVCACHE_SPACE is not set (vLLM CPU's VLLM_CPU_KVCACHE_SPACE default).
+DEFAULT_CPU_KV_CACHE_SPACE_BYTES = 4 * GIB
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which model to run. `model=None` is the built-in default model, `"hash"` the deterministic test model."""
+    """Which model to run. `model=None` is the built-in default model, `"hash"` the deterministic test model.
+
+    `generation_config` says where requests without their own SamplingParams take their defaults from: "auto"
+    (the checkpoint's generation_config.json), "kvflow" or "vllm" (kvflow's own defaults), or a folder holding a
+    generation_config.json. `max_logprobs` caps `SamplingParams.logprobs` (-1: no cap).
+    """
 
     model: str | None = None
     tokenizer: str | None = None
@@ -28,6 +42,8 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str = "auto"
+    generation_config: str = "auto"
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -39,6 +55,16 @@ class ModelConfig:
             self.max_model_len is None or self.max_model_len >= 2,
             f"max_model_len must be >= 2, got {self.max_model_len!r}",
         )
+        _require(
+            self.generation_config in GENERATION_CONFIG_SOURCES
+            or os.path.isdir(self.generation_config),
+            "generation_config must be 'auto' (the checkpoint's generation_config.json), 'kvflow' or 'vllm' "
+            f"(kvflow's defaults) or a folder holding a generation_config.json, got {self.generation_config!r}",
+        )
+        _require(
+            self.max_logprobs >= -1,
+            f"max_logprobs must be >= 0 (or -1 for no cap), got {self.max_logprobs}",
+        )
 
     @property
     def is_hash_model(self) -> bool:
@@ -49,15 +75,19 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache: `num_kv_blocks` blocks of `block_size` tokens.
 
-    Without `num_kv_blocks` the cache is sized at startup from `kv_cache_memory_bytes`, or else from
-    `kv_cache_memory_fraction` of the device's free memory (capped at what every slot at full length needs).
+    Without `num_kv_blocks` the cache is sized at startup (`kvflow.worker.worker.plan_kv_cache`): from
+    `kv_cache_memory_bytes` if set, else on CPU `cpu_kv_cache_space_bytes` (KVFLOW_CPU_KVCACHE_SPACE, default
+    4 GiB) capped at half the host's available memory, and on CUDA `gpu_memory_utilization` of the device's total
+    memory minus what is already in use there (the model's weights included). The automatic size never exceeds
+    what `max_num_seqs` sequences of `max_model_len` tokens need.
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
-    kv_cache_memory_fraction: float = 0.25
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_space_bytes: int = DEFAULT_CPU_KV_CACHE_SPACE_BYTES
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
@@ -70,8 +100,13 @@ class CacheConfig:
             f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}",
         )
         _require(
-            0 < self.kv_cache_memory_fraction <= 1,
-            f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}",
+            0 < self.gpu_memory_utilization <= 1,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
+        _require(
+            self.cpu_kv_cache_space_bytes > 0,
+            f"cpu_kv_cache_space_bytes (KVFLOW_CPU_KVCACHE_SPACE) must be > 0, got "
+            f"{self.cpu_kv_cache_space_bytes}",
         )
 
 

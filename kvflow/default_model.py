@@ -182,7 +182,9 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     )
     if is_complete(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    _prepare_cache_root(
+        target.parent, from_env=cache_dir is None and bool(os.environ.get(CACHE_DIR_ENV))
+    )
     staging = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
     try:
         start = time.perf_counter()
@@ -193,6 +195,28 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _prepare_cache_root(cache_root: Path, from_env: bool) -> None:
+    """Create kvflow's cache folder if needed; a path that cannot be a writable folder is a ValueError naming
+    where it came from (KVFLOW_CACHE_DIR, or the default ~/.cache/kvflow), not an OSError from deep inside."""
+    source = (
+        f"{CACHE_DIR_ENV}={str(cache_root)!r} (kvflow's cache folder)"
+        if from_env
+        else f"kvflow's cache folder {str(cache_root)!r} (set {CACHE_DIR_ENV} to use another)"
+    )
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ValueError(f"{source} is a file, not a folder") from None
+    except NotADirectoryError:
+        raise ValueError(f"{source} lies under a file, so it cannot be a folder") from None
+    except OSError as error:
+        raise ValueError(f"{source} cannot be created: {error.strerror or error}") from None
+    if not cache_root.is_dir():
+        raise ValueError(f"{source} is not a folder")
+    if not os.access(cache_root, os.W_OK | os.X_OK):
+        raise ValueError(f"{source} is not writable, so the default model cannot be built there")
 
 
 def is_complete(model_dir: Path) -> bool:

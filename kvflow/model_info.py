@@ -5,9 +5,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HASH_MODEL_NAME = "hash"
 _HASH_MODEL_MAX_MODEL_LEN = 4096
+GENERATION_CONFIG_FILE = "generation_config.json"
+# generation_config.json keys that become request defaults (vLLM's list), and the SamplingParams field each sets.
+SAMPLING_DEFAULT_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+_INT_FIELDS = frozenset({"top_k", "max_tokens"})
 
 
 @dataclass(frozen=True)
@@ -86,14 +98,60 @@ def resolve_model_info(model: str | None) -> ModelInfo:
 
 def _generation_eos_token_ids(path: Path) -> tuple[int, ...]:
     """EOS ids from generation_config.json (where chat checkpoints list every end-of-turn token), if present."""
-    file = path / "generation_config.json"
+    file = path / GENERATION_CONFIG_FILE
     if not file.is_file():
         return ()
+    return _as_id_tuple(_read_generation_config(file).get("eos_token_id"))
+
+
+def load_sampling_defaults(model_path: Path | None, generation_config: str) -> dict[str, Any]:
+    """The SamplingParams defaults a model's creator recommends: {field: value} from generation_config.json.
+
+    `generation_config` (the engine option) picks the file: "auto" reads the checkpoint's (none for the hash
+    model, `model_path=None`, or a checkpoint without the file), "kvflow" / "vllm" read nothing (kvflow's own
+    defaults), a folder path reads that folder's (which must hold the file). Keys in `SAMPLING_DEFAULT_KEYS` with
+    a non-null value are taken (`max_new_tokens` becomes `max_tokens`); everything else in the file is ignored. A
+    value SamplingParams rejects is a ValueError naming the file and the key.
+    """
+    from kvflow.sampling_params import SamplingParams
+
+    if generation_config in ("kvflow", "vllm"):
+        return {}
+    folder = model_path if generation_config == "auto" else Path(generation_config)
+    if folder is None:
+        return {}
+    file = folder / GENERATION_CONFIG_FILE
+    if not file.is_file():
+        if generation_config == "auto":
+            return {}
+        raise ValueError(f"generation_config={generation_config!r}: {file} does not exist")
+    raw = _read_generation_config(file)
+    defaults: dict[str, Any] = {}
+    for key, field_name in SAMPLING_DEFAULT_KEYS.items():
+        value = raw.get(key)
+        if value is None:
+            continue
+        if field_name in _INT_FIELDS and isinstance(value, float) and value.is_integer():
+            value = int(value)  # "top_k": 20.0 means 20
+        try:
+            SamplingParams(**{field_name: value})
+        except ValueError as error:
+            raise ValueError(
+                f"{file}: {key}={value!r} is not a valid sampling default ({error})"
+            ) from None
+        defaults[field_name] = value
+    return defaults
+
+
+def _read_generation_config(file: Path) -> dict[str, Any]:
+    """generation_config.json as a dict; ValueError naming the file if it is not a JSON object."""
     try:
         data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{file}: not valid JSON ({error})") from error
-    return _as_id_tuple(data.get("eos_token_id"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: not valid JSON (expected an object, got {type(data).__name__})")
+    return data
 
 
 def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:

@@ -46,7 +46,15 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Per-request timing (seconds, time.monotonic) and prefix-cache hit size."""
+    """Per-request timing and prefix-cache hit size.
+
+    The times are wall-clock seconds since the epoch, like `time.time()` and vLLM's `arrival_time`:
+    `arrival_time` when the request arrived, `first_token_time` when its first output token reached the front end,
+    `finished_time` when it finished (None until then). Only `arrival_time` reads the wall clock; the others are
+    `arrival_time` plus a `time.monotonic()` delta, so differences between them (time to first token,
+    `finished_time - arrival_time` end to end) are exact durations even if the system clock is adjusted
+    meanwhile. `num_cached_tokens` is the number of prompt tokens served from the prefix cache.
+    """
 
     arrival_time: float
     first_token_time: float | None = None

@@ -209,21 +209,17 @@ class Tokenizer:
         template sees `messages`, `tools`, `add_generation_prompt`, the special tokens (`bos_token`,
         `eos_token`, ...) and any extra keyword arguments (e.g. `documents`, `enable_thinking`). The rendered
         text usually contains the BOS token already: encode it with `add_special_tokens=False` (see
-        `encode_chat`).
+        `encode_chat`). Messages are checked first (`check_chat_messages`): a malformed one is a ValueError
+        naming its index, never an error from inside the template.
         """
-        if not isinstance(messages, list) or not all(
-            isinstance(message, Mapping) for message in messages
-        ):
-            raise ValueError(
-                "messages must be a list of dicts such as {'role': 'user', 'content': 'Hi'}"
-            )
+        checked_messages = check_chat_messages(messages)
         if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
             raise TypeError("tools must be JSON-schema dicts (Python callables are not converted)")
         template = self._compile(self._resolve_chat_template(chat_template))
         variables = {**self._special_tokens, **kwargs}
         try:
             return template.render(
-                messages=messages,
+                messages=checked_messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
@@ -234,6 +230,13 @@ class Tokenizer:
             ) from error
         except jinja2.TemplateError as error:
             raise ChatTemplateError(f"chat template error: {error}") from error
+        except (
+            TypeError,
+            AttributeError,
+        ) as error:  # e.g. iterating a value the template did not expect
+            raise ChatTemplateError(
+                f"chat template error: {error} (the template cannot render these messages)"
+            ) from error
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """`apply_chat_template` then `encode` without adding special tokens (the template placed them)."""
@@ -573,3 +576,57 @@ def _first_id(value: Any) -> int | None:
 
 def _optional_bool(value: Any) -> bool | None:
     return value if isinstance(value, bool) else None
+
+
+def check_chat_messages(messages: object) -> list[Mapping[str, Any]]:
+    """Check a conversation before a chat template renders it; ValueError naming the first bad message's index.
+
+    Each message is a dict with a string `role` and a `content` that is a string or a list of parts, each a dict
+    with a `type` (`{"type": "text", "text": str}`; other types, such as images, are passed through for templates
+    that know them). `content` may be None or missing only on a message with `tool_calls` (an assistant's tool
+    call, as in vLLM); such a message is rendered with content "" (returned as a copy; the caller's messages are
+    never changed). Anywhere else a missing content is an error rather than a failure inside the template: pass ""
+    for an empty message. Returns the messages to render.
+    """
+    if not isinstance(messages, list) or not all(
+        isinstance(message, Mapping) for message in messages
+    ):
+        raise ValueError(
+            "messages must be a list of dicts such as {'role': 'user', 'content': 'Hi'}"
+        )
+    checked: list[Mapping[str, Any]] = []
+    for index, message in enumerate(messages):
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(
+                f"messages[{index}] needs a 'role' string such as 'user', got {role!r}"
+            )
+        if message.get("content") is None and message.get("tool_calls"):
+            message = {**message, "content": ""}
+        _check_message_content(f"messages[{index}] (role {role!r})", message.get("content"))
+        checked.append(message)
+    return checked
+
+
+def _check_message_content(where: str, content: object) -> None:
+    if content is None:
+        raise ValueError(
+            f"{where} has no content: give it a 'content' string (\"\" for an empty message) or a list of "
+            "{'type': 'text', 'text': ...} parts"
+        )
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise ValueError(
+            f"{where}: content must be a string or a list of parts, got {type(content).__name__}"
+        )
+    for part_index, part in enumerate(content):
+        if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+            raise ValueError(
+                f"{where}: content[{part_index}] must be a dict with a 'type', such as "
+                f"{{'type': 'text', 'text': 'Hi'}}, got {part!r}"
+            )
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise ValueError(
+                f"{where}: content[{part_index}] is a text part without a 'text' string"
+            )

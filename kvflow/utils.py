@@ -18,12 +18,42 @@ def cdiv(numerator: _Count, denominator: int) -> _Count:
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' is CUDA when present, else CPU; anything else is passed to `torch.device`."""
+    """The torch device for a `device` option: 'auto' is CUDA when present, else CPU; 'cpu'; 'cuda' or 'cuda:N'.
+
+    Raises ValueError naming `device` for anything else, and for a CUDA device this process cannot use (a
+    CPU-only PyTorch build, no visible GPU, or an index past the last GPU), before any model is loaded.
+    """
     import torch
 
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if kind == "cuda":
+        _check_cuda_device(device, int(index) if index else 0)
     return torch.device(device)
+
+
+def _check_cuda_device(device: str, index: int) -> None:
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        raise ValueError(
+            f"device {device!r} requested but this PyTorch build ({torch.__version__}) has no CUDA support; "
+            "use device='cpu' (or 'auto'), or install a CUDA build of PyTorch"
+        )
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_gpus == 0:
+        raise ValueError(
+            f"device {device!r} requested but no CUDA GPU is visible (check the driver and "
+            "CUDA_VISIBLE_DEVICES); use device='cpu' (or 'auto')"
+        )
+    if index >= num_gpus:
+        raise ValueError(
+            f"device {device!r} requested but only {num_gpus} CUDA GPU(s) are visible (cuda:0.."
+            f"cuda:{num_gpus - 1})"
+        )
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

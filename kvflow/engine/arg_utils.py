@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
 
 from kvflow.config import (
+    DEFAULT_CPU_KV_CACHE_SPACE_BYTES,
     DTYPES,
     EXECUTOR_BACKENDS,
+    GIB,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
@@ -31,6 +35,8 @@ if TYPE_CHECKING:
 # Tokens per step when not given: on CPU, steps of ~2k tokens keep activations cache-resident (README has the
 # measurements); GPUs want bigger steps.
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+# The CPU KV cache budget in GiB (vLLM CPU's VLLM_CPU_KVCACHE_SPACE); unset, empty or 0: 4 GiB.
+CPU_KVCACHE_SPACE_ENV = "KVFLOW_CPU_KVCACHE_SPACE"
 
 
 def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -69,7 +75,16 @@ class EngineArgs:
     )
     block_size: int = _option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _option(None, "KV cache blocks (overrides --kv-cache-memory-bytes)")
-    kv_cache_memory_bytes: int | None = _option(None, "KV cache size in bytes")
+    kv_cache_memory_bytes: int | None = _option(
+        None,
+        "KV cache size in bytes (overrides the automatic size: on CPU $KVFLOW_CPU_KVCACHE_SPACE GiB, default 4, "
+        "at most half the available memory; on CUDA see --gpu-memory-utilization)",
+    )
+    gpu_memory_utilization: float = _option(
+        0.9,
+        "CUDA: the fraction of the device's total memory this engine may use (weights, KV cache, "
+        "activations); the KV cache gets this share minus the memory already in use on the device",
+    )
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes")
     enable_chunked_prefill: bool = _option(True, "split long prompts across engine steps")
     async_scheduling: bool = _option(True, "plan step N+1 while step N runs (overlapped steps)")
@@ -87,6 +102,13 @@ class EngineArgs:
         True, "slot model runner protocol (off: the persistent-batch protocol)"
     )
     device: str = _option("auto", "'auto' (CUDA when present), 'cpu', 'cuda' or 'cuda:N'")
+    generation_config: str = _option(
+        "auto",
+        "defaults of requests without sampling params: 'auto' (the checkpoint's generation_config.json: "
+        "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), 'kvflow' or 'vllm' "
+        "(kvflow's own defaults), or a folder holding a generation_config.json",
+    )
+    max_logprobs: int = _option(20, "most logprobs a request may ask for (-1: no cap)")
     disable_log_stats: bool = _option(
         False,
         "no periodic throughput / scheduler stats in the log (every $KVFLOW_LOG_STATS_INTERVAL s)",
@@ -103,6 +125,9 @@ class EngineArgs:
             choices = option.metadata["choices"]
             if choices is not None and value is not None and value not in choices:
                 raise ValueError(f"{option.name} must be one of {choices}, got {value!r}")
+        resolve_device(
+            self.device
+        )  # an unknown or absent device is a ValueError now, not at load time
         if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
             raise ValueError(
                 "tensor_parallel_size and data_parallel_size must be 1: parallel engines are not "
@@ -117,7 +142,10 @@ class EngineArgs:
                 f"max_model_len={self.max_model_len} is larger than the model supports "
                 f"({model_info.max_model_len})"
             )
-        max_model_len = self.max_model_len or model_info.max_model_len
+        # `is None`, not `or`: max_model_len=0 is a mistake to report, not "unset".
+        max_model_len = (
+            self.max_model_len if self.max_model_len is not None else model_info.max_model_len
+        )
         return EngineConfig(
             model_config=ModelConfig(
                 model=str(model_info.path) if model_info.path else model_info.name,
@@ -127,12 +155,16 @@ class EngineArgs:
                 max_model_len=max_model_len,
                 seed=self.seed,
                 device=self.device,
+                generation_config=self.generation_config,
+                max_logprobs=self.max_logprobs,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                cpu_kv_cache_space_bytes=cpu_kv_cache_space_bytes(),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -196,6 +228,26 @@ class EngineArgs:
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
+def cpu_kv_cache_space_bytes(environ: Mapping[str, str] = os.environ) -> int:
+    """The CPU KV cache budget: `KVFLOW_CPU_KVCACHE_SPACE` GiB (a positive number; unset, empty or 0 mean the
+    default, 4 GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE). A malformed value is a ValueError naming the variable."""
+    raw = environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_CPU_KV_CACHE_SPACE_BYTES
+    try:
+        space_gib = float(raw)
+    except ValueError:
+        space_gib = math.nan
+    if not math.isfinite(space_gib) or space_gib < 0:
+        raise ValueError(
+            f"{CPU_KVCACHE_SPACE_ENV} must be the CPU KV cache size in GiB (a number >= 0; 0 or unset: "
+            f"4 GiB), got {raw!r}"
+        )
+    if space_gib == 0:
+        return DEFAULT_CPU_KV_CACHE_SPACE_BYTES
+    return max(1, int(space_gib * GIB))
+
+
 def _value_type(annotation: Any) -> type:
     """`int` for `int` and `int | None`."""
     if get_origin(annotation) in (Union, types.UnionType):
@@ -208,8 +260,10 @@ def _check_type(name: str, value: Any, annotation: Any) -> None:
     if value is None and type(None) in get_args(annotation):
         return
     expected = _value_type(annotation)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return  # an int is a fine float (gpu_memory_utilization=1)
     # bool is an int subclass: `max_num_seqs=True` is a mistake, not 1.
-    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+    if not isinstance(value, expected) or (expected in (int, float) and isinstance(value, bool)):
         raise ValueError(f"{name} must be {_type_name(annotation)}, got {value!r}")
 
 

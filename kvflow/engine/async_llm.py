@@ -93,6 +93,11 @@ class AsyncLLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a `generate` call without any: kvflow's defaults overridden by the model's
+        generation_config.json unless `generation_config="kvflow"` (see `LLM.get_default_sampling_params`)."""
+        return self.input_processor.get_default_sampling_params()
+
     @property
     def errored(self) -> bool:
         """True once the engine failed (not after a clean shutdown)."""

@@ -43,7 +43,9 @@ def build_engine(engine_args: EngineArgs) -> EngineParts:
             f"max_model_len={max_model_len} does not fit in the KV cache ({kv_capacity_tokens} tokens); "
             "lower max_model_len or raise num_kv_blocks / kv_cache_memory_bytes"
         )
-    input_processor = InputProcessor(model_info, tokenizer, max_model_len)
+    input_processor = InputProcessor(
+        model_info, tokenizer, max_model_len, engine_config.model_config
+    )
     return EngineParts(
         engine_config,
         model_info,

@@ -6,8 +6,12 @@ Shared by `LLM` and `AsyncLLM`, so both accept the same prompts and reject the s
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvflow.config import ModelConfig
+from kvflow.model_info import load_sampling_defaults
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.utils import child_request_id
@@ -16,8 +20,13 @@ if TYPE_CHECKING:
     from kvflow.model_info import ModelInfo
     from kvflow.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 PromptType = str | dict[str, Any]
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+_PROMPT_SHAPES = (
+    "a string, a {'prompt_token_ids': [...]} or {'prompt': str} dict, or a list of them"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,34 +41,106 @@ class ProcessedPrompt:
 class InputProcessor:
     """Turns user prompts into core requests.
 
-    Invariants: every token id it emits is in [0, vocab_size); a prompt leaves room for at least one generated
-    token under `max_model_len`; EOS ids beyond the model's first (generation_config.json's list) are added as stop
-    token ids unless `ignore_eos`. A bad prompt or parameter raises `ValueError` naming it.
+    Invariants: every token id it emits (prompt or stop token) is in [0, vocab_size); a prompt leaves room for at
+    least one generated token under `max_model_len`; `logprobs` is at most `max_logprobs` (unless that is -1) and
+    the vocabulary size; EOS ids beyond the model's first (generation_config.json's list) are added as stop token
+    ids unless `ignore_eos`. A request without SamplingParams runs with `default_sampling_params`: kvflow's
+    defaults overridden by the model creator's generation_config.json (`ModelConfig.generation_config`). A bad
+    prompt or parameter raises `ValueError` naming it.
     """
 
     def __init__(
-        self, model_info: ModelInfo, tokenizer: Tokenizer | None, max_model_len: int
+        self,
+        model_info: ModelInfo,
+        tokenizer: Tokenizer | None,
+        max_model_len: int,
+        model_config: ModelConfig | None = None,
     ) -> None:
+        if model_config is None:
+            model_config = ModelConfig()  # its defaults: generation_config "auto", max_logprobs 20
         self.tokenizer = tokenizer
         self.vocab_size = model_info.vocab_size
         self.max_model_len = max_model_len
+        self.max_logprobs = model_config.max_logprobs
         self.eos_token_id = model_info.eos_token_id
         if self.eos_token_id is None and tokenizer is not None:
             self.eos_token_id = tokenizer.eos_token_id
         self.extra_eos_token_ids = [
             t for t in model_info.eos_token_ids[1:] if t != self.eos_token_id
         ]
+        self.default_sampling_params = _default_sampling_params(
+            model_info, model_config.generation_config
+        )
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A fresh copy of the SamplingParams used for requests that pass none."""
+        return dataclasses.replace(self.default_sampling_params)
+
+    # ------------------------------------------------------------------------------------------------ batches
+    def normalize_prompts(self, prompts: object) -> list[PromptType]:
+        """`LLM.generate`'s `prompts` as a list: one string or dict is a batch of one; a list, tuple or other
+        iterable is a batch. A list of ints is refused (ambiguous: one token-id prompt or several prompts?), as is
+        anything that is not a prompt; each ValueError says what to pass instead."""
+        if isinstance(prompts, str | dict):
+            return [prompts]
+        if isinstance(prompts, bytes | bytearray) or not isinstance(prompts, Iterable):
+            raise ValueError(f"prompts must be {_PROMPT_SHAPES}, got {_describe(prompts)}")
+        prompt_list = list(prompts)
+        if prompt_list and all(_is_token_id(item) for item in prompt_list):
+            raise ValueError(
+                f"prompts is a list of ints ({_short(prompt_list)}): pass token ids as "
+                "{'prompt_token_ids': [...]} (a list of prompts must hold strings or dicts)"
+            )
+        for index, prompt in enumerate(prompt_list):
+            if not isinstance(prompt, str | dict):
+                hint = (
+                    "; pass token ids as {'prompt_token_ids': [...]}"
+                    if isinstance(prompt, list | tuple)
+                    else ""
+                )
+                raise ValueError(
+                    f"prompts[{index}] must be a string or a {{'prompt_token_ids': [...]}} dict, got "
+                    f"{_describe(prompt)}{hint}"
+                )
+        return prompt_list
+
+    def expand_sampling_params(
+        self, sampling_params: object, num_prompts: int
+    ) -> list[SamplingParams]:
+        """One SamplingParams per prompt: None means `default_sampling_params` for every prompt, one
+        SamplingParams applies to all, a list gives each prompt its own (same length as the prompts)."""
+        if sampling_params is None:
+            return [self.default_sampling_params] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
+            raise ValueError(
+                "sampling_params must be SamplingParams (or a list of them, one per prompt), got "
+                f"{type(sampling_params).__name__}"
+            )
+        for index, params in enumerate(sampling_params):
+            if not isinstance(params, SamplingParams):
+                raise ValueError(
+                    f"sampling_params[{index}] must be SamplingParams, got {type(params).__name__}"
+                )
+        if len(sampling_params) != num_prompts:
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts"
+            )
+        return list(sampling_params)
+
+    # ------------------------------------------------------------------------------------------------ one prompt
     def process(
         self, prompt: PromptType, sampling_params: SamplingParams | None
     ) -> ProcessedPrompt:
-        """Validate and tokenize one prompt."""
+        """Validate and tokenize one prompt (None params: `default_sampling_params`)."""
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(
                 f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}"
             )
+        self._check_params(sampling_params)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
@@ -69,6 +150,27 @@ class InputProcessor:
         return ProcessedPrompt(
             prompt_text, prompt_token_ids, self.with_model_stop_ids(sampling_params)
         )
+
+    def _check_params(self, sampling_params: SamplingParams) -> None:
+        """The checks that need the model: logprobs within the engine's cap, stop token ids in the vocabulary."""
+        logprobs = sampling_params.logprobs
+        if logprobs is not None:
+            if self.max_logprobs != -1 and logprobs > self.max_logprobs:
+                raise ValueError(
+                    f"SamplingParams.logprobs={logprobs} is more than this engine allows "
+                    f"(max_logprobs={self.max_logprobs}); ask for fewer or raise max_logprobs"
+                )
+            if logprobs > self.vocab_size:
+                raise ValueError(
+                    f"SamplingParams.logprobs={logprobs} is more than the vocabulary size "
+                    f"({self.vocab_size})"
+                )
+        outside = [t for t in sampling_params.stop_token_ids or () if t >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"SamplingParams.stop_token_ids holds {_short(outside)}, not token ids in "
+                f"[0, {self.vocab_size})"
+            )
 
     def with_model_stop_ids(self, sampling_params: SamplingParams) -> SamplingParams:
         if not self.extra_eos_token_ids or sampling_params.ignore_eos:
@@ -89,10 +191,15 @@ class InputProcessor:
             if not token_ids:
                 raise ValueError("prompt is empty after tokenization")
             return prompt, token_ids
+        if isinstance(prompt, list | tuple) and prompt and all(map(_is_token_id, prompt)):
+            raise ValueError(
+                f"a prompt must be a string or a dict, got a list of ints ({_short(prompt)}): pass token ids "
+                "as {'prompt_token_ids': [...]}"
+            )
         if not isinstance(prompt, dict) or not ({"prompt_token_ids", "prompt"} & prompt.keys()):
             raise ValueError(
                 f"a prompt must be a string, {{'prompt_token_ids': [...]}} or {{'prompt': str}}, "
-                f"got {prompt!r}"
+                f"got {_describe(prompt)}"
             )
         unknown_keys = sorted(prompt.keys() - _PROMPT_KEYS)
         if unknown_keys:
@@ -154,6 +261,35 @@ class InputProcessor:
             )
             for index in range(params.n)
         ]
+
+
+def _default_sampling_params(model_info: ModelInfo, generation_config: str) -> SamplingParams:
+    """kvflow's SamplingParams with the model's generation_config.json defaults applied (logged once at INFO)."""
+    defaults = load_sampling_defaults(model_info.path, generation_config)
+    if defaults:
+        logger.info(
+            "Default sampling parameters have been overridden by the model's generation config "
+            "(generation_config.json, as recommended by the model creator): %s. Requests without "
+            "SamplingParams use them; pass generation_config='kvflow' to use kvflow's defaults instead.",
+            ", ".join(f"{name}={value!r}" for name, value in defaults.items()),
+        )
+    return SamplingParams(**defaults)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(values: Sequence[object], limit: int = 8) -> str:
+    """`[1, 2, 3]`, or the first `limit` items and an ellipsis."""
+    shown = ", ".join(repr(value) for value in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
+
+
+def _describe(value: object) -> str:
+    """A short description of a wrong value for an error message: its type and a bounded repr."""
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
 def check_priority(priority: object, scheduling_policy: str) -> int:

@@ -38,6 +38,7 @@ class ParentRequest:
     output_kind: str
     metrics: RequestMetrics
     completions: list[CompletionOutput | None] = field(default_factory=list)
+    arrival_monotonic: float = 0.0  # the time.monotonic() stamp behind metrics.arrival_time
 
     def __post_init__(self) -> None:
         self.completions = [None] * self.n
@@ -68,6 +69,11 @@ class RequestState:
     num_emitted_tokens: int = 0  # for output_kind="delta"
     num_emitted_logprobs: int = 0
     weight_versions: list[int] = field(default_factory=list)
+    arrival_monotonic: float = 0.0  # the time.monotonic() stamp behind metrics.arrival_time
+
+    def stamp(self, now_monotonic: float) -> float:
+        """The wall-clock time of a `time.monotonic()` stamp, measured from this request's arrival."""
+        return self.metrics.arrival_time + (now_monotonic - self.arrival_monotonic)
 
 
 @dataclass
@@ -106,9 +112,8 @@ class OutputProcessor:
     ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        metrics = RequestMetrics(
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic()
-        )
+        arrival_monotonic = arrival_time if arrival_time is not None else time.monotonic()
+        metrics = _arrival_metrics(arrival_monotonic)
         detokenizer = None
         if self.tokenizer is not None:
             from kvflow.engine.detokenizer import IncrementalDetokenizer
@@ -126,6 +131,7 @@ class OutputProcessor:
             self.tokenizer,
             parent,
             index,
+            arrival_monotonic=arrival_monotonic,
         )
         if sampling_params.logprobs is not None:
             state.logprobs = []
@@ -143,10 +149,16 @@ class OutputProcessor:
         """Register a parallel-sampling request; its children are added with `add_request(..., parent=...)`."""
         if request_id in self.parent_requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        metrics = RequestMetrics(
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic()
+        arrival_monotonic = arrival_time if arrival_time is not None else time.monotonic()
+        parent = ParentRequest(
+            request_id,
+            n,
+            prompt,
+            list(prompt_token_ids),
+            output_kind,
+            _arrival_metrics(arrival_monotonic),
+            arrival_monotonic=arrival_monotonic,
         )
-        parent = ParentRequest(request_id, n, prompt, list(prompt_token_ids), output_kind, metrics)
         self.parent_requests[request_id] = parent
         return parent
 
@@ -208,7 +220,7 @@ class OutputProcessor:
                 reqs_to_abort.append(state.request_id)
             finished = finish_reason is not None and not engine_output.session_continues
             if finished:
-                state.metrics.finished_time = now
+                state.metrics.finished_time = state.stamp(now)
                 del self.request_states[state.request_id]
             elif finished_only:
                 continue
@@ -223,7 +235,7 @@ class OutputProcessor:
         """Append tokens, logprobs and text; returns the (finish_reason, stop_reason) after this output."""
         new_token_ids = engine_output.new_token_ids
         if new_token_ids and state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
+            state.metrics.first_token_time = state.stamp(now)
         state.output_token_ids.extend(new_token_ids)
         if new_token_ids and (
             not state.weight_versions or state.weight_versions[-1] != engine_output.weight_version
@@ -271,7 +283,7 @@ class OutputProcessor:
                 state = self.request_states.pop(core_request_id, None)
                 if state is None:
                     continue
-                state.metrics.finished_time = time.monotonic()
+                state.metrics.finished_time = state.stamp(time.monotonic())
                 output = self._make_output(state, "abort", None, finished=True)
                 if output is not None:
                     outputs.append(output)
@@ -376,3 +388,10 @@ class OutputProcessor:
             finished=finished,
             metrics=parent.metrics,
         )
+
+
+def _arrival_metrics(arrival_monotonic: float) -> RequestMetrics:
+    """Fresh metrics whose `arrival_time` is the wall-clock time (`time.time()`) of a `time.monotonic()` arrival
+    stamp; later stamps are `arrival_time` plus monotonic deltas (`RequestState.stamp`), so durations between them
+    never see wall-clock jumps."""
+    return RequestMetrics(arrival_time=time.time() - (time.monotonic() - arrival_monotonic))

@@ -69,6 +69,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a `generate` call without any: kvflow's defaults overridden by the model's
+        generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) unless
+        `generation_config="kvflow"`. A fresh copy: change it and pass it on."""
+        return self.input_processor.get_default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -87,7 +93,7 @@ class LLM:
         slots are freed and the LLM stays usable. In the main thread a Ctrl-C is held back until the running engine
         step is over, so it never interrupts a step half-way.
         """
-        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        prompt_list = self.input_processor.normalize_prompts(prompts)
         params_list = self._expand_sampling_params(sampling_params, len(prompt_list))
         priorities = self._expand_priority(priority, len(prompt_list))
         processed = [
@@ -190,20 +196,12 @@ class LLM:
             return self.engine_core.update_weights(weights)
 
     # ------------------------------------------------------------------------------------------------ internals
-    @staticmethod
     def _expand_sampling_params(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+        self,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        num_prompts: int,
     ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams() for _ in range(num_prompts)]
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
-        params_list = list(sampling_params)
-        if len(params_list) != num_prompts:
-            raise ValueError(
-                f"sampling_params has {len(params_list)} entries for {num_prompts} prompts"
-            )
-        return params_list
+        return self.input_processor.expand_sampling_params(sampling_params, num_prompts)
 
     def _expand_priority(self, priority: int | Sequence[int] | None, num_prompts: int) -> list[int]:
         if priority is None:

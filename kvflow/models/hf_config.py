@@ -115,7 +115,8 @@ def load_hf_config(model_path: str | Path) -> TransformerConfig:
 
 
 def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
-    """Build a `TransformerConfig` from a parsed `config.json`; a missing required key raises KeyError(key)."""
+    """Build a `TransformerConfig` from a parsed `config.json`; an architecture kvflow does not run raises
+    ValueError (before any other key is read), a missing required key KeyError(key)."""
     architecture = _architecture(raw)
     for key in _REQUIRED_KEYS:
         if raw.get(key) is None:
@@ -156,12 +157,18 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
 
 
 def _architecture(raw: dict[str, Any]) -> str:
+    """The first architecture kvflow supports in `architectures`, checked before any other key is read, so an
+    unsupported model fails with the supported list rather than with a key only supported models have."""
+    from kvflow.models.registry import SUPPORTED_ARCHITECTURES, unsupported_architecture_error
+
     architectures = raw.get("architectures")
     if not architectures:
         raise KeyError("architectures")
-    if isinstance(architectures, str):
-        return architectures
-    return str(architectures[0])
+    names = [architectures] if isinstance(architectures, str) else [str(a) for a in architectures]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    raise unsupported_architecture_error(names)
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

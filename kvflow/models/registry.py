@@ -37,7 +37,7 @@ def get_model_class(architectures: list[str]) -> type:
             from kvflow.models.llama import LlamaForCausalLM
 
             return LlamaForCausalLM
-    raise _unsupported(architectures)
+    raise unsupported_architecture_error(architectures)
 
 
 def build_model(
@@ -46,7 +46,7 @@ def build_model(
     """The model `model_info.architecture` names, built on `device` the way the registry says."""
     builder = _MODEL_BUILDERS.get(model_info.architecture)
     if builder is None:
-        raise _unsupported([model_info.architecture])
+        raise unsupported_architecture_error([model_info.architecture])
     return builder(model_config, model_info, device)
 
 
@@ -75,7 +75,8 @@ _MODEL_BUILDERS: dict[str, ModelBuilder] = {
 }
 
 
-def _unsupported(architectures: list[str]) -> ValueError:
+def unsupported_architecture_error(architectures: list[str]) -> ValueError:
+    """The error for a checkpoint none of whose architectures kvflow runs, listing the ones it does."""
     named = ", ".join(repr(name) for name in architectures) or "none"
     return ValueError(
         f"unsupported model architecture {named}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"

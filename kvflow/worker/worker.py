@@ -5,11 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvflow.config import GIB
 from kvflow.model_info import resolve_model_info
 from kvflow.models.registry import build_model
 from kvflow.utils import cdiv, resolve_device
@@ -17,7 +19,7 @@ from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.persistent_batch import PersistentBatchModelRunner
 
 if TYPE_CHECKING:
-    from kvflow.config import EngineConfig
+    from kvflow.config import CacheConfig, EngineConfig
     from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
 
@@ -29,49 +31,196 @@ def get_model_runner_class(use_v2_model_runner: bool) -> type[ModelRunner]:
     return ModelRunner if use_v2_model_runner else PersistentBatchModelRunner
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    """Free memory on the device: CUDA's free bytes, or the host's MemAvailable."""
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A device's memory when the KV cache is sized: `total_bytes` (CUDA: the device's; CPU: MemTotal) and
+    `free_bytes` (CUDA: free on the device, after this process loaded its model; CPU: MemAvailable)."""
+
+    device_type: str
+    total_bytes: int
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The KV cache's size and the rule that decided it (for the startup log)."""
+
+    num_blocks: int
+    bytes_per_block: int
+    rule: str
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def measure_device_memory(device: torch.device) -> DeviceMemory:
+    """Total and free memory of `device` now (see `DeviceMemory`)."""
     if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        return int(free_bytes)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        return DeviceMemory("cuda", int(total_bytes), int(free_bytes))
+    meminfo = _read_meminfo()
+    page_size = os.sysconf("SC_PAGE_SIZE")
+    total_bytes = meminfo.get("MemTotal", page_size * os.sysconf("SC_PHYS_PAGES"))
+    free_bytes = meminfo.get("MemAvailable", page_size * os.sysconf("SC_AVPHYS_PAGES"))
+    return DeviceMemory("cpu", total_bytes, free_bytes)
+
+
+def _read_meminfo() -> dict[str, int]:
+    """/proc/meminfo's byte counts by name (empty where there is no /proc)."""
+    values: dict[str, int] = {}
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                name, _, rest = line.partition(":")
+                fields = rest.split()
+                if fields and fields[0].isdigit():
+                    values[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return values
 
 
-def determine_num_kv_blocks(
-    engine_config: EngineConfig, bytes_per_block: int, device: torch.device
-) -> int:
-    """`num_kv_blocks` if set; else what `kv_cache_memory_bytes` buys; else `kv_cache_memory_fraction` of free
-    memory, capped at the blocks every slot needs at full length (more would only lengthen the prefix cache)."""
+def cpu_kv_cache_budget(cpu_kv_cache_space_bytes: int, free_bytes: int) -> int:
+    """Bytes for an automatically sized CPU KV cache: the configured space (KVFLOW_CPU_KVCACHE_SPACE, 4 GiB by
+    default), but at most half of the available memory, so the rest of the process and the host keep room."""
+    return min(cpu_kv_cache_space_bytes, free_bytes // 2)
+
+
+def cuda_kv_cache_budget(total_bytes: int, free_bytes: int, gpu_memory_utilization: float) -> int:
+    """Bytes for an automatically sized CUDA KV cache, as vLLM counts them: the engine may use
+    `gpu_memory_utilization` of the device's total memory; whatever is in use already (`total - free`: this
+    process's weights, and any other process on the device) comes out of that share; the rest is the KV cache.
+    Activations come out of the remaining `1 - gpu_memory_utilization` (kvflow does not profile a forward pass).
+    Negative when the device is already fuller than the share allows."""
+    in_use_bytes = total_bytes - free_bytes
+    return int(total_bytes * gpu_memory_utilization) - in_use_bytes
+
+
+def plan_kv_cache(
+    engine_config: EngineConfig, bytes_per_block: int, memory: DeviceMemory
+) -> KVCachePlan:
+    """The KV cache's block count, by the first rule that applies:
+
+    1. `num_kv_blocks`, as given;
+    2. what `kv_cache_memory_bytes` buys;
+    3. automatic: on CPU `cpu_kv_cache_budget`, on CUDA `cuda_kv_cache_budget`, capped at the blocks
+       `max_num_seqs` sequences of `max_model_len` tokens need (more would only lengthen the prefix cache).
+
+    A size the device cannot hold (more than its free memory), or one that holds no block, is a ValueError naming
+    the option to change, raised before anything is allocated.
+    """
     cache_config = engine_config.cache_config
     if cache_config.num_kv_blocks is not None:
-        return cache_config.num_kv_blocks
+        num_blocks = cache_config.num_kv_blocks
+        _check_fits("num_kv_blocks", num_blocks, num_blocks * bytes_per_block, memory)
+        return KVCachePlan(num_blocks, bytes_per_block, "num_kv_blocks")
     if cache_config.kv_cache_memory_bytes is not None:
-        num_blocks = cache_config.kv_cache_memory_bytes // bytes_per_block
+        requested = cache_config.kv_cache_memory_bytes
+        _check_fits("kv_cache_memory_bytes", requested, requested, memory)
+        num_blocks = requested // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"kv_cache_memory_bytes={cache_config.kv_cache_memory_bytes} holds no KV block "
-                f"({bytes_per_block} bytes each)"
+                f"kv_cache_memory_bytes={requested} holds no KV block ({bytes_per_block} bytes each)"
             )
-        return num_blocks
+        return KVCachePlan(num_blocks, bytes_per_block, f"kv_cache_memory_bytes={requested}")
+    return _automatic_plan(engine_config, bytes_per_block, memory)
+
+
+def _automatic_plan(
+    engine_config: EngineConfig, bytes_per_block: int, memory: DeviceMemory
+) -> KVCachePlan:
+    """The device's budget in blocks, or the blocks every slot needs at full length if that is fewer."""
+    cache_config = engine_config.cache_config
     scheduler_config = engine_config.scheduler_config
+    budget, rule = _automatic_budget(cache_config, memory)
+    budget_blocks = max(budget, 0) // bytes_per_block
+    if budget_blocks < 1:
+        raise ValueError(
+            f"the KV cache budget ({rule}: {max(budget, 0)} bytes) holds no KV block ({bytes_per_block} "
+            f"bytes each); {_raise_hint(memory.device_type)}"
+        )
     blocks_for_all_slots = scheduler_config.max_num_seqs * cdiv(
         scheduler_config.max_model_len, cache_config.block_size
     )
-    budget = int(available_memory_bytes(device) * cache_config.kv_cache_memory_fraction)
-    num_blocks = min(blocks_for_all_slots, budget // bytes_per_block)
-    if num_blocks < 1:
-        raise ValueError(
-            f"kv_cache_memory_fraction={cache_config.kv_cache_memory_fraction} of free memory "
-            f"({budget} bytes) holds no KV block ({bytes_per_block} bytes each)"
+    if blocks_for_all_slots <= budget_blocks:
+        rule = (
+            f"max_num_seqs={scheduler_config.max_num_seqs} x max_model_len="
+            f"{scheduler_config.max_model_len}, under the cap of {rule}"
         )
-    return num_blocks
+        return KVCachePlan(blocks_for_all_slots, bytes_per_block, rule)
+    return KVCachePlan(budget_blocks, bytes_per_block, rule)
+
+
+def _automatic_budget(cache_config: CacheConfig, memory: DeviceMemory) -> tuple[int, str]:
+    """(bytes, the rule in words) of the automatic size on `memory`'s device."""
+    if memory.device_type == "cuda":
+        utilization = cache_config.gpu_memory_utilization
+        budget = cuda_kv_cache_budget(memory.total_bytes, memory.free_bytes, utilization)
+        in_use = memory.total_bytes - memory.free_bytes
+        return budget, (
+            f"gpu_memory_utilization={utilization} of {_gib(memory.total_bytes)} minus "
+            f"{_gib(in_use)} in use"
+        )
+    space = cache_config.cpu_kv_cache_space_bytes
+    budget = cpu_kv_cache_budget(space, memory.free_bytes)
+    if budget < space:
+        return budget, f"half of the {_gib(memory.free_bytes)} available memory"
+    return budget, f"the CPU KV cache space {_gib(space)} (KVFLOW_CPU_KVCACHE_SPACE)"
+
+
+def _check_fits(option: str, value: int, num_bytes: int, memory: DeviceMemory) -> None:
+    if num_bytes > memory.free_bytes:
+        raise ValueError(
+            f"{option}={value} asks for a {_gib(num_bytes)} KV cache, more than the "
+            f"{_gib(memory.free_bytes)} free on {memory.device_type}; lower {option}"
+        )
+
+
+def _raise_hint(device_type: str) -> str:
+    if device_type == "cuda":
+        return "raise gpu_memory_utilization, free device memory, or set kv_cache_memory_bytes"
+    return "free host memory, raise KVFLOW_CPU_KVCACHE_SPACE, or set kv_cache_memory_bytes"
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB"
+
+
+def _log_kv_cache_plan(
+    plan: KVCachePlan, engine_config: EngineConfig, device: torch.device
+) -> None:
+    """Log the cache once at INFO; warn when it cannot hold `max_num_seqs` full-length sequences at once."""
+    scheduler_config = engine_config.scheduler_config
+    block_size = engine_config.cache_config.block_size
+    num_tokens = plan.num_blocks * block_size
+    max_model_len = scheduler_config.max_model_len
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB on %s, by %s); max concurrency %.2fx at "
+        "max_model_len=%d",
+        plan.num_blocks,
+        block_size,
+        num_tokens,
+        plan.num_bytes / 2**20,
+        device,
+        plan.rule,
+        num_tokens / max_model_len,
+        max_model_len,
+    )
+    num_full_length = plan.num_blocks // cdiv(max_model_len, block_size)
+    if 1 <= num_full_length < scheduler_config.max_num_seqs:
+        budget_knob = (
+            "gpu_memory_utilization" if device.type == "cuda" else "KVFLOW_CPU_KVCACHE_SPACE"
+        )
+        logger.warning(
+            "the KV cache holds %d sequences of max_model_len=%d tokens, fewer than max_num_seqs=%d: long "
+            "requests will wait or be preempted; give the cache more memory (%s, kv_cache_memory_bytes or "
+            "num_kv_blocks) or lower max_model_len / max_num_seqs",
+            num_full_length,
+            max_model_len,
+            scheduler_config.max_num_seqs,
+            budget_knob,
+        )
 
 
 class Worker:
@@ -90,7 +239,11 @@ class Worker:
         )
         self.model = build_model(model_config, self.model_info, self.device)
         bytes_per_block = self.model.kv_cache_bytes_per_block(block_size)
-        self.num_kv_blocks = determine_num_kv_blocks(engine_config, bytes_per_block, self.device)
+        self.kv_cache_plan = plan_kv_cache(
+            engine_config, bytes_per_block, measure_device_memory(self.device)
+        )
+        _log_kv_cache_plan(self.kv_cache_plan, engine_config, self.device)
+        self.num_kv_blocks = self.kv_cache_plan.num_blocks
         runner_class = get_model_runner_class(scheduler_config.use_v2_model_runner)
         self.model_runner = runner_class(
             self.model,
@@ -101,18 +254,6 @@ class Worker:
             device=self.device,
             eos_token_id=self.model_info.eos_token_id,
             seed=model_config.seed,
-        )
-        num_tokens = self.num_kv_blocks * block_size
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB on %s); max concurrency %.2fx at "
-            "max_model_len=%d",
-            self.num_kv_blocks,
-            block_size,
-            num_tokens,
-            self.num_kv_blocks * bytes_per_block / 2**20,
-            self.device,
-            num_tokens / scheduler_config.max_model_len,
-            scheduler_config.max_model_len,
         )
 
     def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:

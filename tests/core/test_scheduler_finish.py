@@ -128,12 +128,36 @@ def test_prompt_of_exactly_max_model_len_generates_one_token():
     assert final.finish_reason == "length"
 
 
-def test_stop_token_wins_over_nothing_but_length_checked_first():
-    # The last allowed token is also a stop token: length is checked first.
+def test_stop_token_as_last_allowed_token_finishes_stop():
+    # vLLM's order: the max_tokens-th token is a stop token, so the request stopped rather than ran out.
     _, tokens, final = run_one(
         make_request("a", [1] * 5, max_tokens=2, stop_token_ids=[9]), tokens_then([3, 9])
     )
     assert tokens == [3, 9]
+    assert final.finish_reason == "stop"
+    assert final.stop_reason == 9
+
+
+def test_eos_as_last_allowed_token_finishes_stop():
+    _, tokens, final = run_one(make_request("a", [1] * 5, max_tokens=2), tokens_then([3, EOS]))
+    assert tokens == [3, EOS]
+    assert final.finish_reason == "stop"
+    assert final.stop_reason is None
+
+
+def test_eos_at_max_model_len_finishes_stop():
+    _, tokens, final = run_one(
+        make_request("a", list(range(19)), max_tokens=10), tokens_then([EOS]), max_model_len=20
+    )
+    assert tokens == [EOS]
+    assert final.finish_reason == "stop"
+
+
+def test_ignored_eos_as_last_allowed_token_finishes_length():
+    _, tokens, final = run_one(
+        make_request("a", [1] * 5, max_tokens=2, ignore_eos=True), tokens_then([3, EOS])
+    )
+    assert tokens == [3, EOS]
     assert final.finish_reason == "length"
 
 

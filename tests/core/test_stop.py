@@ -1,4 +1,4 @@
-"""check_stop: length limits first, then (past min_tokens) EOS and stop token ids."""
+"""check_stop: (past min_tokens) EOS and stop token ids first, then the length limits."""
 
 from __future__ import annotations
 
@@ -111,15 +111,36 @@ def test_min_tokens_does_not_suppress_length():
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
-def test_length_checked_before_eos():
+def test_eos_as_last_allowed_token_is_stop():
     request = request_with([5, EOS], max_tokens=2)
     assert check_stop(request, max_model_len=100) is True
-    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert request.status == RequestStatus.FINISHED_STOPPED
     assert request.stop_reason is None
+    assert request.get_finished_reason() == "stop"
 
 
-def test_length_checked_before_stop_token():
+def test_stop_token_as_last_allowed_token_is_stop():
     request = request_with([8], max_tokens=1, stop_token_ids=[8])
     assert check_stop(request, max_model_len=100) is True
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert request.stop_reason == 8
+
+
+def test_eos_reaching_max_model_len_is_stop():
+    request = request_with([EOS], prompt_len=9, max_tokens=100)
+    assert check_stop(request, max_model_len=10) is True
+    assert request.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_ignored_eos_as_last_allowed_token_is_length():
+    request = request_with([5, EOS], max_tokens=2, ignore_eos=True)
+    assert check_stop(request, max_model_len=100) is True
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+
+
+def test_stop_token_below_min_tokens_still_length_capped_at_max_model_len():
+    # min_tokens holds back stop tokens, never the length caps: the sequence cannot outgrow max_model_len.
+    request = request_with([8], prompt_len=9, max_tokens=5, min_tokens=3, stop_token_ids=[8])
+    assert check_stop(request, max_model_len=10) is True
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert request.stop_reason is None

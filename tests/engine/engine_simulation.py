@@ -683,9 +683,9 @@ class EngineSimulation:
         assert chunk.tokens == expected, (
             f"{track.request_id}: got {chunk.tokens}, expected {expected}"
         )
-        expected_reason = (
-            "length" if len(expected) == chunk.max_tokens else "stop"
-        )  # length is checked first
+        # Stop tokens are checked before the length cap: a last allowed token that is the stop token is "stop".
+        stopped = track.stop_token is not None and expected[-1:] == [track.stop_token]
+        expected_reason = "stop" if stopped or len(expected) < chunk.max_tokens else "length"
         assert chunk.finish_reason == expected_reason, (track.request_id, chunk.finish_reason)
 
 

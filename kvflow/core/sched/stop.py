@@ -8,15 +8,23 @@ from kvflow.request import Request, RequestStatus
 def check_stop(request: Request, max_model_len: int) -> bool:
     """Set the request's finished status and return True if its latest token ends it.
 
-    Order: length limits (max_tokens, max_model_len) first; below `min_tokens` nothing else stops it; then EOS
-    (unless `ignore_eos`) and stop token ids (`stop_reason` records which).
+    Order (vLLM's): once `min_tokens` are out, EOS (unless `ignore_eos`) and stop token ids (`stop_reason`
+    records which) come first, so a request whose last allowed token is EOS or a stop token finishes "stop", not
+    "length"; then the length caps (`max_tokens`, `max_model_len`). Below `min_tokens` only the length caps can
+    end it (`min_tokens <= max_tokens`, but `max_model_len` may come first).
     """
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens and _check_stop_token(request):
+        return True
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
+    return False
+
+
+def _check_stop_token(request: Request) -> bool:
+    """EOS or a stop token id as the latest token: mark the request stopped and return True."""
     params = request.sampling_params
-    if request.num_output_tokens < params.min_tokens:
-        return False
     last_token_id = request.output_token_ids[-1]
     if not params.ignore_eos and last_token_id == request.eos_token_id:
         request.status = RequestStatus.FINISHED_STOPPED
