@@ -294,6 +294,7 @@ class LLM:
                     finished[request_id] = self._finished.pop(request_id)
                     pending.discard(request_id)
                     progress.record_finished()
+            progress.refresh()
             interrupt.check()
         progress.close()
         return finished
@@ -323,15 +324,17 @@ class _Progress:
 
     def record_step(self, engine_outputs: list[EngineCoreOutput]) -> None:
         for output in engine_outputs:
+            if not output.new_token_ids:
+                continue
             self.num_output_tokens += len(output.new_token_ids)
-            prompt = (
-                self._not_prefilled.pop(output.request_id, None) if output.new_token_ids else None
-            )
-            if (
-                prompt is not None and prompt[0] not in self._prefilled
-            ):  # `n` samples share one prompt
+            prompt = self._not_prefilled.pop(output.request_id, None)
+            # The `n` samples of a prompt share it: count it once.
+            if prompt is not None and prompt[0] not in self._prefilled:
                 self._prefilled.add(prompt[0])
                 self.num_input_tokens += prompt[1]
+
+    def refresh(self) -> None:
+        """Show the rates; called once per loop iteration of `generate`, outside the engine lock."""
         elapsed = max(time.monotonic() - self._start, 1e-9)
         self.bar.set_postfix_str(
             f"input {self.num_input_tokens / elapsed:.0f} tok/s, "
