@@ -20,7 +20,9 @@ from kvflow.logger import (
     parse_logging_level,
 )
 
-LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\] ")
+LOG_LINE = re.compile(
+    r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\] "
+)
 HASH_ENGINE = "from kvflow import LLM; LLM('hash', num_kv_blocks=64, max_model_len=256)"
 
 
@@ -55,10 +57,11 @@ def test_a_plain_script_shows_the_startup_lines_on_stderr() -> None:
 
 
 def test_the_level_variable_silences_info_and_accepts_any_case() -> None:
-    for value in ("WARNING", "warning", "30"):
-        result = run_python(HASH_ENGINE, KVFLOW_LOGGING_LEVEL=value)
-        assert result.returncode == 0, result.stderr
-        assert result.stderr == "", value
+    result = run_python(
+        HASH_ENGINE, KVFLOW_LOGGING_LEVEL="warning"
+    )  # other spellings: parse tests below
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
     debug = run_python(
         "import logging; import kvflow; logging.getLogger('kvflow.x').debug('a debug line')",
         KVFLOW_LOGGING_LEVEL="DEBUG",
@@ -68,16 +71,23 @@ def test_the_level_variable_silences_info_and_accepts_any_case() -> None:
 
 def test_an_invalid_level_is_reported_naming_the_variable_and_info_goes_on() -> None:
     quiet = run_python("import kvflow", KVFLOW_LOGGING_LEVEL="LOUD")
-    assert quiet.returncode == 0 and quiet.stderr == ""  # said before kvflow's first line, not on import
+    assert (
+        quiet.returncode == 0 and quiet.stderr == ""
+    )  # said before kvflow's first line, not on import
     result = run_python(HASH_ENGINE, KVFLOW_LOGGING_LEVEL="LOUD")
     assert result.returncode == 0, result.stderr
     first, *rest = result.stderr.splitlines()
-    assert first.startswith("WARNING ") and "KVFLOW_LOGGING_LEVEL='LOUD' is not a logging level" in first
+    assert (
+        first.startswith("WARNING ")
+        and "KVFLOW_LOGGING_LEVEL='LOUD' is not a logging level" in first
+    )
     assert any(line.startswith("INFO ") and "KV cache" in line for line in rest)
     assert "KVFLOW_LOGGING_LEVEL" not in "\n".join(rest)  # said once
 
 
-def test_an_application_that_configures_logging_gets_kvflows_records_once_through_its_handlers() -> None:
+def test_an_application_that_configures_logging_gets_kvflows_records_once_through_its_handlers() -> (
+    None
+):
     code = (
         "import logging, sys\n"
         "logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format='APP %(name)s %(message)s')\n"
@@ -124,7 +134,9 @@ def test_parse_logging_level_accepts_names_in_any_case_and_numbers(value: str, l
 
 @pytest.mark.parametrize("value", ["LOUD", "", "-1", "warn ing", "NOTSET"])
 def test_parse_logging_level_rejects_other_values_naming_the_variable(value: str) -> None:
-    with pytest.raises(ValueError, match=r"KVFLOW_LOGGING_LEVEL=.* is not a logging level: use one of DEBUG"):
+    with pytest.raises(
+        ValueError, match=r"KVFLOW_LOGGING_LEVEL=.* is not a logging level: use one of DEBUG"
+    ):
         parse_logging_level(value)
 
 
