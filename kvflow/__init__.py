@@ -1,7 +1,11 @@
 """kvflow: an LLM inference and serving engine (vLLM-V1-style core: paged KV cache, continuous batching)."""
 
+from kvflow.logger import configure_logging as _configure_logging
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams
+from kvflow.version import __version__
+
+_configure_logging()  # the `kvflow` logger prints INFO to stderr (kvflow/logger.py; KVFLOW_LOGGING_LEVEL)
 
 __all__ = [
     "LLM",
@@ -10,6 +14,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StreamingInput",
+    "__version__",
 ]
 
 
