@@ -17,8 +17,18 @@ from kvflow.entrypoints.cli import build_parser
 from kvflow.models.hash_model import reference_tokens
 
 # The hash model on a small engine (the model's own max_model_len needs far more KV cache than tests want).
-HASH_MODEL = ["--model", "hash", "--max-model-len", "256", "--num-kv-blocks", "64"]
-SMALL_CACHE = ["--num-kv-blocks", "256"]  # the default model, without a default-sized KV cache
+HASH_MODEL = [
+    "--model",
+    "hash",
+    "--max-model-len",
+    "256",
+    "--num-kv-blocks",
+    "64",
+    "--max-num-seqs",
+    "4",
+]
+# The default model with a small KV cache (and few enough slots that it holds them all at full length).
+SMALL_CACHE = ["--num-kv-blocks", "256", "--max-num-seqs", "4", "--max-model-len", "1024"]
 LOG_LINE = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[")
 HEADER = re.compile(r"^\[prompt (\d+), sample (\d+)\]$")
 

@@ -53,11 +53,6 @@ def test_a_bad_option_is_one_line_and_status_2(args: list[str], fragment: str | 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch build without CUDA")
-@pytest.mark.xfail(
-    reason="LLM(device='cuda') on a CPU-only torch raises torch's AssertionError until the engine checks "
-    "the device and raises ValueError (issue 9, engine side)",
-    strict=False,
-)
 def test_device_cuda_without_cuda_is_one_line() -> None:
     result = run_kvflow("generate", "Hello", "--max-tokens", "2", "--device", "cuda", *SMALL_CACHE)
     assert_one_line_error(result, "cuda")

@@ -23,7 +23,9 @@ from kvflow.logger import (
 LOG_LINE = re.compile(
     r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+\.py:\d+\] "
 )
-HASH_ENGINE = "from kvflow import LLM; LLM('hash', num_kv_blocks=64, max_model_len=256)"
+HASH_ENGINE = (
+    "from kvflow import LLM; LLM('hash', num_kv_blocks=64, max_model_len=256, max_num_seqs=4)"
+)
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -44,7 +46,9 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_plain_script_shows_the_startup_lines_on_stderr() -> None:
-    result = run_python("from kvflow import LLM; LLM(num_kv_blocks=256)")
+    result = run_python(
+        "from kvflow import LLM; LLM(num_kv_blocks=256, max_num_seqs=4, max_model_len=1024)"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
     lines = result.stderr.splitlines()
