@@ -350,8 +350,7 @@ class _Progress:
 
 
 def _check_conversation(conversation: object) -> None:
+    """A conversation is a non-empty list; its messages are checked where every chat path renders them
+    (`Tokenizer.apply_chat_template`)."""
     if not isinstance(conversation, list | tuple) or not conversation:
         raise ValueError("each conversation must be a non-empty list of {'role', 'content'} dicts")
-    for message in conversation:
-        if not isinstance(message, dict) or "role" not in message:
-            raise ValueError(f"each message must be a dict with a 'role', got {message!r}")
