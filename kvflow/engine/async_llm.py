@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
     from kvflow.engine.core import EngineCore
     from kvflow.engine.input_processor import ProcessedPrompt, PromptType
+    from kvflow.engine.stats import StatLogger
     from kvflow.outputs import RequestOutput
     from kvflow.tokenizer import Tokenizer
 
@@ -65,8 +66,12 @@ class AsyncLLM:
       * after an engine error or `shutdown`, every call raises `EngineDeadError`.
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        """`kwargs` are the `EngineArgs` options (unknown names are a TypeError, bad values a ValueError)."""
+    def __init__(
+        self, model: str | None = None, *, stat_loggers: Sequence[StatLogger] = (), **kwargs: Any
+    ) -> None:
+        """`kwargs` are the `EngineArgs` options (unknown names are a TypeError, bad values a ValueError).
+        `stat_loggers` are metrics backends fed after every step (besides the stats log line, unless
+        `disable_log_stats`)."""
         engine_args = EngineArgs(model=model, **kwargs)
         parts = build_engine(engine_args)
         self.engine_config = parts.engine_config
@@ -77,7 +82,9 @@ class AsyncLLM:
         self._lock = threading.RLock()
         self._streams: dict[str, OutputStream] = {}
         self._live_request_ids: set[str] = set()
-        self._stat_logger = None if engine_args.disable_log_stats else LoggingStatLogger()
+        self._stat_loggers: list[StatLogger] = list(stat_loggers)
+        if not engine_args.disable_log_stats:
+            self._stat_loggers.append(LoggingStatLogger())
         self.engine_core_client = InprocEngineCoreClient(
             parts.engine_core, self._process_engine_outputs, self._fail_all
         )
@@ -327,11 +334,12 @@ class AsyncLLM:
             reqs_to_abort = [request_id for each in processed for request_id in each.reqs_to_abort]
             if reqs_to_abort:  # stop strings (this ends a session, too)
                 self.engine_core_client.abort_requests(reqs_to_abort)
-            if self._stat_logger is not None:
-                for each in processed:
-                    self._stat_logger.record(each.num_prompt_tokens, each.num_generation_tokens)
-                if self._stat_logger.due():
-                    self._stat_logger.log(stats)
+            if self._stat_loggers:
+                iteration_stats = processed[0].iteration_stats
+                for each in processed[1:]:
+                    iteration_stats.add(each.iteration_stats)
+                for stat_logger in self._stat_loggers:
+                    stat_logger.record(stats, iteration_stats)
 
     def _deliver(self, request_output: RequestOutput) -> None:
         request_id = request_output.request_id

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvflow.engine.stats import FinishedRequestStats, IterationStats
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvflow.utils import child_request_id
 
@@ -70,6 +71,7 @@ class RequestState:
     num_emitted_logprobs: int = 0
     weight_versions: list[int] = field(default_factory=list)
     arrival_monotonic: float = 0.0  # the time.monotonic() stamp behind metrics.arrival_time
+    last_token_monotonic: float | None = None  # when the latest output token reached the front end
 
     def stamp(self, now_monotonic: float) -> float:
         """The wall-clock time of a `time.monotonic()` stamp, measured from this request's arrival."""
@@ -78,13 +80,12 @@ class RequestState:
 
 @dataclass
 class OutputProcessorOutput:
-    """One step's user-visible outputs, the core requests a stop string ended (to abort in the core), and token
-    counts for stats: prompt tokens of requests whose first token arrived (they were prefilled), tokens generated."""
+    """One step's user-visible outputs, the core requests a stop string ended (to abort in the core), and what the
+    step added to the stats."""
 
-    request_outputs: list[RequestOutput]
-    reqs_to_abort: list[str]
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)
+    iteration_stats: IterationStats = field(default_factory=IterationStats)
 
 
 class OutputProcessor:
@@ -204,24 +205,21 @@ class OutputProcessor:
         unfinished request, so a step costs O(new tokens), not a copy of every request's cumulative tokens and text.
         """
         now = time.monotonic()
-        result = OutputProcessorOutput([], [])
+        result = OutputProcessorOutput()
         request_outputs, reqs_to_abort = result.request_outputs, result.reqs_to_abort
         for engine_output in engine_core_outputs:
             state = self.request_states.get(engine_output.request_id)
             if state is None:
                 continue  # aborted on this side already
             if engine_output.new_token_ids:
-                result.num_generation_tokens += len(engine_output.new_token_ids)
-                if state.metrics.first_token_time is None:
-                    result.num_prompt_tokens += len(state.prompt_token_ids)
+                _count_tokens(result.iteration_stats, state, len(engine_output.new_token_ids), now)
             finish_reason, stop_reason = self._apply(state, engine_output, now)
             if finish_reason is not None and engine_output.finish_reason is None:
                 # A stop string ended it; the core does not know yet.
                 reqs_to_abort.append(state.request_id)
             finished = finish_reason is not None and not engine_output.session_continues
             if finished:
-                state.metrics.finished_time = state.stamp(now)
-                del self.request_states[state.request_id]
+                self._finish(state, finish_reason, now, result.iteration_stats)
             elif finished_only:
                 continue
             request_output = self._make_output(state, finish_reason, stop_reason, finished)
@@ -272,6 +270,26 @@ class OutputProcessor:
         from kvflow.engine.detokenizer import decode_token
 
         return decode_token(self.tokenizer, token_id)
+
+    def _finish(
+        self, state: RequestState, finish_reason: str | None, now: float, stats: IterationStats
+    ) -> None:
+        """Stamp, forget and count a request that finished."""
+        state.metrics.finished_time = state.stamp(now)
+        del self.request_states[state.request_id]
+        first_token = state.metrics.first_token_time
+        stats.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=finish_reason,
+                e2e_latency=state.metrics.finished_time - state.metrics.arrival_time,
+                time_to_first_token=None
+                if first_token is None
+                else first_token - state.metrics.arrival_time,
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_generation_tokens=len(state.output_token_ids),
+                num_cached_tokens=state.metrics.num_cached_tokens,
+            )
+        )
 
     # ------------------------------------------------------------------------------------------------ abort
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -395,3 +413,18 @@ def _arrival_metrics(arrival_monotonic: float) -> RequestMetrics:
     stamp; later stamps are `arrival_time` plus monotonic deltas (`RequestState.stamp`), so durations between them
     never see wall-clock jumps."""
     return RequestMetrics(arrival_time=time.time() - (time.monotonic() - arrival_monotonic))
+
+
+def _count_tokens(
+    stats: IterationStats, state: RequestState, num_new_tokens: int, now: float
+) -> None:
+    """Count a request's new tokens: its first output ends its prefill (time to first token); each token of a later
+    output adds an inter-token latency (an output's tokens share the gap since the previous output)."""
+    stats.num_generation_tokens += num_new_tokens
+    if state.last_token_monotonic is None:
+        stats.num_prompt_tokens += len(state.prompt_token_ids)
+        stats.time_to_first_tokens.append(now - state.arrival_monotonic)
+    else:
+        gap = (now - state.last_token_monotonic) / num_new_tokens
+        stats.inter_token_latencies.extend([gap] * num_new_tokens)
+    state.last_token_monotonic = now

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvflow.core.sched.output import SchedulerStats
+    from kvflow.engine.stats import IterationStats
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,8 @@ def log_stats_interval_s() -> float:
 
 
 class LoggingStatLogger:
-    """Logs throughput and scheduler state at INFO every `interval_s` while tokens flow, and a warning when
-    requests were preempted in an interval (the KV cache is too small for the load).
+    """A `StatLogger` that logs throughput and scheduler state at INFO every `interval_s` while tokens flow, and
+    a warning when requests were preempted in an interval (the KV cache is too small for the load).
 
     Invariants: `record` only adds counts (O(1)); a line covers exactly the tokens recorded since the previous
     line; nothing is logged for an interval without recorded tokens, so an idle engine stays quiet.
@@ -51,10 +52,12 @@ class LoggingStatLogger:
         self._num_generation_tokens = 0
         self._last_stats: SchedulerStats | None = None
 
-    def record(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
-        """Prompt tokens of requests whose first token arrived, and tokens generated, since the last call."""
-        self._num_prompt_tokens += num_prompt_tokens
-        self._num_generation_tokens += num_generation_tokens
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        """Count one step's tokens; write the line when the interval is over (`StatLogger`)."""
+        self._num_prompt_tokens += iteration_stats.num_prompt_tokens
+        self._num_generation_tokens += iteration_stats.num_generation_tokens
+        if self.due():
+            self.log(scheduler_stats)
 
     def due(self) -> bool:
         return self._clock() - self._last_log_time >= self.interval_s

@@ -235,9 +235,7 @@ class LLM:
     def _apply(self, engine_outputs: list[EngineCoreOutput]) -> None:
         processed = self.output_processor.process_outputs(engine_outputs, finished_only=True)
         if self._stat_logger is not None:
-            self._stat_logger.record(processed.num_prompt_tokens, processed.num_generation_tokens)
-            if self._stat_logger.due():
-                self._stat_logger.log(self.engine_core.make_stats())
+            self._stat_logger.record(self.engine_core.make_stats(), processed.iteration_stats)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         for request_output in processed.request_outputs:

@@ -11,6 +11,7 @@ import pytest
 from kvflow import LLM, AsyncLLM, SamplingParams
 from kvflow.core.sched.output import SchedulerStats
 from kvflow.engine.stat_logger import LoggingStatLogger, log_stats_interval_s
+from kvflow.engine.stats import IterationStats
 
 
 class Records(logging.Handler):
@@ -48,22 +49,24 @@ def stats(
 def test_a_line_per_interval_with_the_interval_rates(records: Records) -> None:
     now = [100.0]
     stat_logger = LoggingStatLogger(interval_s=10.0, clock=lambda: now[0])
-    stat_logger.record(num_prompt_tokens=400, num_generation_tokens=50)
+    busy = stats(running=3, waiting=2, usage=0.25, queried=1000, hits=400, preemptions=0)
+    stat_logger.record(busy, IterationStats(num_prompt_tokens=400, num_generation_tokens=50))
     now[0] += 4.0
-    assert not stat_logger.due()
-    stat_logger.record(num_prompt_tokens=100, num_generation_tokens=150)
+    stat_logger.record(busy, IterationStats(num_prompt_tokens=100, num_generation_tokens=100))
+    assert not records.records  # not due yet
     now[0] += 6.0
-    assert stat_logger.due()
-    stat_logger.log(stats(running=3, waiting=2, usage=0.25, queried=1000, hits=400, preemptions=0))
+    stat_logger.record(busy, IterationStats(num_generation_tokens=50))  # due: logs this interval
     [line] = records.messages(logging.INFO)
     assert line == (
         "Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 tokens/s, Running: 3 reqs, "
         "Waiting: 2 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 40.0%"
     )
     # The next interval's hit rate covers only its own lookups: 100 queried, 90 found.
-    stat_logger.record(num_prompt_tokens=0, num_generation_tokens=10)
     now[0] += 10.0
-    stat_logger.log(stats(running=1, waiting=0, usage=0.5, queried=1100, hits=490, preemptions=0))
+    stat_logger.record(
+        stats(running=1, waiting=0, usage=0.5, queried=1100, hits=490, preemptions=0),
+        IterationStats(num_generation_tokens=10),
+    )
     assert records.messages(logging.INFO)[-1].endswith("Prefix cache hit rate: 90.0%")
     assert not records.messages(logging.WARNING)
 
@@ -74,9 +77,8 @@ def test_an_idle_interval_is_quiet_and_preemptions_warn(records: Records) -> Non
     now[0] += 5.0
     stat_logger.log(stats(0, 0, 0.0, 0, 0, preemptions=0))
     assert not records.records
-    stat_logger.record(num_prompt_tokens=10, num_generation_tokens=10)
     now[0] += 5.0
-    stat_logger.log(stats(4, 6, 1.0, 0, 0, preemptions=7))
+    stat_logger.record(stats(4, 6, 1.0, 0, 0, preemptions=7), IterationStats(10, 10))
     [warning] = records.messages(logging.WARNING)
     assert warning.startswith("7 requests were preempted in the last 5 s (7 since startup)")
     now[0] += 5.0
@@ -141,3 +143,59 @@ def test_async_llm_logs_stats_while_busy(records: Records, monkeypatch: pytest.M
     asyncio.run(asyncio.wait_for(main(), 60))
     lines = records.messages(logging.INFO)
     assert lines and lines[0].startswith("Avg prompt throughput: ")
+
+
+class Collector:
+    """A metrics backend that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[SchedulerStats, IterationStats]] = []
+
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        self.calls.append((scheduler_stats, iteration_stats))
+
+
+def test_async_llm_feeds_every_stat_logger_per_step_figures() -> None:
+    collector = Collector()
+    prompt = prompts(1)[0]
+
+    async def main() -> None:
+        async with AsyncLLM(
+            "hash",
+            stat_loggers=[collector],
+            max_num_seqs=4,
+            num_kv_blocks=256,
+            block_size=4,
+            max_model_len=256,
+        ) as llm:
+            async for _ in llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True)):
+                pass
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    iterations = [iteration for _, iteration in collector.calls]
+    assert sum(iteration.num_generation_tokens for iteration in iterations) == 6
+    assert sum(iteration.num_prompt_tokens for iteration in iterations) == len(
+        prompt["prompt_token_ids"]
+    )
+    [time_to_first_token] = [
+        ttft for iteration in iterations for ttft in iteration.time_to_first_tokens
+    ]
+    inter_token_latencies = [
+        itl for iteration in iterations for itl in iteration.inter_token_latencies
+    ]
+    assert (
+        time_to_first_token > 0
+        and len(inter_token_latencies) == 5
+        and min(inter_token_latencies) >= 0
+    )
+    [finished] = [done for iteration in iterations for done in iteration.finished_requests]
+    assert (finished.finish_reason, finished.num_generation_tokens, finished.num_prompt_tokens) == (
+        "length",
+        6,
+        24,
+    )
+    assert finished.time_to_first_token == pytest.approx(time_to_first_token, abs=1e-6)
+    assert finished.e2e_latency >= finished.time_to_first_token
+    assert (
+        collector.calls[0][0].num_running_reqs == 1 and collector.calls[-1][0].num_running_reqs == 0
+    )
