@@ -1,0 +1,1 @@
+"""Client-side benchmarks against running servers (`kvflow bench serve`)."""

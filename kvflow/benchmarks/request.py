@@ -1,0 +1,120 @@
+"""One streamed request to an OpenAI-compatible server, timed the way vLLM's `bench serve` times it."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import httpx
+
+    from kvflow.benchmarks.datasets import SampleRequest
+
+
+@dataclass
+class RequestResult:
+    """What one request measured; times in seconds.
+
+    `ttft` is from sending the request to the first chunk that carries text or tokens; `itl` has one gap per later
+    such chunk; `latency` runs to the end of the stream. `output_tokens` is the server's `usage.completion_tokens`
+    when it reports usage, else the number of content chunks.
+    """
+
+    success: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    start_time: float = 0.0  # time.perf_counter() when the request was sent
+
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first, or None for fewer than two tokens."""
+        if self.output_tokens < 2:
+            return None
+        return (self.latency - self.ttft) / (self.output_tokens - 1)
+
+
+def request_body(
+    endpoint: str, model: str, sample: SampleRequest, ignore_eos: bool
+) -> dict[str, Any]:
+    """The JSON body for `sample`: a completions prompt (text or token ids) or a one-message chat."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": sample.expected_output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": ignore_eos,  # vLLM's extra field: every request generates exactly max_tokens
+    }
+    if endpoint.endswith("/chat/completions"):
+        if not isinstance(sample.prompt, str):
+            raise ValueError(
+                "the chat endpoint needs text prompts: pass --tokenizer (or use /v1/completions)"
+            )
+        body["messages"] = [{"role": "user", "content": sample.prompt}]
+    else:
+        body["prompt"] = sample.prompt
+    if not isinstance(sample.prompt, str):
+        # vLLM's extra field: a server without a tokenizer streams token ids and no text.
+        body["return_token_ids"] = True
+    return body
+
+
+async def send_request(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], sample: SampleRequest
+) -> RequestResult:
+    """POST `body` and read the server-sent events until `data: [DONE]`; never raises for a failed request."""
+    result = RequestResult(prompt_len=sample.prompt_len)
+    result.start_time = start = time.perf_counter()
+    last_chunk_time = start
+    num_content_chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = (
+                    f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                )
+                return result
+            async for line in response.aiter_lines():
+                data = line.removeprefix("data:").strip() if line.startswith("data:") else None
+                if not data or data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"])[:200]
+                    return result
+                now = time.perf_counter()
+                if _has_content(chunk):
+                    if num_content_chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last_chunk_time)
+                    num_content_chunks += 1
+                    last_chunk_time = now
+                usage = chunk.get("usage")
+                if usage:
+                    result.output_tokens = int(usage.get("completion_tokens", 0))
+    except Exception as error:  # a benchmark reports failures, it does not stop at the first one
+        result.error = f"{type(error).__name__}: {error}"[:200]
+        return result
+    result.latency = time.perf_counter() - start
+    if not result.output_tokens:
+        result.output_tokens = num_content_chunks
+    result.success = num_content_chunks > 0
+    if not result.success:
+        result.error = "the stream carried no output"
+    return result
+
+
+def _has_content(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or []:
+        if choice.get("text") or (choice.get("delta") or {}).get("content"):
+            return True
+        if choice.get("token_ids"):
+            return True
+    return False

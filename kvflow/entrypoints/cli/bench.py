@@ -1,0 +1,131 @@
+"""`kvflow bench serve`: benchmark any OpenAI-compatible server (`kvflow.benchmarks.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from kvflow.entrypoints.cli.args import HelpFormatter, SubcommandParser
+
+DESCRIPTION = """\
+Send random prompts to an OpenAI-compatible server (kvflow serve, vLLM, ...) and print
+vLLM's serving benchmark table: successful and failed requests, duration, request and
+token throughput, and TTFT / TPOT / ITL / E2EL mean, median and P99 in ms. Prompts are
+random token ids: decoded to text with --tokenizer, sent as token-id prompts without one
+(e.g. against `kvflow serve hash`). Requests arrive as a Poisson process at
+--request-rate (inf: all at once), at most --max-concurrency at a time, all streamed."""
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    bench = subcommands.add_parser(
+        "bench",
+        help="benchmark a running server",
+        description="Benchmarks. `kvflow bench serve --help` describes the serving benchmark.",
+        formatter_class=HelpFormatter,
+    )
+    kinds = bench.add_subparsers(
+        dest="bench_command", required=True, metavar="BENCHMARK", parser_class=SubcommandParser
+    )
+    serve = kinds.add_parser(
+        "serve",
+        help="load an OpenAI-compatible server and report latencies and throughput",
+        description=DESCRIPTION,
+        formatter_class=HelpFormatter,
+    )
+    serve.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    serve.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", "/v1/chat/completions"],
+        help="the API path to load",
+    )
+    serve.add_argument("--model", default=None, help="model name (default: the server's first)")
+    serve.add_argument("--tokenizer", default=None, help="tokenizer folder: send text prompts")
+    serve.add_argument("--dataset", default="random", choices=["random"], help="prompt source")
+    serve.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens")
+    serve.add_argument("--random-output-len", type=int, default=128, help="tokens to generate")
+    serve.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths are drawn from [len * (1 - r), len * (1 + r)]",
+    )
+    serve.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
+    serve.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second (inf: at once)",
+    )
+    serve.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight at most"
+    )
+    serve.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    serve.add_argument("--save-result", type=Path, default=None, help="write the results as JSON")
+    serve.add_argument(
+        "--plot", type=Path, default=None, help="draw latency CDFs and throughput (PNG)"
+    )
+    serve.set_defaults(handler=run_bench_serve)
+
+
+def run_bench_serve(args: argparse.Namespace) -> None:
+    from kvflow.benchmarks.datasets import random_requests
+    from kvflow.benchmarks.serve import (
+        BenchmarkConfig,
+        format_table,
+        run_benchmark,
+        save_result,
+        summarize,
+    )
+
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    tokenizer = None
+    if args.tokenizer is not None:
+        from kvflow.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+    samples = random_requests(
+        args.num_prompts,
+        args.random_input_len,
+        args.random_output_len,
+        args.random_range_ratio,
+        args.seed,
+        tokenizer,
+    )
+    model = args.model or _first_model(args.base_url)
+    config = BenchmarkConfig(
+        base_url=args.base_url,
+        endpoint=args.endpoint,
+        model=model,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+    )
+    results, duration = asyncio.run(run_benchmark(config, samples))
+    summary = summarize(results, duration)
+    print(format_table(summary), flush=True)
+    if summary["errors"]:
+        print("errors: " + "; ".join(summary["errors"]), flush=True)
+    if args.save_result is not None:
+        save_result(args.save_result, config, summary, results)
+    if args.plot is not None:
+        from kvflow.benchmarks.plot import plot_results
+
+        plot_results(args.plot, results, f"{model} at {args.request_rate} req/s, {args.endpoint}")
+
+
+def _first_model(base_url: str) -> str:
+    """The first model `GET /v1/models` lists (an unreachable server is a clear error)."""
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        response = httpx.get(url, timeout=30)
+        response.raise_for_status()
+        return response.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as error:
+        raise ValueError(f"cannot list the models at {url} ({error}); pass --model") from error

@@ -1,0 +1,79 @@
+"""The pieces of `kvflow bench serve` that need no server: prompts, request bodies, statistics, the table."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.benchmarks.datasets import TOKEN_ID_RANGE, SampleRequest, random_requests
+from kvflow.benchmarks.request import RequestResult, request_body
+from kvflow.benchmarks.serve import format_table, summarize
+from kvflow.tokenizer import load_tokenizer
+
+
+def test_random_requests_are_reproducible_and_within_the_ranges() -> None:
+    first = random_requests(50, input_len=100, output_len=20, range_ratio=0.5, seed=7)
+    assert first == random_requests(50, input_len=100, output_len=20, range_ratio=0.5, seed=7)
+    assert first != random_requests(50, input_len=100, output_len=20, range_ratio=0.5, seed=8)
+    for sample in first:
+        assert isinstance(sample.prompt, list) and len(sample.prompt) == sample.prompt_len
+        assert 50 <= sample.prompt_len <= 150 and 10 <= sample.expected_output_len <= 30
+        assert all(TOKEN_ID_RANGE[0] <= token < TOKEN_ID_RANGE[1] for token in sample.prompt)
+    fixed = random_requests(5, input_len=32, output_len=8, range_ratio=0.0, seed=0)
+    assert {(sample.prompt_len, sample.expected_output_len) for sample in fixed} == {(32, 8)}
+    with pytest.raises(ValueError, match="range-ratio"):
+        random_requests(5, 32, 8, range_ratio=1.0, seed=0)
+
+
+def test_text_prompts_measure_their_length_with_the_tokenizer() -> None:
+    from kvflow.default_model import ensure_default_model
+
+    tokenizer = load_tokenizer(ensure_default_model())
+    samples = random_requests(
+        10, input_len=64, output_len=8, range_ratio=0.0, seed=3, tokenizer=tokenizer
+    )
+    for sample in samples:
+        assert isinstance(sample.prompt, str)
+        assert sample.prompt_len == len(tokenizer.encode(sample.prompt))
+
+
+def test_request_bodies_for_both_endpoints() -> None:
+    ids = SampleRequest([5, 6, 7], 3, 4)
+    body = request_body("/v1/completions", "m", ids, ignore_eos=True)
+    assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 4 and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True} and body["return_token_ids"] is True
+    text = SampleRequest("hello", 2, 4)
+    chat = request_body("/v1/chat/completions", "m", text, ignore_eos=False)
+    assert (
+        chat["messages"] == [{"role": "user", "content": "hello"}]
+        and "return_token_ids" not in chat
+    )
+    with pytest.raises(ValueError, match="--tokenizer"):
+        request_body("/v1/chat/completions", "m", ids, ignore_eos=True)
+
+
+def test_summary_statistics_and_the_table() -> None:
+    results = [
+        RequestResult(True, "", 10, 5, ttft=0.1, latency=0.5, itl=[0.1, 0.1, 0.1, 0.1]),
+        RequestResult(True, "", 20, 3, ttft=0.3, latency=0.7, itl=[0.2, 0.2]),
+        RequestResult(False, "HTTP 400: bad", 30, 0),
+    ]
+    summary = summarize(results, duration_s=2.0)
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert (summary["total_input_tokens"], summary["total_output_tokens"]) == (30, 8)
+    assert summary["request_throughput"] == 1.0 and summary["output_throughput"] == 4.0
+    assert summary["mean_ttft_ms"] == pytest.approx(200.0) and summary[
+        "median_ttft_ms"
+    ] == pytest.approx(200.0)
+    assert summary["p99_ttft_ms"] == pytest.approx(
+        298.0
+    )  # linear interpolation between 100 and 300
+    # TPOT: (0.5 - 0.1) / 4 = 0.1 and (0.7 - 0.3) / 2 = 0.2.
+    assert summary["mean_tpot_ms"] == pytest.approx(150.0)
+    assert summary["mean_itl_ms"] == pytest.approx(1000 * 0.8 / 6)
+    assert summary["errors"] == ["HTTP 400: bad"]
+    table = format_table(summary).splitlines()
+    assert table[0] == "=" * 12 + " Serving Benchmark Result " + "=" * 12
+    assert table[1].startswith("Successful requests:") and table[1].split()[-1] == "2"
+    assert table[2].split()[-1] == "1" and table[-1] == "=" * 50
+    for short in ("TTFT", "TPOT", "ITL", "E2EL"):
+        assert any(line.startswith(f"P99 {short} (ms):") for line in table)
