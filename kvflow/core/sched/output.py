@@ -103,22 +103,40 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsLists:
-    """Sampled-token logprobs per sampled row: top-k token ids, their logprobs, and the sampled token's rank."""
+    """Token logprobs, one row per token: `[token, top-1, ..., top-k]` ids, their logprobs, and the token's rank.
+
+    Sampled tokens (`ModelRunnerOutput.logprobs`, `EngineCoreOutput.new_logprobs`): one row per batch row or new
+    token, the token being the sampled one. Prompt tokens (`ModelRunnerOutput.prompt_logprobs_dict`,
+    `EngineCoreOutput.new_prompt_logprobs`): row j is the distribution of prompt token `start_index + j` given the
+    tokens before it (so `start_index >= 1`: prompt token 0 has none), the token being that actual prompt token.
+    `start_index` is unused (0) for sampled tokens. Ranks are 1-based; the top-k come in rank order.
+    """
 
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
+    start_index: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.logprobs)
 
 
 @dataclass
 class ModelRunnerOutput:
-    """What one step produced: `sampled_token_ids[req_id_to_index[req_id]]` (empty for a partial prefill)."""
+    """What one step produced: `sampled_token_ids[req_id_to_index[req_id]]` (empty for a partial prefill).
+
+    `prompt_logprobs_dict` (None when no scheduled request asked for prompt logprobs) maps each request that
+    computed prompt positions this step to their rows: prompt tokens `start_index .. start_index + num_rows - 1`,
+    contiguous with the request's earlier chunks. A request recomputing its prompt after a preemption sends rows it
+    sent before; the scheduler keeps the first copy.
+    """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
-    prompt_logprobs_dict: dict[str, object] | None = None
+    prompt_logprobs_dict: dict[str, LogprobsLists] | None = None
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
