@@ -236,5 +236,5 @@ def test_a_model_without_logits_refuses_prompt_logprobs() -> None:
     runner = ModelRunner(
         HashModel(), max_num_reqs=2, max_model_len=32, block_size=BLOCK_SIZE, num_blocks=16
     )
-    with pytest.raises(ValueError, match="prompt_logprobs.*no logits"):
+    with pytest.raises(ValueError, match=r"prompt_logprobs.*no logits"):
         runner.execute_model(step({"a": 4}, new_reqs=[new("a", [1, 2, 3, 4], [0], 1)]))
