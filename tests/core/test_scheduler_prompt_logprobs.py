@@ -21,7 +21,7 @@ from kvflow.core.sched.output import (
     SchedulerOutput,
 )
 from kvflow.core.sched.scheduler import Scheduler
-from kvflow.request import Request
+from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
 from kvflow.testing import make_request, make_scheduler
 
@@ -158,3 +158,29 @@ def test_engine_core_output_with_rows_and_events_round_trips_through_msgspec() -
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(output), type=EngineCoreOutput)
     assert decoded == output
     assert decoded.events is not None and decoded.events[1].type is EngineCoreEventType.SCHEDULED
+
+
+def test_rows_of_a_finished_namesake_in_flight_are_ignored() -> None:
+    scheduler = make_scheduler(
+        block_size=4, max_num_batched_tokens=8, max_model_len=64, async_scheduling=True
+    )
+    scheduler.add_request(logprobs_request("a", PROMPT))
+    first_plan = scheduler.schedule()  # tokens 1..8 of the old "a"
+    first_rows = prompt_rows(scheduler, first_plan, attempt=0)
+    second_plan = scheduler.schedule()  # tokens 9..16, still in flight
+    second_rows = prompt_rows(scheduler, second_plan, attempt=0)
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    new_prompt = list(range(300, 320))
+    scheduler.add_request(logprobs_request("a", new_prompt))  # the id is reused at once
+    new_plan = scheduler.schedule()
+    new_rows = prompt_rows(scheduler, new_plan, attempt=1)
+    for plan, rows in ((first_plan, first_rows), (second_plan, second_rows)):
+        stale = runner_output(scheduler, plan)
+        stale.prompt_logprobs_dict = rows
+        assert scheduler.update_from_output(plan, stale) == []
+    assert scheduler.requests["a"].prompt_logprobs_rows is None  # other tokens, then a gap: ignored
+    fresh = runner_output(scheduler, new_plan)
+    fresh.prompt_logprobs_dict = new_rows
+    scheduler.update_from_output(new_plan, fresh)
+    held = scheduler.requests["a"].prompt_logprobs_rows
+    assert held is not None and held.logprob_token_ids == [[token] for token in new_prompt[1:9]]

@@ -623,7 +623,7 @@ class Scheduler:
             if request is None or request.is_finished() or request.num_output_tokens:
                 continue
             request.prompt_logprobs_rows = _extend_prompt_logprobs(
-                request.prompt_logprobs_rows, rows
+                request.prompt_logprobs_rows, rows, request.prompt_token_ids
             )
 
     def _drop_stale_placeholder(self, request_id: str) -> bool:
@@ -701,22 +701,29 @@ def _record_queued(request: Request) -> None:
     request.scheduled_since_queued = False
 
 
-def _extend_prompt_logprobs(held: LogprobsLists | None, rows: LogprobsLists) -> LogprobsLists:
+def _extend_prompt_logprobs(
+    held: LogprobsLists | None, rows: LogprobsLists, prompt_token_ids: list[int]
+) -> LogprobsLists | None:
     """`held` (the rows of prompt tokens 1..k, or None) extended by the rows of `rows` past token k.
 
-    `rows` must start at most at token k + 1 (no gap: a request needing prompt logprobs never skips positions);
-    rows it repeats (a recompute after a preemption) are dropped. E.g., held 1..6 and rows 5..8 -> held 1..8.
+    Rows it repeats (a recompute after a preemption) are dropped. E.g., held 1..6 and rows 5..8 -> held 1..8.
+    `rows` are ignored when they cannot continue `held`: they start past token k + 1 or are not the logprobs of
+    this prompt's tokens. Both happen only when the request id was reused while a step of its finished namesake
+    was in flight; rows of the same tokens at the same positions are the same logprobs, whoever computed them.
     """
     next_index = 1 if held is None else held.start_index + held.num_rows
     num_repeated = next_index - rows.start_index
-    assert num_repeated >= 0, (
-        f"prompt logprobs skip tokens {next_index}..{rows.start_index - 1} (rows {rows.start_index}..)"
-    )
+    new_token_ids = rows.logprob_token_ids[max(num_repeated, 0) :]
+    if num_repeated < 0 or not new_token_ids:
+        return held
+    prompt_tokens = prompt_token_ids[next_index : next_index + len(new_token_ids)]
+    if [token_ids[0] for token_ids in new_token_ids] != prompt_tokens:
+        return held
     if num_repeated == 0 and held is None:
         return rows
     if held is None:
         held = LogprobsLists([], [], [], start_index=next_index)
-    held.logprob_token_ids += rows.logprob_token_ids[num_repeated:]
+    held.logprob_token_ids += new_token_ids
     held.logprobs += rows.logprobs[num_repeated:]
     held.sampled_token_ranks += rows.sampled_token_ranks[num_repeated:]
     return held
