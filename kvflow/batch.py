@@ -15,8 +15,11 @@ class BatchInputs:
     Request `r` owns the flat token range `[query_start_loc[r], query_start_loc[r + 1])`; token `t` of it sits at
     `positions[t]` of its sequence and its KV goes to cache slot `slot_mapping[t]`. `seq_lens[r]` counts the
     request's tokens with KV after this step; `block_tables[r, :ceil(seq_lens[r] / block_size)]` are valid (the rest
-    is padding). `logits_indices[k]` is the flat index of the last scheduled token of request
-    `sampled_req_indices[k]`, one entry per request that samples this step (partial prefills do not).
+    is padding). For `k < num_sampled`, `logits_indices[k]` is the flat index of the last scheduled token of request
+    `sampled_req_indices[k]`, one entry per request that samples this step (partial prefills do not). Entries past
+    `num_sampled` (only when a scheduled request asks for prompt logprobs) are further flat tokens whose logits the
+    runner needs; a model returns one row per `logits_indices` entry, in order, and a model that samples its own
+    tokens (never given such entries) one token per sampled request.
     """
 
     req_ids: list[str]
@@ -33,6 +36,10 @@ class BatchInputs:
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        return int(self.sampled_req_indices.shape[0])
 
     @property
     def num_tokens(self) -> int:

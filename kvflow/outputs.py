@@ -46,25 +46,46 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Per-request timing and prefix-cache hit size.
+    """Per-request timing, preemptions and prefix-cache hit size.
 
     The times are wall-clock seconds since the epoch, like `time.time()` and vLLM's `arrival_time`:
-    `arrival_time` when the request arrived, `first_token_time` when its first output token reached the front end,
-    `finished_time` when it finished (None until then). Only `arrival_time` reads the wall clock; the others are
-    `arrival_time` plus a `time.monotonic()` delta, so differences between them (time to first token,
+    `arrival_time` when the request arrived, `queued_time` when the engine core queued it (added it to the
+    scheduler), `first_scheduled_time` when the core first scheduled it, `first_token_time` when its first output
+    token reached the front end, `last_token_time` when its latest one did, `finished_time` when it finished; each
+    is None until it happened (an aborted request may never be scheduled). Only `arrival_time` reads the wall
+    clock; the others are `arrival_time` plus a `time.monotonic()` delta (the core's stamps included: the
+    monotonic clock is system-wide on Linux), so differences between them (time to first token, queue time,
     `finished_time - arrival_time` end to end) are exact durations even if the system clock is adjusted
-    meanwhile. `num_cached_tokens` is the number of prompt tokens served from the prefix cache.
+    meanwhile. `num_preemptions` counts preemptions by recompute; `num_cached_tokens` is the number of prompt
+    tokens served from the prefix cache. A parallel-sampling request (n > 1) reports its earliest queued and
+    scheduled times, its latest token and the sum of its samples' preemptions.
     """
 
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
     num_cached_tokens: int = 0
+    queued_time: float | None = None
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+    num_preemptions: int = 0
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt, the outputs so far, and whether it finished."""
+    """The state of one request: its prompt, the outputs so far, and whether it finished.
+
+    `prompt_logprobs` (with `SamplingParams.prompt_logprobs`, else None) has one entry per prompt token: entry 0 is
+    None (nothing precedes the first token), entry i maps token ids to `Logprob`s of the distribution at position i
+    given the tokens before it: the actual prompt token i first (with its rank), then the top `prompt_logprobs`
+    tokens in rank order (a token among both appears once, first). They are computed while the prompt is prefilled
+    and come complete, with the first output token: every later output carries them too, except with
+    `output_kind="delta"`, where only the first output that has them does (earlier ones have None, as has a request
+    aborted before its first token). With n > 1 they are computed once and shared by the samples.
+    """
 
     request_id: str
     prompt: str | None
@@ -72,3 +93,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvflow.core.sched.output import EngineCoreEvent, LogprobsLists
     from kvflow.sampling_params import SamplingParams
 
 BlockHasher = Callable[["Request"], list[Any]]
@@ -120,6 +121,12 @@ class Request:
         yet appended; `async_tokens_to_discard` counts stale placeholders (in flight when the request was
         preempted or stopped), whose tokens are dropped on arrival.
       * `block_hashes[i]` is the chained hash of the i-th full block of `all_token_ids`.
+      * prompt logprobs: `prompt_logprobs_rows` holds the rows received for prompt tokens 1..k (contiguous, None
+        before the first) until the first output token carries them out; once the request has outputs no row is
+        taken any more. Until then (`skip_reading_prefix_cache`) the request computes its whole prompt: a
+        prefix-cache hit would skip positions whose logprobs are still missing.
+      * `events` are the lifecycle events not yet reported; `scheduled_since_queued` says whether the request was
+        scheduled since its latest QUEUED event (so SCHEDULED is recorded once per queueing).
     """
 
     def __init__(
@@ -157,6 +164,9 @@ class Request:
         self.num_output_placeholders = 0
         self.async_tokens_to_discard = 0
         self.num_preemptions = 0
+        self.prompt_logprobs_rows: LogprobsLists | None = None
+        self.events: list[EngineCoreEvent] = []
+        self.scheduled_since_queued = False
         self.streaming_queue: deque[StreamingUpdate | None] | None = deque() if resumable else None
 
         self.block_hashes: list[Any] = []
@@ -219,6 +229,12 @@ class Request:
         block_size = getattr(self._block_hasher, "block_size", None)
         del self.block_hashes[num_kept // block_size if block_size else 0 :]
         self.update_block_hashes()
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """True while the request still needs prompt logprobs, which take logits at every prompt position (its
+        first output token comes with all of them)."""
+        return self.sampling_params.prompt_logprobs is not None and not self._output_token_ids
 
     # ----------------------------------------------------------------------------------------------- status
     def is_finished(self) -> bool:

@@ -17,6 +17,12 @@ class SamplingParams:
     Invariants: every numeric field is within its documented range, `stop` is a list of non-empty strings
     and `stop_token_ids` a list of non-negative ints. Invalid values raise `ValueError` naming the field.
     `temperature == 0` means greedy decoding.
+
+    `logprobs` (per output token) and `prompt_logprobs` (per prompt token, vLLM's field) are None (off) or k >= 0:
+    the logprob of the actual token plus the k most likely alternatives, from the model's raw distribution. A
+    request with `prompt_logprobs` computes logits at every prompt position, so it never reads the prefix cache
+    (it still fills it for later requests); see `RequestOutput.prompt_logprobs`. The engine caps both at its
+    `max_logprobs`.
     """
 
     n: int = 1
@@ -31,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -100,11 +107,13 @@ class SamplingParams:
             "stop_token_ids",
             "must hold non-negative ints",
         )
-        _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-            "logprobs",
-            f"must be None or an int >= 0, got {self.logprobs!r}",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or (_is_int(value) and value >= 0),
+                name,
+                f"must be None or an int >= 0, got {value!r}",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(_is_real(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")

@@ -20,7 +20,7 @@ def test_defaults():
         0.0,
     )
     assert (params.seed, params.max_tokens, params.min_tokens) == (None, 16, 0)
-    assert (params.ignore_eos, params.logprobs) == (False, None)
+    assert (params.ignore_eos, params.logprobs, params.prompt_logprobs) == (False, None, None)
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
         0.0,
         0.0,
@@ -88,6 +88,8 @@ def test_positive_temperature_is_not_greedy():
         {"stop": ["\n", "END"]},
         {"stop_token_ids": [0, 2]},
         {"logprobs": 0},
+        {"prompt_logprobs": 0},
+        {"prompt_logprobs": 5},
         {"presence_penalty": -2.0},
         {"frequency_penalty": 2.0},
         {"repetition_penalty": 0.5},
@@ -126,6 +128,11 @@ INVALID_VALUES = [
     ("stop_token_ids", [1, "2"]),
     ("logprobs", -1),
     ("logprobs", 1.5),
+    ("logprobs", True),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", 2.0),
+    ("prompt_logprobs", "3"),
+    ("prompt_logprobs", True),
     ("presence_penalty", 2.01),
     ("presence_penalty", -2.01),
     ("frequency_penalty", 2.01),

@@ -42,8 +42,9 @@ class InputProcessor:
     """Turns user prompts into core requests.
 
     Invariants: every token id it emits (prompt or stop token) is in [0, vocab_size); a prompt leaves room for at
-    least one generated token under `max_model_len`; `logprobs` is at most `max_logprobs` (unless that is -1) and
-    the vocabulary size; EOS ids beyond the model's first (generation_config.json's list) are added as stop token
+    least one generated token under `max_model_len`; `logprobs` and `prompt_logprobs` are at most `max_logprobs`
+    (unless that is -1) and the vocabulary size, and are refused for a model without logits (the hash model samples
+    its own tokens); EOS ids beyond the model's first (generation_config.json's list) are added as stop token
     ids unless `ignore_eos`. A request without SamplingParams runs with `default_sampling_params`: kvflow's
     defaults overridden by the model creator's generation_config.json (`ModelConfig.generation_config`). A bad
     prompt or parameter raises `ValueError` naming it.
@@ -62,6 +63,8 @@ class InputProcessor:
         self.vocab_size = model_info.vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = model_config.max_logprobs
+        # The hash model samples its own tokens: there are no logits to take logprobs from.
+        self.has_logits = not model_info.is_hash_model
         self.eos_token_id = model_info.eos_token_id
         if self.eos_token_id is None and tokenizer is not None:
             self.eos_token_id = tokenizer.eos_token_id
@@ -152,24 +155,35 @@ class InputProcessor:
         )
 
     def _check_params(self, sampling_params: SamplingParams) -> None:
-        """The checks that need the model: logprobs within the engine's cap, stop token ids in the vocabulary."""
-        logprobs = sampling_params.logprobs
-        if logprobs is not None:
-            if self.max_logprobs != -1 and logprobs > self.max_logprobs:
-                raise ValueError(
-                    f"SamplingParams.logprobs={logprobs} is more than this engine allows "
-                    f"(max_logprobs={self.max_logprobs}); ask for fewer or raise max_logprobs"
-                )
-            if logprobs > self.vocab_size:
-                raise ValueError(
-                    f"SamplingParams.logprobs={logprobs} is more than the vocabulary size "
-                    f"({self.vocab_size})"
-                )
+        """The checks that need the model: logprobs within the engine's cap and the model's logits, stop token
+        ids in the vocabulary."""
+        for name in ("logprobs", "prompt_logprobs"):
+            self._check_num_logprobs(name, getattr(sampling_params, name))
         outside = [t for t in sampling_params.stop_token_ids or () if t >= self.vocab_size]
         if outside:
             raise ValueError(
                 f"SamplingParams.stop_token_ids holds {_short(outside)}, not token ids in "
                 f"[0, {self.vocab_size})"
+            )
+
+    def _check_num_logprobs(self, name: str, num_logprobs: int | None) -> None:
+        """`SamplingParams.<name>` (logprobs or prompt_logprobs) is something this engine can return."""
+        if num_logprobs is None:
+            return
+        if self.max_logprobs != -1 and num_logprobs > self.max_logprobs:
+            raise ValueError(
+                f"SamplingParams.{name}={num_logprobs} is more than this engine allows "
+                f"(max_logprobs={self.max_logprobs}); ask for fewer or raise max_logprobs"
+            )
+        if num_logprobs > self.vocab_size:
+            raise ValueError(
+                f"SamplingParams.{name}={num_logprobs} is more than the vocabulary size "
+                f"({self.vocab_size})"
+            )
+        if not self.has_logits:
+            raise ValueError(
+                f"SamplingParams.{name}={num_logprobs}: the hash model samples its own tokens and has no "
+                "logits, so it cannot return logprobs"
             )
 
     def with_model_stop_ids(self, sampling_params: SamplingParams) -> SamplingParams:
@@ -232,8 +246,17 @@ class InputProcessor:
         priority: int = 0,
     ) -> list[Request]:
         """The core requests of one prompt: itself, or `n` children `i_<id>` with seeds `seed + i` (they share the
-        prompt's KV blocks through the prefix cache). `priority`: lower is scheduled first (priority policy)."""
+        prompt's KV blocks through the prefix cache). `priority`: lower is scheduled first (priority policy).
+
+        Prompt logprobs are the same for every sample, so only child 0 computes them (the parent's output takes
+        child 0's); the other children drop `prompt_logprobs` and so may still read the prompt from the prefix
+        cache. A streaming-input session cannot ask for prompt logprobs (its prompt grows chunk by chunk).
+        """
         params = processed.sampling_params
+        if resumable and params.prompt_logprobs is not None:
+            raise ValueError(
+                "SamplingParams.prompt_logprobs is not supported for a streaming-input session"
+            )
         if params.n == 1:
             return [
                 Request(
@@ -252,15 +275,23 @@ class InputProcessor:
             Request(
                 child_request_id(request_id, index),
                 processed.prompt_token_ids,
-                dataclasses.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + index
-                ),
+                _child_params(params, index),
                 eos_token_id=self.eos_token_id,
                 arrival_time=arrival_time,
                 priority=priority,
             )
             for index in range(params.n)
         ]
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of an `n` > 1 request: n=1, its own seed, prompt logprobs on child 0 only."""
+    return dataclasses.replace(
+        params,
+        n=1,
+        seed=None if params.seed is None else params.seed + index,
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+    )
 
 
 def _default_sampling_params(model_info: ModelInfo, generation_config: str) -> SamplingParams:

@@ -11,12 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvflow.core.sched.output import EngineCoreEventType
 from kvflow.engine.stats import FinishedRequestStats, IterationStats
-from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvflow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from kvflow.utils import child_request_id
 
 if TYPE_CHECKING:
-    from kvflow.core.sched.output import EngineCoreOutput, LogprobsLists
+    from kvflow.core.sched.output import EngineCoreEvent, EngineCoreOutput, LogprobsLists
     from kvflow.engine.detokenizer import IncrementalDetokenizer
     from kvflow.engine.input_processor import ProcessedPrompt
     from kvflow.request import Request
@@ -24,12 +25,20 @@ if TYPE_CHECKING:
     from kvflow.tokenizer import Tokenizer
 
 
+# The RequestMetrics field each timed core event sets (its first occurrence).
+_EVENT_METRICS = {
+    EngineCoreEventType.QUEUED: "queued_time",
+    EngineCoreEventType.SCHEDULED: "first_scheduled_time",
+}
+
+
 @dataclass
 class ParentRequest:
     """A user request with `n` > 1 samples: child `i` runs in the core as its own request.
 
     Invariant: `completions[i]` is child `i`'s latest cumulative completion (None before its first output);
-    the parent is finished exactly when every child is.
+    the parent is finished exactly when every child is. `prompt_logprobs` is child 0's, once complete (only child 0
+    computes them); `prompt_logprobs_emitted` says a delta output already carried them.
     """
 
     request_id: str
@@ -40,6 +49,8 @@ class ParentRequest:
     metrics: RequestMetrics
     completions: list[CompletionOutput | None] = field(default_factory=list)
     arrival_monotonic: float = 0.0  # the time.monotonic() stamp behind metrics.arrival_time
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_emitted: bool = False
 
     def __post_init__(self) -> None:
         self.completions = [None] * self.n
@@ -53,7 +64,12 @@ class ParentRequest:
 
 @dataclass
 class RequestState:
-    """Client-side state of one core request: what it produced, what was emitted, and its metrics."""
+    """Client-side state of one core request: what it produced, what was emitted, and its metrics.
+
+    `prompt_logprobs` (None unless the request asked) starts as `[None]` (prompt token 0) and grows by the rows the
+    core sends; it is complete when it has one entry per prompt token, and only then shown
+    (`complete_prompt_logprobs`). `prompt_logprobs_emitted` says a delta output already carried them.
+    """
 
     request_id: str
     prompt: str | None
@@ -72,10 +88,20 @@ class RequestState:
     weight_versions: list[int] = field(default_factory=list)
     arrival_monotonic: float = 0.0  # the time.monotonic() stamp behind metrics.arrival_time
     last_token_monotonic: float | None = None  # when the latest output token reached the front end
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_emitted: bool = False
 
     def stamp(self, now_monotonic: float) -> float:
         """The wall-clock time of a `time.monotonic()` stamp, measured from this request's arrival."""
         return self.metrics.arrival_time + (now_monotonic - self.arrival_monotonic)
+
+    @property
+    def complete_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt logprobs once there is one entry per prompt token; None before (or when not asked)."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None or len(prompt_logprobs) < len(self.prompt_token_ids):
+            return None
+        return prompt_logprobs
 
 
 @dataclass
@@ -136,6 +162,8 @@ class OutputProcessor:
         )
         if sampling_params.logprobs is not None:
             state.logprobs = []
+        if sampling_params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
         self.request_states[request_id] = state
 
     def add_parent_request(
@@ -232,8 +260,10 @@ class OutputProcessor:
     ) -> tuple[str | None, int | str | None]:
         """Append tokens, logprobs and text; returns the (finish_reason, stop_reason) after this output."""
         new_token_ids = engine_output.new_token_ids
-        if new_token_ids and state.metrics.first_token_time is None:
-            state.metrics.first_token_time = state.stamp(now)
+        if engine_output.events:
+            self._apply_events(state, engine_output.events)
+        if new_token_ids:
+            self._stamp_token_times(state, now)
         state.output_token_ids.extend(new_token_ids)
         if new_token_ids and (
             not state.weight_versions or state.weight_versions[-1] != engine_output.weight_version
@@ -242,12 +272,50 @@ class OutputProcessor:
         state.metrics.num_cached_tokens = engine_output.num_cached_tokens
         if state.logprobs is not None and engine_output.new_logprobs is not None:
             self._append_logprobs(state, engine_output.new_logprobs)
+        if state.prompt_logprobs is not None and engine_output.new_prompt_logprobs is not None:
+            self._append_prompt_logprobs(state, engine_output.new_prompt_logprobs)
         finish_reason, stop_reason = engine_output.finish_reason, engine_output.stop_reason
         if state.detokenizer is not None:
             stop_string = state.detokenizer.update(new_token_ids, finish_reason == "stop")
             if stop_string is not None:
                 finish_reason, stop_reason = "stop", stop_string
         return finish_reason, stop_reason
+
+    @staticmethod
+    def _stamp_token_times(state: RequestState, now: float) -> None:
+        """New tokens arrived: the first sets `first_token_time`; every one moves `last_token_time` (parent too)."""
+        metrics = state.metrics
+        metrics.last_token_time = state.stamp(now)
+        if metrics.first_token_time is None:
+            metrics.first_token_time = metrics.last_token_time
+        if state.parent is not None:
+            parent_metrics = state.parent.metrics
+            parent_metrics.last_token_time = max(
+                parent_metrics.last_token_time or 0.0, metrics.last_token_time
+            )
+
+    @staticmethod
+    def _apply_events(state: RequestState, events: list[EngineCoreEvent]) -> None:
+        """Turn the core's lifecycle events into metrics: the first queued / scheduled stamps, and preemptions.
+
+        A parallel-sampling parent keeps its children's earliest stamps and the sum of their preemptions.
+        """
+        metrics = state.metrics
+        parent_metrics = state.parent.metrics if state.parent is not None else None
+        for event in events:
+            if event.type == EngineCoreEventType.PREEMPTED:
+                metrics.num_preemptions += 1
+                if parent_metrics is not None:
+                    parent_metrics.num_preemptions += 1
+                continue
+            name = _EVENT_METRICS[event.type]
+            if getattr(metrics, name) is not None:
+                continue  # a later queueing of the same request (a streaming chunk's, say)
+            stamp = state.stamp(event.timestamp)
+            setattr(metrics, name, stamp)
+            if parent_metrics is not None:
+                earliest = getattr(parent_metrics, name)
+                setattr(parent_metrics, name, stamp if earliest is None else min(earliest, stamp))
 
     def _append_logprobs(self, state: RequestState, new_logprobs: LogprobsLists) -> None:
         assert state.logprobs is not None
@@ -257,12 +325,32 @@ class OutputProcessor:
             new_logprobs.sampled_token_ranks,
             strict=True,
         ):
-            position: dict[int, Logprob] = {}
-            for i, (token_id, value) in enumerate(zip(token_ids, values, strict=True)):
-                rank = sampled_rank if i == 0 else i
-                position.setdefault(token_id, Logprob(value, rank, self._decode_token(token_id)))
             state.cumulative_logprob += values[0]
-            state.logprobs.append(position)
+            state.logprobs.append(self._position_logprobs(token_ids, values, sampled_rank))
+
+    def _append_prompt_logprobs(self, state: RequestState, rows: LogprobsLists) -> None:
+        """Add the core's prompt-logprob rows (they continue the entries so far: row j is entry start_index + j)."""
+        prompt_logprobs = state.prompt_logprobs
+        assert prompt_logprobs is not None
+        assert rows.start_index == len(prompt_logprobs), (
+            f"prompt logprobs of {state.request_id!r}: rows start at token {rows.start_index}, "
+            f"expected {len(prompt_logprobs)}"
+        )
+        for token_ids, values, rank in zip(
+            rows.logprob_token_ids, rows.logprobs, rows.sampled_token_ranks, strict=True
+        ):
+            prompt_logprobs.append(self._position_logprobs(token_ids, values, rank))
+
+    def _position_logprobs(
+        self, token_ids: list[int], values: list[float], token_rank: int
+    ) -> dict[int, Logprob]:
+        """One position's `{token id: Logprob}`: the actual (sampled or prompt) token first with `token_rank`, then
+        the top tokens with ranks 1, 2, ... (a top token that is the actual one keeps its first entry)."""
+        position: dict[int, Logprob] = {}
+        for i, (token_id, value) in enumerate(zip(token_ids, values, strict=True)):
+            rank = token_rank if i == 0 else i
+            position.setdefault(token_id, Logprob(value, rank, self._decode_token(token_id)))
+        return position
 
     def _decode_token(self, token_id: int) -> str | None:
         if self.tokenizer is None:
@@ -275,19 +363,22 @@ class OutputProcessor:
         self, state: RequestState, finish_reason: str | None, now: float, stats: IterationStats
     ) -> None:
         """Stamp, forget and count a request that finished."""
-        state.metrics.finished_time = state.stamp(now)
+        metrics = state.metrics
+        metrics.finished_time = state.stamp(now)
         del self.request_states[state.request_id]
-        first_token = state.metrics.first_token_time
         stats.finished_requests.append(
             FinishedRequestStats(
                 finish_reason=finish_reason,
-                e2e_latency=state.metrics.finished_time - state.metrics.arrival_time,
-                time_to_first_token=None
-                if first_token is None
-                else first_token - state.metrics.arrival_time,
+                e2e_latency=metrics.finished_time - metrics.arrival_time,
+                time_to_first_token=_duration(metrics.arrival_time, metrics.first_token_time),
                 num_prompt_tokens=len(state.prompt_token_ids),
                 num_generation_tokens=len(state.output_token_ids),
-                num_cached_tokens=state.metrics.num_cached_tokens,
+                num_cached_tokens=metrics.num_cached_tokens,
+                queue_time=_duration(metrics.queued_time, metrics.first_scheduled_time),
+                prefill_time=_duration(metrics.first_scheduled_time, metrics.first_token_time),
+                decode_time=_duration(metrics.first_token_time, metrics.last_token_time),
+                inference_time=_duration(metrics.first_scheduled_time, metrics.last_token_time),
+                num_preemptions=metrics.num_preemptions,
             )
         )
 
@@ -329,6 +420,10 @@ class OutputProcessor:
             return self._make_parent_output(state.parent, state, completion)
         if completion is None:
             return None
+        prompt_logprobs = state.complete_prompt_logprobs
+        if prompt_logprobs is not None and state.sampling_params.output_kind == "delta":
+            prompt_logprobs = None if state.prompt_logprobs_emitted else prompt_logprobs
+            state.prompt_logprobs_emitted = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -336,6 +431,7 @@ class OutputProcessor:
             outputs=[completion],
             finished=finished,
             metrics=state.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod
@@ -382,6 +478,9 @@ class OutputProcessor:
         every child's progress; final_only waits for the last child."""
         assert completion is not None
         parent.completions[state.index] = completion
+        if parent.prompt_logprobs is None:
+            # Child 0's: only it computes them (the others have prompt_logprobs None and return None here).
+            parent.prompt_logprobs = state.complete_prompt_logprobs
         parent.metrics.num_cached_tokens = max(
             parent.metrics.num_cached_tokens, state.metrics.num_cached_tokens
         )
@@ -398,6 +497,10 @@ class OutputProcessor:
             if parent.output_kind == "delta"
             else [c for c in parent.completions if c is not None]
         )
+        prompt_logprobs = parent.prompt_logprobs
+        if prompt_logprobs is not None and parent.output_kind == "delta":
+            prompt_logprobs = None if parent.prompt_logprobs_emitted else prompt_logprobs
+            parent.prompt_logprobs_emitted = True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -405,7 +508,13 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             metrics=parent.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
+
+
+def _duration(start: float | None, end: float | None) -> float | None:
+    """`end - start`, or None when either end is unknown."""
+    return None if start is None or end is None else end - start
 
 
 def _arrival_metrics(arrival_monotonic: float) -> RequestMetrics:

@@ -13,8 +13,12 @@ if TYPE_CHECKING:
 class FinishedRequestStats:
     """One core request that finished (stopped, capped or aborted); times in seconds.
 
-    `e2e_latency` runs from arrival at the front end to the finished output; `time_to_first_token` is None when no
-    token came out.
+    `e2e_latency` runs from arrival at the front end to the finished output; `time_to_first_token` from arrival to
+    the first token. The phases (vLLM's): `queue_time` from being queued in the engine core to its first
+    scheduling, `prefill_time` from then to the first token, `decode_time` from the first token to the last,
+    `inference_time` from the first scheduling to the last token (prefill plus decode). Each is None when one of
+    its ends never happened (no token came out, or the request was never scheduled). `num_preemptions` counts
+    preemptions by recompute.
     """
 
     finish_reason: str | None
@@ -23,6 +27,11 @@ class FinishedRequestStats:
     num_prompt_tokens: int
     num_generation_tokens: int
     num_cached_tokens: int
+    queue_time: float | None = None
+    prefill_time: float | None = None
+    decode_time: float | None = None
+    inference_time: float | None = None
+    num_preemptions: int = 0
 
 
 @dataclass

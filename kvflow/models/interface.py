@@ -16,10 +16,11 @@ class RunnerModel(Protocol):
 
     Invariants every implementation keeps:
       * `forward(batch, kv_cache)` writes the KV of every scheduled token at `batch.slot_mapping` before it reads
-        any, and returns one row per `batch.logits_indices` entry;
+        any, and returns one row per sampled request (`batch.sampled_req_indices`) when `samples_own_tokens`, else
+        one row per `batch.logits_indices` entry (the sampled rows first, then any prompt-logprob rows);
       * when `samples_own_tokens` is True (the hash model) that row is the sampled token id (int64 `[num_sampled]`)
-        and the runner passes it through; when False (a real model) it is float logits `[num_sampled, vocab_size]`
-        that the runner's `Sampler` turns into tokens;
+        and the runner passes it through; when False (a real model) it is float logits
+        `[len(logits_indices), vocab_size]`, of which the runner's `Sampler` turns the first `num_sampled` into tokens;
       * `kv_cache_bytes_per_block(block_size)` is what one block of `make_kv_cache(num_blocks, block_size)` takes;
       * `load_weights(weights, strict)` copies Hugging Face-named tensors in place and raises ValueError for
         anything it cannot load (every parameter must be given when `strict`); the shapes never change.

@@ -12,12 +12,37 @@ import torch
 from kvflow.batch import BatchInputs
 from kvflow.core.sched.output import LogprobsLists, ModelRunnerOutput
 from kvflow.utils import cdiv, to_device
-from kvflow.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from kvflow.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    build_sampling_metadata,
+    token_logprobs,
+)
 from kvflow.worker.states import RequestSlots
 
 if TYPE_CHECKING:
     from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
     from kvflow.models.interface import RunnerModel
+
+
+# Prompt-logprob rows go through log_softmax / rank / top-k this many at a time, bounding the temporaries.
+_PROMPT_LOGPROBS_CHUNK_ROWS = 512
+
+
+@dataclass
+class _PromptLogprobRows:
+    """The step's prompt-logprob rows, after the sampled rows in `BatchInputs.logits_indices`, grouped by request.
+
+    Request `req_ids[i]` owns `counts[i]` consecutive rows; row j of it holds the logits at prompt position
+    `start_indices[i] - 1 + j`, which predict prompt token `start_indices[i] + j` (`target_token_ids`).
+    """
+
+    req_ids: list[str]
+    num_logprobs: list[int]
+    start_indices: list[int]
+    counts: list[int]
+    flat_indices: np.ndarray  # [num_rows] flat batch token of each row
+    target_token_ids: np.ndarray  # [num_rows] the prompt token each row predicts
 
 
 @dataclass
@@ -27,6 +52,8 @@ class _StepArrays:
     slot_indices: np.ndarray  # [num_reqs] slot of each batch row
     num_scheduled: np.ndarray  # [num_reqs]
     sampled_rows: np.ndarray  # [num_sampled] batch rows that sample
+    req_id_to_index: dict[str, int]  # batch row of each request
+    prompt_rows: _PromptLogprobRows | None = None
 
 
 class ModelRunner:
@@ -41,7 +68,11 @@ class ModelRunner:
         step itself, the scheduler never sends it back;
       * each step costs O(scheduled tokens + batch requests * blocks in the batch), never O(request history);
       * persistent-batch data (`resumed_req_ids`, `all_token_ids`) is a protocol error: the scheduler never sends
-        it to this runner.
+        it to this runner;
+      * `prompt_logprob_reqs` holds exactly the held requests with `SamplingParams.prompt_logprobs` whose prompt
+        positions that predict a prompt token (0 .. num_prompt_tokens - 2) are not all computed yet, and that had
+        no output when they took their slot (a resume with outputs computed them before). Only they add logits rows
+        beyond the sampled ones, so requests without prompt logprobs cost nothing extra.
     Another protocol (`kvflow.worker.persistent_batch`) subclasses this runner and overrides the per-request steps
     `_forget`, `_preempt`, `_apply_cached_blocks` and `_apply_cached_tokens`, and `_update_cached_requests`.
     """
@@ -66,6 +97,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.slots = RequestSlots(max_num_reqs, max_model_len, int(cdiv(max_model_len, block_size)))
         self.kv_cache = model.make_kv_cache(num_blocks, block_size).to(self.device)
+        # Held requests still computing prompt logprobs -> their SamplingParams.prompt_logprobs.
+        self.prompt_logprob_reqs: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------------------ step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -79,7 +112,13 @@ class ModelRunner:
         with torch.inference_mode():
             model_output = self.model.forward(batch, self.kv_cache)
             sampled = self._sample(model_output, batch, arrays)
-        return self._update_states(batch, arrays, sampled)
+            prompt_logprobs = None
+            if arrays.prompt_rows is not None:
+                prompt_logits = model_output[batch.num_sampled :]
+                prompt_logprobs = _compute_prompt_logprobs(prompt_logits, arrays.prompt_rows)
+        output = self._update_states(batch, arrays, sampled)
+        output.prompt_logprobs_dict = prompt_logprobs
+        return output
 
     # ------------------------------------------------------------------------------------------ a. release
     def _release(self, finished_req_ids: set[str], preempted_req_ids: set[str]) -> None:
@@ -92,10 +131,12 @@ class ModelRunner:
     def _forget(self, req_id: str) -> None:
         """Drop whatever the worker holds for `req_id` (a no-op for an id it does not hold)."""
         self.slots.remove(req_id)
+        self.prompt_logprob_reqs.pop(req_id, None)
 
     def _preempt(self, req_id: str) -> None:
         """A preempted request gives its slot back: it will return as a new request."""
         self.slots.remove(req_id)
+        self.prompt_logprob_reqs.pop(req_id, None)
 
     # ------------------------------------------------------------------------------------------ b. add
     def _add_new_requests(self, new_reqs: Iterable[NewRequestData]) -> None:
@@ -107,7 +148,7 @@ class ModelRunner:
                 if new_req.prefill_token_ids is not None
                 else new_req.prompt_token_ids
             )
-            self.slots.add(
+            index = self.slots.add(
                 new_req.req_id,
                 token_ids,
                 new_req.block_ids[0],
@@ -115,6 +156,28 @@ class ModelRunner:
                 new_req.sampling_params,
                 num_prompt_tokens=len(new_req.prompt_token_ids),
             )
+            self._track_prompt_logprobs(new_req.req_id, index)
+
+    def _track_prompt_logprobs(self, req_id: str, index: int) -> None:
+        """Add a request that just took slot `index` to `prompt_logprob_reqs` if it still needs prompt logprobs.
+
+        A request that comes with outputs (a resume) computed them before it was preempted, so it does not repeat
+        them; one resumed before its first output recomputes its prompt, and its rows with it.
+        """
+        params = self.slots.sampling_params[index]
+        if params is None or params.prompt_logprobs is None:
+            return
+        if self.model.samples_own_tokens:
+            raise ValueError(
+                f"request {req_id!r} asks for prompt_logprobs, but this model samples its own tokens "
+                "and has no logits"
+            )
+        num_prompt_tokens = int(self.slots.num_prompt_tokens[index])
+        if (
+            self.slots.num_tokens[index] == num_prompt_tokens
+            and self.slots.num_computed_tokens[index] < num_prompt_tokens - 1
+        ):
+            self.prompt_logprob_reqs[req_id] = params.prompt_logprobs
 
     # ------------------------------------------------------------------------------------------ c. update
     def _update_cached_requests(self, cached: CachedRequestData) -> None:
@@ -208,6 +271,18 @@ class ModelRunner:
         # E.g., sampled_rows [0, 2] -> logits_indices [2 - 1, 10 - 1] = [1, 9]
         samples = (num_scheduled > 0) & (seq_lens >= self.slots.num_tokens[slot_indices])
         sampled_rows = np.flatnonzero(samples)
+        logits_indices = query_start_loc[sampled_rows + 1] - 1
+        arrays = _StepArrays(
+            slot_indices,
+            num_scheduled,
+            sampled_rows,
+            {req_id: row for row, req_id in enumerate(req_ids)},
+        )
+        if self.prompt_logprob_reqs:
+            arrays.prompt_rows = self._prompt_logprob_rows(arrays, start, query_start_loc)
+            if arrays.prompt_rows is not None:
+                # Prompt-logprob rows follow the sampled ones: the model returns logits for both.
+                logits_indices = np.concatenate([logits_indices, arrays.prompt_rows.flat_indices])
         batch = BatchInputs(
             req_ids=req_ids,
             block_size=self.block_size,
@@ -217,10 +292,48 @@ class ModelRunner:
             query_start_loc=to_device(query_start_loc.astype(np.int32), self.device),
             seq_lens=to_device(seq_lens.astype(np.int32), self.device),
             block_tables=to_device(self._batch_block_tables(slot_indices, seq_lens), self.device),
-            logits_indices=to_device(query_start_loc[sampled_rows + 1] - 1, self.device),
+            logits_indices=to_device(logits_indices, self.device),
             sampled_req_indices=to_device(sampled_rows.astype(np.int64), self.device),
         )
-        return batch, _StepArrays(slot_indices, num_scheduled, sampled_rows)
+        return batch, arrays
+
+    def _prompt_logprob_rows(
+        self, arrays: _StepArrays, start: np.ndarray, query_start_loc: np.ndarray
+    ) -> _PromptLogprobRows | None:
+        """The logits rows this step's prompt-logprob requests need (None if none); O(their scheduled tokens).
+
+        A request computing positions [first, end) needs the logits of those below `num_prompt_tokens - 1` (the
+        last prompt position predicts the first output, a sampled row). It leaves `prompt_logprob_reqs` once
+        `end` reaches that position. E.g., a 10-token prompt in chunks of 4: positions 0-3 give prompt tokens 1-4,
+        4-7 give 5-8, and the last chunk's position 8 gives token 9 (position 9 samples).
+        """
+        rows = _PromptLogprobRows([], [], [], [], np.empty(0, np.int64), np.empty(0, np.int64))
+        flat_parts: list[np.ndarray] = []
+        target_parts: list[np.ndarray] = []
+        for req_id, num_logprobs in list(self.prompt_logprob_reqs.items()):
+            row = arrays.req_id_to_index.get(req_id)
+            if row is None:
+                continue  # not scheduled this step
+            slot = int(arrays.slot_indices[row])
+            first = int(start[row])
+            end = first + int(arrays.num_scheduled[row])
+            last_position = int(self.slots.num_prompt_tokens[slot]) - 1
+            if end >= last_position:
+                del self.prompt_logprob_reqs[req_id]  # complete after this step
+            stop = min(end, last_position)
+            if stop <= first:
+                continue
+            flat_parts.append(np.arange(stop - first) + query_start_loc[row])
+            target_parts.append(self.slots.token_ids[slot, first + 1 : stop + 1])
+            rows.req_ids.append(req_id)
+            rows.num_logprobs.append(num_logprobs)
+            rows.start_indices.append(first + 1)
+            rows.counts.append(stop - first)
+        if not rows.req_ids:
+            return None
+        rows.flat_indices = np.concatenate(flat_parts)
+        rows.target_token_ids = np.concatenate(target_parts)
+        return rows
 
     def _check_scheduled(
         self, req_ids: list[str], slot_indices: np.ndarray, seq_lens: np.ndarray
@@ -258,11 +371,14 @@ class ModelRunner:
         self, model_output: torch.Tensor, batch: BatchInputs, arrays: _StepArrays
     ) -> SamplerOutput:
         """Token ids from a self-sampling model pass through; logits go through the batched `Sampler`."""
-        num_sampled = int(batch.logits_indices.shape[0])
+        num_sampled = batch.num_sampled
         if self.model.samples_own_tokens:
-            assert model_output.shape[0] == num_sampled, "one sampled token per logits index"
+            assert model_output.shape[0] == num_sampled, "one sampled token per sampled row"
             return SamplerOutput(sampled_token_ids=model_output, logprobs=None)
-        assert model_output.shape[0] == num_sampled, "one row of logits per logits index"
+        assert model_output.shape[0] == batch.logits_indices.shape[0], (
+            "one row of logits per logits index"
+        )
+        model_output = model_output[:num_sampled]  # prompt-logprob rows, if any, follow
         slot_indices = arrays.slot_indices[arrays.sampled_rows]
         params = [self.slots.sampling_params[index] for index in slot_indices.tolist()]
         assert all(p is not None for p in params), "a sampling request has no SamplingParams"
@@ -293,7 +409,7 @@ class ModelRunner:
             sampled_token_ids[row] = [token_id]
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
-            req_id_to_index={req_id: i for i, req_id in enumerate(batch.req_ids)},
+            req_id_to_index=arrays.req_id_to_index,
             sampled_token_ids=sampled_token_ids,
             logprobs=_logprobs_by_batch_row(
                 sampler_output.logprobs, arrays.sampled_rows, batch.num_reqs
@@ -322,3 +438,39 @@ def _logprobs_by_batch_row(
         values[row] = logprobs.logprobs[sampled_index]
         ranks[row] = logprobs.sampled_token_ranks[sampled_index]
     return LogprobsLists(token_ids, values, ranks)
+
+
+def _compute_prompt_logprobs(
+    logits: torch.Tensor, rows: _PromptLogprobRows
+) -> dict[str, LogprobsLists]:
+    """Each prompt-logprob request's rows: the actual prompt token, then its top `prompt_logprobs` tokens.
+
+    `logits` are the raw float32 logits of `rows`, in order; no sampling setting (temperature, penalties) applies.
+    """
+    targets = torch.from_numpy(rows.target_token_ids).to(logits.device)
+    num_top = max(rows.num_logprobs)
+    ids: list[list[int]] = []
+    values: list[list[float]] = []
+    ranks: list[int] = []
+    for begin in range(0, logits.shape[0], _PROMPT_LOGPROBS_CHUNK_ROWS):
+        end = begin + _PROMPT_LOGPROBS_CHUNK_ROWS
+        chunk_ids, chunk_values, chunk_ranks = token_logprobs(
+            logits[begin:end], targets[begin:end], num_top
+        )
+        ids += chunk_ids
+        values += chunk_values
+        ranks += chunk_ranks
+    result: dict[str, LogprobsLists] = {}
+    offset = 0
+    for req_id, num_logprobs, start_index, count in zip(
+        rows.req_ids, rows.num_logprobs, rows.start_indices, rows.counts, strict=True
+    ):
+        width = 1 + num_logprobs
+        result[req_id] = LogprobsLists(
+            [row[:width] for row in ids[offset : offset + count]],
+            [row[:width] for row in values[offset : offset + count]],
+            ranks[offset : offset + count],
+            start_index=start_index,
+        )
+        offset += count
+    return result

@@ -454,16 +454,9 @@ def compute_logprobs(
     else:
         row_index = torch.tensor(rows, dtype=torch.int64, device=raw_logits.device)
         row_logits, row_sampled = raw_logits[row_index], sampled[row_index]
-    logprobs = row_logits.float().log_softmax(dim=-1)
-    sampled_logprobs = logprobs.gather(1, row_sampled[:, None])
-    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
-    top_logprobs, top_ids = logprobs.topk(
-        min(metadata.max_num_logprobs, logprobs.shape[-1]), dim=-1
+    ids_list, values_list, ranks_list = token_logprobs(
+        row_logits, row_sampled, metadata.max_num_logprobs
     )
-    ids_list = torch.cat([row_sampled[:, None], top_ids], dim=1).tolist()
-    values_list = torch.cat([sampled_logprobs, top_logprobs], dim=1).tolist()
-    ranks_list = ranks.tolist()
-
     result = LogprobsLists(
         [[] for _ in range(metadata.num_rows)],
         [[] for _ in range(metadata.num_rows)],
@@ -475,3 +468,21 @@ def compute_logprobs(
         result.logprobs[row] = values_list[i][:width]
         result.sampled_token_ranks[row] = ranks_list[i]
     return result
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[list[list[int]], list[list[float]], list[int]]:
+    """Per row of `logits` `[n, vocab]`: `[token, top-1, ..., top-num_top]` ids, their logprobs, and the token's rank.
+
+    Logprobs are `log_softmax(logits)` in float32; `token_ids[i]` is row i's actual token (sampled, or the next
+    prompt token), and its rank is 1 + the number of tokens with a strictly higher logprob. The top tokens come in
+    descending order (`num_top` is capped at the vocabulary size), so the j-th of them has rank j.
+    """
+    logprobs = logits.float().log_softmax(dim=-1)
+    token_logprob = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > token_logprob).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+    ids = torch.cat([token_ids[:, None], top_ids], dim=1).tolist()
+    values = torch.cat([token_logprob, top_logprobs], dim=1).tolist()
+    return ids, values, ranks.tolist()

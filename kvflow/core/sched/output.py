@@ -7,6 +7,7 @@ carries what changed in that step only: a request's full token list travels when
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -103,26 +104,66 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsLists:
-    """Sampled-token logprobs per sampled row: top-k token ids, their logprobs, and the sampled token's rank."""
+    """Token logprobs, one row per token: `[token, top-1, ..., top-k]` ids, their logprobs, and the token's rank.
+
+    Sampled tokens (`ModelRunnerOutput.logprobs`, `EngineCoreOutput.new_logprobs`): one row per batch row or new
+    token, the token being the sampled one. Prompt tokens (`ModelRunnerOutput.prompt_logprobs_dict`,
+    `EngineCoreOutput.new_prompt_logprobs`): row j is the distribution of prompt token `start_index + j` given the
+    tokens before it (so `start_index >= 1`: prompt token 0 has none), the token being that actual prompt token.
+    `start_index` is unused (0) for sampled tokens. Ranks are 1-based; the top-k come in rank order.
+    """
 
     logprob_token_ids: list[list[int]]
     logprobs: list[list[float]]
     sampled_token_ranks: list[int]
+    start_index: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.logprobs)
 
 
 @dataclass
 class ModelRunnerOutput:
-    """What one step produced: `sampled_token_ids[req_id_to_index[req_id]]` (empty for a partial prefill)."""
+    """What one step produced: `sampled_token_ids[req_id_to_index[req_id]]` (empty for a partial prefill).
+
+    `prompt_logprobs_dict` (None when no scheduled request asked for prompt logprobs) maps each request that
+    computed prompt positions this step to their rows: prompt tokens `start_index .. start_index + num_rows - 1`,
+    contiguous with the request's earlier chunks. A request recomputing its prompt after a preemption sends rows it
+    sent before; the scheduler keeps the first copy.
+    """
 
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
-    prompt_logprobs_dict: dict[str, object] | None = None
+    prompt_logprobs_dict: dict[str, LogprobsLists] | None = None
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
         return cls([], {}, [])
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """A step in a request's life in the engine core."""
+
+    QUEUED = 1  # added to the scheduler (a streaming session: each chunk)
+    SCHEDULED = (
+        2  # first scheduled since it was queued (resumes after a preemption are not reported)
+    )
+    PREEMPTED = 3  # preempted by recompute (it will be scheduled again)
+
+
+@dataclass
+class EngineCoreEvent:
+    """One lifecycle event of a request, stamped by the engine core with `time.monotonic()`.
+
+    The stamps compare with the front end's `time.monotonic()` even when the core runs in another process: on Linux
+    the monotonic clock (CLOCK_MONOTONIC) is system-wide, so both processes read the same clock on one machine.
+    """
+
+    type: EngineCoreEventType
+    timestamp: float
 
 
 @dataclass
@@ -131,6 +172,11 @@ class EngineCoreOutput:
 
     `finish_reason` is "stop", "length" or "abort" when generation ended. For a streaming-input session a chunk
     can end while the session stays open: then `session_continues` is True and the request is not finished.
+
+    `new_prompt_logprobs` (requests with `SamplingParams.prompt_logprobs` and at least two prompt tokens) comes once,
+    on the request's first output with tokens: the rows of prompt tokens 1 .. num_prompt_tokens - 1
+    (`start_index` 1). `events` are the lifecycle events since the request's previous output, oldest first; events
+    of a request that has produced no output yet ride on its next one. Both are None otherwise.
     """
 
     request_id: str
@@ -143,6 +189,8 @@ class EngineCoreOutput:
     new_logprobs: LogprobsLists | None = None
     # The model weights that computed `new_token_ids` (see EngineCore.update_weights).
     weight_version: int = 0
+    new_prompt_logprobs: LogprobsLists | None = None
+    events: list[EngineCoreEvent] | None = None
 
     @property
     def finished(self) -> bool:
@@ -154,8 +202,11 @@ class SchedulerStats:
     """A snapshot of the scheduler for metrics and logs.
 
     `kv_cache_usage` is the fraction of KV blocks in use (0..1); the prefix-cache counts are prompt tokens looked
-    up and found at admission since startup; `num_preemptions_total` counts preemptions since startup. The counts
-    only grow, so a reader takes differences between snapshots.
+    up and found at admission since startup, counting each request's first admission only (the recompute after a
+    preemption would hit the blocks it had just written, inflating the hit rate; a streaming session's later
+    chunks keep their blocks and look nothing up), and never requests that skip the cache (prompt logprobs);
+    `num_preemptions_total` counts preemptions since startup. The counts only grow, so a reader takes
+    differences between snapshots.
     """
 
     num_running_reqs: int

@@ -13,6 +13,8 @@ from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvflow.core.kv_cache_utils import RequestBlockHasher
 from kvflow.core.sched.output import (
     CachedRequestData,
+    EngineCoreEvent,
+    EngineCoreEventType,
     EngineCoreOutput,
     LogprobsLists,
     ModelRunnerOutput,
@@ -39,6 +41,8 @@ class PauseState(enum.Enum):
 class PrefixCacheStats:
     """Prefix-cache lookups at admission: prompt tokens queried and tokens found in the cache.
 
+    Only a request's first admission counts: its recompute after a preemption would hit the blocks it wrote
+    itself (vLLM #25780). Requests that skip the cache (prompt logprobs) look nothing up and count nothing.
     Invariant: `num_hit_tokens <= num_query_tokens`; all three counts only grow.
     """
 
@@ -61,6 +65,7 @@ class _StepPlan:
     """
 
     token_budget: int
+    timestamp: float = 0.0  # time.monotonic() when the step was planned
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
     cached: list[Request] = field(default_factory=list)
@@ -160,11 +165,14 @@ class Scheduler:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             chunk = StreamingUpdate.from_request(request)
             self._update_session(session, chunk, close_after=not request.resumable)
+            if chunk is not None:
+                _record_queued(session)
             return
         self._validate_prompt_length(request.request_id, len(request.prompt_token_ids))
         request.set_block_hasher(self.block_hasher)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+        _record_queued(request)
 
     def close_session(self, request_id: str) -> bool:
         """End streaming session `request_id` once its current chunk stops.
@@ -292,8 +300,8 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_scheduled_tokens if self._pause_state != PauseState.PAUSED_ALL else 0
-        plan = _StepPlan(token_budget=budget)
         timestamp = time.monotonic()
+        plan = _StepPlan(token_budget=budget, timestamp=timestamp)
         self._schedule_running(plan, timestamp)
         if not plan.preempted and self._pause_state != PauseState.PAUSED_ALL:
             self._schedule_waiting(plan, only_started=self._pause_state == PauseState.PAUSED_NEW)
@@ -370,6 +378,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        request.events.append(EngineCoreEvent(EngineCoreEventType.PREEMPTED, timestamp))
         self.waiting.prepend_request(request)
 
     def _schedule_waiting(self, plan: _StepPlan, only_started: bool = False) -> None:
@@ -406,7 +415,7 @@ class Scheduler:
         """Schedule the head of the waiting queue. Returns False when it does not fit (stop admitting)."""
         computed_blocks: KVCacheBlocks | None = None
         num_hit_tokens = 0
-        if request.num_computed_tokens == 0:
+        if request.num_computed_tokens == 0 and not request.skip_reading_prefix_cache:
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         num_computed_tokens = request.num_computed_tokens + num_hit_tokens
         num_new_tokens = request.num_tokens - num_computed_tokens
@@ -430,20 +439,24 @@ class Scheduler:
             plan.resumed.append(request)
         else:
             plan.new.append(request)
-        if computed_blocks is not None:
+        if computed_blocks is not None and request.num_preemptions == 0:
             self._record_prefix_lookup(request, num_hit_tokens)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens  # the first admission's hit
+        if not request.scheduled_since_queued:
+            request.scheduled_since_queued = True
+            request.events.append(EngineCoreEvent(EngineCoreEventType.SCHEDULED, plan.timestamp))
         plan.add(request, num_new_tokens, new_blocks)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed_tokens
         return True
 
     def _record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a first admission's lookup (see `PrefixCacheStats`)."""
         stats = self.prefix_cache_stats
         stats.num_queries += 1
         stats.num_query_tokens += request.num_tokens
         stats.num_hit_tokens += num_hit_tokens
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
 
     # ------------------------------------------------------------------------------------------------ output
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
@@ -561,6 +574,8 @@ class Scheduler:
         stopped_running: set[Request] = set()
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
+        if model_runner_output.prompt_logprobs_dict:
+            self._receive_prompt_logprobs(model_runner_output.prompt_logprobs_dict)
         for request_id in scheduler_output.num_scheduled_tokens:
             index = req_id_to_index.get(request_id)
             generated = sampled_token_ids[index] if index is not None else []
@@ -577,6 +592,13 @@ class Scheduler:
                 num_cached_tokens=max(request.num_cached_tokens, 0),
                 new_logprobs=_logprobs_row(model_runner_output.logprobs, index, len(new_token_ids)),
             )
+            if request.events:
+                output.events, request.events = request.events, []
+            if request.prompt_logprobs_rows is not None and new_token_ids:
+                output.new_prompt_logprobs, request.prompt_logprobs_rows = (
+                    request.prompt_logprobs_rows,
+                    None,
+                )
             if stopped:
                 output.finish_reason = request.get_finished_reason()
                 output.stop_reason = request.stop_reason
@@ -589,6 +611,20 @@ class Scheduler:
         if stopped_running:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
+
+    def _receive_prompt_logprobs(self, prompt_logprobs_dict: dict[str, LogprobsLists]) -> None:
+        """Hold each request's new prompt-logprob rows until its first output token carries them out.
+
+        Rows may come in a step that samples nothing (a partial prefill), and for a request preempted since the
+        step was planned; a request recomputing its prompt sends rows again, which are dropped. Cost: O(rows).
+        """
+        for request_id, rows in prompt_logprobs_dict.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished() or request.num_output_tokens:
+                continue
+            request.prompt_logprobs_rows = _extend_prompt_logprobs(
+                request.prompt_logprobs_rows, rows, request.prompt_token_ids
+            )
 
     def _drop_stale_placeholder(self, request_id: str) -> bool:
         """True for a stale placeholder: a token of an earlier, finished request with this id, in flight at finish."""
@@ -657,3 +693,37 @@ def _logprobs_row(
         [logprobs.logprobs[index]],
         [logprobs.sampled_token_ranks[index]],
     )
+
+
+def _record_queued(request: Request) -> None:
+    """A request (or a streaming session's chunk) entered the scheduler: it will be reported scheduled once."""
+    request.events.append(EngineCoreEvent(EngineCoreEventType.QUEUED, time.monotonic()))
+    request.scheduled_since_queued = False
+
+
+def _extend_prompt_logprobs(
+    held: LogprobsLists | None, rows: LogprobsLists, prompt_token_ids: list[int]
+) -> LogprobsLists | None:
+    """`held` (the rows of prompt tokens 1..k, or None) extended by the rows of `rows` past token k.
+
+    Rows it repeats (a recompute after a preemption) are dropped. E.g., held 1..6 and rows 5..8 -> held 1..8.
+    `rows` are ignored when they cannot continue `held`: they start past token k + 1 or are not the logprobs of
+    this prompt's tokens. Both happen only when the request id was reused while a step of its finished namesake
+    was in flight; rows of the same tokens at the same positions are the same logprobs, whoever computed them.
+    """
+    next_index = 1 if held is None else held.start_index + held.num_rows
+    num_repeated = next_index - rows.start_index
+    new_token_ids = rows.logprob_token_ids[max(num_repeated, 0) :]
+    if num_repeated < 0 or not new_token_ids:
+        return held
+    prompt_tokens = prompt_token_ids[next_index : next_index + len(new_token_ids)]
+    if [token_ids[0] for token_ids in new_token_ids] != prompt_tokens:
+        return held
+    if num_repeated == 0 and held is None:
+        return rows
+    if held is None:
+        held = LogprobsLists([], [], [], start_index=next_index)
+    held.logprob_token_ids += new_token_ids
+    held.logprobs += rows.logprobs[num_repeated:]
+    held.sampled_token_ranks += rows.sampled_token_ranks[num_repeated:]
+    return held

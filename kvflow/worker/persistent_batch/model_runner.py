@@ -58,6 +58,7 @@ class PersistentBatchModelRunner(ModelRunner):
         index = self.slots.req_id_to_index.get(req_id)
         if index is None:
             return
+        self.prompt_logprob_reqs.pop(req_id, None)
         self.parked[req_id] = ParkedRequest(
             self.slots.get_token_ids(req_id),
             self.slots.sampling_params[index],
@@ -86,7 +87,7 @@ class PersistentBatchModelRunner(ModelRunner):
         """Give a parked request a slot again (nothing computed yet), or replace a held one's block table."""
         parked = self.parked.pop(req_id, None)
         if parked is not None:
-            return self.slots.add(
+            index = self.slots.add(
                 req_id,
                 parked.token_ids,
                 block_ids,
@@ -94,6 +95,9 @@ class PersistentBatchModelRunner(ModelRunner):
                 parked.sampling_params,
                 num_prompt_tokens=parked.num_prompt_tokens,
             )
+            # Parked before its first output: its prompt (and prompt logprobs) are recomputed.
+            self._track_prompt_logprobs(req_id, index)
+            return index
         index = self._index_of(req_id)
         self.slots.set_block_ids(index, block_ids)
         return index
