@@ -206,11 +206,23 @@ def test_logprobs_print_one_line_per_token_with_ranks_and_their_sum() -> None:
     assert abs(float(total.split(": ")[1]) - sum(values)) < 1e-3
 
 
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every (nested) subcommand's parser, by its name path (`bench serve`)."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                found[name] = subparser
+                found.update(
+                    {f"{name} {sub}": nested for sub, nested in _subparsers(subparser).items()}
+                )
+    return found
+
+
 def test_every_option_has_help_text_and_shows_a_default_that_says_something() -> None:
-    parser = build_parser()
-    [subcommands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(subcommands.choices) == {"generate", "chat", "demo"}
-    for name, subparser in subcommands.choices.items():
+    subparsers = _subparsers(build_parser())
+    assert {"generate", "chat", "demo", "bench", "bench serve"} <= set(subparsers)
+    for name, subparser in subparsers.items():
         assert subparser.description, name
         formatter = subparser.formatter_class(prog=subparser.prog)
         for action in subparser._actions:
