@@ -139,8 +139,13 @@ class OutputProcessor:
     ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        arrival_monotonic = arrival_time if arrival_time is not None else time.monotonic()
-        metrics = _arrival_metrics(arrival_monotonic)
+        if parent is not None:
+            # The samples share their parent's clock reading, so their stamps compare exactly with its own.
+            arrival_monotonic = parent.arrival_monotonic
+            metrics = RequestMetrics(arrival_time=parent.metrics.arrival_time)
+        else:
+            arrival_monotonic = arrival_time if arrival_time is not None else time.monotonic()
+            metrics = _arrival_metrics(arrival_monotonic)
         detokenizer = None
         if self.tokenizer is not None:
             from kvflow.engine.detokenizer import IncrementalDetokenizer
