@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 
 from kvflow.entrypoints.cli.args import LOGGING_EPILOG, HelpFormatter
 from kvflow.entrypoints.cli.engine import CommandError, make_async_llm
@@ -93,16 +94,23 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    from kvflow.entrypoints.openai.api_server import ServerConfig, bind_socket, run_server
-    from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
-    from kvflow.entrypoints.openai.serving_models import DEFAULT_MODEL_NAME
-
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise CommandError(
                 f"MODEL {args.model_tag!r} and --model {args.model!r} disagree: give one"
             )
         args.model = args.model_tag
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as error:
+        raise CommandError(
+            f"cannot listen on {args.host}:{args.port}: {error.strerror or error}"
+        ) from error
+    # The server's modules import torch and FastAPI (seconds): only once the port is ours.
+    from kvflow.entrypoints.openai.api_server import ServerConfig, run_server
+    from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
+    from kvflow.entrypoints.openai.serving_models import DEFAULT_MODEL_NAME
+
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -112,12 +120,6 @@ def run_serve(args: argparse.Namespace) -> None:
         uvicorn_log_level=args.uvicorn_log_level,
     )
     try:
-        sock = bind_socket(config.host, config.port)
-    except OSError as error:
-        raise CommandError(
-            f"cannot listen on {config.host}:{config.port}: {error.strerror or error}"
-        ) from error
-    try:
         stat_logger = PrometheusStatLogger(config.served_model_name)
         engine = make_async_llm(args, stat_loggers=[stat_logger])
         try:
@@ -126,3 +128,17 @@ def run_serve(args: argparse.Namespace) -> None:
             engine.shutdown()
     finally:
         sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` (port 0: a free one), taken before anything loads so that a port in use
+    fails at once; the server listens on it once ready. OSError if it cannot be bound."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock

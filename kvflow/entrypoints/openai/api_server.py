@@ -50,8 +50,10 @@ from kvflow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    DetokenizeResponse,
     ModelList,
     TokenizeRequest,
+    TokenizeResponse,
 )
 from kvflow.entrypoints.openai.rl import RLControl, admin_router, control_router
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -66,7 +68,6 @@ if TYPE_CHECKING:
 
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
-    from kvflow.entrypoints.openai.protocol import DetokenizeResponse, TokenizeResponse
 
 logger = logging.getLogger(__name__)
 
@@ -286,21 +287,6 @@ class _Server(uvicorn.Server):
         logger.info("shutting down: ending the requests in flight")
         await asyncio.to_thread(self.engine.shutdown)
         await super().shutdown(sockets)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to `host:port` (port 0: a free one), before the model loads, so a port in use fails
-    at once. OSError if it cannot be bound."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def run_server(
