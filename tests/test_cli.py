@@ -209,7 +209,7 @@ def test_logprobs_print_one_line_per_token_with_ranks_and_their_sum() -> None:
 def test_every_option_has_help_text_and_shows_a_default_that_says_something() -> None:
     parser = build_parser()
     [subcommands] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    assert set(subcommands.choices) == {"generate", "chat", "demo"}
+    assert set(subcommands.choices) == {"generate", "chat", "demo", "serve"}
     for name, subparser in subcommands.choices.items():
         assert subparser.description, name
         formatter = subparser.formatter_class(prog=subparser.prog)

@@ -130,6 +130,27 @@ def test_greedy_chat_equals_llm_chat(server: RemoteServer, llm: LLM, stream: boo
     assert text == reference.outputs[0].text
 
 
+def test_streamed_chat_with_n_samples_opens_each_choice_with_the_role(
+    server: RemoteServer, llm: LLM
+) -> None:
+    [reference] = llm.chat(MESSAGES, greedy(8), use_tqdm=False)
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "n": 2}
+    *chunks, done = stream_lines(server, "/v1/chat/completions", body)
+    assert done == "[DONE]"
+    by_choice: dict[int, list[dict[str, Any]]] = {}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        by_choice.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_choice) == [0, 1]
+    for choices in by_choice.values():
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in choice["delta"] for choice in choices[1:])
+        assert (
+            "".join(choice["delta"]["content"] for choice in choices) == reference.outputs[0].text
+        )
+        assert [choice["finish_reason"] for choice in choices][-1] == "length"
+
+
 def test_completion_logprobs_match_llm_in_openai_shape(server: RemoteServer, llm: LLM) -> None:
     [reference] = llm.generate(PROMPTS[:1], greedy(8, logprobs=3), use_tqdm=False)
     choice = (

@@ -199,6 +199,8 @@ class OpenAIServingCompletion(OpenAIServing):
         num_tokens = [0] * num_choices
         started = [False] * num_choices
         num_cached = [0] * len(prompts)
+        # Each prompt's logprobs, from whichever output carried them first (its samples share them).
+        prompt_logprobs: list[Sequence[dict[int, Logprob] | None] | None] = [None] * len(prompts)
         options = request.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
@@ -207,6 +209,8 @@ class OpenAIServingCompletion(OpenAIServing):
             async for prompt_index, result in self.generate(request_id, prompts, request.priority):
                 prompt = prompts[prompt_index]
                 num_cached[prompt_index] = cached_tokens(result)
+                if prompt_logprobs[prompt_index] is None:
+                    prompt_logprobs[prompt_index] = getattr(result, "prompt_logprobs", None)
                 for output in result.outputs:
                     index = prompt_index * request.n + output.index
                     text, token_ids, positions = (
@@ -216,10 +220,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     )
                     first = not started[index]
                     if first and request.echo:
-                        prompt_logprobs = getattr(result, "prompt_logprobs", None)
                         text = self._prompt_text(prompt) + text
                         token_ids = prompt.token_ids + token_ids
-                        positions = prompt_positions(prompt.token_ids, prompt_logprobs) + positions
+                        positions = (
+                            prompt_positions(prompt.token_ids, prompt_logprobs[prompt_index])
+                            + positions
+                        )
                     if not text and not token_ids and output.finish_reason is None:
                         continue
                     started[index] = True
@@ -239,9 +245,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         if first:
                             choice.prompt_token_ids = prompt.token_ids
                     if first and request.prompt_logprobs is not None:
-                        choice.prompt_logprobs = prompt_logprobs_body(
-                            getattr(result, "prompt_logprobs", None)
-                        )
+                        choice.prompt_logprobs = prompt_logprobs_body(prompt_logprobs[prompt_index])
                     streamed_text_len[index] += len(text)
                     num_tokens[index] += len(output.token_ids)
                     chunk = self._chunk(response_id, created, [choice])

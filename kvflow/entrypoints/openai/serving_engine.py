@@ -322,10 +322,6 @@ def cached_tokens(output: RequestOutput) -> int:
     return output.metrics.num_cached_tokens if output.metrics is not None else 0
 
 
-def response_fields(model: type[BaseModel]) -> set[str]:
-    return set(model.model_fields)
-
-
 # ---------------------------------------------------------------------------------------------------- streams
 async def merge_async_iterators(
     iterators: Sequence[AsyncIterator[_T]],
