@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from fastapi import Request
 
     from kvflow.outputs import CompletionOutput
+    from kvflow.tokenizer import Tokenizer
 
 _FIELDS = frozenset(ChatCompletionRequest.model_fields)
 ASSISTANT = "assistant"
@@ -87,26 +88,14 @@ class OpenAIServingChat(OpenAIServing):
                 "this model has no tokenizer, so no chat template: use /v1/completions with token ids",
                 param="messages",
             )
-        template_kwargs = {
-            name: value
-            for name, value in (request.chat_template_kwargs or {}).items()
-            if name not in _RESERVED_TEMPLATE_KWARGS
-        }
-        try:
-            text = self.tokenizer.apply_chat_template(
-                text_messages(request.messages),
-                add_generation_prompt=request.add_generation_prompt,
-                chat_template=request.chat_template,
-                tools=request.tools,
-                **template_kwargs,
-            )
-        except ChatTemplateError as error:
-            param = "chat_template" if request.chat_template is not None else "messages"
-            raise OpenAIServingError(str(error), param=param) from error
-        except ValueError as error:
-            raise OpenAIServingError(str(error), param="messages") from error
-        except TypeError as error:
-            raise OpenAIServingError(str(error), param="tools") from error
+        text = render_chat(
+            self.tokenizer,
+            request.messages,
+            add_generation_prompt=request.add_generation_prompt,
+            chat_template=request.chat_template,
+            tools=request.tools,
+            template_kwargs=request.chat_template_kwargs,
+        )
         token_ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
         if request.max_completion_tokens is not None:
             max_tokens_param, requested = "max_completion_tokens", request.max_completion_tokens
@@ -289,6 +278,39 @@ def _check_chat_fields(request: ChatCompletionRequest) -> None:
         raise OpenAIServingError(
             "when using top_logprobs, logprobs must be set to true", param="top_logprobs"
         )
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    chat_template: str | None,
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any] | None,
+) -> str:
+    """The prompt text of a conversation (what /v1/chat/completions and /tokenize both render); 400 naming
+    `messages`, `chat_template` or `tools` when it cannot be rendered."""
+    extra = {
+        name: value
+        for name, value in (template_kwargs or {}).items()
+        if name not in _RESERVED_TEMPLATE_KWARGS
+    }
+    try:
+        return tokenizer.apply_chat_template(
+            text_messages(messages),
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            **extra,
+        )
+    except ChatTemplateError as error:
+        param = "chat_template" if chat_template is not None else "messages"
+        raise OpenAIServingError(str(error), param=param) from error
+    except ValueError as error:
+        raise OpenAIServingError(str(error), param="messages") from error
+    except TypeError as error:
+        raise OpenAIServingError(str(error), param="tools") from error
 
 
 def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -122,6 +122,23 @@ class OpenAIServingCompletion(OpenAIServing):
             return ""
         return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
+    def _echoed(
+        self,
+        echo: bool,
+        prompt: PromptInput,
+        prompt_logprobs: Sequence[dict[int, Logprob] | None] | None,
+        output: CompletionOutput,
+    ) -> tuple[str, list[int], list[dict[int, Logprob] | None]]:
+        """A choice's text, token ids and per-token distributions, preceded by the prompt's when `echo`."""
+        text, token_ids, positions = output.text, list(output.token_ids), output_positions(output)
+        if not echo:
+            return text, token_ids, positions
+        return (
+            self._prompt_text(prompt) + text,
+            prompt.token_ids + token_ids,
+            prompt_positions(prompt.token_ids, prompt_logprobs) + positions,
+        )
+
     # ------------------------------------------------------------------------------------------------ whole
     async def _complete(
         self,
@@ -161,11 +178,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs: Sequence[dict[int, Logprob] | None] | None,
         output: CompletionOutput,
     ) -> CompletionResponseChoice:
-        text, token_ids, positions = output.text, list(output.token_ids), output_positions(output)
-        if request.echo:
-            text = self._prompt_text(prompt) + text
-            token_ids = prompt.token_ids + token_ids
-            positions = prompt_positions(prompt.token_ids, prompt_logprobs) + positions
+        text, token_ids, positions = self._echoed(request.echo, prompt, prompt_logprobs, output)
         return CompletionResponseChoice(
             index=prompt_index * request.n + output.index,
             text=text,
@@ -213,19 +226,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     prompt_logprobs[prompt_index] = getattr(result, "prompt_logprobs", None)
                 for output in result.outputs:
                     index = prompt_index * request.n + output.index
-                    text, token_ids, positions = (
-                        output.text,
-                        list(output.token_ids),
-                        output_positions(output),
-                    )
                     first = not started[index]
-                    if first and request.echo:
-                        text = self._prompt_text(prompt) + text
-                        token_ids = prompt.token_ids + token_ids
-                        positions = (
-                            prompt_positions(prompt.token_ids, prompt_logprobs[prompt_index])
-                            + positions
-                        )
+                    text, token_ids, positions = self._echoed(
+                        first and request.echo, prompt, prompt_logprobs[prompt_index], output
+                    )
                     if not text and not token_ids and output.finish_reason is None:
                         continue
                     started[index] = True

@@ -17,8 +17,7 @@ from kvflow.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvflow.entrypoints.openai.serving_chat import text_messages
-from kvflow.tokenizer import ChatTemplateError
+from kvflow.entrypoints.openai.serving_chat import render_chat
 
 if TYPE_CHECKING:
     from kvflow.engine.async_llm import AsyncLLM
@@ -40,19 +39,14 @@ class OpenAIServingTokenization:
             raise OpenAIServingError("give either prompt or messages", param="prompt")
         tokenizer = self._tokenizer("prompt" if request.messages is None else "messages")
         if request.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template(
-                    text_messages(request.messages),
-                    add_generation_prompt=request.add_generation_prompt,
-                    chat_template=request.chat_template,
-                    tools=request.tools,
-                    **(request.chat_template_kwargs or {}),
-                )
-            except ChatTemplateError as error:
-                param = "chat_template" if request.chat_template is not None else "messages"
-                raise OpenAIServingError(str(error), param=param) from error
-            except (ValueError, TypeError) as error:
-                raise OpenAIServingError(str(error), param="messages") from error
+            text = render_chat(
+                tokenizer,
+                request.messages,
+                add_generation_prompt=request.add_generation_prompt,
+                chat_template=request.chat_template,
+                tools=request.tools,
+                template_kwargs=request.chat_template_kwargs,
+            )
             add_special_tokens = bool(request.add_special_tokens)
         else:
             assert request.prompt is not None
