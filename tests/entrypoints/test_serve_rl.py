@@ -7,6 +7,7 @@ scheduler by being aborted, and a stream in flight can be held mid-generation fo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from kvflow.engine.async_llm import AsyncLLM
+from kvflow.engine.stats import FinishedRequestStats
 from kvflow.testing.hash_model import reference_tokens
 from tests.entrypoints.server import RemoteServer, running_server, sse_payloads
 
@@ -375,6 +377,15 @@ def test_48_concurrent_streams_match_the_oracle_and_leave_nothing_behind(
         assert counted(histogram) == 48, histogram
     assert counted("kvflow:inter_token_latency_seconds_count") == 48 * 199
     assert counted("kvflow:request_generation_tokens_sum") == 48 * 200
+    if "queue_time" in {field.name for field in dataclasses.fields(FinishedRequestStats)}:
+        for histogram in (  # the front end reports lifecycle times
+            "kvflow:request_queue_time_seconds_count",
+            "kvflow:request_prefill_time_seconds_count",
+            "kvflow:request_decode_time_seconds_count",
+            "kvflow:request_inference_time_seconds_count",
+            "kvflow:request_time_per_output_token_seconds_count",
+        ):
+            assert counted(histogram) == 48, histogram
 
 
 def test_metrics_carry_the_design_names_and_the_model_label(server: RemoteServer) -> None:
