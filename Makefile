@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test demo demo-hash lint bench clean
+.PHONY: test demo demo-hash serve lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ demo: $(VENV)/.installed
 
 demo-hash: $(VENV)/.installed
 	$(VENV)/bin/kvflow demo
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/kvflow serve
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff format --check kvflow tests benchmarks

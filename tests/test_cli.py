@@ -221,7 +221,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
 
 def test_every_option_has_help_text_and_shows_a_default_that_says_something() -> None:
     subparsers = _subparsers(build_parser())
-    assert {"generate", "chat", "demo", "bench", "bench serve"} <= set(subparsers)
+    assert {"generate", "chat", "demo", "serve", "bench", "bench serve"} <= set(subparsers)
     for name, subparser in subparsers.items():
         assert subparser.description, name
         formatter = subparser.formatter_class(prog=subparser.prog)

@@ -1,4 +1,4 @@
-"""The `kvflow` command line: `generate`, `chat` and `demo` (see `kvflow --help`)."""
+"""The `kvflow` command line: `generate`, `chat`, `demo` and `serve` (see `kvflow --help`)."""
 
 from kvflow.entrypoints.cli.main import build_parser, main
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
+    from kvflow.engine.arg_utils import EngineArgs
     from kvflow.engine.async_llm import AsyncLLM
+    from kvflow.engine.stats import StatLogger
     from kvflow.entrypoints.llm import LLM
 
 logger = logging.getLogger(__name__)
@@ -27,11 +30,14 @@ def make_llm(args: argparse.Namespace) -> LLM:
     return _start(LLM.from_engine_args, args)
 
 
-def make_async_llm(args: argparse.Namespace) -> AsyncLLM:
-    """The asyncio engine the flags describe (its core runs on a thread of this process)."""
+def make_async_llm(args: argparse.Namespace, stat_loggers: Sequence[StatLogger] = ()) -> AsyncLLM:
+    """The asyncio engine the flags describe, feeding `stat_loggers` (metrics backends) after every step."""
     from kvflow.engine.async_llm import AsyncLLM
 
-    return _start(AsyncLLM.from_engine_args, args)
+    def factory(engine_args: EngineArgs) -> AsyncLLM:
+        return AsyncLLM(stat_loggers=stat_loggers, **dataclasses.asdict(engine_args))
+
+    return _start(factory, args)
 
 
 def _start(factory: Callable[..., _E], args: argparse.Namespace) -> _E:

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from kvflow.entrypoints.cli import bench, chat, demo, generate
+from kvflow.entrypoints.cli import bench, chat, demo, generate, serve
 from kvflow.entrypoints.cli.args import HelpFormatter, SubcommandParser
 from kvflow.entrypoints.cli.engine import CommandError
 from kvflow.logger import logging_level_error
@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(subcommands)
     chat.add_parser(subcommands)
     demo.add_parser(subcommands)
+    serve.add_parser(subcommands)
     bench.add_parser(subcommands)
     return parser
 

@@ -1,0 +1,144 @@
+"""`kvflow serve [MODEL]`: the OpenAI-compatible HTTP server (kvflow/entrypoints/openai/).
+
+The port is bound before the model loads, so a port in use fails at once; the server is ready when
+`GET /health` answers 200. SIGINT or SIGTERM stop it with status 0 once requests in flight have ended
+(finish_reason "abort") and the engine has shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+
+from kvflow.entrypoints.cli.args import LOGGING_EPILOG, HelpFormatter
+from kvflow.entrypoints.cli.engine import CommandError, make_async_llm
+
+API_KEY_ENV = "KVFLOW_API_KEY"
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+DESCRIPTION = """\
+Serve MODEL over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions,
+/v1/models), as vLLM's server does, plus /health, /version, /metrics (Prometheus),
+/tokenize, /detokenize and the RL controls /pause, /resume, /is_paused. Point any
+OpenAI or vLLM client at http://HOST:PORT/v1.
+
+MODEL is a Hugging Face checkpoint folder; without it, the built-in default model
+(random weights); 'hash' is the deterministic test model (token-id prompts only)."""
+
+EPILOG = f"""\
+admin endpoints (--enable-admin-endpoints):
+  POST /reset_prefix_cache, /abort_requests, /update_weights, /collective_rpc,
+  GET /weight_version
+
+{LOGGING_EPILOG}"""
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    from kvflow.engine.arg_utils import EngineArgs
+
+    parser = subcommands.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint folder or 'hash' (same as --model); default: the built-in default model",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    server.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every path except /health, /metrics and "
+        f"/version; default: ${API_KEY_ENV} if set",
+    )
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients send; default: MODEL as given ('default' for the built-in model)",
+    )
+    server.add_argument(
+        "--enable-admin-endpoints",
+        action="store_true",
+        help="also serve the admin endpoints listed below",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="warning",
+        choices=UVICORN_LOG_LEVELS,
+        help="uvicorn's log level; 'info' adds its access log",
+    )
+    engine_fields = {field.name for field in dataclasses.fields(EngineArgs)}
+    EngineArgs.add_cli_args(parser, exclude=("engine_process",))
+    if (
+        "engine_process" in engine_fields
+    ):  # the server runs the engine core in its own process by default
+        parser.add_argument(
+            "--engine-process",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="run the engine core in its own process",
+        )
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise CommandError(
+                f"MODEL {args.model_tag!r} and --model {args.model!r} disagree: give one"
+            )
+        args.model = args.model_tag
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as error:
+        raise CommandError(
+            f"cannot listen on {args.host}:{args.port}: {error.strerror or error}"
+        ) from error
+    # The server's modules import torch and FastAPI (seconds): only once the port is ours.
+    from kvflow.entrypoints.openai.api_server import ServerConfig, run_server
+    from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
+    from kvflow.entrypoints.openai.serving_models import DEFAULT_MODEL_NAME
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        enable_admin_endpoints=args.enable_admin_endpoints,
+        uvicorn_log_level=args.uvicorn_log_level,
+    )
+    try:
+        stat_logger = PrometheusStatLogger(config.served_model_name)
+        engine = make_async_llm(args, stat_loggers=[stat_logger])
+        try:
+            run_server(engine, config, stat_logger, sock)
+        finally:
+            engine.shutdown()
+    finally:
+        sock.close()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host:port` (port 0: a free one), taken before anything loads so that a port in use
+    fails at once; the server listens on it once ready. OSError if it cannot be bound."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock

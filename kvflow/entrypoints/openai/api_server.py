@@ -1,0 +1,322 @@
+"""The app behind `kvflow serve`: routes, middleware, error handlers, and the uvicorn server that runs it.
+
+    GET  /health               200 while the engine runs, 503 once it has died
+    GET  /version              {"version": kvflow's}
+    GET  /metrics              Prometheus text (see metrics.py)
+    GET  /v1/models            the served model's card
+    POST /v1/completions       serving_completion.py
+    POST /v1/chat/completions  serving_chat.py
+    POST /tokenize, /detokenize  serving_tokenization.py
+    pause / resume and the admin endpoints: rl.py
+
+Every error is OpenAI's body (errors.py). With an API key, every path except /health, /metrics and /version needs
+`Authorization: Bearer KEY` (401 otherwise). A request's `X-Request-Id` header is its id and is echoed on the
+response. SIGINT and SIGTERM stop the server: requests in flight end (finish_reason "abort"), the engine shuts
+down, and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import secrets
+import signal
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+import prometheus_client
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvflow.engine.async_llm import EngineDeadError
+from kvflow.entrypoints.openai.errors import (
+    OpenAIServingError,
+    error_response,
+    validation_message,
+    validation_param,
+)
+from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST
+from kvflow.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from kvflow.entrypoints.openai.rl import RLControl, admin_router, control_router
+from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvflow.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, LiveRequests
+from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
+from kvflow.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvflow.version import __version__
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+    from kvflow.engine.async_llm import AsyncLLM
+    from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
+
+# Paths an API key does not guard: probes and scrapers.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# After SIGINT/SIGTERM requests in flight are aborted at once; this bounds the wait for their responses to drain.
+GRACEFUL_SHUTDOWN_S = 10.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The server's own options (the engine's are `EngineArgs`)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "default"
+    api_key: str | None = None
+    enable_admin_endpoints: bool = False
+    uvicorn_log_level: str = "warning"
+
+
+# ---------------------------------------------------------------------------------------------------- routes
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    engine: AsyncLLM = raw_request.app.state.engine
+    return Response(status_code=HTTPStatus.SERVICE_UNAVAILABLE if engine.errored else HTTPStatus.OK)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    """The metrics, with the gauges refreshed from the scheduler now: requests aborted since the last engine step
+    (a client that went away) change them without any output that would report it."""
+    state = raw_request.app.state
+    stat_logger: PrometheusStatLogger = state.metrics
+    token = stat_logger.refresh_token()
+    with contextlib.suppress(EngineDeadError):
+        stats = await state.engine.run_in_engine(lambda core: core.make_stats())
+        stat_logger.refresh(stats, token)
+    return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def show_models(raw_request: Request) -> ModelList:
+    return raw_request.app.state.serving_models.model_list()
+
+
+@router.post("/v1/completions")
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
+    return await serving.create_completion(request, raw_request)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingChat = raw_request.app.state.serving_chat
+    return await serving.create_chat_completion(request, raw_request)
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
+    return raw_request.app.state.serving_tokenization.tokenize(request)
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
+    return raw_request.app.state.serving_tokenization.detokenize(request)
+
+
+# ---------------------------------------------------------------------------------------------------- middleware
+class APIKeyMiddleware:
+    """401 for a request without `Authorization: Bearer <api key>`, except on `OPEN_PATHS` (and CORS preflights)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] != "OPTIONS"
+            and scope["path"] not in OPEN_PATHS
+        ):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(
+                    HTTPStatus.UNAUTHORIZED,
+                    "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Echoes a request's `X-Request-Id` header on its response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = (
+            Headers(scope=scope).get(REQUEST_ID_HEADER) if scope["type"] == "http" else None
+        )
+        if not request_id:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_request_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(raw=message.setdefault("headers", []))[REQUEST_ID_HEADER] = (
+                    request_id
+                )
+            await send(message)
+
+        await self.app(scope, receive, send_with_request_id)
+
+
+# ---------------------------------------------------------------------------------------------------- app
+def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger) -> FastAPI:
+    """The FastAPI app serving `engine` (which must be the engine `stat_logger` is registered with)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        logger.info(
+            "kvflow serve: model %r at http://%s (OpenAI API under /v1)",
+            config.served_model_name,
+            _display_address(config.host, config.port),
+        )
+        yield
+
+    app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan)
+    models = OpenAIServingModels(engine, config.served_model_name)
+    live_requests = LiveRequests()
+    app.state.engine = engine
+    app.state.metrics = stat_logger
+    app.state.serving_models = models
+    app.state.serving_completion = OpenAIServingCompletion(engine, models, live_requests)
+    app.state.serving_chat = OpenAIServingChat(engine, models, live_requests)
+    app.state.serving_tokenization = OpenAIServingTokenization(engine, models)
+    app.state.rl_control = RLControl(engine, live_requests)
+    app.include_router(router)
+    app.include_router(control_router)
+    if config.enable_admin_endpoints:
+        app.include_router(admin_router)
+    _add_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as OpenAI's body."""
+
+    @app.exception_handler(OpenAIServingError)
+    async def serving_error(_: Request, error: OpenAIServingError) -> JSONResponse:
+        return error_response(error.status_code, error.message, error.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        errors = list(error.errors())
+        return error_response(
+            HTTPStatus.BAD_REQUEST, validation_message(errors), validation_param(errors)
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail), headers=error.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError) -> JSONResponse:
+        return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine is not running: {error}")
+
+    @app.exception_handler(ValueError)
+    async def value_error(_: Request, error: ValueError) -> JSONResponse:
+        return error_response(HTTPStatus.BAD_REQUEST, str(error))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
+
+
+# ---------------------------------------------------------------------------------------------------- serving
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that SIGINT/SIGTERM end it with exit status 0 (uvicorn re-raises the signal once
+    it has stopped) and that shutting down first shuts the engine down, so requests in flight end at once
+    (finish_reason "abort") instead of holding the shutdown until they finish."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logger.info("shutting down: ending the requests in flight")
+        await asyncio.to_thread(self.engine.shutdown)
+        await super().shutdown(sockets)
+
+
+def run_server(
+    engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger, sock: socket.socket
+) -> None:
+    """Serve until SIGINT/SIGTERM; returns once the engine has shut down and every response has ended."""
+    _route_uvicorn_logs()
+    # No `*_created` series next to every counter and histogram, as in vLLM (a process-wide prometheus_client
+    # setting, fine in the server's own process).
+    prometheus_client.disable_created_metrics()
+    port = sock.getsockname()[1]
+    app = build_app(engine, dataclasses.replace(config, port=port), stat_logger)
+    uvicorn_config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=config.uvicorn_log_level,
+        access_log=True,  # shown only at --uvicorn-log-level info or debug
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    _Server(uvicorn_config, engine).run(sockets=[sock])
+    logger.info("kvflow serve stopped")
+
+
+def _display_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _route_uvicorn_logs() -> None:
+    """uvicorn's records go through kvflow's log handler (same format, stderr); their level is uvicorn's own."""
+    uvicorn_logger = logging.getLogger("uvicorn")
+    for handler in logging.getLogger("kvflow").handlers:
+        if handler not in uvicorn_logger.handlers:
+            uvicorn_logger.addHandler(handler)

@@ -1,0 +1,234 @@
+"""Prometheus metrics for `kvflow serve`: a `StatLogger` fed by `AsyncLLM` after every engine step.
+
+Names follow vLLM's with the `kvflow:` prefix, each labelled `model_name` (DESIGN.md's serving contract):
+gauges `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (a fraction, 1 = full, as vLLM);
+counters `prompt_tokens_total`, `generation_tokens_total`, `request_success_total{finished_reason}`,
+`num_preemptions_total`, `prefix_cache_queries_total`, `prefix_cache_hits_total` (prompt tokens looked up and found);
+histograms `time_to_first_token_seconds` (from arrival at the front end), `inter_token_latency_seconds`,
+`e2e_request_latency_seconds`, `request_queue_time_seconds`, `request_prefill_time_seconds`,
+`request_decode_time_seconds`, `request_inference_time_seconds`, `request_time_per_output_token_seconds`,
+`request_prompt_tokens`, `request_generation_tokens`. The queue / prefill / decode / inference histograms fill once
+the front end reports those times in `FinishedRequestStats`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+if TYPE_CHECKING:
+    from kvflow.core.sched.output import SchedulerStats
+    from kvflow.engine.stats import FinishedRequestStats, IterationStats
+
+__all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
+
+FINISHED_REASONS = ("stop", "length", "abort")
+# vLLM's buckets (seconds).
+TTFT_BUCKETS = (
+    *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+)
+ITL_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75),
+    *(1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0),
+)
+REQUEST_LATENCY_BUCKETS = (
+    *(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0),
+    *(120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_tokens` (vLLM's 1-2-5 series for per-request token counts)."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_tokens:
+                return buckets
+            buckets.append(value)
+        scale *= 10
+
+
+class PrometheusStatLogger:
+    """The server's metrics, in a `CollectorRegistry` of its own (no process-global state).
+
+    Invariants: counters only grow; each of the scheduler's running totals (prefix-cache tokens, preemptions) is
+    counted exactly once whatever the order snapshots arrive in (a snapshot adds only what its total exceeds the
+    largest seen); the gauges never go back to a snapshot older than one already shown. `_lock` serializes the
+    engine's output thread (`record`) and the /metrics handler (`refresh`).
+    """
+
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self._num_records = 0  # steps recorded so far
+        self._counted_totals: dict[Counter, int] = {}  # running total -> how much of it is counted
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[int]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.running = gauge("kvflow:num_requests_running", "Requests being generated (holding KV)")
+        self.waiting = gauge("kvflow:num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_cache_usage = gauge(
+            "kvflow:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%)"
+        )
+        self.prompt_tokens = counter("kvflow:prompt_tokens", "Prompt tokens prefilled")
+        self.generation_tokens = counter("kvflow:generation_tokens", "Tokens generated")
+        self.request_success = counter(
+            "kvflow:request_success", "Requests finished, by reason", ("finished_reason",)
+        )
+        self.preemptions = counter("kvflow:num_preemptions", "Requests preempted (recomputed)")
+        self.prefix_cache_queries = counter(
+            "kvflow:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+        )
+        self.prefix_cache_hits = counter(
+            "kvflow:prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        )
+        self.time_to_first_token = histogram(
+            "kvflow:time_to_first_token_seconds",
+            "Time from arrival at the front end to the first token",
+            TTFT_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "kvflow:inter_token_latency_seconds", "Time between two output tokens", ITL_BUCKETS
+        )
+        self.e2e_latency = histogram(
+            "kvflow:e2e_request_latency_seconds",
+            "Time from arrival to the finished output",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "kvflow:request_queue_time_seconds",
+            "Time waiting before first scheduled",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.prefill_time = histogram(
+            "kvflow:request_prefill_time_seconds",
+            "Time from first scheduled to the first token",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.decode_time = histogram(
+            "kvflow:request_decode_time_seconds",
+            "Time from the first token to the last",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.inference_time = histogram(
+            "kvflow:request_inference_time_seconds",
+            "Time from first scheduled to the last token",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.time_per_output_token = histogram(
+            "kvflow:request_time_per_output_token_seconds",
+            "Decode time per output token after the first",
+            ITL_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "kvflow:request_prompt_tokens",
+            "Prompt tokens per request",
+            token_buckets(max_model_len),
+        )
+        self.request_generation_tokens = histogram(
+            "kvflow:request_generation_tokens",
+            "Generated tokens per request",
+            token_buckets(max_model_len),
+        )
+        for reason in FINISHED_REASONS:  # present (at 0) before the first request, as in vLLM
+            self.request_success.labels(model_name, reason)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+            metric.labels(model_name)
+        for metric in (self.prefix_cache_queries, self.prefix_cache_hits):
+            metric.labels(model_name)
+
+    # ------------------------------------------------------------------------------------------------ StatLogger
+    def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
+        """One engine step (called on the engine's output thread)."""
+        name = self.model_name
+        with self._lock:
+            self._num_records += 1
+            self._apply(scheduler_stats)
+        if iteration_stats.num_prompt_tokens:
+            self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
+        if iteration_stats.num_generation_tokens:
+            self.generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
+        ttft = self.time_to_first_token.labels(name)
+        for seconds in iteration_stats.time_to_first_tokens:
+            ttft.observe(seconds)
+        itl = self.inter_token_latency.labels(name)
+        for seconds in iteration_stats.inter_token_latencies:
+            itl.observe(seconds)
+        for finished in iteration_stats.finished_requests:
+            self._record_finished(finished)
+
+    def refresh_token(self) -> int:
+        """Call before asking the engine for a snapshot to `refresh` with."""
+        return self._num_records
+
+    def refresh(self, scheduler_stats: SchedulerStats, token: int) -> None:
+        """Apply a snapshot taken outside `record` (aborts change the scheduler without an output step), unless a
+        step was recorded since `token`: then the gauges already show a snapshot at least as recent."""
+        with self._lock:
+            if token == self._num_records:
+                self._apply(scheduler_stats)
+
+    def _apply(self, scheduler_stats: SchedulerStats) -> None:
+        """The gauges, and what the scheduler's running totals grew by (caller holds `_lock`)."""
+        name = self.model_name
+        self.running.labels(name).set(scheduler_stats.num_running_reqs)
+        self.waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
+        self.kv_cache_usage.labels(name).set(scheduler_stats.kv_cache_usage)
+        for counter, total in (
+            (self.prefix_cache_queries, scheduler_stats.prefix_cache_query_tokens),
+            (self.prefix_cache_hits, scheduler_stats.prefix_cache_hit_tokens),
+            (self.preemptions, scheduler_stats.num_preemptions_total),
+        ):
+            counted = self._counted_totals.get(counter, 0)
+            if total > counted:
+                counter.labels(name).inc(total - counted)
+                self._counted_totals[counter] = total
+
+    def _record_finished(self, finished: FinishedRequestStats) -> None:
+        name = self.model_name
+        if finished.finish_reason is not None:
+            self.request_success.labels(name, finished.finish_reason).inc()
+        self.e2e_latency.labels(name).observe(finished.e2e_latency)
+        self.request_prompt_tokens.labels(name).observe(finished.num_prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(finished.num_generation_tokens)
+        # Lifecycle times: reported by newer front ends only.
+        for histogram, field_name in (
+            (self.queue_time, "queue_time"),
+            (self.prefill_time, "prefill_time"),
+            (self.decode_time, "decode_time"),
+            (self.inference_time, "inference_time"),
+        ):
+            seconds = getattr(finished, field_name, None)
+            if seconds is not None:
+                histogram.labels(name).observe(seconds)
+        decode_time = getattr(finished, "decode_time", None)
+        if decode_time is not None and finished.num_generation_tokens > 1:
+            self.time_per_output_token.labels(name).observe(
+                decode_time / (finished.num_generation_tokens - 1)
+            )
+
+    # ------------------------------------------------------------------------------------------------ export
+    def render(self) -> bytes:
+        """The registry in Prometheus' text format (`CONTENT_TYPE_LATEST`)."""
+        return generate_latest(self.registry)

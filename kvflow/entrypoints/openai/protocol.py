@@ -1,0 +1,323 @@
+"""Request and response bodies of the OpenAI-compatible server, in OpenAI's shapes plus vLLM's extra fields.
+
+Requests accept unknown fields (clients send `user`, `metadata` and the like); the handlers log and ignore them, as
+vLLM does. Fields kvflow cannot honour (`suffix`, `logit_bias`, ...) are refused by the handlers, never ignored,
+because ignoring them would change what the client gets. Value checks (ranges, lengths) are left to
+`SamplingParams` and the input processor, whose ValueErrors name the field; these models check only types.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+# ---------------------------------------------------------------------------------------------------- shared
+
+
+class OpenAIBaseModel(BaseModel):
+    """A request body: unknown fields are kept in `model_extra` (reported, then ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: `{"error": {"message", "type", "param", "code"}}` (`code` is the HTTP status)."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(BaseModel):
+    """`include_usage`: a last chunk with `usage` and no choices; `continuous_usage_stats` (vLLM): `usage` on every
+    chunk too (only with `include_usage`)."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int | None = None
+
+
+class UsageInfo(BaseModel):
+    """Token counts of one response: each prompt counts once (not once per sample); `cached_tokens` are prompt
+    tokens served from the prefix cache."""
+
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+
+class Logprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs`: `{token_id: {"logprob", "rank", "decoded_token"}}`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+class SamplingFields(OpenAIBaseModel):
+    """The sampling fields /v1/completions and /v1/chat/completions share (None: the model's default)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    priority: int = 0
+    request_id: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- completions
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. `prompt`: a string, a list of strings, a list of token ids, or a list of such lists;
+    token ids are used as given (no BOS is added)."""
+
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+
+class CompletionLogProbs(BaseModel):
+    """Parallel lists, one entry per token: its text, logprob, the most likely tokens (`{text: logprob}`, the
+    chosen token included) and its character offset in the choice's text."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- chat
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions. `messages` are checked by the tokenizer's chat-template rendering."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # vLLM's extra chat fields
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- models
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvflow"
+    root: str
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------------------------- tokenization
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: either `prompt` (text, special tokens added by default) or `messages` (rendered with the
+    chat template, special tokens not added again by default), like vLLM's two request forms."""
+
+    model: str | None = None
+    prompt: StrictStr | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---------------------------------------------------------------------------------------------------- control
+
+
+class AbortRequestsRequest(OpenAIBaseModel):
+    """POST /abort_requests: ids as the client knows them (its X-Request-Id, or a response's `id`); none: all."""
+
+    request_ids: list[str] | None = None
+
+
+class UpdateWeightsRequest(OpenAIBaseModel):
+    path: str
+
+
+class CollectiveRpcRequest(OpenAIBaseModel):
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)

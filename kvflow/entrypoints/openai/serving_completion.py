@@ -1,0 +1,282 @@
+"""POST /v1/completions: OpenAI's legacy completions, with vLLM's extras.
+
+A prompt is a string, a list of strings, a list of token ids, or a list of such lists (token ids are used as given:
+no BOS is added). Each prompt runs as one engine request with `n` samples; choice `i` of prompt `p` has index
+`p * n + i`. With `echo`, each choice starts with its prompt (text, token ids and, with `logprobs`, the prompt's
+logprobs: None for the first token, then one entry per prompt token), which is how evaluation harnesses score
+likelihoods (`echo: true, logprobs: 1, max_tokens: 1`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvflow.entrypoints.openai.errors import OpenAIServingError
+from kvflow.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    output_positions,
+    prompt_logprobs_body,
+    prompt_positions,
+)
+from kvflow.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from kvflow.entrypoints.openai.serving_engine import (
+    CLIENT_CLOSED_REQUEST,
+    SSE_DONE,
+    OpenAIServing,
+    PromptInput,
+    cached_tokens,
+    make_usage,
+    run_until_disconnected,
+    sse_event,
+    stream_error_event,
+)
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+    from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
+
+_FIELDS = frozenset(CompletionRequest.model_fields)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Serves /v1/completions (streamed as server-sent events, or whole)."""
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        self.check_request(request)
+        if request.suffix is not None:
+            raise OpenAIServingError("suffix is not supported by kvflow", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIServingError("best_of must equal n in kvflow", param="best_of")
+        request_id = self.request_id(raw_request, request.request_id)
+        prompts = self._prompts(request)
+        response_id = f"cmpl-{request_id}"
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, request_id, response_id, prompts),
+                media_type="text/event-stream",
+            )
+        response = await run_until_disconnected(
+            raw_request, self._complete(request, request_id, response_id, prompts)
+        )
+        if response is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONResponse(response.model_dump())
+
+    # ------------------------------------------------------------------------------------------------ prompts
+    def _prompts(self, request: CompletionRequest) -> list[PromptInput]:
+        """Every prompt of the request, checked and tokenized (400 naming the field otherwise)."""
+        raw = request.prompt
+        if isinstance(raw, str):
+            items: Sequence[str | list[int]] = [raw]
+        elif not raw:
+            raise OpenAIServingError("prompt must not be empty", param="prompt")
+        elif all(isinstance(item, int) for item in raw):
+            items = [raw]  # type: ignore[list-item]
+        else:
+            items = raw  # type: ignore[assignment]
+        prompt_logprobs = request.prompt_logprobs
+        if request.echo and request.logprobs is not None and prompt_logprobs is None:
+            self.check_prompt_logprobs("echo")
+            prompt_logprobs = request.logprobs
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                if self.tokenizer is None:
+                    raise OpenAIServingError(
+                        "this model has no tokenizer: send the prompt as token ids", param="prompt"
+                    )
+                text: str | None = item
+                token_ids = self.tokenizer.encode(
+                    item, add_special_tokens=request.add_special_tokens
+                )
+            else:
+                text, token_ids = None, list(item)
+            max_tokens = self.max_tokens(request.max_tokens, len(token_ids), "max_tokens", "prompt")
+            params = self.sampling_params(
+                request,
+                max_tokens=max_tokens,
+                logprobs=request.logprobs,
+                prompt_logprobs=prompt_logprobs,
+                fields=_FIELDS,
+                aliases=self.aliases,
+            )
+            prompts.append(self.process(text, token_ids, params, _FIELDS, self.aliases))
+        return prompts
+
+    def _prompt_text(self, prompt: PromptInput) -> str:
+        """What `echo` shows: the prompt as sent, or token ids decoded (special tokens kept)."""
+        if prompt.text is not None:
+            return prompt.text
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+    def _echoed(
+        self,
+        echo: bool,
+        prompt: PromptInput,
+        prompt_logprobs: Sequence[dict[int, Logprob] | None] | None,
+        output: CompletionOutput,
+    ) -> tuple[str, list[int], list[dict[int, Logprob] | None]]:
+        """A choice's text, token ids and per-token distributions, preceded by the prompt's when `echo`."""
+        text, token_ids, positions = output.text, list(output.token_ids), output_positions(output)
+        if not echo:
+            return text, token_ids, positions
+        return (
+            self._prompt_text(prompt) + text,
+            prompt.token_ids + token_ids,
+            prompt_positions(prompt.token_ids, prompt_logprobs) + positions,
+        )
+
+    # ------------------------------------------------------------------------------------------------ whole
+    async def _complete(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        response_id: str,
+        prompts: list[PromptInput],
+    ) -> CompletionResponse:
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        async for index, output in self.generate(request_id, prompts, request.priority):
+            finals[index] = output  # "final_only": each prompt's one output
+        choices = []
+        num_completion_tokens = 0
+        for prompt_index, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
+            assert final is not None
+            prompt_logprobs = getattr(final, "prompt_logprobs", None)
+            for output in final.outputs:
+                num_completion_tokens += len(output.token_ids)
+                choices.append(self._choice(request, prompt_index, prompt, prompt_logprobs, output))
+        choices.sort(key=lambda choice: choice.index)
+        return CompletionResponse(
+            id=response_id,
+            model=self.models.served_model_name,
+            choices=choices,
+            usage=make_usage(
+                sum(len(prompt.token_ids) for prompt in prompts),
+                num_completion_tokens,
+                sum(cached_tokens(final) for final in finals if final is not None),
+            ),
+        )
+
+    def _choice(
+        self,
+        request: CompletionRequest,
+        prompt_index: int,
+        prompt: PromptInput,
+        prompt_logprobs: Sequence[dict[int, Logprob] | None] | None,
+        output: CompletionOutput,
+    ) -> CompletionResponseChoice:
+        text, token_ids, positions = self._echoed(request.echo, prompt, prompt_logprobs, output)
+        return CompletionResponseChoice(
+            index=prompt_index * request.n + output.index,
+            text=text,
+            logprobs=None
+            if request.logprobs is None
+            else completion_logprobs(
+                token_ids, positions, request.logprobs, self.token_texts(request)
+            ),
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+            prompt_logprobs=prompt_logprobs_body(prompt_logprobs)
+            if request.prompt_logprobs is not None
+            else None,
+            prompt_token_ids=prompt.token_ids if request.return_token_ids else None,
+            token_ids=token_ids if request.return_token_ids else None,
+        )
+
+    # ------------------------------------------------------------------------------------------------ stream
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        response_id: str,
+        prompts: list[PromptInput],
+    ) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per new piece of a choice (never an empty one), the usage chunk if asked
+        for, then `[DONE]`; an error after the start is an error event before `[DONE]`."""
+        created = int(time.time())
+        num_choices = len(prompts) * request.n
+        streamed_text_len = [0] * num_choices
+        num_tokens = [0] * num_choices
+        started = [False] * num_choices
+        num_cached = [0] * len(prompts)
+        # Each prompt's logprobs, from whichever output carried them first (its samples share them).
+        prompt_logprobs: list[Sequence[dict[int, Logprob] | None] | None] = [None] * len(prompts)
+        options = request.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
+        texts = self.token_texts(request)
+        try:
+            async for prompt_index, result in self.generate(request_id, prompts, request.priority):
+                prompt = prompts[prompt_index]
+                num_cached[prompt_index] = cached_tokens(result)
+                if prompt_logprobs[prompt_index] is None:
+                    prompt_logprobs[prompt_index] = getattr(result, "prompt_logprobs", None)
+                for output in result.outputs:
+                    index = prompt_index * request.n + output.index
+                    first = not started[index]
+                    text, token_ids, positions = self._echoed(
+                        first and request.echo, prompt, prompt_logprobs[prompt_index], output
+                    )
+                    if not text and not token_ids and output.finish_reason is None:
+                        continue
+                    started[index] = True
+                    choice = CompletionResponseStreamChoice(
+                        index=index,
+                        text=text,
+                        logprobs=None
+                        if request.logprobs is None
+                        else completion_logprobs(
+                            token_ids, positions, request.logprobs, texts, streamed_text_len[index]
+                        ),
+                        finish_reason=output.finish_reason,
+                        stop_reason=output.stop_reason,
+                    )
+                    if request.return_token_ids:
+                        choice.token_ids = token_ids
+                        if first:
+                            choice.prompt_token_ids = prompt.token_ids
+                    if first and request.prompt_logprobs is not None:
+                        choice.prompt_logprobs = prompt_logprobs_body(prompt_logprobs[prompt_index])
+                    streamed_text_len[index] += len(text)
+                    num_tokens[index] += len(output.token_ids)
+                    chunk = self._chunk(response_id, created, [choice])
+                    if continuous_usage:
+                        chunk.usage = make_usage(
+                            len(prompt.token_ids), num_tokens[index], num_cached[prompt_index]
+                        )
+                    yield sse_event(chunk)
+            if include_usage:
+                chunk = self._chunk(response_id, created, [])
+                chunk.usage = make_usage(
+                    sum(len(prompt.token_ids) for prompt in prompts),
+                    sum(num_tokens),
+                    sum(num_cached),
+                )
+                yield sse_event(chunk)
+        except Exception as error:
+            yield stream_error_event(error)
+        yield SSE_DONE
+
+    def _chunk(
+        self, response_id: str, created: int, choices: list[CompletionResponseStreamChoice]
+    ) -> CompletionStreamResponse:
+        return CompletionStreamResponse(
+            id=response_id,
+            object="text_completion",
+            created=created,
+            model=self.models.served_model_name,
+            choices=choices,
+        )

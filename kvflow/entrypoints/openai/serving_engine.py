@@ -1,0 +1,408 @@
+"""What the completion and chat handlers share: request ids, prompt checks, sampling params and running requests.
+
+A request is checked completely before anything reaches the engine (model name, fields kvflow cannot honour,
+prompt length against `max_model_len`, every sampling field, the prompt's token ids), so a bad request is a 400
+naming its field and never a half-started stream. Requests then run through `AsyncLLM.generate`, one engine request
+per prompt; a client that goes away (a closed stream, or a disconnect while waiting for a whole response) cancels
+the consumer, which aborts the engine requests and frees their KV blocks and slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvflow.engine.async_llm import EngineDeadError
+from kvflow.engine.input_processor import check_priority
+from kvflow.entrypoints.openai.errors import OpenAIServingError, bad_request, error_body
+from kvflow.entrypoints.openai.logprobs import TokenTexts
+from kvflow.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
+from kvflow.model_info import load_sampling_defaults
+from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from fastapi import Request
+    from pydantic import BaseModel
+
+    from kvflow.engine.async_llm import AsyncLLM
+    from kvflow.engine.input_processor import ProcessedPrompt
+    from kvflow.entrypoints.openai.protocol import SamplingFields
+    from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
+    from kvflow.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+REQUEST_ID_HEADER = "X-Request-Id"
+# The status of a response whose client went away (it is never sent; nginx logs such requests as 499).
+CLIENT_CLOSED_REQUEST = 499
+# Whether this engine build computes prompt logprobs (SamplingParams.prompt_logprobs).
+SUPPORTS_PROMPT_LOGPROBS = "prompt_logprobs" in {
+    field.name for field in dataclasses.fields(SamplingParams)
+}
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt, checked and tokenized: its text (None for token ids without a tokenizer), ids and params."""
+
+    text: str | None
+    token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class LiveRequests:
+    """The requests this server is running, by the id the client knows (its X-Request-Id, or a generated one).
+
+    Invariants: an id is live from the moment its engine requests start until its response is done; two live
+    requests never share an id; `engine_ids[id]` are the engine request ids behind it (one per prompt). Used from
+    the event loop only.
+    """
+
+    def __init__(self) -> None:
+        self.engine_ids: dict[str, list[str]] = {}
+
+    def check_free(self, request_id: str, param: str | None = None) -> None:
+        if request_id in self.engine_ids:
+            raise OpenAIServingError(
+                f"request id {request_id!r} is already in use by a running request", param=param
+            )
+
+    @contextlib.contextmanager
+    def claim(self, request_id: str, engine_ids: list[str]) -> Iterator[None]:
+        self.check_free(request_id)
+        self.engine_ids[request_id] = engine_ids
+        try:
+            yield
+        finally:
+            del self.engine_ids[request_id]
+
+    def resolve(self, request_ids: Sequence[str] | None) -> dict[str, list[str]]:
+        """The live ones among `request_ids` (each as given, or as a response `id`, `cmpl-<id>` / `chatcmpl-<id>`),
+        with their engine ids; None means every live request."""
+        if request_ids is None:
+            return dict(self.engine_ids)
+        found: dict[str, list[str]] = {}
+        for request_id in request_ids:
+            for candidate in (request_id, *_without_response_prefix(request_id)):
+                if candidate in self.engine_ids:
+                    found[request_id] = self.engine_ids[candidate]
+                    break
+        return found
+
+
+def _without_response_prefix(response_id: str) -> list[str]:
+    return [
+        response_id[len(prefix) :]
+        for prefix in ("cmpl-", "chatcmpl-")
+        if response_id.startswith(prefix)
+    ]
+
+
+class OpenAIServing:
+    """The part of /v1/completions and /v1/chat/completions that does not depend on the endpoint.
+
+    Invariants: every `SamplingParams` it builds takes the model's defaults (`AsyncLLM.get_default_sampling_params`,
+    i.e. generation_config.json) for the fields a request leaves unset, as vLLM does; `max_tokens` never exceeds
+    what `max_model_len` leaves after the prompt.
+    """
+
+    # The engine's names for a request's fields, where they differ (see `errors.param_of`).
+    aliases: Mapping[str, str] = {"prompt_token_ids": "prompt"}
+
+    def __init__(
+        self, engine: AsyncLLM, models: OpenAIServingModels, live_requests: LiveRequests
+    ) -> None:
+        self.engine = engine
+        self.models = models
+        self.live_requests = live_requests
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len = models.max_model_len
+        self.default_sampling_params = engine.get_default_sampling_params()
+        model_config = engine.engine_config.model_config
+        # generation_config.json's max_new_tokens, if any: a cap on every request, as in vLLM.
+        self.default_max_tokens: int | None = load_sampling_defaults(
+            engine.model_info.path, model_config.generation_config
+        ).get("max_tokens")
+        self.scheduling_policy = engine.engine_config.scheduler_config.policy
+
+    # ------------------------------------------------------------------------------------------------ checks
+    def check_request(self, request: SamplingFields) -> None:
+        """What every generation request must pass before its prompt is looked at."""
+        self.check_engine_alive()
+        self.models.check_model(request.model)
+        if request.model_extra:
+            logger.warning(
+                "The following fields were present in the request but ignored: %s",
+                sorted(request.model_extra),
+            )
+        if request.logit_bias:
+            raise OpenAIServingError("logit_bias is not supported by kvflow", param="logit_bias")
+        if request.stream_options is not None and not request.stream:
+            raise OpenAIServingError(
+                "stream_options can only be set when stream is true", param="stream_options"
+            )
+        if request.prompt_logprobs is not None:
+            self.check_prompt_logprobs("prompt_logprobs")
+        try:
+            check_priority(request.priority, self.scheduling_policy)
+        except ValueError as error:
+            raise OpenAIServingError(str(error), param="priority") from error
+
+    @staticmethod
+    def check_prompt_logprobs(param: str) -> None:
+        if not SUPPORTS_PROMPT_LOGPROBS:
+            raise OpenAIServingError(
+                "prompt logprobs are not available in this kvflow build",
+                status_code=HTTPStatus.NOT_IMPLEMENTED,
+                param=param,
+            )
+
+    def check_engine_alive(self) -> None:
+        if self.engine.errored:
+            raise OpenAIServingError(
+                "the engine has died; restart the server",
+                status_code=HTTPStatus.SERVICE_UNAVAILABLE,
+            )
+
+    def request_id(self, raw_request: Request, body_request_id: str | None) -> str:
+        """The X-Request-Id header, else the body's `request_id` (vLLM), else a fresh one; 400 if it is live."""
+        header_id = raw_request.headers.get(REQUEST_ID_HEADER)
+        if header_id:
+            self.live_requests.check_free(header_id)
+            return header_id
+        if body_request_id:
+            self.live_requests.check_free(body_request_id, param="request_id")
+            return body_request_id
+        return uuid.uuid4().hex
+
+    def max_tokens(
+        self,
+        requested: int | None,
+        prompt_len: int,
+        max_tokens_param: str,
+        prompt_param: str,
+    ) -> int:
+        """The request's output cap: `requested`, or else what `max_model_len` leaves after the prompt, and never
+        more than that or generation_config.json's max_new_tokens. 400 when the prompt, or the prompt plus
+        `requested`, does not fit (vLLM's messages)."""
+        remaining = self.max_model_len - prompt_len
+        if remaining <= 0:
+            raise OpenAIServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"request has {prompt_len} input tokens. Please reduce the length of the input.",
+                param=prompt_param,
+            )
+        if requested is not None and requested > 0 and prompt_len + requested > self.max_model_len:
+            raise OpenAIServingError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {prompt_len + requested} tokens ({prompt_len} in the messages, {requested} "
+                "in the completion). Please reduce the length of the messages or completion.",
+                param=max_tokens_param,
+            )
+        caps = [remaining] if requested is None else [requested]
+        if self.default_max_tokens is not None:
+            caps.append(self.default_max_tokens)
+        return min(caps)
+
+    def sampling_params(
+        self,
+        request: SamplingFields,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        fields: Iterable[str],
+        aliases: Mapping[str, str],
+    ) -> SamplingParams:
+        """The request's SamplingParams (unset fields: the model's defaults); 400 naming a bad field."""
+        defaults = self.default_sampling_params
+
+        def pick(name: str) -> Any:
+            value = getattr(request, name)
+            return getattr(defaults, name) if value is None else value
+
+        options: dict[str, Any] = dict(
+            n=request.n,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            repetition_penalty=pick("repetition_penalty"),
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            seed=request.seed,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            skip_special_tokens=request.skip_special_tokens,
+            output_kind="delta" if request.stream else "final_only",
+        )
+        if prompt_logprobs is not None:
+            options["prompt_logprobs"] = prompt_logprobs
+        try:
+            return SamplingParams(**options)
+        except ValueError as error:
+            raise bad_request(error, set(fields), aliases) from error
+
+    def process(
+        self,
+        text: str | None,
+        token_ids: list[int],
+        params: SamplingParams,
+        fields: Iterable[str],
+        aliases: Mapping[str, str],
+    ) -> PromptInput:
+        """The engine's own prompt checks (token ids in the vocabulary, logprobs within max_logprobs, ...)."""
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+        if text is not None:
+            prompt["prompt"] = text
+        try:
+            processed: ProcessedPrompt = self.engine.input_processor.process(prompt, params)
+        except ValueError as error:
+            raise bad_request(error, set(fields), aliases) from error
+        return PromptInput(text, processed.prompt_token_ids, processed.sampling_params)
+
+    # ------------------------------------------------------------------------------------------------ running
+    async def generate(
+        self, request_id: str, prompts: Sequence[PromptInput], priority: int
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run the prompts (engine ids `request_id`, or `request_id-i` for several) and yield `(prompt index,
+        output)` as outputs arrive. Closing or cancelling the iterator aborts whatever still runs."""
+        engine_ids = (
+            [request_id]
+            if len(prompts) == 1
+            else [f"{request_id}-{index}" for index in range(len(prompts))]
+        )
+        with self.live_requests.claim(request_id, engine_ids):
+            streams = [
+                self.engine.generate(
+                    _engine_prompt(prompt), prompt.sampling_params, engine_id, priority
+                )
+                for prompt, engine_id in zip(prompts, engine_ids, strict=True)
+            ]
+            async for item in merge_async_iterators(streams):
+                yield item
+
+    def token_texts(self, request: SamplingFields) -> TokenTexts:
+        return TokenTexts(self.tokenizer, request.return_tokens_as_token_ids)
+
+
+def _engine_prompt(prompt: PromptInput) -> dict[str, Any]:
+    engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt.token_ids}
+    if prompt.text is not None:
+        engine_prompt["prompt"] = prompt.text
+    return engine_prompt
+
+
+def make_usage(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
+) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=num_prompt_tokens,
+        completion_tokens=num_completion_tokens,
+        total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached_tokens),
+    )
+
+
+def cached_tokens(output: RequestOutput) -> int:
+    return output.metrics.num_cached_tokens if output.metrics is not None else 0
+
+
+# ---------------------------------------------------------------------------------------------------- streams
+async def merge_async_iterators(
+    iterators: Sequence[AsyncIterator[_T]],
+) -> AsyncIterator[tuple[int, _T]]:
+    """Yield `(i, item)` from every iterator as items arrive. Closing or cancelling the merged iterator cancels
+    the ones still running (an `AsyncLLM.generate` stream aborts its request when cancelled)."""
+    if len(iterators) == 1:
+        async with contextlib.aclosing(iterators[0]) as only:  # type: ignore[type-var]
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, iterator: AsyncIterator[_T]) -> None:
+        try:
+            async for item in iterator:
+                queue.put_nowait((index, item))
+        except Exception as error:
+            queue.put_nowait((index, error))
+            return
+        queue.put_nowait((index, done))
+
+    tasks = [asyncio.ensure_future(pump(index, it)) for index, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_until_disconnected(raw_request: Request, work: Awaitable[_T]) -> _T | None:
+    """Await `work`, unless the client disconnects first: then cancel it (aborting its requests) and return None.
+    For responses sent whole; a streaming response notices the disconnect itself."""
+    work_task = asyncio.ensure_future(work)
+    disconnected = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({work_task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work_task
+    if work_task.cancelled():
+        logger.info("client disconnected: request aborted")
+        return None
+    return work_task.result()
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse_event(payload: BaseModel) -> str:
+    """One server-sent event; chunks leave out fields never set, as vLLM's do."""
+    return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error_event(error: BaseException) -> str:
+    """The event that ends a stream that failed after it started: OpenAI's error body, then `[DONE]` follows."""
+    if isinstance(error, OpenAIServingError):
+        body = error_body(error.status_code, error.message, error.param)
+    elif isinstance(error, EngineDeadError):
+        body = error_body(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine has died: {error}")
+    elif isinstance(error, ValueError):
+        body = error_body(HTTPStatus.BAD_REQUEST, str(error))
+    else:
+        logger.exception("a stream failed", exc_info=error)
+        body = error_body(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
+    return f"data: {json.dumps(body.model_dump())}\n\n"

@@ -1,0 +1,148 @@
+"""`kvflow serve` as a command: its flags, its one-line startup errors, its logs, and a clean stop on SIGINT and
+SIGTERM (status 0, no traceback, streams in flight ended, no process left behind)."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import threading
+from typing import Any
+
+import pytest
+
+from kvflow.entrypoints.cli import build_parser
+from tests.entrypoints.server import HASH_SERVER, kvflow_command, running_server, sse_payloads
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*kvflow_command(), "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_serve_takes_the_server_flags_and_every_engine_option() -> None:
+    server_flags = [
+        "--port",
+        "0",
+        "--api-key",
+        "k",
+        "--served-model-name",
+        "m",
+        "--enable-admin-endpoints",
+    ]
+    engine_flags = [
+        "--max-num-seqs",
+        "4",
+        "--no-enable-prefix-caching",
+        "--scheduling-policy",
+        "priority",
+    ]
+    args = build_parser().parse_args(["serve", "hash", *server_flags, *engine_flags])
+    assert (args.model_tag, args.host, args.port, args.api_key) == ("hash", "127.0.0.1", 0, "k")
+    assert (args.served_model_name, args.enable_admin_endpoints) == ("m", True)
+    assert (args.max_num_seqs, args.enable_prefix_caching, args.scheduling_policy) == (
+        4,
+        False,
+        "priority",
+    )
+    defaults = build_parser().parse_args(["serve"])
+    assert (
+        defaults.model_tag,
+        defaults.port,
+        defaults.api_key,
+        defaults.enable_admin_endpoints,
+    ) == (
+        None,
+        8000,
+        None,
+        False,
+    )
+
+
+def test_help_lists_the_flags() -> None:
+    result = subprocess.run(
+        [*kvflow_command(), "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0
+    for flag in (
+        "--host",
+        "--port",
+        "--api-key",
+        "--served-model-name",
+        "--enable-admin-endpoints",
+        "--max-model-len",
+    ):
+        assert flag in result.stdout
+
+
+def test_model_given_twice_differently_is_a_one_line_error() -> None:
+    result = run_serve("hash", "--model", "/some/folder")
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("kvflow serve: error: MODEL 'hash' and --model")
+    )
+
+
+def test_a_port_in_use_fails_before_the_model_loads() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_serve("hash", "--port", str(port))
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()  # nothing loaded, nothing logged
+    assert line.startswith(f"kvflow serve: error: cannot listen on 127.0.0.1:{port}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_stops_the_server_cleanly(sig: signal.Signals) -> None:
+    with running_server(*HASH_SERVER) as server:
+        first_chunk = threading.Event()
+        payloads: list[Any] = []
+
+        def read_stream() -> None:
+            body = {
+                "prompt": [1, 2, 3],
+                "max_tokens": 900,
+                "stream": True,
+                "return_token_ids": True,
+            }
+            with (
+                server.http() as http,
+                http.stream("POST", "/v1/completions", json=body) as response,
+            ):
+                for line in response.iter_lines():
+                    payloads.extend(sse_payloads([line]))
+                    first_chunk.set()
+
+        completion = server.post("/v1/completions", json={"prompt": [4, 5], "max_tokens": 2})
+        assert completion.status_code == 200
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        assert first_chunk.wait(60)
+        server.post("/pause", params={"mode": "keep"})  # the stream stays in flight
+        assert server.stop(sig) == 0
+        reader.join(30)
+        assert not reader.is_alive()
+        assert payloads[-1] == "[DONE]"
+        assert payloads[-2]["choices"][0]["finish_reason"] == "abort"  # ended, not cut off
+        assert not server.group_alive()
+        log = server.log
+        assert "Traceback" not in log
+        assert (
+            "kvflow serve: model 'hash' at http://127.0.0.1:" in log
+        )  # kvflow's INFO lines are on
+        assert "POST /v1/completions" not in log  # uvicorn's access log is off
+        assert "kvflow serve stopped" in log
