@@ -42,22 +42,27 @@ def _cdf(axis: Axes, values: list[float], label: str) -> None:
 
 
 def _throughput(axis: Axes, results: list[RequestResult]) -> None:
-    """Output tokens per 1 s bin, spreading each request's tokens over its stream (first token at TTFT)."""
+    """Output tokens per second over about 40 time bins, spreading each request's tokens over its stream (the first
+    chunk at its TTFT, later ones after their inter-token gaps)."""
     if not results:
         return
     origin = min(result.start_time for result in results)
-    bins: dict[int, float] = {}
+    chunk_times: list[tuple[float, float]] = []  # (seconds since start, tokens in that chunk)
     for result in results:
         moment = result.start_time - origin + result.ttft
-        token_times = [moment]
+        moments = [moment]
         for gap in result.itl:
             moment += gap
-            token_times.append(moment)
-        tokens_per_chunk = result.output_tokens / len(token_times)
-        for token_time in token_times:
-            bins[int(token_time)] = bins.get(int(token_time), 0.0) + tokens_per_chunk
-    seconds = sorted(bins)
-    axis.plot(seconds, [bins[second] for second in seconds])
+            moments.append(moment)
+        chunk_times += [(moment, result.output_tokens / len(moments)) for moment in moments]
+    bin_s = max(max(moment for moment, _ in chunk_times) / 40, 0.05)
+    bins: dict[int, float] = {}
+    for moment, tokens in chunk_times:
+        bins[int(moment / bin_s)] = bins.get(int(moment / bin_s), 0.0) + tokens
+    indices = range(max(bins) + 1)
+    axis.plot(
+        [index * bin_s for index in indices], [bins.get(index, 0.0) / bin_s for index in indices]
+    )
     axis.set_xlabel("time since start (s)")
     axis.set_ylabel("output tokens / s")
     axis.set_title("Throughput over time")
