@@ -106,8 +106,11 @@ class MPEngineCoreClient(EngineCoreClient):
       * the engine is dead once `shutdown` begins, the process exits, it reports `EngineCoreFailed`, or the output
         handler raises; then, once, every pending Future fails with `EngineDeadError` and `dead_handler` is called;
         every later call raises it;
-      * `shutdown()` (also at interpreter exit, or when the client is collected) stops the process (asks, then
-        terminates, then kills), joins the output thread, closes the sockets and removes the ipc folder.
+      * `shutdown()` stops the process (asks, then terminates, then kills), joins the output thread, closes the
+        sockets and removes the ipc folder. A client never shut down does the same at interpreter exit (an atexit
+        hook, which runs before multiprocessing's own, which would wait for the process), or once collected after
+        its engine died (a live output thread keeps it referenced); and the engine process exits by itself when
+        this process dies.
     """
 
     def __init__(

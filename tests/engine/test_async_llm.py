@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -12,6 +13,7 @@ from typing import Any, TypeVar
 import pytest
 
 from kvflow import RequestOutput, SamplingParams, StreamingInput
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
 from kvflow.engine.core import EngineCore
 from kvflow.engine.mp_client import MPEngineCoreClient
@@ -51,7 +53,7 @@ def make_llm(
 
     def make(model: str | None = "hash", **overrides: Any) -> AsyncLLM:
         options = {**ENGINE_OPTIONS, **overrides}
-        key = (model, *sorted(options.items()))
+        key = tuple(sorted(dataclasses.asdict(EngineArgs(model, **options)).items()))
         engine = process_engines.pop(key, None) if engine_process else None
         if engine is None or engine.engine_core_client.dead_error is not None:
             engine = AsyncLLM(model, engine_process=engine_process, **options)
