@@ -59,8 +59,8 @@ class AsyncLLM:
     tokenizer, the output processor and one `OutputStream` per live request; the engine core runs behind an
     `EngineCoreClient` (in-process on its own thread, or with `engine_process=True` in its own process, as
     `kvflow serve` runs it), whose output handler turns each step's core outputs into `RequestOutput`s for the
-    consumers. Consumers may run on any event loop (a stream remembers the
-    loop that started it). Stop with `shutdown()` or by using the engine as an async context manager.
+    consumers. Consumers may run on any event loop (a stream remembers the loop that started it). `num_kv_blocks`
+    is the KV cache the core allocated. Stop with `shutdown()` or by using the engine as an async context manager.
 
     Invariants:
       * `_lock` guards the streams, the sessions and the output processor: the client's output handler and the
