@@ -3,10 +3,10 @@
 `MPEngineCoreClient` starts it with the `spawn` multiprocessing context (`run_engine_core` is the target) after
 binding two ipc sockets in a private folder; this process connects to both:
 
-    input   client PUSH -> PULL here   the input thread receives and decodes `EngineCoreMessage`s and queues them
+    input   client PUSH -> PULL here   the input thread receives and decodes `InputMessage`s and queues them
                                         as engine-loop messages (a multipart message as one batch, applied with
                                         no step in between)
-    output  PUSH here -> client PULL   the output thread encodes and sends `EngineCoreEvent`s in the order the main
+    output  PUSH here -> client PULL   the output thread encodes and sends `OutputMessage`s in the order the main
                                         thread queued them
 
 The main thread builds the core, answers the handshake (`EngineReady` with the KV cache size, or
@@ -53,10 +53,10 @@ from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
     EngineCoreFailed,
-    EngineCoreMessage,
     EngineCoreOutputs,
     EngineReady,
     EngineStartupFailed,
+    InputMessage,
     PauseGeneration,
     RemoteError,
     RunCallable,
@@ -65,7 +65,7 @@ from kvflow.engine.messages import (
     UtilityResult,
     dumps,
     loads,
-    make_message_decoder,
+    make_input_decoder,
 )
 
 if TYPE_CHECKING:
@@ -222,7 +222,7 @@ class EngineCoreProc:
         parent = multiprocessing.parent_process()
         if parent is not None:
             poller.register(parent.sentinel, zmq.POLLIN)
-        decoder = make_message_decoder()
+        decoder = make_input_decoder()
         try:
             while not self._input_stop.is_set():
                 events = dict(poller.poll(_POLL_MS))
@@ -243,7 +243,7 @@ class EngineCoreProc:
             socket.close()
 
     def _queue_received(
-        self, socket: zmq.Socket, decoder: msgspec.msgpack.Decoder[EngineCoreMessage]
+        self, socket: zmq.Socket, decoder: msgspec.msgpack.Decoder[InputMessage]
     ) -> None:
         while True:
             try:
@@ -254,7 +254,7 @@ class EngineCoreProc:
             # A multipart message is a batch: applied together, with no engine step in between.
             self._inbox.put(messages[0] if len(messages) == 1 else LoopBatch(messages))  # type: ignore[arg-type]
 
-    def _to_loop_message(self, message: EngineCoreMessage) -> LoopMessage:
+    def _to_loop_message(self, message: InputMessage) -> LoopMessage:
         if isinstance(message, Shutdown):
             return LoopShutdown()
         done: Future[Any] = Future()

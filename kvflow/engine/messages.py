@@ -1,8 +1,9 @@
 """Every message that crosses the front end <-> engine-core process boundary, and how it is encoded.
 
-The multiprocess client (`kvflow.engine.mp_client`) sends `EngineCoreMessage`s to the engine-core process
-(`kvflow.engine.core_proc`) over one ZMQ socket and receives `EngineCoreEvent`s over another; each frame is one
-msgspec-msgpack encoded message, tagged with its type, so a decoder given the union decodes exactly these types.
+The multiprocess client (`kvflow.engine.mp_client`) sends `InputMessage`s to the engine-core process
+(`kvflow.engine.core_proc`) over one ZMQ socket (input) and receives `OutputMessage`s over another (output); each
+frame is one msgspec-msgpack encoded message, tagged with its type, so a decoder given the union decodes exactly
+these types. A ZMQ message of several frames is a batch: the core applies its messages with no step in between.
 
     client -> core   AddRequests, AbortRequests, UtilityCall, RunCallable, PauseGeneration, Shutdown
     core -> client   EngineReady | EngineStartupFailed (the handshake, first and once), then any number of
@@ -13,8 +14,8 @@ Invariants:
   * the hot path is typed: requests (`SamplingParams` inside), per-step outputs (`EngineCoreOutput`,
     `LogprobsLists`) and `SchedulerStats` are encoded by type, so a field added to one of those dataclasses crosses
     the boundary without a change here (its annotation must resolve at runtime to msgspec-encodable types);
-  * every call carries a `call_id` and gets exactly one `UtilityResult` with that id (a pause's comes once it is in
-    effect or released by a resume), unless the engine dies first;
+  * every message but `Shutdown` carries a `call_id` and gets exactly one `UtilityResult` with that id (a pause's
+    comes once it is in effect or released by a resume), unless the engine dies first;
   * generic payloads (a utility's arguments and results, a `run` callable, `collective_rpc` callables) travel as
     cloudpickle bytes inside their typed envelope, and only ever between a front end and the engine-core process it
     started, over ipc sockets in a private folder (never a network socket): unpickling runs code.
@@ -39,13 +40,13 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AbortRequests",
     "AddRequests",
-    "EngineCoreEvent",
     "EngineCoreFailed",
-    "EngineCoreMessage",
     "EngineCoreOutputs",
     "EngineCoreRequest",
     "EngineReady",
     "EngineStartupFailed",
+    "InputMessage",
+    "OutputMessage",
     "PauseGeneration",
     "RemoteError",
     "RunCallable",
@@ -54,8 +55,8 @@ __all__ = [
     "UtilityResult",
     "dumps",
     "loads",
-    "make_event_decoder",
-    "make_message_decoder",
+    "make_input_decoder",
+    "make_output_decoder",
 ]
 
 
@@ -151,9 +152,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
     """Stop the engine loop after the message before it, and exit."""
 
 
-EngineCoreMessage = (
-    AddRequests | AbortRequests | UtilityCall | RunCallable | PauseGeneration | Shutdown
-)
+InputMessage = AddRequests | AbortRequests | UtilityCall | RunCallable | PauseGeneration | Shutdown
 
 
 # ------------------------------------------------------------------------------------------------ core -> client
@@ -231,14 +230,14 @@ class EngineCoreFailed(msgspec.Struct, tag=True, array_like=True, gc=False):
     error: RemoteError
 
 
-EngineCoreEvent = (
+OutputMessage = (
     EngineReady | EngineStartupFailed | EngineCoreOutputs | UtilityResult | EngineCoreFailed
 )
 
 
-def make_message_decoder() -> msgspec.msgpack.Decoder[EngineCoreMessage]:
-    return msgspec.msgpack.Decoder(EngineCoreMessage)  # type: ignore[arg-type]
+def make_input_decoder() -> msgspec.msgpack.Decoder[InputMessage]:
+    return msgspec.msgpack.Decoder(InputMessage)  # type: ignore[arg-type]
 
 
-def make_event_decoder() -> msgspec.msgpack.Decoder[EngineCoreEvent]:
-    return msgspec.msgpack.Decoder(EngineCoreEvent)  # type: ignore[arg-type]
+def make_output_decoder() -> msgspec.msgpack.Decoder[OutputMessage]:
+    return msgspec.msgpack.Decoder(OutputMessage)  # type: ignore[arg-type]

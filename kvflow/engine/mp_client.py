@@ -53,12 +53,12 @@ from kvflow.engine.core_proc import ENGINE_CORE_PROCESS_NAME, EngineCoreProcConf
 from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
-    EngineCoreEvent,
     EngineCoreFailed,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineReady,
     EngineStartupFailed,
+    OutputMessage,
     PauseGeneration,
     RunCallable,
     Shutdown,
@@ -66,7 +66,7 @@ from kvflow.engine.messages import (
     UtilityResult,
     dumps,
     loads,
-    make_event_decoder,
+    make_output_decoder,
 )
 
 if TYPE_CHECKING:
@@ -229,7 +229,7 @@ class MPEngineCoreClient(EngineCoreClient):
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(sentinel, zmq.POLLIN)
-        decoder = make_event_decoder()
+        decoder = make_output_decoder()
         cause: BaseException | None = None
         try:
             while cause is None:
@@ -252,7 +252,7 @@ class MPEngineCoreClient(EngineCoreClient):
         self._die(cause)
 
     def _handle_available(
-        self, socket: zmq.Socket, decoder: msgspec.msgpack.Decoder[EngineCoreEvent]
+        self, socket: zmq.Socket, decoder: msgspec.msgpack.Decoder[OutputMessage]
     ) -> BaseException | None:
         """Handle every event received so far; returns the engine's error if it reported one."""
         while True:
@@ -387,7 +387,7 @@ class _ProcessResources:
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
             events = dict(poller.poll(remaining_ms))
             if self.output_socket in events:
-                event = make_event_decoder().decode(self.output_socket.recv())
+                event = make_output_decoder().decode(self.output_socket.recv())
                 if isinstance(event, EngineReady):
                     logger.info(
                         "%s is ready: %d KV blocks", _describe(self.process), event.num_kv_blocks

@@ -27,8 +27,8 @@ from kvflow.engine.messages import (
     UtilityResult,
     dumps,
     loads,
-    make_event_decoder,
-    make_message_decoder,
+    make_input_decoder,
+    make_output_decoder,
 )
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -79,7 +79,7 @@ def test_requests_round_trip_with_every_constructor_argument() -> None:
         cache_salt="salt",
     )
     message = AddRequests(41, [EngineCoreRequest.from_request(request)])
-    decoded = round_trip(message, make_message_decoder())
+    decoded = round_trip(message, make_input_decoder())
     assert decoded == message
     rebuilt = decoded.requests[0].to_request()
     carried = [name for name in inspect.signature(Request).parameters if name != "block_hasher"]
@@ -93,7 +93,7 @@ def test_a_sampling_params_that_fails_validation_does_not_decode() -> None:
     frame = ENCODER.encode(AddRequests(1, [EngineCoreRequest("r", [1], SamplingParams())]))
     broken = frame.replace(b"cumulative", b"sideways!!")
     with pytest.raises(msgspec.ValidationError, match="output_kind"):
-        make_message_decoder().decode(broken)
+        make_input_decoder().decode(broken)
 
 
 @pytest.mark.parametrize(
@@ -109,14 +109,14 @@ def test_a_sampling_params_that_fails_validation_does_not_decode() -> None:
     ids=lambda message: type(message).__name__,
 )
 def test_control_messages_round_trip(message: Any) -> None:
-    assert round_trip(message, make_message_decoder()) == message
+    assert round_trip(message, make_input_decoder()) == message
 
 
 def test_utility_arguments_and_callables_travel_pickled() -> None:
     scale = 3
     call = round_trip(
         UtilityCall(9, "collective_rpc", dumps((lambda worker: worker * scale, (), {}))),
-        make_message_decoder(),
+        make_input_decoder(),
     )
     function, args, kwargs = loads(call.args)
     assert (function(2), args, kwargs) == (6, (), {})
@@ -147,7 +147,7 @@ def test_step_outputs_with_logprobs_and_stats_round_trip() -> None:
             num_preemptions_total=3,
         ),
     )
-    decoded = round_trip(outputs, make_event_decoder())
+    decoded = round_trip(outputs, make_output_decoder())
     assert decoded == outputs
     assert [output.finished for output in decoded.outputs] == [True, True, False]
     assert isinstance(decoded.outputs[0].new_logprobs, LogprobsLists)
@@ -166,7 +166,7 @@ def test_step_outputs_with_logprobs_and_stats_round_trip() -> None:
     ids=lambda event: type(event).__name__,
 )
 def test_handshake_results_and_failures_round_trip(event: Any) -> None:
-    assert round_trip(event, make_event_decoder()) == event
+    assert round_trip(event, make_output_decoder()) == event
 
 
 class DeviceLost(RuntimeError):
@@ -183,7 +183,7 @@ def test_errors_come_back_as_the_exception_raised() -> None:
         raise DeviceLost("device lost")
     except DeviceLost as error:
         remote = RemoteError.from_exception(error)
-    rebuilt = round_trip(UtilityResult(1, error=remote), make_event_decoder()).error.to_exception()
+    rebuilt = round_trip(UtilityResult(1, error=remote), make_output_decoder()).error.to_exception()
     assert type(rebuilt) is DeviceLost and str(rebuilt) == "device lost"
     assert "raise DeviceLost" in "".join(rebuilt.__notes__)  # the engine process's traceback
 
