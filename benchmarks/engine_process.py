@@ -19,13 +19,17 @@ Two workloads, each run on both clients, alternating (in-process, engine process
 
 Each engine is built and warmed up (a few requests) before its timed rounds; building is not timed. Wall time runs
 from submitting the first request to the last output. Stats logging is off for both. The machine's load is not
-controlled: on a shared machine compare the two columns of one run, not runs with each other.
+controlled: on a shared machine compare the two columns of one run, not runs with each other. A second table gives
+each round's CPU seconds (median): this process's, and for the engine process also the engine-core process's (from
+/proc). They measure the work of each layout independently of the load; the engine process can overlap its two
+parts when two cores are free.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import platform
 import shlex
@@ -34,6 +38,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvflow import SamplingParams
@@ -67,9 +72,12 @@ class Workload:
 
 @dataclass
 class Result:
+    """Per client label: the rate of each round, and its CPU seconds (this process, the engine process)."""
+
     workload: str
     unit: str
     rates: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
 
 
 def hash_workload(num_requests: int, prompt_len: int, max_tokens: int) -> Workload:
@@ -104,13 +112,31 @@ async def stream_all(llm: AsyncLLM, prompts: Sequence[Any], params: SamplingPara
     return sum(await asyncio.gather(*(one(prompt) for prompt in prompts)))
 
 
-def timed_round(llm: AsyncLLM, workload: Workload) -> float:
+def engine_process_cpu_s(llm: AsyncLLM) -> float:
+    """CPU seconds the engine-core process has used (user + system; Linux /proc), 0 for an in-process engine."""
+    pid = getattr(llm.engine_core_client, "pid", None)
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_round(llm: AsyncLLM, workload: Workload) -> tuple[float, float, float]:
+    """(rate, CPU seconds of this process, CPU seconds of the engine process) of one round."""
+    core_cpu_start = engine_process_cpu_s(llm)
+    cpu_start = time.process_time()
     start = time.perf_counter()
     num_tokens = asyncio.run(stream_all(llm, workload.prompts, workload.params))
     elapsed = time.perf_counter() - start
+    front_end_cpu = time.process_time() - cpu_start
+    core_cpu = engine_process_cpu_s(llm) - core_cpu_start
     expected = len(workload.prompts) * workload.params.max_tokens
     assert num_tokens == expected, f"{num_tokens} tokens, expected {expected}"
-    return (len(workload.prompts) if workload.unit == "req/s" else num_tokens) / elapsed
+    rate = (len(workload.prompts) if workload.unit == "req/s" else num_tokens) / elapsed
+    return rate, front_end_cpu, core_cpu
 
 
 def run_workload(workload: Workload, repeats: int) -> Result:
@@ -118,13 +144,20 @@ def run_workload(workload: Workload, repeats: int) -> Result:
         label: AsyncLLM(workload.model, engine_process=engine_process, **workload.options)
         for label, engine_process in MODES
     }
-    result = Result(workload.name, workload.unit, {label: [] for label in engines})
+    result = Result(
+        workload.name,
+        workload.unit,
+        {label: [] for label in engines},
+        {label: [] for label in engines},
+    )
     try:
         for llm in engines.values():  # warm-up: first steps, allocations, lazy imports
             asyncio.run(stream_all(llm, workload.prompts[:4], workload.params))
         for _ in range(repeats):
             for label, llm in engines.items():
-                result.rates[label].append(timed_round(llm, workload))
+                rate, front_end_cpu, core_cpu = timed_round(llm, workload)
+                result.rates[label].append(rate)
+                result.cpu[label].append((front_end_cpu, core_cpu))
     finally:
         for llm in engines.values():
             llm.shutdown()
@@ -153,6 +186,20 @@ def format_report(results: Sequence[Result], argv: Sequence[str]) -> str:
     lines.append("")
     lines.append(
         "ratio: engine process / in-process, medians (higher is better for the engine process)"
+    )
+    lines += [
+        "",
+        f"{'CPU seconds per round (median)':<37} {'in-process':>22} {'engine process':>22}",
+    ]
+    for result in results:
+        cells = []
+        for label, engine_process in MODES:
+            front_end = statistics.median(cpu[0] for cpu in result.cpu[label])
+            core = statistics.median(cpu[1] for cpu in result.cpu[label])
+            cells.append(f"{front_end:.2f} + {core:.2f}" if engine_process else f"{front_end:.2f}")
+        lines.append(f"{result.workload:<37} {cells[0]:>22} {cells[1]:>22}")
+    lines.append(
+        "engine process: this process + the engine-core process (CPU time is load-independent)"
     )
     return "\n".join(lines)
 

@@ -27,5 +27,7 @@ def test_quick_run_reports_both_workloads_on_both_clients() -> None:
     lines = report.splitlines()
     assert "in-process" in lines[3] and "engine process" in lines[3]
     for workload, unit in (("hash model", "req/s"), ("default model", "tok/s")):
-        [row] = [line for line in lines if line.startswith(workload)]
-        assert unit in row and row.rstrip().endswith("x")
+        rate_row, cpu_row = [line for line in lines if line.startswith(workload)]
+        assert unit in rate_row and rate_row.rstrip().endswith("x")
+        assert " + " in cpu_row  # the engine process's CPU time: front end + engine-core process
+    assert any(line.startswith("CPU seconds per round") for line in lines)
