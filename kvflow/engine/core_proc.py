@@ -28,6 +28,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENGINE_CORE_PROCESS_NAME = "kvflow-engine-core"
+IPC_FOLDER_PREFIX = "kvflow-engine-"  # the client's private folder of ipc sockets
 _POLL_MS = 200  # how often the input thread looks at the parent's pid and its own stop flag
 _FLUSH_LINGER_MS = 5000  # how long closing the output socket may wait to deliver the last messages
 _THREAD_JOIN_S = 10.0
@@ -206,10 +208,19 @@ class EngineCoreProc:
         self._outbox.put(None)
         self._input_thread.join(_THREAD_JOIN_S)
         self._output_thread.join(_THREAD_JOIN_S)
+        if self._parent_died:
+            self._remove_orphaned_ipc_folder()
         if self._input_thread.is_alive() or self._output_thread.is_alive():
             logger.warning("engine core I/O threads did not stop; exiting without flushing")
             return
         self._context.term()
+
+    def _remove_orphaned_ipc_folder(self) -> None:
+        """The dead parent cannot remove the folder of its ipc sockets: do it for it."""
+        for address in (self._config.input_address, self._config.output_address):
+            folder = os.path.dirname(address.removeprefix("ipc://"))
+            if os.path.basename(folder).startswith(IPC_FOLDER_PREFIX):
+                shutil.rmtree(folder, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------------ input thread
     def _receive_messages(self) -> None:

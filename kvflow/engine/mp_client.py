@@ -49,7 +49,12 @@ from kvflow.engine.core_client import (
     dead_error_for,
     fresh_dead_error,
 )
-from kvflow.engine.core_proc import ENGINE_CORE_PROCESS_NAME, EngineCoreProcConfig, run_engine_core
+from kvflow.engine.core_proc import (
+    ENGINE_CORE_PROCESS_NAME,
+    IPC_FOLDER_PREFIX,
+    EngineCoreProcConfig,
+    run_engine_core,
+)
 from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -348,7 +353,7 @@ class _ProcessResources:
     Invariant: `send_lock` serializes the input socket (sends, and closing it)."""
 
     def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None) -> None:
-        self.ipc_dir = tempfile.mkdtemp(prefix="kvflow-engine-")
+        self.ipc_dir = tempfile.mkdtemp(prefix=IPC_FOLDER_PREFIX)
         self.context = zmq.Context()
         self.input_socket = self.context.socket(zmq.PUSH)
         self.output_socket = self.context.socket(zmq.PULL)

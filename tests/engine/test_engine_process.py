@@ -576,7 +576,8 @@ if __name__ == "__main__":
     objects = gc.get_objects()
     tensors = sum(isinstance(item, torch.Tensor) for item in objects)
     modules = sum(isinstance(item, torch.nn.Module) for item in objects)
-    print(llm.engine_core_client.pid, tokens, tensors, modules, flush=True)
+    client = llm.engine_core_client
+    print(client.pid, client._resources.ipc_dir, tokens, tensors, modules, flush=True)
     time.sleep(600)
 """
 
@@ -601,8 +602,9 @@ def test_the_engine_process_ends_with_its_parent_and_the_parent_holds_no_model(
     try:
         line = read_line(parent)
         assert line, f"the parent failed: {(tmp_path / 'parent.log').read_text()}"
-        pid_text, rest = line.split(" ", 1)
+        pid_text, ipc_dir, rest = line.split(" ", 2)
         child_pid = int(pid_text)
+        assert Path(ipc_dir).is_dir()
         tokens_text, tensors, modules = rest.rsplit(" ", 2)
         assert tokens_text == str(reference_tokens([1, 2, 3], 5))
         assert (int(tensors), int(modules)) == (
@@ -615,6 +617,9 @@ def test_the_engine_process_ends_with_its_parent_and_the_parent_holds_no_model(
         wait_until(
             lambda: process_state(child_pid) in (None, "Z"), "the orphaned engine process exited"
         )
+        assert not Path(
+            ipc_dir
+        ).exists()  # it removed the sockets' folder its dead parent could not
     finally:
         parent.kill()
         parent.wait(TIMEOUT_S)
