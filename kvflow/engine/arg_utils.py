@@ -109,6 +109,11 @@ class EngineArgs:
         "(kvflow's own defaults), or a folder holding a generation_config.json",
     )
     max_logprobs: int = _option(20, "most logprobs a request may ask for (-1: no cap)")
+    engine_process: bool = _option(
+        False,
+        "run the engine core in its own process, behind ZMQ (AsyncLLM; `kvflow serve` turns it on); LLM steps "
+        "its core itself and refuses it",
+    )
     disable_log_stats: bool = _option(
         False,
         "no periodic throughput / scheduler stats in the log (every $KVFLOW_LOG_STATS_INTERVAL s)",

@@ -22,10 +22,16 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvflow.engine.arg_utils import EngineArgs
-from kvflow.engine.builder import build_engine
+from kvflow.engine.builder import build_engine_core, build_frontend, resolve_engine_config
 from kvflow.engine.core import PAUSE_MODES
-from kvflow.engine.core_client import EngineDeadError, InprocEngineCoreClient, fresh_dead_error
+from kvflow.engine.core_client import (
+    EngineCoreClient,
+    EngineDeadError,
+    InprocEngineCoreClient,
+    fresh_dead_error,
+)
 from kvflow.engine.input_processor import check_priority
+from kvflow.engine.mp_client import MPEngineCoreClient
 from kvflow.engine.output_stream import OutputStream
 from kvflow.engine.sessions import SessionFeeder, StreamingInput
 from kvflow.engine.stat_logger import LoggingStatLogger
@@ -51,9 +57,10 @@ class AsyncLLM:
 
     `AsyncLLM(model=None, **kwargs)` takes the same `EngineArgs` options as `LLM`. The front end keeps the
     tokenizer, the output processor and one `OutputStream` per live request; the engine core runs behind an
-    `EngineCoreClient` (today in-process, on its own thread), whose output handler turns each step's core
-    outputs into `RequestOutput`s for the consumers. Consumers may run on any event loop (a stream remembers the
-    loop that started it). Stop with `shutdown()` or by using the engine as an async context manager.
+    `EngineCoreClient` (in-process on its own thread, or with `engine_process=True` in its own process, as
+    `kvflow serve` runs it), whose output handler turns each step's core outputs into `RequestOutput`s for the
+    consumers. Consumers may run on any event loop (a stream remembers the loop that started it). `num_kv_blocks`
+    is the KV cache the core allocated. Stop with `shutdown()` or by using the engine as an async context manager.
 
     Invariants:
       * `_lock` guards the streams, the sessions and the output processor: the client's output handler and the
@@ -73,7 +80,8 @@ class AsyncLLM:
         `stat_loggers` are metrics backends fed after every step (besides the stats log line, unless
         `disable_log_stats`)."""
         engine_args = EngineArgs(model=model, **kwargs)
-        parts = build_engine(engine_args)
+        model_info, engine_config = resolve_engine_config(engine_args)
+        parts = build_frontend(engine_args, model_info, engine_config)
         self.engine_config = parts.engine_config
         self.model_info = parts.model_info
         self.tokenizer = parts.tokenizer
@@ -85,12 +93,27 @@ class AsyncLLM:
         self._stat_loggers: list[StatLogger] = list(stat_loggers)
         if not engine_args.disable_log_stats:
             self._stat_loggers.append(LoggingStatLogger())
-        self.engine_core_client = InprocEngineCoreClient(
-            parts.engine_core, self._process_engine_outputs, self._fail_all
-        )
+        self.engine_core_client = self._start_engine_core(engine_args.engine_process)
         self._sessions = SessionFeeder(
             self.engine_core_client, self.input_processor, self.output_processor, self._lock
         )
+
+    def _start_engine_core(self, engine_process: bool) -> EngineCoreClient:
+        """The core behind its client: in its own process (`engine_process`; this process then runs no torch
+        compute), else on a thread of this one. Either way `num_kv_blocks` is the KV cache the core allocated."""
+        client: InprocEngineCoreClient | MPEngineCoreClient
+        if engine_process:
+            client = MPEngineCoreClient(
+                self.engine_config, self.model_info, self._process_engine_outputs, self._fail_all
+            )
+            self.num_kv_blocks = client.num_kv_blocks
+        else:
+            engine_core = build_engine_core(self.engine_config, self.model_info)
+            self.num_kv_blocks = engine_core.executor.num_kv_blocks
+            client = InprocEngineCoreClient(
+                engine_core, self._process_engine_outputs, self._fail_all
+            )
+        return client
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
@@ -206,14 +229,26 @@ class AsyncLLM:
         return await self._await(self.engine_core_client.reset_prefix_cache(reset_running_requests))
 
     async def update_weights(self, weights: Any) -> int:
-        """Reload weights (a checkpoint folder or a state dict) while paused; returns the new weight version.
-        RuntimeError unless a pause has taken effect."""
+        """Reload weights (a checkpoint folder, or in-process only a state dict) while paused; returns the new
+        weight version. RuntimeError unless a pause has taken effect."""
         return await self._await(self.engine_core_client.update_weights(weights))
 
     async def run_in_engine(self, fn: Callable[[EngineCore], _T]) -> _T:
         """Run `fn(engine_core)` where the core runs, between steps, and return its result; its exception is
-        raised here. For inspection, administration and tests."""
+        raised here. For inspection, administration and tests. With `engine_process`, `fn` and its result travel
+        with cloudpickle (the result is a copy)."""
         return await self._await(self.engine_core_client.run(fn))
+
+    async def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a worker method (by name, or a callable taking the worker as its first argument) on every rank,
+        between engine steps; returns the results in rank order. With `engine_process`, a callable, the arguments
+        and the results travel with cloudpickle."""
+        return await self._await(self.engine_core_client.collective_rpc(method, args, kwargs))
 
     def shutdown(self) -> None:
         """Stop the engine: live requests end with finish_reason "abort", the core stops, and every later call

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -278,6 +279,25 @@ class EngineCore:
         self.weight_version += 1
         logger.info("weights updated: version %d", self.weight_version)
         return self.weight_version
+
+    # ------------------------------------------------------------------------------------------------ workers
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a worker method on every rank and return the results in rank order (one rank today).
+
+        `method` is the name of a `Worker` method, or a callable taking the worker as its first argument; it is
+        called with `*args, **kwargs`. Runs between engine steps (a front end sends it as a utility call), so it
+        never sees a step half-way; a step still in flight on the worker thread finishes first.
+        """
+        if not isinstance(method, str) and not callable(method):
+            raise TypeError(
+                f"collective_rpc needs a method name or a callable, got {type(method).__name__}"
+            )
+        return self.executor.collective_rpc(method, tuple(args), dict(kwargs or {}))
 
     def shutdown(self) -> None:
         self.drain()

@@ -1,9 +1,10 @@
 """Engine-core clients: how a front end drives an `EngineCore` that it does not step itself.
 
-`EngineCoreClient` is the interface `AsyncLLM` is written against. `InprocEngineCoreClient` runs the core on a
-thread of this process; a multiprocess client (ZMQ + msgspec to an engine-core process) implements the same
-interface. Every call is a message carrying plain data, so nothing here assumes the core shares this memory,
-except `run`, which ships a callable (for inspection and tests).
+`EngineCoreClient` is the interface `AsyncLLM` is written against. `InprocEngineCoreClient` runs the core's
+`EngineLoop` on a thread of this process; `kvflow.engine.mp_client.MPEngineCoreClient` talks (ZMQ + msgspec) to an
+engine-core process that runs the same `EngineLoop` on its main thread. Every call is a message carrying plain data,
+so nothing here assumes the core shares this memory, except `run`, which ships a callable (for inspection and tests;
+across processes it travels with cloudpickle).
 """
 
 from __future__ import annotations
@@ -102,6 +103,20 @@ class EngineCoreClient(ABC):
     def update_weights(self, weights: Any) -> Future[int]:
         return self.call_utility("update_weights", weights)
 
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Future[list[Any]]:
+        """`EngineCore.collective_rpc`: a worker method by name, or a callable taking the worker first, on every
+        rank; the Future holds the results in rank order."""
+        return self.call_utility("collective_rpc", method, tuple(args), dict(kwargs or {}))
+
+    def is_alive(self) -> bool:
+        """Whether the engine loop (thread or process) still runs."""
+        return self.dead_error is None
+
 
 def complete(
     future: Future[Any] | None, result: Any = None, error: BaseException | None = None
@@ -119,34 +134,52 @@ def complete(
 
 
 @dataclass
-class _Utility:
-    """Run `fn(engine_core)` and complete `done` with its result."""
+class LoopCall:
+    """An engine-loop message: run `fn(engine_core)` and complete `done` with its result."""
 
     fn: Callable[[EngineCore], Any]
     done: Future[Any]
 
 
 @dataclass
-class _Pause:
+class LoopPause:
+    """An engine-loop message: pause; `done` completes once the pause is in effect or released by a resume."""
+
     mode: str
     clear_cache: bool
     done: Future[None]
 
 
 @dataclass
-class _Shutdown:
-    pass
+class LoopShutdown:
+    """An engine-loop message: stop after the messages before it; with `error`, fail with it (the engine dies of
+    it, as of an error in a step)."""
+
+    error: BaseException | None = None
 
 
-_Message = _Utility | _Pause | _Shutdown
+@dataclass
+class LoopBatch:
+    """Engine-loop messages applied together, with no step between them: what a front end in another process sent
+    while handling one step's outputs (an in-process front end's handler runs on the loop's own thread, so what it
+    queues is applied before the next step anyway)."""
+
+    messages: list[LoopCall | LoopPause | LoopShutdown]
 
 
-class InprocEngineCoreClient(EngineCoreClient):
-    """Runs the core on one dedicated thread of this process (the engine loop), the only thread that touches it.
+LoopMessage = LoopCall | LoopPause | LoopShutdown | LoopBatch
 
-    The loop applies queued messages, steps the core whenever `can_make_progress()`, waits on the message queue
-    (briefly) when idle or paused, and calls the output handler after each step that produced outputs. A message
-    that fails fails its caller only; an error anywhere else stops the loop and is the engine's `dead_error` cause.
+
+class EngineLoop:
+    """The engine loop: the only code that touches the core once it runs, on whichever thread calls `run()`.
+
+    `InprocEngineCoreClient` runs it on a thread of the front end's process; the engine-core process
+    (`kvflow.engine.core_proc`) runs it on its main thread, turning the messages it receives into `put` calls.
+    The loop applies queued messages in order between steps, steps the core whenever `can_make_progress()`, waits on
+    the message queue (briefly) when idle or paused, and calls the output handler after each step that produced
+    outputs. A pause's Future completes once the pause is in effect or a resume released it. A message that fails
+    fails its caller only; an error anywhere else stops the loop: every pending Future fails with `EngineDeadError`
+    (its `__cause__` the error), `dead_handler` is called once, and the core is shut down.
     """
 
     def __init__(
@@ -154,60 +187,35 @@ class InprocEngineCoreClient(EngineCoreClient):
         engine_core: EngineCore,
         output_handler: OutputHandler,
         dead_handler: Callable[[EngineDeadError], None],
+        messages: queue.SimpleQueue[LoopMessage] | None = None,
     ) -> None:
-        self._engine_core = engine_core  # touched by the engine loop only, once it runs
+        """`messages`: the queue to read (one filled before the loop existed), else a new one."""
+        self._engine_core = engine_core
         self._output_handler = output_handler
         self._dead_handler = dead_handler
         self._pause_waiters: list[Future[None]] = []
-        self._current_message: _Message | None = None
+        self._current_message: LoopMessage | None = None
         self._running = True
-        self._lock = threading.Lock()  # guards the two below
-        self._messages: queue.SimpleQueue[_Message] = queue.SimpleQueue()
-        self._dead_error: EngineDeadError | None = None
-        self._thread = threading.Thread(
-            target=self._run_engine_loop, name="kvflow-engine-core", daemon=True
+        self._messages: queue.SimpleQueue[LoopMessage] = (
+            messages if messages is not None else queue.SimpleQueue()
         )
-        self._thread.start()
 
-    # ------------------------------------------------------------------------------------------------ callers
-    def call_utility(self, method: str, *args: Any) -> Future[Any]:
-        return self.run(lambda core: getattr(core, method)(*args))
+    def put(self, message: LoopMessage) -> None:
+        """Queue a message (reentrant: safe from a signal handler)."""
+        self._messages.put(message)
 
-    def pause_generation(self, mode: str, clear_cache: bool) -> Future[None]:
-        done: Future[None] = Future()
-        self._send(_Pause(mode, clear_cache, done))
-        return done
+    def drain_queue(self) -> list[LoopMessage]:
+        """Take every queued message (only once nothing can be added any more)."""
+        unfinished: list[LoopMessage] = []
+        while True:
+            try:
+                unfinished.append(self._messages.get_nowait())
+            except queue.Empty:
+                return unfinished
 
-    def run(self, fn: Callable[[EngineCore], _T]) -> Future[_T]:
-        done: Future[_T] = Future()
-        self._send(_Utility(fn, done))
-        return done
-
-    @property
-    def dead_error(self) -> EngineDeadError | None:
-        return self._dead_error
-
-    def shutdown(self) -> None:
-        with self._lock:
-            if self._dead_error is None:
-                self._dead_error = EngineDeadError("the engine core is shut down")
-                self._messages.put(_Shutdown())
-        if threading.current_thread() is not self._thread:
-            self._thread.join(_SHUTDOWN_JOIN_S)
-            if self._thread.is_alive():
-                logger.warning("the engine loop did not stop within %.0f s", _SHUTDOWN_JOIN_S)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def _send(self, message: _Message) -> None:
-        with self._lock:
-            if self._dead_error is not None:
-                raise fresh_dead_error(self._dead_error)
-            self._messages.put(message)
-
-    # ------------------------------------------------------------------------------------------------ engine loop
-    def _run_engine_loop(self) -> None:
+    def run(self, publish_error: Callable[[BaseException | None], EngineDeadError]) -> None:
+        """Run until a `LoopShutdown` message or an error. `publish_error(error)` makes the engine dead for new callers
+        (error None: a clean shutdown) and returns the error pending ones get; it runs before the queue is drained."""
         core = self._engine_core
         error: BaseException | None = None
         try:
@@ -221,7 +229,7 @@ class InprocEngineCoreClient(EngineCoreClient):
         except BaseException as exc:  # the loop must never leave a caller waiting
             logger.exception("the engine loop failed")
             error = exc
-        self._stop(error)
+        self._stop(publish_error(error))
 
     def _apply_messages(self, block: bool) -> None:
         try:
@@ -241,15 +249,15 @@ class InprocEngineCoreClient(EngineCoreClient):
             except queue.Empty:
                 return
 
-    def _apply(self, message: _Message) -> None:
-        if isinstance(message, _Utility):
+    def _apply(self, message: LoopMessage) -> None:
+        if isinstance(message, LoopCall):
             try:
                 result = message.fn(self._engine_core)
             except Exception as exc:
                 complete(message.done, error=exc)
                 return
             complete(message.done, result)
-        elif isinstance(message, _Pause):
+        elif isinstance(message, LoopPause):
             try:
                 outputs = self._engine_core.pause_generation(message.mode, message.clear_cache)
             except Exception as exc:
@@ -257,8 +265,15 @@ class InprocEngineCoreClient(EngineCoreClient):
                 return
             self._deliver(outputs)
             self._pause_waiters.append(message.done)
-        elif isinstance(message, _Shutdown):
+        elif isinstance(message, LoopShutdown):
+            if message.error is not None:
+                raise message.error
             self._running = False
+        elif isinstance(message, LoopBatch):
+            for each in message.messages:
+                self._apply(each)
+                if not self._running:
+                    return
 
     def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
         if outputs:
@@ -271,24 +286,18 @@ class InprocEngineCoreClient(EngineCoreClient):
             for waiter in waiters:
                 complete(waiter)
 
-    # ------------------------------------------------------------------------------------------------ stop
-    def _stop(self, error: BaseException | None) -> None:
+    def _stop(self, dead_error: EngineDeadError) -> None:
         """Leave nobody waiting: fail pending and queued messages, tell the front end, release the core."""
-        with self._lock:
-            if error is not None:
-                dead = EngineDeadError(f"the engine core failed: {error!r}")
-                dead.__cause__ = error
-                self._dead_error = dead
-            elif self._dead_error is None:
-                self._dead_error = EngineDeadError("the engine core is shut down")
-            dead_error = self._dead_error
-        unfinished: list[_Message] = [self._current_message] if self._current_message else []
-        while True:  # messages queued before the error was published; nothing can be added after it
-            try:
-                unfinished.append(self._messages.get_nowait())
-            except queue.Empty:
-                break
-        waiters = [message.done for message in unfinished if not isinstance(message, _Shutdown)]
+        unfinished: list[LoopMessage] = [self._current_message] if self._current_message else []
+        unfinished += (
+            self.drain_queue()
+        )  # queued before the error was published; nothing can follow it
+        flat = [
+            each
+            for message in unfinished
+            for each in (message.messages if isinstance(message, LoopBatch) else [message])
+        ]
+        waiters = [message.done for message in flat if not isinstance(message, LoopShutdown)]
         for waiter in [*self._pause_waiters, *waiters]:
             complete(waiter, error=fresh_dead_error(dead_error))
         self._pause_waiters.clear()
@@ -301,3 +310,77 @@ class InprocEngineCoreClient(EngineCoreClient):
         except Exception:
             logger.exception("engine core shutdown failed")
         logger.info("engine loop stopped")
+
+
+def dead_error_for(error: BaseException | None) -> EngineDeadError:
+    """The `EngineDeadError` of a loop that stopped with `error` (None: shut down)."""
+    if error is None:
+        return EngineDeadError("the engine core is shut down")
+    dead = EngineDeadError(f"the engine core failed: {error!r}")
+    dead.__cause__ = error
+    return dead
+
+
+class InprocEngineCoreClient(EngineCoreClient):
+    """Runs the core's `EngineLoop` on one dedicated thread of this process, the only thread that touches it.
+
+    `_lock` makes "the engine is dead" and "the message is queued" one step, so no message is queued after the
+    loop drained its queue.
+    """
+
+    def __init__(
+        self,
+        engine_core: EngineCore,
+        output_handler: OutputHandler,
+        dead_handler: Callable[[EngineDeadError], None],
+    ) -> None:
+        self._loop = EngineLoop(engine_core, output_handler, dead_handler)
+        self._lock = threading.Lock()  # guards the dead error and queuing
+        self._dead_error: EngineDeadError | None = None
+        self._thread = threading.Thread(
+            target=self._loop.run, args=(self._publish,), name="kvflow-engine-core", daemon=True
+        )
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------------ callers
+    def call_utility(self, method: str, *args: Any) -> Future[Any]:
+        return self.run(lambda core: getattr(core, method)(*args))
+
+    def pause_generation(self, mode: str, clear_cache: bool) -> Future[None]:
+        done: Future[None] = Future()
+        self._send(LoopPause(mode, clear_cache, done))
+        return done
+
+    def run(self, fn: Callable[[EngineCore], _T]) -> Future[_T]:
+        done: Future[_T] = Future()
+        self._send(LoopCall(fn, done))
+        return done
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead_error
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._dead_error is None:
+                self._dead_error = dead_error_for(None)
+                self._loop.put(LoopShutdown())
+        if threading.current_thread() is not self._thread:
+            self._thread.join(_SHUTDOWN_JOIN_S)
+            if self._thread.is_alive():
+                logger.warning("the engine loop did not stop within %.0f s", _SHUTDOWN_JOIN_S)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _send(self, message: LoopMessage) -> None:
+        with self._lock:
+            if self._dead_error is not None:
+                raise fresh_dead_error(self._dead_error)
+            self._loop.put(message)
+
+    def _publish(self, error: BaseException | None) -> EngineDeadError:
+        with self._lock:
+            if error is not None or self._dead_error is None:
+                self._dead_error = dead_error_for(error)
+            return self._dead_error

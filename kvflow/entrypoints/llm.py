@@ -44,6 +44,11 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs` are the `EngineArgs` options (unknown names are a TypeError, bad values a ValueError)."""
         engine_args = EngineArgs(model=model, **kwargs)
+        if engine_args.engine_process:
+            raise ValueError(
+                "engine_process=True is for AsyncLLM and `kvflow serve`, whose engine core runs in its own "
+                "process; LLM steps its engine core itself, in this process"
+            )
         parts = build_engine(engine_args)
         self.engine_config = parts.engine_config
         self.model_info = parts.model_info
@@ -194,6 +199,17 @@ class LLM:
         new weight version, which outputs record (`CompletionOutput.weight_versions`)."""
         with self._lock:
             return self.engine_core.update_weights(weights)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a worker method (by name, or a callable taking the worker as its first argument) on every rank,
+        between engine steps; returns the results in rank order (`EngineCore.collective_rpc`)."""
+        with self._lock:
+            return self.engine_core.collective_rpc(method, args, kwargs)
 
     # ------------------------------------------------------------------------------------------------ internals
     def _expand_sampling_params(

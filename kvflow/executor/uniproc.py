@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal, overload
 
@@ -58,6 +59,18 @@ class UniProcExecutor:
 
     def update_weights(self, weights: str | Any) -> None:
         self.worker.update_weights(weights)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run `Worker.execute_method(method, args, kwargs)` on every rank (one here); results in rank order. With a
+        worker thread the call queues behind the steps already submitted, so it never overlaps a step."""
+        if self._thread is None:
+            return [self.worker.execute_method(method, args, kwargs)]
+        return [self._thread.submit(self.worker.execute_method, method, args, kwargs).result()]
 
     def shutdown(self) -> None:
         if self._thread is not None:

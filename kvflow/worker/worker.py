@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -275,3 +275,21 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_method(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """The `collective_rpc` target: `self.<method>(*args, **kwargs)` for a name, `method(self, *args,
+        **kwargs)` for a callable. An unknown name is an AttributeError naming it."""
+        if isinstance(method, str):
+            if not hasattr(self, method):
+                raise AttributeError(f"the worker has no method {method!r}")
+            return getattr(self, method)(*args, **(kwargs or {}))
+        if not callable(method):
+            raise TypeError(
+                f"collective_rpc needs a method name or a callable, got {type(method).__name__}"
+            )
+        return method(self, *args, **(kwargs or {}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
@@ -12,8 +13,10 @@ from typing import Any, TypeVar
 import pytest
 
 from kvflow import RequestOutput, SamplingParams, StreamingInput
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.async_llm import AsyncLLM, EngineDeadError
 from kvflow.engine.core import EngineCore
+from kvflow.engine.mp_client import MPEngineCoreClient
 from kvflow.request import RequestStatus
 from kvflow.testing.hash_model import reference_tokens
 
@@ -23,26 +26,61 @@ LONG = 400  # max_tokens of a request that is still running when the test acts o
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-@pytest.fixture
-def make_llm() -> Iterator[Callable[..., AsyncLLM]]:
-    engines: list[AsyncLLM] = []
+ENGINE_OPTIONS: dict[str, Any] = dict(
+    max_num_seqs=8, num_kv_blocks=320, block_size=4, max_model_len=1024, max_num_batched_tokens=64
+)
+
+
+@pytest.fixture(scope="module")
+def process_engines() -> Iterator[dict[tuple[Any, ...], AsyncLLM]]:
+    """Engines with their core in its own process, shared by the tests of this module: one per set of options
+    (a process takes a second or two to start). A test leaves its engine here only if it is still healthy and idle
+    (see `make_llm`)."""
+    engines: dict[tuple[Any, ...], AsyncLLM] = {}
+    yield engines
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.fixture(params=[False, True], ids=["inproc", "proc"])
+def make_llm(
+    request: pytest.FixtureRequest, process_engines: dict[tuple[Any, ...], AsyncLLM]
+) -> Iterator[Callable[..., AsyncLLM]]:
+    """Engines on either client: the in-process one (a fresh engine per call) or the multiprocess one (an idle
+    shared engine with the same options, else a new one)."""
+    engine_process: bool = request.param
+    engines: list[tuple[tuple[Any, ...], AsyncLLM]] = []
 
     def make(model: str | None = "hash", **overrides: Any) -> AsyncLLM:
-        options: dict[str, Any] = dict(
-            max_num_seqs=8,
-            num_kv_blocks=320,
-            block_size=4,
-            max_model_len=1024,
-            max_num_batched_tokens=64,
-        )
-        options.update(overrides)
-        engine = AsyncLLM(model, **options)
-        engines.append(engine)
+        options = {**ENGINE_OPTIONS, **overrides}
+        key = tuple(sorted(dataclasses.asdict(EngineArgs(model, **options)).items()))
+        engine = process_engines.pop(key, None) if engine_process else None
+        if engine is None or engine.engine_core_client.dead_error is not None:
+            engine = AsyncLLM(model, engine_process=engine_process, **options)
+        engines.append((key, engine))
         return engine
 
     yield make
-    for engine in engines:
-        engine.shutdown()
+    for key, engine in engines:
+        if engine_process and key not in process_engines and run(is_idle(engine)):
+            process_engines[key] = engine
+        else:
+            engine.shutdown()
+
+
+async def is_idle(llm: AsyncLLM) -> bool:
+    """Alive, not paused, and holding no request, block or slot: fit for the next test."""
+    if llm.engine_core_client.dead_error is not None or await llm.is_paused():
+        return False
+    try:
+        await wait_until_clean(llm)
+    except AssertionError:
+        return False
+    return True
+
+
+def uses_engine_process(llm: AsyncLLM) -> bool:
+    return isinstance(llm.engine_core_client, MPEngineCoreClient)
 
 
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
@@ -503,16 +541,19 @@ def test_invalid_pause_mode_and_weight_update_without_pause(
 ) -> None:
     llm = make_llm()
 
+    # A state dict crosses no process boundary: the engine process takes a checkpoint folder.
+    weights: Any = "no-such-checkpoint" if uses_engine_process(llm) else {}
+
     async def main() -> None:
         with pytest.raises(ValueError, match="pause mode"):
             await llm.pause_generation(mode="freeze")
         assert not await llm.is_paused()
         with pytest.raises(RuntimeError, match="paused"):
-            await llm.update_weights({})
+            await llm.update_weights(weights)
         await llm.pause_generation(mode="keep")
         with pytest.raises(ValueError, match="hash test model"):
             await llm.update_weights(
-                {}
+                weights
             )  # the command's error reaches its caller; the engine lives on
         await llm.resume_generation()
         assert tokens_of(await collect(llm, prompt(1), params(3))) == reference(prompt(1), 3)
@@ -592,9 +633,11 @@ def test_reset_prefix_cache_respects_running_requests(make_llm: Callable[..., As
 
 
 # ------------------------------------------------------------------------------------------------ default model
-@pytest.fixture(scope="module")
-def text_llm() -> Iterator[AsyncLLM]:
-    engine = AsyncLLM(max_model_len=256, num_kv_blocks=64, max_num_seqs=4)
+@pytest.fixture(scope="module", params=[False, True], ids=["inproc", "proc"])
+def text_llm(request: pytest.FixtureRequest) -> Iterator[AsyncLLM]:
+    engine = AsyncLLM(
+        max_model_len=256, num_kv_blocks=64, max_num_seqs=4, engine_process=request.param
+    )
     yield engine
     engine.shutdown()
 

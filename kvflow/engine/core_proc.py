@@ -1,0 +1,353 @@
+"""The engine-core process: an `EngineCore` and its `EngineLoop`, driven over ZMQ by `MPEngineCoreClient`.
+
+`MPEngineCoreClient` starts it with the `spawn` multiprocessing context (`run_engine_core` is the target) after
+binding two ipc sockets in a private folder; this process connects to both:
+
+    input   client PUSH -> PULL here   the input thread receives and decodes `InputMessage`s and queues them
+                                        as engine-loop messages (a multipart message as one batch, applied with
+                                        no step in between)
+    output  PUSH here -> client PULL   the output thread encodes and sends `OutputMessage`s in the order the main
+                                        thread queued them
+
+The main thread builds the core, answers the handshake (`EngineReady` with the KV cache size, or
+`EngineStartupFailed` with the error), then runs the same `EngineLoop` as the in-process client: messages applied in
+order between steps, one step's outputs and the `SchedulerStats` after it sent as one `EngineCoreOutputs`, a call's
+`UtilityResult` queued when it completes (so after every output produced before it was applied), pause answers once
+the pause is in effect or a resume released it.
+
+The process exits (after the running step) on a `Shutdown` message, when its parent process dies (the input thread
+watches the parent's sentinel and pid), and on the first SIGTERM / SIGINT; the first signal also restores the
+previous handlers, so a second one acts as usual (terminates, or KeyboardInterrupt). A signal during startup aborts
+startup at once. If the engine loop fails, `EngineCoreFailed` is the last message, and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import signal
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from kvflow.engine.core_client import (
+    EngineDeadError,
+    EngineLoop,
+    LoopBatch,
+    LoopCall,
+    LoopMessage,
+    LoopPause,
+    LoopShutdown,
+    dead_error_for,
+)
+from kvflow.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreFailed,
+    EngineCoreOutputs,
+    EngineReady,
+    EngineStartupFailed,
+    InputMessage,
+    PauseGeneration,
+    RemoteError,
+    RunCallable,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+    dumps,
+    loads,
+    make_input_decoder,
+)
+
+if TYPE_CHECKING:
+    from kvflow.config import EngineConfig
+    from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
+    from kvflow.engine.core import EngineCore
+    from kvflow.model_info import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+ENGINE_CORE_PROCESS_NAME = "kvflow-engine-core"
+IPC_FOLDER_PREFIX = "kvflow-engine-"  # the client's private folder of ipc sockets
+_POLL_MS = 200  # how often the input thread looks at the parent's pid and its own stop flag
+_FLUSH_LINGER_MS = 5000  # how long closing the output socket may wait to deliver the last messages
+_THREAD_JOIN_S = 10.0
+_Outgoing = EngineReady | EngineStartupFailed | EngineCoreOutputs | UtilityResult | EngineCoreFailed
+
+
+@dataclass(frozen=True)
+class EngineCoreProcConfig:
+    """What the spawned process gets (pickled by `spawn`): the core's config and the addresses to connect to."""
+
+    engine_config: EngineConfig
+    model_info: ModelInfo | None
+    input_address: str
+    output_address: str
+
+
+def run_engine_core(config: EngineCoreProcConfig) -> None:
+    """The process target: serve until told to stop; the exit code is 0 after a clean stop, 1 after a failure.
+
+    Once `EngineCoreProc.run` has released everything it holds (core, threads, sockets), the process ends with
+    `os._exit`: the interpreter's teardown of torch's modules would add about half a second to every shutdown and
+    has nothing left to release.
+    """
+    exit_code = EngineCoreProc(config).run()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(exit_code)
+
+
+class EngineCoreProc:
+    """One engine core served over ZMQ (see the module docstring for the threads, sockets and exit rules).
+
+    Invariants: only the main thread touches the core (through the `EngineLoop`); only the input thread touches the
+    input socket and only the output thread the output socket; every message the loop completes queues exactly one
+    `UtilityResult`, except those failed because the engine died (the client fails those itself).
+    """
+
+    def __init__(self, config: EngineCoreProcConfig) -> None:
+        self._config = config
+        self._context = zmq.Context()
+        self._inbox: queue.SimpleQueue[LoopMessage] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
+        self._input_stop = threading.Event()
+        self._wake_input, self._wake_input_writer = (
+            os.pipe()
+        )  # written once: the input thread stops
+        self._loop_started = False
+        self._failed = False
+        self._parent_died = False
+        self._parent_pid = os.getppid()
+        self._input_thread = threading.Thread(
+            target=self._receive_messages, name="kvflow-core-input", daemon=True
+        )
+        self._output_thread = threading.Thread(
+            target=self._send_events, name="kvflow-core-output", daemon=True
+        )
+
+    # ------------------------------------------------------------------------------------------------ main thread
+    def run(self) -> int:
+        """Build the core, answer the handshake, run the engine loop; returns the exit code."""
+        self._install_signal_handlers()
+        self._output_thread.start()
+        self._input_thread.start()
+        try:
+            engine_core = self._build()
+            if engine_core is not None:
+                self._serve(engine_core)
+        finally:
+            self._close()
+        return 1 if self._failed else 0
+
+    def _build(self) -> EngineCore | None:
+        from kvflow.engine.builder import build_engine_core
+
+        try:
+            reserve_a_core_for_the_front_end(self._config.engine_config.model_config.device)
+            engine_core = build_engine_core(self._config.engine_config, self._config.model_info)
+        except (
+            BaseException
+        ) as exc:  # a signal during startup, too: the client is waiting for an answer
+            logger.error("engine core startup failed: %r", exc)
+            self._failed = True
+            self._outbox.put(EngineStartupFailed(RemoteError.from_exception(exc)))
+            return None
+        self._outbox.put(EngineReady(os.getpid(), engine_core.executor.num_kv_blocks))
+        return engine_core
+
+    def _serve(self, engine_core: EngineCore) -> None:
+        loop = EngineLoop(engine_core, self._send_outputs, self._on_dead, self._inbox)
+        self._loop_started = True
+        logger.info("engine core process %d serving", os.getpid())
+        loop.run(dead_error_for)
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats) -> None:
+        self._outbox.put(EngineCoreOutputs(outputs, stats))
+
+    def _on_dead(self, dead_error: EngineDeadError) -> None:
+        cause = dead_error.__cause__
+        if cause is not None:
+            self._failed = True
+            self._outbox.put(EngineCoreFailed(RemoteError.from_exception(cause)))
+
+    def _install_signal_handlers(self) -> None:
+        """The first SIGTERM / SIGINT stops the loop after its running step (or aborts startup); it also puts the
+        previous handlers back, so a second signal is not swallowed."""
+        signals = (signal.SIGTERM, signal.SIGINT)
+        previous = {signum: signal.getsignal(signum) for signum in signals}
+
+        def handle(signum: int, frame: object) -> None:
+            for each, handler in previous.items():
+                signal.signal(each, handler)
+            if not self._loop_started:
+                raise SystemExit(
+                    f"engine core startup interrupted by {signal.Signals(signum).name}"
+                )
+            self._inbox.put(LoopShutdown())  # SimpleQueue.put is reentrant: safe in a handler
+
+        for signum in signals:
+            signal.signal(signum, handle)
+
+    def _close(self) -> None:
+        """Stop both threads (the output thread first delivers what is queued), then the ZMQ context."""
+        self._input_stop.set()
+        os.write(self._wake_input_writer, b"x")
+        self._outbox.put(None)
+        self._input_thread.join(_THREAD_JOIN_S)
+        self._output_thread.join(_THREAD_JOIN_S)
+        if self._parent_died:
+            self._remove_orphaned_ipc_folder()
+        if self._input_thread.is_alive() or self._output_thread.is_alive():
+            logger.warning("engine core I/O threads did not stop; exiting without flushing")
+            return
+        self._context.term()
+
+    def _remove_orphaned_ipc_folder(self) -> None:
+        """The dead parent cannot remove the folder of its ipc sockets: do it for it."""
+        for address in (self._config.input_address, self._config.output_address):
+            folder = os.path.dirname(address.removeprefix("ipc://"))
+            if os.path.basename(folder).startswith(IPC_FOLDER_PREFIX):
+                shutil.rmtree(folder, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------------ input thread
+    def _receive_messages(self) -> None:
+        socket = self._context.socket(zmq.PULL)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self._config.input_address)
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self._wake_input, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            poller.register(parent.sentinel, zmq.POLLIN)
+        decoder = make_input_decoder()
+        try:
+            while not self._input_stop.is_set():
+                events = dict(poller.poll(_POLL_MS))
+                if socket in events:
+                    self._queue_received(socket, decoder)
+                parent_died = (parent is not None and parent.sentinel in events) or (
+                    os.getppid() != self._parent_pid
+                )
+                if parent_died:
+                    logger.warning("the engine core's parent process died: shutting down")
+                    self._parent_died = True
+                    self._inbox.put(LoopShutdown())
+                    return
+        except Exception as exc:  # e.g. an undecodable frame: the protocol is broken, stop serving
+            logger.exception("the engine core's input thread failed")
+            self._inbox.put(LoopShutdown(error=exc))
+        finally:
+            socket.close()
+
+    def _queue_received(
+        self, socket: zmq.Socket, decoder: msgspec.msgpack.Decoder[InputMessage]
+    ) -> None:
+        while True:
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            messages = [self._to_loop_message(decoder.decode(frame.buffer)) for frame in frames]
+            # A multipart message is a batch: applied together, with no engine step in between.
+            self._inbox.put(messages[0] if len(messages) == 1 else LoopBatch(messages))  # type: ignore[arg-type]
+
+    def _to_loop_message(self, message: InputMessage) -> LoopMessage:
+        if isinstance(message, Shutdown):
+            return LoopShutdown()
+        done: Future[Any] = Future()
+        done.add_done_callback(partial(self._send_result, message.call_id))
+        if isinstance(message, PauseGeneration):
+            return LoopPause(message.mode, message.clear_cache, done)
+        return LoopCall(_core_call(message), done)
+
+    def _send_result(self, call_id: int, done: Future[Any]) -> None:
+        """A call's answer, queued on the loop's thread as the call completes."""
+        error = done.exception()
+        if isinstance(error, EngineDeadError):
+            return  # the engine died: the client fails its pending calls itself
+        if error is not None:
+            self._outbox.put(UtilityResult(call_id, error=RemoteError.from_exception(error)))
+            return
+        result = done.result()
+        try:
+            payload = None if result is None else dumps(result)
+        except Exception as exc:
+            error = TypeError(f"the result ({type(result).__name__}) could not be pickled: {exc}")
+            self._outbox.put(UtilityResult(call_id, error=RemoteError.from_exception(error)))
+            return
+        self._outbox.put(UtilityResult(call_id, result=payload))
+
+    # ------------------------------------------------------------------------------------------------ output thread
+    def _send_events(self) -> None:
+        socket = self._context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)  # never block the engine on a slow front end
+        socket.connect(self._config.output_address)
+        encoder = msgspec.msgpack.Encoder()
+        try:
+            while (event := self._outbox.get()) is not None:
+                try:
+                    frame = encoder.encode(event)
+                except Exception as exc:  # a bug: the engine dies of it rather than lose a message
+                    logger.exception("could not encode %s", type(event).__name__)
+                    self._inbox.put(LoopShutdown(error=exc))
+                    continue
+                while not socket.poll(_POLL_MS, zmq.POLLOUT):  # not connected (yet, or any more)
+                    if self._input_stop.is_set():
+                        return
+                socket.send(frame, copy=False)
+        finally:
+            socket.close(linger=0 if self._parent_died else _FLUSH_LINGER_MS)
+
+
+def reserve_a_core_for_the_front_end(device: str) -> None:
+    """On CPU, run torch on every core this process may use but one, left to the front end (like vLLM's
+    VLLM_CPU_NUM_OF_RESERVED_CPU=1). An OpenMP team sharing its cores with a busy front-end process stalls at every
+    barrier whenever one of its threads is descheduled: decoding the default model on 2 cores ran 20x slower with 2
+    threads than with 1. An explicit OMP_NUM_THREADS is left alone."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    from kvflow.utils import resolve_device
+
+    if resolve_device(device).type != "cpu":
+        return
+    import torch
+
+    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    num_threads = max(1, (num_cores or 1) - 1)
+    torch.set_num_threads(num_threads)
+    logger.info(
+        "engine core process: %d torch threads (one core left to the front end)", num_threads
+    )
+
+
+def _core_call(message: AddRequests | AbortRequests | UtilityCall | RunCallable) -> Any:
+    """The function of the core that a call message runs on the engine loop."""
+    if isinstance(message, AddRequests):
+        requests = [request.to_request() for request in message.requests]
+        return lambda core: core.add_requests(requests)
+    if isinstance(message, AbortRequests):
+        return lambda core: core.abort_requests(message.request_ids)
+    if isinstance(message, RunCallable):
+        return lambda core: loads(message.fn)(core)
+    return partial(_call_method, message.method, message.args)
+
+
+def _call_method(method: str, args: bytes, core: EngineCore) -> Any:
+    function = None if method.startswith("_") else getattr(core, method, None)
+    if not callable(function):
+        raise AttributeError(f"the engine core has no public method {method!r}")
+    return function(*loads(args))
