@@ -15,7 +15,6 @@ import pytest
 
 import kvflow
 from kvflow import LLM, SamplingParams
-from kvflow.engine.async_llm import AsyncLLM
 from tests.entrypoints.server import DEFAULT_SERVER, RemoteServer, running_server, sse_payloads
 
 ENGINE_OPTIONS = dict(max_model_len=1024, num_kv_blocks=256, max_num_seqs=4)
@@ -393,11 +392,6 @@ def test_update_weights_bumps_the_weight_version(server: RemoteServer, llm: LLM)
     )
 
 
-@pytest.mark.xfail(
-    not hasattr(AsyncLLM, "collective_rpc"),
-    strict=True,
-    reason="needs AsyncLLM.collective_rpc (issue 10)",
-)
 def test_collective_rpc_runs_a_worker_method_on_every_rank(server: RemoteServer) -> None:
     root = server.get("/v1/models").json()["data"][0]["root"]
     server.post("/pause", params={"mode": "wait"})

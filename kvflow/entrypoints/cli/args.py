@@ -50,11 +50,11 @@ def parse_token_ids(text: str) -> list[int]:
     return [int(item) for item in items]
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineArgs` field (the "engine" group)."""
+def add_engine_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per `EngineArgs` field (the "engine" group), but those in `exclude`."""
     from kvflow.engine.arg_utils import EngineArgs
 
-    EngineArgs.add_cli_args(parser)
+    EngineArgs.add_cli_args(parser, exclude=exclude)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:

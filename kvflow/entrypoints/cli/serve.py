@@ -8,7 +8,6 @@ The port is bound before the model loads, so a port in use fails at once; the se
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import socket
 
@@ -79,17 +78,13 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         choices=UVICORN_LOG_LEVELS,
         help="uvicorn's log level; 'info' adds its access log",
     )
-    engine_fields = {field.name for field in dataclasses.fields(EngineArgs)}
     EngineArgs.add_cli_args(parser, exclude=("engine_process",))
-    if (
-        "engine_process" in engine_fields
-    ):  # the server runs the engine core in its own process by default
-        parser.add_argument(
-            "--engine-process",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="run the engine core in its own process",
-        )
+    parser.add_argument(  # the server runs the engine core in its own process by default
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in its own process",
+    )
     parser.set_defaults(handler=run_serve)
 
 
@@ -119,6 +114,12 @@ def run_serve(args: argparse.Namespace) -> None:
         enable_admin_endpoints=args.enable_admin_endpoints,
         uvicorn_log_level=args.uvicorn_log_level,
     )
+    if args.engine_process:
+        import torch
+
+        torch.set_num_threads(
+            1
+        )  # the API process runs no torch compute: leave the cores to the engine
     try:
         stat_logger = PrometheusStatLogger(config.served_model_name)
         engine = make_async_llm(args, stat_loggers=[stat_logger])
