@@ -112,12 +112,17 @@ class RemoteServer:
             os.killpg(self.pgid, signal.SIGKILL)
 
     def group_alive(self) -> bool:
-        """Whether any process of the server's group is left."""
-        try:
-            os.killpg(self.pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        """Whether any live process of the server's group is left. Zombies do not count: a child that outlived
+        the server is reparented to PID 1, which in some sandboxes never reaps it, but it runs nothing."""
+        for stat_file in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat_file.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # it ended while we looked
+            state, process_group = fields[0], int(fields[2])
+            if process_group == self.pgid and state != "Z":
+                return True
+        return False
 
     @property
     def log(self) -> str:
