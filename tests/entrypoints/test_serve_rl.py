@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 import pytest
 
-from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.stats import FinishedRequestStats
 from kvflow.testing.hash_model import reference_tokens
 from tests.entrypoints.server import RemoteServer, running_server, sse_payloads
@@ -300,13 +299,6 @@ def test_update_weights_needs_a_pause(server: RemoteServer) -> None:
     assert (bad.status_code, bad.json()["error"]["param"]) == (400, "path")
     assert server.get("/weight_version").json() == {"weight_version": 0}
     assert server.post("/update_weights", json={}).json()["error"]["param"] == "path"
-
-
-@pytest.mark.skipif(hasattr(AsyncLLM, "collective_rpc"), reason="the engine has collective_rpc")
-def test_collective_rpc_without_engine_support_is_501(server: RemoteServer) -> None:
-    response = server.post("/collective_rpc", json={"method": "update_weights"})
-    assert response.status_code == 501
-    assert "collective_rpc" in response.json()["error"]["message"]
 
 
 # ------------------------------------------------------------------------------------------------ disconnects

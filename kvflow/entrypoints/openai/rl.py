@@ -97,14 +97,8 @@ class RLControl:
     async def collective_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any]
     ) -> list[Any]:
-        collective_rpc = getattr(self.engine, "collective_rpc", None)
-        if collective_rpc is None:
-            raise OpenAIServingError(
-                "collective_rpc is not available: this kvflow build's AsyncLLM has no collective_rpc",
-                status_code=HTTPStatus.NOT_IMPLEMENTED,
-            )
         try:
-            results = await collective_rpc(method, args=tuple(args), kwargs=kwargs)
+            results = await self.engine.collective_rpc(method, args=tuple(args), kwargs=kwargs)
         except (AttributeError, TypeError, ValueError) as error:
             raise OpenAIServingError(f"{type(error).__name__}: {error}", param="method") from error
         return [_jsonable(result) for result in results]
