@@ -111,18 +111,26 @@ class RemoteServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pgid, signal.SIGKILL)
 
-    def group_alive(self) -> bool:
-        """Whether any live process of the server's group is left. Zombies do not count: a child that outlived
-        the server is reparented to PID 1, which in some sandboxes never reaps it, but it runs nothing."""
-        for stat_file in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat_file.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # it ended while we looked
-            state, process_group = fields[0], int(fields[2])
-            if process_group == self.pgid and state != "Z":
-                return True
-        return False
+    def leftover_processes(self, grace_s: float = 10.0) -> list[str]:
+        """Live processes of the server's group (pid and command line), waiting up to `grace_s` for them to end:
+        helpers such as multiprocessing's resource tracker exit only once they notice the server is gone. Zombies
+        do not count: a child that outlived the server is reparented to PID 1, which in some sandboxes never
+        reaps it, but it runs nothing."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            alive = []
+            for stat_file in Path("/proc").glob("[0-9]*/stat"):
+                try:
+                    fields = stat_file.read_text().rsplit(")", 1)[1].split()
+                    command = (stat_file.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+                except OSError:
+                    continue  # it ended while we looked
+                state, process_group = fields[0], int(fields[2])
+                if process_group == self.pgid and state != "Z":
+                    alive.append(f"{stat_file.parent.name}: {command.decode(errors='replace')}")
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.05)
 
     @property
     def log(self) -> str:

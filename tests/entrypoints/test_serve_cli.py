@@ -138,7 +138,7 @@ def test_a_signal_stops_the_server_cleanly(sig: signal.Signals) -> None:
         assert not reader.is_alive()
         assert payloads[-1] == "[DONE]"
         assert payloads[-2]["choices"][0]["finish_reason"] == "abort"  # ended, not cut off
-        assert not server.group_alive()
+        assert not server.leftover_processes()
         log = server.log
         assert "Traceback" not in log
         assert (

@@ -77,4 +77,4 @@ def test_a_dead_engine_fails_streams_and_health_and_the_server_still_stops_clean
         status = server.stop(signal.SIGTERM)
         assert status == 0, server.log[-2000:]
         assert "Traceback" not in server.log
-        assert not server.group_alive()
+        assert not server.leftover_processes()
