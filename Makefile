@@ -17,7 +17,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/kvflow generate "The capital of France is" "Once upon a time" --max-tokens 32 --show-stats
+	$(VENV)/bin/kvflow generate "The capital of France is" "Once upon a time" "She walked into the room and" --max-tokens 32 --show-stats
 
 demo-hash: $(VENV)/.installed
 	$(VENV)/bin/kvflow demo

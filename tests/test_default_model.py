@@ -1,4 +1,5 @@
-"""The built-in default model: deterministic, real Hugging Face format, safe to build concurrently."""
+"""The built-in default model (the trained checkpoint shipped in the package, copied into the cache on first use)
+and the random-weight builder that tests use for a checkpoint of fixed shape."""
 
 from __future__ import annotations
 
@@ -20,14 +21,18 @@ from kvflow.default_model import (
     END_OF_TEXT_TOKEN,
     IM_END_TOKEN,
     IM_START_TOKEN,
+    SHIPPED_CHECKPOINT,
+    SPECIAL_TOKENS,
     build_default_model,
     default_model_dir,
     ensure_default_model,
     is_complete,
 )
+from kvflow.default_model.random_weights import build_random_model
 from kvflow.tokenizer import load_tokenizer
 
 MODEL_FILES = (
+    "README.md",
     "config.json",
     "generation_config.json",
     "model.safetensors",
@@ -35,6 +40,7 @@ MODEL_FILES = (
     "tokenizer_config.json",
     COMPLETE_MARKER,
 )
+RANDOM_MODEL_FILES = tuple(sorted(set(MODEL_FILES) - {"README.md", COMPLETE_MARKER}))
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +48,61 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_default_model(tmp_path_factory.mktemp("cache"))
 
 
+@pytest.fixture(scope="module")
+def random_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("random") / "model"
+    build_random_model(folder)
+    return folder
+
+
 def _file_bytes(folder: Path) -> dict[str, bytes]:
     return {file.name: file.read_bytes() for file in sorted(folder.iterdir())}
 
 
-# ---------------------------------------------------------------------------------------------------- contents
-def test_folder_layout_and_config(model_dir: Path) -> None:
+# ---------------------------------------------------------------------------------------------------- shipped model
+def test_the_cache_holds_the_shipped_checkpoint_and_its_model_card(model_dir: Path) -> None:
     assert model_dir.name == DEFAULT_MODEL_NAME
     assert sorted(file.name for file in model_dir.iterdir()) == sorted(MODEL_FILES)
+    for name in MODEL_FILES[:-1]:
+        assert (model_dir / name).read_bytes() == (SHIPPED_CHECKPOINT / name).read_bytes(), name
+    size = sum(file.stat().st_size for file in SHIPPED_CHECKPOINT.iterdir())
+    assert size < 50e6, f"the shipped default model takes {size / 1e6:.1f} MB"
+    card = (model_dir / "README.md").read_text()
+    assert "perplexity" in card and "public domain" in card
+
+
+def test_shipped_config_is_a_tied_llama_stored_in_bfloat16_with_chatml_tokens(
+    model_dir: Path,
+) -> None:
     config = json.loads((model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert config["tie_word_embeddings"] is True
+    assert (
+        config["torch_dtype"] == "float32"
+    )  # computed as trained; the file holds bfloat16 (below)
+    assert config["max_position_embeddings"] >= 512
+    tokenizer = load_tokenizer(model_dir)
+    assert tokenizer.vocab_size == config["vocab_size"]
+    ids = [tokenizer.token_to_id(token) for token in SPECIAL_TOKENS]
+    assert ids == list(range(config["vocab_size"] - 4, config["vocab_size"]))  # specials come last
+    assert (config["bos_token_id"], config["eos_token_id"]) == (ids[0], ids[3])
+    generation_config = json.loads((model_dir / "generation_config.json").read_text())
+    assert generation_config["eos_token_id"] == [ids[3], ids[1]]
+    assert 0 < generation_config["temperature"] <= 1 and 0 < generation_config["top_p"] <= 1
+
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    assert all(str(tensor.dtype) == "torch.bfloat16" for tensor in tensors.values())
+    assert "lm_head.weight" not in tensors  # tied to the embeddings
+    parameters = sum(tensor.numel() for tensor in tensors.values())
+    assert 5e6 <= parameters <= 30e6
+
+
+# ---------------------------------------------------------------------------------------------------- random model
+def test_random_model_layout_and_config(random_dir: Path) -> None:
+    assert sorted(file.name for file in random_dir.iterdir()) == list(RANDOM_MODEL_FILES)
+    config = json.loads((random_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["model_type"] == "llama"
     assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (
@@ -71,15 +123,15 @@ def test_folder_layout_and_config(model_dir: Path) -> None:
     assert config["tie_word_embeddings"] is False
     assert config["torch_dtype"] == "float32"
     assert config["vocab_size"] == 1024
-    generation_config = json.loads((model_dir / "generation_config.json").read_text())
+    generation_config = json.loads((random_dir / "generation_config.json").read_text())
     assert generation_config == {"bos_token_id": 1020, "eos_token_id": [1023, 1021]}
     assert (config["bos_token_id"], config["eos_token_id"]) == (1020, 1023)
 
 
-def test_weights_use_hugging_face_names_and_fixed_init(model_dir: Path) -> None:
+def test_random_weights_use_hugging_face_names_and_fixed_init(random_dir: Path) -> None:
     from safetensors.torch import load_file
 
-    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors = load_file(str(random_dir / "model.safetensors"))
     expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for layer in range(4):
         expected |= {
@@ -108,10 +160,23 @@ def test_weights_use_hugging_face_names_and_fixed_init(model_dir: Path) -> None:
     assert sum(tensor.numel() for tensor in tensors.values()) == 3_426_560
 
 
-def test_tokenizer_is_byte_level_bpe_covering_every_byte(model_dir: Path) -> None:
-    tokenizer = load_tokenizer(model_dir)
-    assert tokenizer.vocab_size == 1024
-    special = {BOS_TOKEN: 1020, END_OF_TEXT_TOKEN: 1021, IM_START_TOKEN: 1022, IM_END_TOKEN: 1023}
+@pytest.mark.parametrize("which", ["shipped", "random"])
+def test_tokenizer_is_byte_level_bpe_covering_every_byte(
+    which: str, model_dir: Path, random_dir: Path
+) -> None:
+    tokenizer = load_tokenizer(model_dir if which == "shipped" else random_dir)
+    size = tokenizer.vocab_size
+    assert size == (
+        1024
+        if which == "random"
+        else json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    )
+    special = {
+        BOS_TOKEN: size - 4,
+        END_OF_TEXT_TOKEN: size - 3,
+        IM_START_TOKEN: size - 2,
+        IM_END_TOKEN: size - 1,
+    }
     assert {token: tokenizer.token_to_id(token) for token in special} == special
     assert tokenizer.all_special_ids == set(special.values())
     # Every single byte is one token, so arbitrary bytes (even invalid UTF-8) have a token sequence.
@@ -125,26 +190,32 @@ def test_tokenizer_is_byte_level_bpe_covering_every_byte(model_dir: Path) -> Non
 
 
 # ---------------------------------------------------------------------------------------------------- determinism
-def test_two_builds_are_byte_identical(tmp_path: Path, model_dir: Path) -> None:
+def test_two_random_builds_are_byte_identical(tmp_path: Path, random_dir: Path) -> None:
     start = time.perf_counter()
-    second = ensure_default_model(tmp_path / "second")
+    build_random_model(tmp_path / "second")
     build_seconds = time.perf_counter() - start
-    assert _file_bytes(second) == _file_bytes(model_dir)
-    assert build_seconds < 10, f"building the default model took {build_seconds:.1f} s"
+    assert _file_bytes(tmp_path / "second") == _file_bytes(random_dir)
+    assert build_seconds < 10, f"building the random model took {build_seconds:.1f} s"
 
 
 # ---------------------------------------------------------------------------------------------------- transformers
-def test_loads_with_transformers(model_dir: Path) -> None:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize("which", ["shipped", "random"])
+def test_loads_with_transformers(which: str, model_dir: Path, random_dir: Path) -> None:
+    import torch
+    import transformers
     from safetensors.torch import load_file
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+    folder = model_dir if which == "shipped" else random_dir
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert type(model).__name__ == "LlamaForCausalLM"
-    assert sum(parameter.numel() for parameter in model.parameters()) == 3_426_560
-    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors = load_file(str(folder / "model.safetensors"))
+    if which == "random":
+        assert sum(parameter.numel() for parameter in model.parameters()) == 3_426_560
     state = model.state_dict()
-    assert all(torch.equal(state[name], tensor) for name, tensor in tensors.items())
+    assert all(
+        torch.equal(state[name].to(tensor.dtype), tensor) for name, tensor in tensors.items()
+    )
+    model_dir = folder
 
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     tokenizer = load_tokenizer(model_dir)
@@ -176,7 +247,7 @@ def test_loads_with_transformers(model_dir: Path) -> None:
     prompt = tokenizer.encode("The capital of France is")
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits
-    assert logits.shape == (1, len(prompt), 1024)
+    assert logits.shape == (1, len(prompt), tokenizer.vocab_size)
     assert bool(torch.isfinite(logits).all())
 
 

@@ -1,4 +1,4 @@
-"""Tokenizer loading (kvflow's default model and real transformers layouts), encode/decode, chat templates."""
+"""Tokenizer loading (the random-weight model's tokenizer, transformers layouts), encode/decode, chat templates."""
 
 from __future__ import annotations
 
@@ -16,9 +16,8 @@ from kvflow.default_model import (
     END_OF_TEXT_TOKEN,
     IM_END_TOKEN,
     IM_START_TOKEN,
-    build_tokenizer,
-    ensure_default_model,
 )
+from kvflow.default_model.random_weights import build_random_model, build_tokenizer
 from kvflow.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
 
 UNICODE_TEXTS = [
@@ -41,7 +40,9 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return load_tokenizer(ensure_default_model(tmp_path_factory.mktemp("cache")))
+    folder = tmp_path_factory.mktemp("random") / "model"
+    build_random_model(folder)  # its tokenizer's ids are fixed: 1024 entries, specials 1020-1023
+    return load_tokenizer(folder)
 
 
 def _write_folder(
@@ -51,7 +52,7 @@ def _write_folder(
     post_processor: bool = True,
     extra_files: dict[str, Any] | None = None,
 ) -> Path:
-    """A checkpoint folder holding the default model's tokenizer.json and the given config files."""
+    """A checkpoint folder holding the random-weight model's tokenizer.json and the given config files."""
     folder.mkdir(parents=True, exist_ok=True)
     backend = build_tokenizer()
     if not post_processor:
@@ -65,8 +66,8 @@ def _write_folder(
     return folder
 
 
-# ---------------------------------------------------------------------------------------------------- default model
-def test_default_model_tokenizer_properties(tokenizer: Tokenizer) -> None:
+# ---------------------------------------------------------------------------------------------------- random model
+def test_random_model_tokenizer_properties(tokenizer: Tokenizer) -> None:
     assert tokenizer.vocab_size == len(tokenizer) == 1024
     assert (tokenizer.bos_token, tokenizer.bos_token_id) == (BOS_TOKEN, 1020)
     assert (tokenizer.eos_token, tokenizer.eos_token_id) == (IM_END_TOKEN, 1023)

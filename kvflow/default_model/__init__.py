@@ -1,168 +1,79 @@
-"""The built-in default model: a small random-weight Llama checkpoint with a byte-level BPE tokenizer.
+"""The built-in default model: a small Llama that kvflow trained itself, shipped inside the package.
 
-It is created deterministically on first use from resources inside this module (a fixed English corpus for the
-tokenizer, a seeded generator for the weights) and cached on disk in Hugging Face format, so `LLM()` works
-offline and `transformers` can load the very same folder for reference comparisons.
+`LLM()`, `kvflow generate`, `kvflow chat` and `kvflow serve` use it when no model is named. The checkpoint lives in
+`kvflow/default_model/checkpoint/` (Hugging Face format: `config.json`, bfloat16 `model.safetensors`,
+`tokenizer.json`, `tokenizer_config.json` with a ChatML template, `generation_config.json`, and `README.md`, the model
+card); `tools/train_default_model.py` produced it. On first use it is copied into kvflow's cache folder
+(`$KVFLOW_CACHE_DIR`, else `~/.cache/kvflow`) and loaded from there through the same loader as any checkpoint.
+`kvflow.default_model.random_weights` builds the old random-weight model for tests that need a fixed shape.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    import tokenizers
+from kvflow.default_model.evaluation import (
+    EVAL_WINDOW,
+    SAMPLE_DOCUMENTS,
+    SAMPLE_SEPARATOR,
+    heldout_sample,
+    perplexity_windows,
+)
+from kvflow.default_model.tokenizer import (
+    BOS_TOKEN,
+    CHAT_TEMPLATE,
+    END_OF_TEXT_TOKEN,
+    EOS_TOKEN,
+    IM_END_TOKEN,
+    IM_START_TOKEN,
+    SPECIAL_TOKENS,
+    tokenizer_config,
+    train_tokenizer,
+)
+
+__all__ = [
+    "BOS_TOKEN",
+    "CHAT_TEMPLATE",
+    "COMPLETE_MARKER",
+    "DEFAULT_MODEL_NAME",
+    "END_OF_TEXT_TOKEN",
+    "EOS_TOKEN",
+    "EVAL_WINDOW",
+    "IM_END_TOKEN",
+    "IM_START_TOKEN",
+    "SAMPLE_DOCUMENTS",
+    "SAMPLE_SEPARATOR",
+    "SHIPPED_CHECKPOINT",
+    "SPECIAL_TOKENS",
+    "build_default_model",
+    "default_model_dir",
+    "ensure_default_model",
+    "heldout_sample",
+    "is_complete",
+    "perplexity_windows",
+    "tokenizer_config",
+    "train_tokenizer",
+]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "default-model-v1"
+# The cache folder's name: bump it whenever the shipped checkpoint changes, so caches never serve a stale copy.
+DEFAULT_MODEL_NAME = "default-model-v2"
 CACHE_DIR_ENV = "KVFLOW_CACHE_DIR"
 COMPLETE_MARKER = ".kvflow-complete"
-
-BOS_TOKEN = "<|begin_of_text|>"
-END_OF_TEXT_TOKEN = "<|end_of_text|>"
-IM_START_TOKEN = "<|im_start|>"
-IM_END_TOKEN = "<|im_end|>"
-SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
-EOS_TOKEN = (
-    IM_END_TOKEN  # end of an assistant turn; END_OF_TEXT_TOKEN also stops (generation_config.json)
-)
-
-NUM_BPE_TOKENS = (
-    1020  # 256 bytes + 764 merges; with the 4 special tokens the vocabulary has 1024 entries
-)
-WEIGHT_SEED = 0
-WEIGHT_STD = 0.02
-
-MODEL_ARCHITECTURE: dict[str, Any] = {
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 2048,
-}
-
-CHAT_TEMPLATE = (
-    "{{- bos_token }}\n"
-    "{%- for message in messages %}\n"
-    "    {%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
-    "        {{- raise_exception('unsupported role ' ~ message['role'] ~ ': use system, user or assistant') }}\n"
-    "    {%- endif %}\n"
-    "    {%- if message['role'] == 'system' and not loop.first %}\n"
-    "        {{- raise_exception('a system message must come first') }}\n"
-    "    {%- endif %}\n"
-    "    {{- '<|im_start|>' + message['role'] + '\\n' }}\n"
-    "    {%- if message['content'] is string %}\n"
-    "        {{- message['content'] }}\n"
-    "    {%- else %}\n"
-    "        {%- for part in message['content'] %}\n"
-    "            {%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}\n"
-    "        {%- endfor %}\n"
-    "    {%- endif %}\n"
-    "    {{- '<|im_end|>\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "    {{- '<|im_start|>assistant\\n' }}\n"
-    "{%- endif %}\n"
-)
-
-# The tokenizer's training text. Changing it changes the model: bump DEFAULT_MODEL_NAME when you do.
-_CORPUS = """\
-The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
-Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker and his
-daughter. Every morning the clockmaker opened the shutters of his shop, wound the tall clock by the door, and
-listened to the town wake up: the baker pulling bread from the oven, children running to school, carts rolling
-over the stones of the market square. His daughter, who was called Mira, loved numbers more than anything. She
-counted the steps from the shop to the river (four hundred and twelve), the bells of the church at noon (twelve),
-and the stars she could name on a clear winter night (more than thirty).
-One evening a traveller knocked at the door. He carried a broken pocket watch and a map that nobody in the village
-could read. "Can you mend it?" he asked. The clockmaker turned the watch over in his hands, opened the case, and
-smiled. "Everything that was made can be understood," he said, "and everything that is understood can be mended."
-The history of science is a history of questions. Why does the sun rise in the east? What are the stars made of?
-How do plants turn light into food? Early astronomers measured the positions of the planets with simple
-instruments, and from careful observation they built models of the sky. Later, physicists described motion with
-equations: a body at rest stays at rest, and a body in motion keeps moving unless a force acts on it. Chemists
-learned that water is made of hydrogen and oxygen, that air is a mixture of gases, and that fire is a reaction
-which releases energy. Biologists discovered cells, genes, and the slow process of evolution by natural selection.
-Today researchers study everything from the smallest particles to the largest galaxies, and computers help them
-simulate systems that are far too complex to solve by hand.
-A computer program is a list of instructions. The processor reads each instruction from memory, decodes it, and
-executes it. Programs store their data in variables, repeat work with loops, and make decisions with conditions.
-For example, a function that adds two numbers might look like this:
-def add(first, second):
-    return first + second
-for index in range(10):
-    if index % 2 == 0:
-        print(index, "is even")
-    else:
-        print(index, "is odd")
-Modern software is built from many layers: an operating system manages the hardware, a runtime manages memory,
-libraries provide common tools, and applications solve problems for people. Good engineers write code that is
-simple, tested, and easy to read. They measure performance before they optimize it, and they keep a clear record
-of every change. When a system fails, they look for the root cause instead of hiding the symptom.
-Language models predict the next word in a sequence. Given the text "The capital of France is", a trained model
-assigns a high probability to "Paris". During generation the model produces one token at a time: it reads the
-prompt, computes a distribution over its vocabulary, samples a token, appends it, and repeats until it reaches a
-stop condition or the maximum number of tokens. An inference engine keeps the attention keys and values of earlier
-tokens in a cache, so that each new step only computes the newest position. Requests that share a prefix can
-share cached blocks, and a scheduler batches many requests together so the hardware stays busy.
-Cooking is chemistry you can eat. To bake a simple loaf of bread, mix five hundred grams of flour, ten grams of
-salt, seven grams of yeast, and three hundred and fifty millilitres of warm water. Knead the dough for ten
-minutes, until it is smooth and elastic, then let it rise in a warm place for an hour. Shape the loaf, let it rise
-again, and bake it at two hundred and twenty degrees for about thirty five minutes. The crust should be golden
-brown, and the bottom should sound hollow when you tap it. Soup is even easier: soften an onion in olive oil, add
-carrots, potatoes, beans, and stock, and simmer everything until the vegetables are tender.
-The weather changed quickly that spring. On Monday it was warm and sunny; on Tuesday a cold wind blew from the
-north; on Wednesday it rained all day, and the streets shone like mirrors. By Thursday the clouds had cleared,
-and on Friday the first swallows returned to nest under the roof of the old station. Farmers watched the sky
-with care, because a late frost could ruin the blossoms on the apple trees and cost them the whole harvest.
-Dear Sam, thank you for your letter. I am writing to let you know that the meeting has moved to next Thursday at
-half past nine in the morning. Please bring the report, the budget for the new year, and any questions you would
-like to discuss. If you cannot attend, send me a short note and I will share the minutes afterwards.
-Best regards, Alex.
-Questions and answers. Q: What is the largest ocean on Earth? A: The Pacific Ocean. Q: How many days are there
-in a leap year? A: Three hundred and sixty six. Q: Which planet is known as the red planet? A: Mars.
-Q: Who wrote the play about a prince of Denmark? A: William Shakespeare. Q: What do bees make? A: Honey.
-Numbers and dates: 0 1 2 3 4 5 6 7 8 9 10 11 12 20 25 42 50 64 99 100 128 256 512 1000 1024 2048 4096 65536.
-The year 1969, the year 2000, the year 2024; 3.14159, 2.71828, 1.41421; 50% off, $19.99, 7 x 8 = 56, 12 / 4 = 3.
-January, February, March, April, May, June, July, August, September, October, November, December.
-Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Spring, summer, autumn, winter.
-Red, orange, yellow, green, blue, indigo, violet, black, white, grey, brown, pink, purple, silver, gold.
-User: Can you help me plan a trip? Assistant: Of course! Where would you like to go, and for how long?
-User: Three days in the mountains. Assistant: Great choice. On the first day, hike to the lake and have a picnic.
-On the second day, visit the village museum and the old bridge. On the third day, take the cable car to the
-summit early in the morning, before the clouds arrive, and enjoy the view. Pack warm clothes, water, and a map.
-User: Explain recursion in one sentence. Assistant: Recursion is when a function solves a problem by calling
-itself on a smaller version of the same problem until it reaches a case simple enough to answer directly.
-Health and habits: sleep seven to nine hours, drink enough water, walk every day, eat fruit and vegetables, and
-take breaks from the screen. Small changes, repeated for months, make a larger difference than heroic efforts
-that last a week. Learning works the same way: practise a little every day, review what you forgot, and teach
-someone else what you learned, because explaining an idea is the best test of understanding it.
-The library was quiet except for the turning of pages. Tall shelves held books about history, geography,
-mathematics, music, art, medicine, law, philosophy, and poetry. A student in the corner was reading about the
-ancient roads that connected distant cities; another was solving problems in geometry, drawing triangles and
-circles with great care. The librarian, who knew where every book belonged, walked slowly between the rows and
-returned each volume to its place.
-Punctuation marks: commas, periods, colons: semicolons; question marks? exclamation marks! quotes "like this" and
-'like that', parentheses (round), brackets [square], braces {curly}, hyphens - and dashes, slashes / and
-backslashes \\, the at sign @, the hash #, the ampersand &, the asterisk *, the plus + and equals = signs.
-Some words from other languages appear in English text: café, naïve, résumé, façade, piñata, über, déjà vu,
-fiancée, jalapeño, smörgåsbord, crème brûlée.
-"""
+SHIPPED_CHECKPOINT = Path(__file__).resolve().parent / "checkpoint"
+# Files of the shipped folder that are not the checkpoint: the held-out sample is for kvflow's perplexity test,
+# eval.json is the training script's record. The model card (README.md) travels with the model.
+_NOT_COPIED = ("heldout_sample.txt", "eval.json")
 
 
 def default_model_dir() -> Path:
-    """Where the default model lives: `$KVFLOW_CACHE_DIR/default-model-v1`, else `~/.cache/kvflow/default-model-v1`."""
+    """Where the default model lives: `$KVFLOW_CACHE_DIR/<DEFAULT_MODEL_NAME>`, else under `~/.cache/kvflow`."""
     root = os.environ.get(CACHE_DIR_ENV)
     cache_root = Path(root).expanduser() if root else Path.home() / ".cache" / "kvflow"
     return cache_root / DEFAULT_MODEL_NAME
@@ -171,7 +82,7 @@ def default_model_dir() -> Path:
 def ensure_default_model(cache_dir: Path | None = None) -> Path:
     """Return the default model's folder, building it first if it is missing or incomplete.
 
-    `cache_dir` is the cache root (the folder is `cache_dir / "default-model-v1"`); None means
+    `cache_dir` is the cache root (the folder is `cache_dir / DEFAULT_MODEL_NAME`); None means
     `default_model_dir()`. The model is built into a temporary sibling folder, the completion marker is written
     last, and the folder is renamed into place atomically: a process that loses a race discards its copy.
     """
@@ -189,7 +100,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     try:
         start = time.perf_counter()
         build_default_model(staging)
-        logger.info("built the default model in %.2f s", time.perf_counter() - start)
+        logger.info("copied the default model in %.2f s", time.perf_counter() - start)
         _publish(staging, target)
     finally:
         if staging.exists():
@@ -252,159 +163,10 @@ def _discard_incomplete(target: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- build
 def build_default_model(out_dir: Path) -> None:
-    """Write the complete checkpoint into `out_dir` (created; must not exist), marker last. Deterministic."""
+    """Copy the shipped checkpoint into `out_dir` (created; must not exist), completion marker last."""
     out_dir.mkdir(parents=True)
-    tokenizer = build_tokenizer()
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-    (out_dir / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(special_ids))
-    _write_json(out_dir / "config.json", _model_config(vocab_size, special_ids))
-    _write_json(
-        out_dir / "generation_config.json",
-        {
-            "bos_token_id": special_ids[BOS_TOKEN],
-            "eos_token_id": [special_ids[EOS_TOKEN], special_ids[END_OF_TEXT_TOKEN]],
-        },
-    )
-    _write_weights(out_dir / "model.safetensors", vocab_size)
+    for source in sorted(SHIPPED_CHECKPOINT.iterdir()):
+        if source.is_file() and source.name not in _NOT_COPIED:
+            shutil.copyfile(source, out_dir / source.name)
+            (out_dir / source.name).chmod(0o644)  # the cache may be shared
     (out_dir / COMPLETE_MARKER).write_text(DEFAULT_MODEL_NAME + "\n", encoding="utf-8")
-
-
-def build_tokenizer() -> tokenizers.Tokenizer:
-    """Train the byte-level BPE tokenizer on the embedded corpus; returns a `tokenizers.Tokenizer`.
-
-    Every one of the 256 bytes is in the base vocabulary, so any text encodes. The special tokens come after
-    the BPE vocabulary; the post-processor adds BOS, as Llama 3's does.
-    """
-    from tokenizers import (
-        AddedToken,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-        trainers,
-    )
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=NUM_BPE_TOKENS,
-        min_frequency=1,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=[],
-    )
-    tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
-    num_bpe_tokens = tokenizer.get_vocab_size(with_added_tokens=True)
-    if num_bpe_tokens != NUM_BPE_TOKENS:
-        raise RuntimeError(
-            f"the default tokenizer has {num_bpe_tokens} BPE tokens, expected {NUM_BPE_TOKENS}: "
-            "the corpus is too small for the requested vocabulary"
-        )
-    tokenizer.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
-    )
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN}:0 $A:0",
-        pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
-        special_tokens=[(BOS_TOKEN, bos_id)],
-    )
-    return tokenizer
-
-
-def _tokenizer_config(special_ids: dict[str, int]) -> dict[str, Any]:
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": END_OF_TEXT_TOKEN,
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MODEL_ARCHITECTURE["max_position_embeddings"],
-        "added_tokens_decoder": {
-            str(token_id): {
-                "content": token,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": True,
-            }
-            for token, token_id in special_ids.items()
-        },
-        "chat_template": CHAT_TEMPLATE,
-    }
-
-
-def _model_config(vocab_size: int, special_ids: dict[str, int]) -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **MODEL_ARCHITECTURE,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": WEIGHT_STD,
-        "rope_scaling": None,
-        "tie_word_embeddings": False,
-        "vocab_size": vocab_size,
-        "bos_token_id": special_ids[BOS_TOKEN],
-        "eos_token_id": special_ids[EOS_TOKEN],
-        "pad_token_id": special_ids[END_OF_TEXT_TOKEN],
-        "torch_dtype": "float32",
-        "use_cache": True,
-    }
-
-
-def _parameter_shapes(vocab_size: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Hugging Face Llama parameter names and shapes, in the fixed order the generator fills them."""
-    hidden = MODEL_ARCHITECTURE["hidden_size"]
-    head_dim = MODEL_ARCHITECTURE["head_dim"]
-    q_size = MODEL_ARCHITECTURE["num_attention_heads"] * head_dim
-    kv_size = MODEL_ARCHITECTURE["num_key_value_heads"] * head_dim
-    intermediate = MODEL_ARCHITECTURE["intermediate_size"]
-    shapes: list[tuple[str, tuple[int, ...]]] = [
-        ("model.embed_tokens.weight", (vocab_size, hidden))
-    ]
-    for layer in range(MODEL_ARCHITECTURE["num_hidden_layers"]):
-        prefix = f"model.layers.{layer}"
-        shapes += [
-            (f"{prefix}.input_layernorm.weight", (hidden,)),
-            (f"{prefix}.self_attn.q_proj.weight", (q_size, hidden)),
-            (f"{prefix}.self_attn.k_proj.weight", (kv_size, hidden)),
-            (f"{prefix}.self_attn.v_proj.weight", (kv_size, hidden)),
-            (f"{prefix}.self_attn.o_proj.weight", (hidden, q_size)),
-            (f"{prefix}.post_attention_layernorm.weight", (hidden,)),
-            (f"{prefix}.mlp.gate_proj.weight", (intermediate, hidden)),
-            (f"{prefix}.mlp.up_proj.weight", (intermediate, hidden)),
-            (f"{prefix}.mlp.down_proj.weight", (hidden, intermediate)),
-        ]
-    shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab_size, hidden))]
-    return shapes
-
-
-def _write_weights(path: Path, vocab_size: int) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    generator = torch.Generator(device="cpu").manual_seed(WEIGHT_SEED)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, shape in _parameter_shapes(vocab_size):
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=torch.float32)
-        else:
-            tensors[name] = (
-                torch.randn(shape, generator=generator, dtype=torch.float32) * WEIGHT_STD
-            )
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    path.chmod(0o644)  # safetensors creates the file owner-only; the cache may be shared
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

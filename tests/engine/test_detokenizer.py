@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import pre_tokenizers
 
-from kvflow.default_model import ensure_default_model
+from kvflow.default_model.random_weights import build_random_model
 from kvflow.engine.detokenizer import IncrementalDetokenizer, decode_token, find_stop_string
 from kvflow.sampling_params import SamplingParams
 from kvflow.tokenizer import Tokenizer, load_tokenizer
@@ -18,7 +18,9 @@ BOS_ID, END_OF_TEXT_ID, IM_START_ID, IM_END_ID = 1020, 1021, 1022, 1023
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    return load_tokenizer(ensure_default_model(tmp_path_factory.mktemp("cache")))
+    folder = tmp_path_factory.mktemp("random") / "model"
+    build_random_model(folder)  # its tokenizer's ids are fixed: 1024 entries, specials 1020-1023
+    return load_tokenizer(folder)
 
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -148,8 +148,26 @@ def test_bad_value_names_the_file_and_key(tmp_path: Path, key: str, value: Any) 
         LLM(str(folder), **ENGINE_OPTIONS)
 
 
-def test_models_without_creator_defaults_use_kvflow_defaults() -> None:
+def test_models_without_creator_defaults_use_kvflow_defaults(tmp_path: Path) -> None:
+    from kvflow.default_model.random_weights import build_random_model
+
     assert LLM("hash", max_model_len=64, num_kv_blocks=16).get_default_sampling_params() == (
         SamplingParams()
     )
-    assert LLM(max_num_seqs=2).get_default_sampling_params() == SamplingParams()
+    build_random_model(tmp_path / "random")  # its generation_config.json names only BOS and EOS
+    assert LLM(str(tmp_path / "random"), max_num_seqs=2).get_default_sampling_params() == (
+        SamplingParams()
+    )
+
+
+def test_the_default_model_samples_with_its_generation_config() -> None:
+    from kvflow.default_model import SHIPPED_CHECKPOINT
+
+    creator = json.loads((SHIPPED_CHECKPOINT / "generation_config.json").read_text())
+    defaults = LLM(max_num_seqs=2).get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (
+        creator["temperature"],
+        creator["top_p"],
+        creator["top_k"],
+    )
+    assert defaults.repetition_penalty == creator["repetition_penalty"]

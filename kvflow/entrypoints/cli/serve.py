@@ -24,7 +24,8 @@ Serve MODEL over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions,
 OpenAI or vLLM client at http://HOST:PORT/v1.
 
 MODEL is a Hugging Face checkpoint folder; without it, the built-in default model
-(random weights); 'hash' is the deterministic test model (token-id prompts only)."""
+(a small English model kvflow ships); 'hash' is the deterministic test model (token-id
+prompts only)."""
 
 EPILOG = f"""\
 admin endpoints (--enable-admin-endpoints):

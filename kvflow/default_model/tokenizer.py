@@ -1,0 +1,115 @@
+"""The default models' tokenizer: byte-level BPE with ChatML special tokens, trained on the spot with `tokenizers`.
+
+Used by the training script (`tools/train_default_model.py`) for the shipped model and by the random-weight builder.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import tokenizers
+
+BOS_TOKEN = "<|begin_of_text|>"
+END_OF_TEXT_TOKEN = "<|end_of_text|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+SPECIAL_TOKENS = (BOS_TOKEN, END_OF_TEXT_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+EOS_TOKEN = (
+    IM_END_TOKEN  # end of an assistant turn; END_OF_TEXT_TOKEN also stops (generation_config.json)
+)
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message['role'] not in ['system', 'user', 'assistant'] %}\n"
+    "        {{- raise_exception('unsupported role ' ~ message['role'] ~ ': use system, user or assistant') }}\n"
+    "    {%- endif %}\n"
+    "    {%- if message['role'] == 'system' and not loop.first %}\n"
+    "        {{- raise_exception('a system message must come first') }}\n"
+    "    {%- endif %}\n"
+    "    {{- '<|im_start|>' + message['role'] + '\\n' }}\n"
+    "    {%- if message['content'] is string %}\n"
+    "        {{- message['content'] }}\n"
+    "    {%- else %}\n"
+    "        {%- for part in message['content'] %}\n"
+    "            {%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}\n"
+    "        {%- endfor %}\n"
+    "    {%- endif %}\n"
+    "    {{- '<|im_end|>\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> tokenizers.Tokenizer:
+    """Train a byte-level BPE tokenizer of `vocab_size` entries on `texts`: every one of the 256 bytes, merges,
+    then the special tokens (`SPECIAL_TOKENS`, in that order, last). The post-processor adds BOS, as Llama 3's
+    does. A corpus too small for the vocabulary is a RuntimeError."""
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    num_bpe_tokens = vocab_size - len(SPECIAL_TOKENS)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=num_bpe_tokens,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    trained = tokenizer.get_vocab_size(with_added_tokens=True)
+    if trained != num_bpe_tokens:
+        raise RuntimeError(
+            f"the tokenizer has {trained} BPE tokens, expected {num_bpe_tokens}: "
+            "the corpus is too small for the requested vocabulary"
+        )
+    tokenizer.add_special_tokens(
+        [AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS]
+    )
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN}:0 $A:0",
+        pair=f"{BOS_TOKEN}:0 $A:0 {BOS_TOKEN}:1 $B:1",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return tokenizer
+
+
+def tokenizer_config(special_ids: dict[str, int], model_max_length: int) -> dict[str, Any]:
+    """`tokenizer_config.json` for a tokenizer from `train_tokenizer`: BOS added, ChatML template, EOS
+    `<|im_end|>`, pad `<|end_of_text|>`."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": END_OF_TEXT_TOKEN,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "added_tokens_decoder": {
+            str(token_id): {
+                "content": token,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for token, token_id in special_ids.items()
+        },
+        "chat_template": CHAT_TEMPLATE,
+    }
