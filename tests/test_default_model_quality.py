@@ -1,0 +1,107 @@
+"""The shipped default model's quality, measured through kvflow's own engine.
+
+The training script recorded the held-out perplexity of the shipped weights (`eval.json`, quoted in the model card),
+computed with its own plain PyTorch model. kvflow must reproduce it through the engine (prompt logprobs): a numerics
+bug in attention, a GEMM, RoPE, the KV cache or the loader shows up here as a perplexity that drifts, not just as a
+different token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.default_model import (
+    SAMPLE_SEPARATOR,
+    SHIPPED_CHECKPOINT,
+    ensure_default_model,
+    perplexity_windows,
+)
+from kvflow.tokenizer import load_tokenizer
+
+# float32 (what `dtype="auto"` picks for this checkpoint) runs the same arithmetic as the training script's evaluation,
+# up to summation order; bfloat16 rounds every activation and may drift a little further.
+TOLERANCE = {"auto": 1e-4, "bfloat16": 0.01}
+DEMO_PROMPTS = ["The capital of France is", "Once upon a time", "She walked into the room and"]
+
+
+def recorded_evaluation() -> dict:
+    return json.loads((SHIPPED_CHECKPOINT / "eval.json").read_text())
+
+
+def held_out_documents() -> list[str]:
+    return (
+        (SHIPPED_CHECKPOINT / "heldout_sample.txt")
+        .read_text(encoding="utf-8")
+        .split(SAMPLE_SEPARATOR)
+    )
+
+
+def kvflow_perplexity(llm: LLM, model_dir: Path) -> tuple[float, int]:
+    """exp(mean NLL) of the held-out sample's windows, from the engine's prompt logprobs."""
+    tokenizer = load_tokenizer(model_dir)
+    windows = perplexity_windows(
+        [tokenizer.encode(document) for document in held_out_documents()], tokenizer.bos_token_id
+    )
+    outputs = llm.generate(
+        [{"prompt_token_ids": window} for window in windows],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    total, count = 0.0, 0
+    for window, output in zip(windows, outputs, strict=True):
+        assert output.prompt_logprobs is not None and output.prompt_logprobs[0] is None
+        for token_id, entry in zip(window[1:], output.prompt_logprobs[1:], strict=True):
+            total -= entry[token_id].logprob
+            count += 1
+    return math.exp(total / count), count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_held_out_perplexity_through_the_engine_matches_the_training_script(dtype: str) -> None:
+    model_dir = ensure_default_model()
+    recorded = recorded_evaluation()
+    llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=16, disable_log_stats=True)
+    perplexity, count = kvflow_perplexity(llm, model_dir)
+    assert count == recorded["sample_tokens"]
+    drift = abs(perplexity / recorded["sample_ppl"] - 1)
+    assert drift <= TOLERANCE[dtype], (
+        f"kvflow's held-out perplexity ({dtype}) is {perplexity:.3f}, the training script measured "
+        f"{recorded['sample_ppl']:.3f}: {100 * drift:.2f} % apart"
+    )
+
+
+def test_the_model_card_quotes_the_recorded_perplexity_and_the_model_learned_something() -> None:
+    recorded = recorded_evaluation()
+    card = (SHIPPED_CHECKPOINT / "README.md").read_text()
+    assert f"{recorded['held_out_ppl']:.3f}" in card and f"{recorded['sample_ppl']:.3f}" in card
+    vocab_size = json.loads((SHIPPED_CHECKPOINT / "config.json").read_text())["vocab_size"]
+    # A model that learned nothing scores about the vocabulary size; this one must do far better.
+    assert recorded["held_out_ppl"] < vocab_size / 40
+
+
+def test_greedy_continuations_are_printable_english_words() -> None:
+    """What `make demo` shows: every character printable (no raw control bytes from the byte-level vocabulary),
+    and most words are words of the held-out English text."""
+    llm = LLM(disable_log_stats=True)
+    outputs = llm.generate(DEMO_PROMPTS, SamplingParams(temperature=0.0, max_tokens=32))
+    english = {word.lower() for word in re.findall(r"[A-Za-z]+", " ".join(held_out_documents()))}
+    for prompt, output in zip(DEMO_PROMPTS, outputs, strict=True):
+        text = output.outputs[0].text
+        assert len(output.outputs[0].token_ids) == 32 or output.outputs[0].finish_reason == "stop"
+        controls = [ch for ch in text if ch != "\n" and unicodedata.category(ch).startswith("C")]
+        assert not controls, f"{prompt!r} -> {text!r} holds control characters {controls!r}"
+        assert "\ufffd" not in text, f"{prompt!r} -> {text!r} holds undecodable bytes"
+        words = re.findall(r"[A-Za-z]+", text)
+        assert len(words) >= 5, f"{prompt!r} -> {text!r}"
+        known = sum(word.lower() in english for word in words)
+        assert known >= 0.8 * len(words), (
+            f"{prompt!r} -> {text!r}: {known} of {len(words)} words known"
+        )
