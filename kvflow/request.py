@@ -171,6 +171,8 @@ class Request:
 
         self.block_hashes: list[Any] = []
         self._block_hasher: BlockHasher | None = None
+        # The hasher's block size when it tells one (0: ask the hasher after every append).
+        self._hash_block_size = 0
         if block_hasher is not None:
             self.set_block_hasher(block_hasher)
 
@@ -203,11 +205,16 @@ class Request:
     def set_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Attach the hasher (the scheduler does this on add) and hash every full block so far."""
         self._block_hasher = block_hasher
+        self._hash_block_size = getattr(block_hasher, "block_size", None) or 0
         self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        if self._block_hasher is None:
+            return
+        block_size = self._hash_block_size
+        if block_size and len(self._all_token_ids) < (len(self.block_hashes) + 1) * block_size:
+            return  # most appends: the next block is not full yet, so there is nothing to hash
+        self.block_hashes.extend(self._block_hasher(self))
 
     def extend_prompt(self, token_ids: list[int]) -> None:
         """Streaming sessions: fold outputs into the prompt, drop the last sampled token, append a new chunk.
@@ -226,7 +233,7 @@ class Request:
         # A block that held the dropped token is stale: keep only hashes of blocks that are still full.
         # E.g., block_size 4, 13 tokens (3 hashed blocks), 12 kept: the dropped token (index 12) sat in block 3,
         # so all 12 // 4 = 3 hashes stay; with 12 tokens and 11 kept, block 2 lost index 11: 11 // 4 = 2 stay.
-        block_size = getattr(self._block_hasher, "block_size", None)
+        block_size = self._hash_block_size
         del self.block_hashes[num_kept // block_size if block_size else 0 :]
         self.update_block_hashes()
 
