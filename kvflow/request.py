@@ -42,13 +42,16 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
+        return status > _LAST_UNFINISHED_STATUS
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> str | None:
         """The OpenAI-style finish reason of a finished status ("stop", "length", "abort")."""
         return _FINISH_REASONS.get(status)
 
+
+# A module constant: looking a member up on the enum class costs more than the comparison (hot path).
+_LAST_UNFINISHED_STATUS = RequestStatus.PREEMPTED
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -245,7 +248,7 @@ class Request:
 
     # ----------------------------------------------------------------------------------------------- status
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status > _LAST_UNFINISHED_STATUS
 
     def get_finished_reason(self) -> str | None:
         return RequestStatus.get_finished_reason(self.status)
