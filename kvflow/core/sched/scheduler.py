@@ -605,23 +605,34 @@ class Scheduler:
         stopped_running: set[Request] = set()
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
         if model_runner_output.prompt_logprobs_dict:
             self._receive_prompt_logprobs(model_runner_output.prompt_logprobs_dict)
+        # Runs once per scheduled request per step: lookups are hoisted out of the loop.
+        requests = self.requests
+        stale_placeholders = self._stale_placeholders
+        update_request_with_output = self._update_request_with_output
+        append_output = outputs.append
         for request_id in scheduler_output.num_scheduled_tokens:
             index = req_id_to_index.get(request_id)
-            generated = sampled_token_ids[index] if index is not None else []
-            if not generated or self._drop_stale_placeholder(request_id):
+            if index is None:
                 continue
-            request = self.requests.get(request_id)
+            generated = sampled_token_ids[index]
+            if not generated or (stale_placeholders and self._drop_stale_placeholder(request_id)):
+                continue
+            request = requests.get(request_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
             status_before = request.status
-            new_token_ids, stopped = self._update_request_with_output(request, list(generated))
+            new_token_ids, stopped = update_request_with_output(request, list(generated))
+            num_cached_tokens = request.num_cached_tokens
             output = EngineCoreOutput(
                 request_id,
                 new_token_ids,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                new_logprobs=_logprobs_row(model_runner_output.logprobs, index, len(new_token_ids)),
+                num_cached_tokens=num_cached_tokens if num_cached_tokens > 0 else 0,
+                new_logprobs=None
+                if logprobs is None
+                else _logprobs_row(logprobs, index, len(new_token_ids)),
             )
             if request.events:
                 output.events, request.events = request.events, []
@@ -638,7 +649,7 @@ class Scheduler:
                 else:  # preempted by a forced reset after this step was planned (rare)
                     self.waiting.remove_requests([request])
                 output.session_continues = not self._handle_stopped_request(request, status_before)
-            outputs.append(output)
+            append_output(output)
         if stopped_running:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
@@ -672,15 +683,14 @@ class Scheduler:
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
         """Append tokens one by one, stopping at the first that ends the request (later ones are dropped)."""
-        stopped = False
+        max_model_len = self.max_model_len
         for num_appended, token_id in enumerate(new_token_ids, 1):
             request.append_output_token_ids(token_id)
-            stopped = check_stop(request, self.max_model_len)
-            if stopped:
+            if check_stop(request, max_model_len):
                 # E.g., [5, EOS, 9]: stops at EOS (num_appended 2), so 9 is dropped -> [5, EOS].
                 del new_token_ids[num_appended:]
-                break
-        return new_token_ids, stopped
+                return new_token_ids, True
+        return new_token_ids, False
 
     def _handle_stopped_request(self, request: Request, status_before: RequestStatus) -> bool:
         """Finish a stopped request, or keep a streaming session for its next chunk. True if finished.
