@@ -120,11 +120,14 @@ class KVCacheManager:
             and new_computed_blocks is None
             and num_tokens_need_slot <= len(req_blocks.blocks) * self.block_size
         ):
-            # Most decode steps: the held blocks already cover the new tokens, so nothing is allocated.
-            if self.enable_caching:
-                self.cache_blocks(
-                    request, min(num_computed_tokens + num_new_tokens, request.num_tokens)
-                )
+            # Most decode steps: the held blocks already cover the new tokens, so nothing is allocated,
+            # and unless a block just filled there is nothing to register either.
+            num_tokens_to_cache = num_computed_tokens + num_new_tokens
+            if (
+                self.enable_caching
+                and num_tokens_to_cache // self.block_size > req_blocks.num_cached_blocks
+            ):
+                self.cache_blocks(request, min(num_tokens_to_cache, request.num_tokens))
             return self._no_new_blocks
         computed_blocks = new_computed_blocks.blocks[0] if new_computed_blocks is not None else []
         num_existing = len(req_blocks.blocks) if req_blocks else 0
