@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -174,8 +175,10 @@ class Request:
 
         self.block_hashes: list[Any] = []
         self._block_hasher: BlockHasher | None = None
-        # The hasher's block size when it tells one (0: ask the hasher after every append).
+        # The hasher's block size when it tells one (0: ask the hasher after every append), and the token count
+        # at which the next block fills, so appends before it skip the hasher (never, without a hasher).
         self._hash_block_size = 0
+        self._num_tokens_to_next_hash = sys.maxsize
         if block_hasher is not None:
             self.set_block_hasher(block_hasher)
 
@@ -203,7 +206,8 @@ class Request:
         else:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
-        self.update_block_hashes()
+        if len(self._all_token_ids) >= self._num_tokens_to_next_hash:
+            self.update_block_hashes()
 
     def set_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Attach the hasher (the scheduler does this on add) and hash every full block so far."""
@@ -214,10 +218,11 @@ class Request:
     def update_block_hashes(self) -> None:
         if self._block_hasher is None:
             return
-        block_size = self._hash_block_size
-        if block_size and len(self._all_token_ids) < (len(self.block_hashes) + 1) * block_size:
-            return  # most appends: the next block is not full yet, so there is nothing to hash
         self.block_hashes.extend(self._block_hasher(self))
+        block_size = self._hash_block_size
+        self._num_tokens_to_next_hash = (
+            (len(self.block_hashes) + 1) * block_size if block_size else 0
+        )
 
     def extend_prompt(self, token_ids: list[int]) -> None:
         """Streaming sessions: fold outputs into the prompt, drop the last sampled token, append a new chunk.
