@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -42,13 +43,16 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
-        return status > RequestStatus.PREEMPTED
+        return status > _LAST_UNFINISHED_STATUS
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> str | None:
         """The OpenAI-style finish reason of a finished status ("stop", "length", "abort")."""
         return _FINISH_REASONS.get(status)
 
+
+# A module constant: looking a member up on the enum class costs more than the comparison (hot path).
+_LAST_UNFINISHED_STATUS = RequestStatus.PREEMPTED
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -171,6 +175,10 @@ class Request:
 
         self.block_hashes: list[Any] = []
         self._block_hasher: BlockHasher | None = None
+        # The hasher's block size when it tells one (0: ask the hasher after every append), and the token count
+        # at which the next block fills, so appends before it skip the hasher (never, without a hasher).
+        self._hash_block_size = 0
+        self._num_tokens_to_next_hash = sys.maxsize
         if block_hasher is not None:
             self.set_block_hasher(block_hasher)
 
@@ -198,16 +206,23 @@ class Request:
         else:
             self._output_token_ids.extend(token_ids)
             self._all_token_ids.extend(token_ids)
-        self.update_block_hashes()
+        if len(self._all_token_ids) >= self._num_tokens_to_next_hash:
+            self.update_block_hashes()
 
     def set_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Attach the hasher (the scheduler does this on add) and hash every full block so far."""
         self._block_hasher = block_hasher
+        self._hash_block_size = getattr(block_hasher, "block_size", None) or 0
         self.update_block_hashes()
 
     def update_block_hashes(self) -> None:
-        if self._block_hasher is not None:
-            self.block_hashes.extend(self._block_hasher(self))
+        if self._block_hasher is None:
+            return
+        self.block_hashes.extend(self._block_hasher(self))
+        block_size = self._hash_block_size
+        self._num_tokens_to_next_hash = (
+            (len(self.block_hashes) + 1) * block_size if block_size else 0
+        )
 
     def extend_prompt(self, token_ids: list[int]) -> None:
         """Streaming sessions: fold outputs into the prompt, drop the last sampled token, append a new chunk.
@@ -226,7 +241,7 @@ class Request:
         # A block that held the dropped token is stale: keep only hashes of blocks that are still full.
         # E.g., block_size 4, 13 tokens (3 hashed blocks), 12 kept: the dropped token (index 12) sat in block 3,
         # so all 12 // 4 = 3 hashes stay; with 12 tokens and 11 kept, block 2 lost index 11: 11 // 4 = 2 stay.
-        block_size = getattr(self._block_hasher, "block_size", None)
+        block_size = self._hash_block_size
         del self.block_hashes[num_kept // block_size if block_size else 0 :]
         self.update_block_hashes()
 
@@ -238,7 +253,7 @@ class Request:
 
     # ----------------------------------------------------------------------------------------------- status
     def is_finished(self) -> bool:
-        return RequestStatus.is_finished(self.status)
+        return self.status > _LAST_UNFINISHED_STATUS
 
     def get_finished_reason(self) -> str | None:
         return RequestStatus.get_finished_reason(self.status)

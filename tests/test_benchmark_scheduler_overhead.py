@@ -114,3 +114,24 @@ def test_main_quick_prints_table(bench: ModuleType, capsys: pytest.CaptureFixtur
     assert any(row[:2] == ["8", "3"] for row in rows) and any(
         row[:2] == ["16", "3"] for row in rows
     )
+
+
+def test_goal_column_and_line_say_whether_each_goal_size_meets_the_goal(bench: ModuleType) -> None:
+    def timing(num_requests: int, us_per_request: float):
+        step_us = us_per_request * num_requests
+        return bench.StepTiming(num_requests, 10, step_us / 2, step_us / 2, step_us, step_us)
+
+    lines = bench.format_timing_table([timing(64, 9.0), timing(256, 4.0), timing(1024, 4.5)])
+    goal_column = {
+        line.split()[0]: line.split()[-1] for line in lines if line[:7].strip().isdigit()
+    }
+    assert goal_column == {"64": "-", "256": "met", "1024": "MISSED"}  # 64 is no goal size
+    assert lines[-1].strip() == (
+        f"goal: <= {bench.GOAL_US_PER_REQUEST} us/req at N=256 and N=1024 -- "
+        "N=256: 4.00 us/req, met; N=1024: 4.50 us/req, MISSED"
+    )
+
+
+def test_goal_line_names_goal_sizes_a_run_left_out(bench: ModuleType, quick_report) -> None:
+    text = bench.format_report(quick_report)
+    assert "N=256: not measured; N=1024: not measured" in text

@@ -63,6 +63,9 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, _RequestBlocks] = {}
+        # What `allocate_slots` returns when it allocates nothing (most decode steps): one shared instance, so
+        # callers must not mutate it.
+        self._no_new_blocks = KVCacheBlocks(([],))
 
     @property
     def num_blocks(self) -> int:
@@ -103,16 +106,31 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         """Give the request room for `num_new_tokens` (+ lookahead) beyond its computed and prefix-hit tokens.
 
-        Returns the newly allocated blocks (not the prefix-hit ones), or None if the pool cannot provide them,
-        in which case nothing changed. Also registers the request's newly full blocks in the prefix cache.
+        Returns the newly allocated blocks (not the prefix-hit ones; read-only, since an empty result is shared),
+        or None if the pool cannot provide them, in which case nothing changed. Also registers the request's
+        newly full blocks in the prefix cache.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        computed_blocks = new_computed_blocks.blocks[0] if new_computed_blocks is not None else []
         req_blocks = self.req_to_blocks.get(request.request_id)
-        num_existing = len(req_blocks.blocks) if req_blocks else 0
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if (
+            req_blocks is not None
+            and new_computed_blocks is None
+            and num_tokens_need_slot <= len(req_blocks.blocks) * self.block_size
+        ):
+            # Most decode steps: the held blocks already cover the new tokens, so nothing is allocated,
+            # and unless a block just filled there is nothing to register either.
+            num_tokens_to_cache = num_computed_tokens + num_new_tokens
+            if (
+                self.enable_caching
+                and num_tokens_to_cache // self.block_size > req_blocks.num_cached_blocks
+            ):
+                self.cache_blocks(request, min(num_tokens_to_cache, request.num_tokens))
+            return self._no_new_blocks
+        computed_blocks = new_computed_blocks.blocks[0] if new_computed_blocks is not None else []
+        num_existing = len(req_blocks.blocks) if req_blocks else 0
         if self.max_model_len is not None:
             num_tokens_need_slot = min(num_tokens_need_slot, self.max_model_len)
         # E.g., block_size 16, 3 blocks held, 40 computed, 10 new tokens: 50 tokens need cdiv(50, 16) = 4
@@ -146,8 +164,12 @@ class KVCacheManager:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks among its first `num_tokens` tokens in the prefix cache."""
         req_blocks = self.req_to_blocks.get(request.request_id)
-        if req_blocks is None or not self.enable_caching:
-            return
+        if (
+            req_blocks is None
+            or not self.enable_caching
+            or num_tokens // self.block_size <= req_blocks.num_cached_blocks
+        ):
+            return  # e.g. a decode step that filled no block: nothing new to register
         # E.g., block_size 16, num_tokens 40: blocks 0 and 1 are full (32 tokens); block 2 holds 8 and waits.
         num_full_blocks = min(
             num_tokens // self.block_size, len(req_blocks.blocks), len(request.block_hashes)

@@ -12,7 +12,7 @@ these types. A ZMQ message of several frames is a batch: the core applies its me
 
 Invariants:
   * the hot path is typed: requests (`SamplingParams` inside), per-step outputs (`EngineCoreOutput`,
-    `LogprobsLists`) and `SchedulerStats` are encoded by type, so a field added to one of those dataclasses crosses
+    `LogprobsLists`) and `SchedulerStats` are encoded by type, so a field added to one of those types crosses
     the boundary without a change here (its annotation must resolve at runtime to msgspec-encodable types);
   * every message but `Shutdown` carries a `call_id` and gets exactly one `UtilityResult` with that id (a pause's
     comes once it is in effect or released by a resume), unless the engine dies first;

@@ -19,6 +19,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+import msgspec
+
 from kvflow.engine.core_client import EngineDeadError, fresh_dead_error
 from kvflow.engine.input_processor import PromptType
 from kvflow.outputs import CompletionOutput, RequestOutput
@@ -257,7 +259,7 @@ class SessionFeeder:
             if engine_output.session_continues:
                 chunk_end_ids.add(engine_output.request_id)
                 # To the output processor the chunk is finished: it flushes text, builds the chunk's last output.
-                engine_output = dataclasses.replace(engine_output, session_continues=False)
+                engine_output = msgspec.structs.replace(engine_output, session_continues=False)
             elif engine_output.finished:
                 ended_sessions[engine_output.request_id] = engine_output.finish_reason
             for_processor.append(engine_output)

@@ -11,6 +11,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 if TYPE_CHECKING:
     from kvflow.request import Request
     from kvflow.sampling_params import SamplingParams
@@ -166,8 +168,7 @@ class EngineCoreEvent:
     timestamp: float
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True, gc=False):
     """What the engine reports about one request after a step.
 
     `finish_reason` is "stop", "length" or "abort" when generation ended. For a streaming-input session a chunk
@@ -177,6 +178,10 @@ class EngineCoreOutput:
     on the request's first output with tokens: the rows of prompt tokens 1 .. num_prompt_tokens - 1
     (`start_index` 1). `events` are the lifecycle events since the request's previous output, oldest first; events
     of a request that has produced no output yet ride on its next one. Both are None otherwise.
+
+    A msgspec Struct rather than a dataclass: one is built per scheduled request per step, and a Struct builds
+    several times faster. It encodes as a map without the fields left at their defaults; change a copy with
+    `msgspec.structs.replace`.
     """
 
     request_id: str

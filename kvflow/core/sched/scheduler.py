@@ -128,6 +128,7 @@ class Scheduler:
         self.max_num_running_reqs = scheduler_config.max_num_seqs
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.max_model_len = scheduler_config.max_model_len
+        self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.block_size = cache_config.block_size
         self.policy = SchedulingPolicy(scheduler_config.policy)
         self.kv_cache_manager = KVCacheManager(
@@ -321,27 +322,31 @@ class Scheduler:
             + request.num_output_placeholders
             - request.num_computed_tokens
         )
-        threshold = self.scheduler_config.long_prefill_token_threshold
+        threshold = self.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
-        return min(num_new_tokens, token_budget)
+        return num_new_tokens if num_new_tokens < token_budget else token_budget
 
     def _schedule_running(self, plan: _StepPlan, timestamp: float) -> None:
+        # Runs once per running request per step: methods are looked up once, outside the loop.
+        running = self.running  # preemption below deletes from this very list
+        num_new_tokens_for_running = self._num_new_tokens_for_running
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        add_to_plan = plan.add
+        append_cached = plan.cached.append
         req_index = 0
-        while req_index < len(self.running) and plan.token_budget > 0:
-            request = self.running[req_index]
-            num_new_tokens = self._num_new_tokens_for_running(request, plan.token_budget)
+        while req_index < len(running) and plan.token_budget > 0:
+            request = running[req_index]
+            num_new_tokens = num_new_tokens_for_running(request, plan.token_budget)
             if num_new_tokens <= 0:
                 # Nothing to compute now (e.g. async: every token it may still produce is a placeholder).
                 req_index += 1
                 continue
-            while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-                if new_blocks is not None:
-                    break
+            new_blocks = allocate_slots(request, num_new_tokens)
+            while new_blocks is None:
                 victim = self._pick_preemption_victim()
-                victim_index = self.running.index(victim)
-                del self.running[victim_index]
+                victim_index = running.index(victim)
+                del running[victim_index]
                 # PRIORITY may pick one we already passed; the request we are at then moves up one.
                 # E.g., running [a, b, c] at c (req_index 2), victim a: running [b, c], c at req_index 1.
                 if victim_index < req_index:
@@ -352,10 +357,11 @@ class Scheduler:
                 plan.preempted.append(victim)
                 if victim is request:
                     break
+                new_blocks = allocate_slots(request, num_new_tokens)
             if new_blocks is None:
                 break
-            plan.cached.append(request)
-            plan.add(request, num_new_tokens, new_blocks)
+            append_cached(request)
+            add_to_plan(request, num_new_tokens, new_blocks)
             req_index += 1
 
     def _pick_preemption_victim(self) -> Request:
@@ -419,7 +425,7 @@ class Scheduler:
             computed_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         num_computed_tokens = request.num_computed_tokens + num_hit_tokens
         num_new_tokens = request.num_tokens - num_computed_tokens
-        threshold = self.scheduler_config.long_prefill_token_threshold
+        threshold = self.long_prefill_token_threshold
         if 0 < threshold < num_new_tokens:
             num_new_tokens = threshold
         if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > plan.token_budget:
@@ -518,48 +524,73 @@ class Scheduler:
         token list goes out only to the persistent-batch runner, for requests it did not run in the previous
         step (its copy may be stale); a streaming session's new chunk goes out once as `new_token_ids`.
         """
-        data = CachedRequestData()
+        scheduled = running_reqs + resumed_reqs if resumed_reqs else running_reqs
+        data = CachedRequestData(
+            req_ids=[request.request_id for request in scheduled],
+            resumed_req_ids={request.request_id for request in resumed_reqs},
+            num_computed_tokens=[request.num_computed_tokens for request in scheduled],
+            num_output_tokens=[
+                request.num_output_tokens + request.num_output_placeholders for request in scheduled
+            ],
+        )
+        new_block_ids = data.new_block_ids
+        for request in running_reqs:
+            new_blocks = req_to_new_blocks.get(request.request_id)
+            new_block_ids.append(
+                None if new_blocks is None or new_blocks.is_empty else new_blocks.get_block_ids()
+            )
+        # A resumed request's block table is replaced whole.
+        new_block_ids += [
+            self.kv_cache_manager.get_block_ids(request.request_id) for request in resumed_reqs
+        ]
         send_all_tokens = not self.use_v2_model_runner
+        if send_all_tokens or self.sessions.has_unsent_chunks:
+            data.new_token_ids = self._unsent_token_ids(
+                running_reqs, resumed_reqs, send_all_tokens, data.all_token_ids
+            )
+        else:
+            # Steady decoding on the slot runner: the worker feeds its own sampled tokens.
+            data.new_token_ids = [[] for _ in scheduled]
+        return data
+
+    def _unsent_token_ids(
+        self,
+        running_reqs: list[Request],
+        resumed_reqs: list[Request],
+        send_all_tokens: bool,
+        all_token_ids: dict[str, list[int]],
+    ) -> list[list[int]]:
+        """`CachedRequestData.new_token_ids` (a streaming session's unsent chunk, else empty), filling
+        `all_token_ids` for the persistent-batch runner's requests whose copy may be stale."""
         sessions = self.sessions
         # Steady decoding has no unsent chunk: then skip the per-request lookup (the set only shrinks here).
         any_unsent_chunk = sessions.has_unsent_chunks
         num_running = len(running_reqs)
+        prev_step_scheduled_req_ids = self.prev_step_scheduled_req_ids
+        new_token_ids: list[list[int]] = []
         for position, request in enumerate(itertools.chain(running_reqs, resumed_reqs)):
             request_id = request.request_id
-            is_resumed = position >= num_running
-            data.req_ids.append(request_id)
             chunk: list[int] = []
             # With placeholders the worker's copy is ahead of ours, not stale: sending ours would drop their tokens.
-            worker_copy_may_be_stale = is_resumed or (
-                request_id not in self.prev_step_scheduled_req_ids
+            worker_copy_may_be_stale = position >= num_running or (
+                request_id not in prev_step_scheduled_req_ids
                 and request.num_output_placeholders == 0
             )
             has_unsent_chunk = any_unsent_chunk and sessions.take_unsent_chunk(request_id)
             if send_all_tokens and worker_copy_may_be_stale:
-                data.all_token_ids[request_id] = request.all_token_ids.copy()  # the chunk included
+                all_token_ids[request_id] = request.all_token_ids.copy()  # the chunk included
             elif has_unsent_chunk:
                 # The chunk is exactly the tokens past the computed ones: applying it cut the computed count
                 # back to the kept history. E.g., 12 kept tokens computed, chunk [x, y]: all_token_ids[12:].
                 chunk = list(request.all_token_ids[request.num_computed_tokens :])
-            data.new_token_ids.append(chunk)
-            if is_resumed:
-                data.resumed_req_ids.add(request_id)
-                data.new_block_ids.append(self.kv_cache_manager.get_block_ids(request_id))
-            else:
-                new_blocks = req_to_new_blocks.get(request_id)
-                data.new_block_ids.append(
-                    new_blocks.get_block_ids() if new_blocks and not new_blocks.is_empty else None
-                )
-            data.num_computed_tokens.append(request.num_computed_tokens)
-            data.num_output_tokens.append(
-                request.num_output_tokens + request.num_output_placeholders
-            )
-        return data
+            new_token_ids.append(chunk)
+        return new_token_ids
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         """Advance computed counts right away, so the next step can be planned before this one's output."""
+        requests = self.requests
         for request_id, num_tokens in output.num_scheduled_tokens.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            requests[request_id].num_computed_tokens += num_tokens
         self.prev_step_scheduled_req_ids = set(output.num_scheduled_tokens)
         # New set objects: the output keeps the old ones.
         self.finished_req_ids = set()
@@ -574,23 +605,34 @@ class Scheduler:
         stopped_running: set[Request] = set()
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
+        logprobs = model_runner_output.logprobs
         if model_runner_output.prompt_logprobs_dict:
             self._receive_prompt_logprobs(model_runner_output.prompt_logprobs_dict)
+        # Runs once per scheduled request per step: lookups are hoisted out of the loop.
+        requests = self.requests
+        stale_placeholders = self._stale_placeholders
+        update_request_with_output = self._update_request_with_output
+        append_output = outputs.append
         for request_id in scheduler_output.num_scheduled_tokens:
             index = req_id_to_index.get(request_id)
-            generated = sampled_token_ids[index] if index is not None else []
-            if not generated or self._drop_stale_placeholder(request_id):
+            if index is None:
                 continue
-            request = self.requests.get(request_id)
+            generated = sampled_token_ids[index]
+            if not generated or (stale_placeholders and self._drop_stale_placeholder(request_id)):
+                continue
+            request = requests.get(request_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
             status_before = request.status
-            new_token_ids, stopped = self._update_request_with_output(request, list(generated))
+            new_token_ids, stopped = update_request_with_output(request, list(generated))
+            num_cached_tokens = request.num_cached_tokens
             output = EngineCoreOutput(
                 request_id,
                 new_token_ids,
-                num_cached_tokens=max(request.num_cached_tokens, 0),
-                new_logprobs=_logprobs_row(model_runner_output.logprobs, index, len(new_token_ids)),
+                num_cached_tokens=num_cached_tokens if num_cached_tokens > 0 else 0,
+                new_logprobs=None
+                if logprobs is None
+                else _logprobs_row(logprobs, index, len(new_token_ids)),
             )
             if request.events:
                 output.events, request.events = request.events, []
@@ -607,7 +649,7 @@ class Scheduler:
                 else:  # preempted by a forced reset after this step was planned (rare)
                     self.waiting.remove_requests([request])
                 output.session_continues = not self._handle_stopped_request(request, status_before)
-            outputs.append(output)
+            append_output(output)
         if stopped_running:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
@@ -641,15 +683,14 @@ class Scheduler:
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
         """Append tokens one by one, stopping at the first that ends the request (later ones are dropped)."""
-        stopped = False
+        max_model_len = self.max_model_len
         for num_appended, token_id in enumerate(new_token_ids, 1):
             request.append_output_token_ids(token_id)
-            stopped = check_stop(request, self.max_model_len)
-            if stopped:
+            if check_stop(request, max_model_len):
                 # E.g., [5, EOS, 9]: stops at EOS (num_appended 2), so 9 is dropped -> [5, EOS].
                 del new_token_ids[num_appended:]
-                break
-        return new_token_ids, stopped
+                return new_token_ids, True
+        return new_token_ids, False
 
     def _handle_stopped_request(self, request: Request, status_before: RequestStatus) -> bool:
         """Finish a stopped request, or keep a streaming session for its next chunk. True if finished.

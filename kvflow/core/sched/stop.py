@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvflow.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kvflow.sampling_params import SamplingParams
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -14,17 +19,19 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     end it (`min_tokens <= max_tokens`, but `max_model_len` may come first).
     """
     params = request.sampling_params
-    if request.num_output_tokens >= params.min_tokens and _check_stop_token(request):
+    num_output_tokens = request.num_output_tokens
+    if num_output_tokens >= params.min_tokens and _check_stop_token(request, params):
         return True
-    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+    if num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
 
 
-def _check_stop_token(request: Request) -> bool:
+def _check_stop_token(request: Request, params: SamplingParams) -> bool:
     """EOS or a stop token id as the latest token: mark the request stopped and return True."""
-    params = request.sampling_params
+    if params.ignore_eos and not params.stop_token_ids:
+        return False  # nothing to look for
     last_token_id = request.output_token_ids[-1]
     if not params.ignore_eos and last_token_id == request.eos_token_id:
         request.status = RequestStatus.FINISHED_STOPPED
