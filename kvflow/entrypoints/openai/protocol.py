@@ -145,15 +145,8 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionResponseStreamChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
+class CompletionResponseStreamChoice(CompletionResponseChoice):
+    """A streamed chunk's choice: the same fields, holding the newest piece (OpenAI's and vLLM's name for it)."""
 
 
 class CompletionStreamResponse(BaseModel):
