@@ -13,6 +13,7 @@ import torch
 
 from kvflow.models.hf_config import load_hf_config
 from kvflow.models.registry import get_model_class
+from kvflow.models.safetensors_io import SafetensorsFile, SafetensorsFormatError
 
 if TYPE_CHECKING:
     from kvflow.models.hf_config import TransformerConfig
@@ -76,16 +77,18 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
 def iterate_safetensors_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` for every tensor of the checkpoint, file by file, on the CPU.
 
-    A missing file raises FileNotFoundError naming it; an unreadable one ValueError naming it.
+    Each tensor is read into memory of its own (`SafetensorsFile`: positioned reads, no memory map), so a consumer
+    that copies it into a parameter and drops it holds one tensor beyond the model at any time, never a second copy
+    of the checkpoint. A missing file raises FileNotFoundError naming it; an unreadable one ValueError naming it.
     """
-    from safetensors import SafetensorError, safe_open
-
     for file in safetensors_files(model_path):
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                for name in handle.keys():  # noqa: SIM118  (safe_open handles are not iterable)
-                    yield name, handle.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as error:
+            with SafetensorsFile(file) as handle:
+                for name in handle.names():
+                    yield name, handle.read(name)
+        except SafetensorsFormatError:
+            raise
+        except OSError as error:
             raise ValueError(f"cannot read safetensors file {str(file)!r}: {error}") from error
 
 
