@@ -65,8 +65,8 @@ class TensorEntry:
 class SafetensorsFile:
     """An open safetensors file; `read(name)` returns a tensor of its own (nothing stays mapped).
 
-    Use as a context manager (or call `close`). `read(name, rows=slice(a, b))` reads only those rows of the first
-    dimension: a contiguous byte range, so a tensor-parallel rank reads just its row shard.
+    Use as a context manager (or call `close`). `read(name, index)` reads only the rows `index` selects in the
+    first dimension (a contiguous byte range).
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -122,28 +122,35 @@ class SafetensorsFile:
         """Tensor names in the file's order of data."""
         return sorted(self.entries, key=lambda name: self.entries[name].begin)
 
-    def read(self, name: str, rows: slice | None = None) -> torch.Tensor:
-        """Tensor `name` (or just `rows` of its first dimension, step 1) as a new contiguous CPU tensor."""
-        entry = self.entries[name]
-        if rows is None or not entry.shape:
-            shape, begin, num_bytes = entry.shape, entry.begin, entry.end - entry.begin
-        else:
-            start, stop, step = rows.indices(entry.shape[0])
-            if step != 1:
-                raise ValueError(f"row slices of {name!r} must have step 1, got {step}")
-            stop = max(start, stop)
-            shape = (stop - start, *entry.shape[1:])
-            begin, num_bytes = (
-                entry.begin + start * entry.row_bytes,
-                (stop - start) * entry.row_bytes,
-            )
-        tensor = torch.empty(shape, dtype=entry.dtype)
-        if num_bytes:
-            self._read_exactly(tensor.view(-1).view(torch.uint8).numpy(), begin, name)
-        return tensor
+    def read(self, name: str, index: slice | tuple[slice, ...] = ()) -> torch.Tensor:
+        """Tensor `name`, or the part `index` selects (basic slices, one per leading dimension, as in
+        `tensor[index]`), as a new contiguous CPU tensor.
 
-    def _read_exactly(self, buffer: object, offset: int, name: str) -> None:
-        view = memoryview(buffer).cast("B")  # type: ignore[arg-type]
+        The first dimension's slice (step 1) becomes a byte range of the file, so a tensor-parallel rank reads
+        just its row shard; slices of later dimensions are cut from those rows in memory (the rows read are at
+        most the whole tensor).
+        """
+        entry = self.entries[name]
+        index = index if isinstance(index, tuple) else (index,)
+        if not index or not entry.shape:
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+            self._read_exactly(tensor, entry.begin, name)
+            return tensor
+        start, stop, step = index[0].indices(entry.shape[0])
+        if step != 1:
+            raise ValueError(f"the first-dimension slice of {name!r} must have step 1, got {step}")
+        stop = max(start, stop)
+        rows = torch.empty((stop - start, *entry.shape[1:]), dtype=entry.dtype)
+        self._read_exactly(rows, entry.begin + start * entry.row_bytes, name)
+        if len(index) == 1:
+            return rows
+        return rows[(slice(None), *index[1:])].contiguous()
+
+    def _read_exactly(self, tensor: torch.Tensor, offset: int, name: str) -> None:
+        """Fill contiguous `tensor`'s bytes from the file at `offset`."""
+        if tensor.numel() == 0:
+            return
+        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
         done = 0
         while done < len(view):
             chunk = view[done : done + _READ_CHUNK_BYTES]

@@ -46,12 +46,16 @@ def test_every_dtype_and_shape_reads_back_bitwise(tmp_path: Path) -> None:
             assert torch.equal(got.view(-1).view(torch.uint8), expected.view(-1).view(torch.uint8))
 
 
-def test_row_slices_read_only_those_rows(tmp_path: Path) -> None:
+def test_slices_read_like_tensor_indexing(tmp_path: Path) -> None:
     weight = torch.randn(10, 6, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     save_file({"w": weight}, str(tmp_path / "w.safetensors"))
     with SafetensorsFile(tmp_path / "w.safetensors") as handle:
         for rows in (slice(0, 5), slice(5, 10), slice(3, 4), slice(-2, None), slice(7, 3)):
             assert torch.equal(handle.read("w", rows), weight[rows])
+            assert torch.equal(handle.read("w", (rows,)), weight[rows])
+        for columns in (slice(0, 3), slice(3, 6), slice(1, 5, 2)):
+            part = handle.read("w", (slice(2, 8), columns))
+            assert part.is_contiguous() and torch.equal(part, weight[2:8, columns])
         with pytest.raises(ValueError, match="step 1"):
             handle.read("w", slice(0, 10, 2))
 
