@@ -15,6 +15,7 @@ from kvflow import LLM, AsyncLLM, SamplingParams
 from kvflow.engine.dp_client import DPEngineCoreClient
 from kvflow.outputs import RequestOutput
 from kvflow.testing.hash_model import reference_tokens
+from tests.engine.test_async_llm import ChunkFeed, session_reference
 
 TIMEOUT_S = 60.0
 MAX_TOKENS = 40
@@ -103,6 +104,39 @@ def test_reset_prefix_cache_reaches_both_cores(llm: AsyncLLM) -> None:
         assert all(count > 0 for count in await llm.run_in_each_engine(cached_blocks))
         assert await llm.reset_prefix_cache() is True
         assert await llm.run_in_each_engine(cached_blocks) == [0, 0]
+
+    run(scenario())
+
+
+def test_streaming_sessions_keep_every_chunk_on_their_core(llm: AsyncLLM) -> None:
+    """Two sessions (one per core): each later chunk goes to the core holding the session's KV blocks, so every
+    chunk's tokens equal the oracle over the session's history, and both cores end empty."""
+    client = llm.engine_core_client
+    assert isinstance(client, DPEngineCoreClient)
+    chunks = [([5, 6, 7, 8, 9, 10, 11, 12, 13], 3), ([21, 22, 23, 24, 25], 4), ([31, 32], 2)]
+
+    async def session(offset: int) -> list[list[int]]:
+        feed = ChunkFeed()
+        for chunk, max_tokens in chunks:
+            feed.send([token + offset for token in chunk], SamplingParams(max_tokens=max_tokens))
+        feed.end()
+        outputs = [each async for each in llm.generate(feed.items(), None, f"s{offset}")]
+        return [
+            list(each.outputs[0].token_ids)
+            for each in outputs
+            if each.outputs[0].finish_reason is not None
+        ]
+
+    async def scenario() -> None:
+        await llm.pause_generation("keep", clear_cache=False)
+        sessions = [asyncio.ensure_future(session(offset)) for offset in (0, 100)]
+        await wait_for_loads(client, [1, 1])  # one session on each core
+        await llm.resume_generation()
+        for offset, task in zip((0, 100), sessions, strict=True):
+            shifted = [([token + offset for token in chunk], n) for chunk, n in chunks]
+            assert await task == session_reference(shifted)
+        await wait_for_loads(client, [0, 0])
+        assert await requests_per_core(llm) == [set(), set()]
 
     run(scenario())
 
