@@ -59,7 +59,8 @@ class AsyncLLM:
     `AsyncLLM(model=None, **kwargs)` takes the same `EngineArgs` options as `LLM`. The front end keeps the
     tokenizer, the output processor and one `OutputStream` per live request; the engine core runs behind an
     `EngineCoreClient` (in-process on its own thread, or with `engine_process=True` in its own process, as
-    `kvflow serve` runs it), whose output handler turns each step's core outputs into `RequestOutput`s for the
+    `kvflow serve` runs it; with `data_parallel_size > 1`, several cores in their own processes behind
+    `DPEngineCoreClient`), whose output handler turns each step's core outputs into `RequestOutput`s for the
     consumers. Consumers may run on any event loop (a stream remembers the loop that started it). `num_kv_blocks`
     is the KV cache the core allocated. Stop with `shutdown()` or by using the engine as an async context manager.
 

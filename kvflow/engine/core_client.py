@@ -2,9 +2,10 @@
 
 `EngineCoreClient` is the interface `AsyncLLM` is written against. `InprocEngineCoreClient` runs the core's
 `EngineLoop` on a thread of this process; `kvflow.engine.mp_client.MPEngineCoreClient` talks (ZMQ + msgspec) to an
-engine-core process that runs the same `EngineLoop` on its main thread. Every call is a message carrying plain data,
-so nothing here assumes the core shares this memory, except `run`, which ships a callable (for inspection and tests;
-across processes it travels with cloudpickle).
+engine-core process that runs the same `EngineLoop` on its main thread; `kvflow.engine.dp_client.DPEngineCoreClient`
+drives several such processes as one (data parallelism). Every call is a message carrying plain data, so nothing
+here assumes the core shares this memory, except `run`, which ships a callable (for inspection and tests; across
+processes it travels with cloudpickle).
 """
 
 from __future__ import annotations

@@ -190,7 +190,12 @@ class DPEngineCoreClient(EngineCoreClient):
             owners = {self._owner[each] for each in request_ids if each in self._owner}
             index = min(owners) if owners else self._pick_core()
             self._claim(request_ids, index)
-            added = self._clients[index].add_requests(requests)
+            try:
+                added = self._clients[index].add_requests(requests)
+            except EngineDeadError as error:  # the core died before its death reached us
+                for request_id in request_ids:
+                    self._release(request_id, index)
+                raise self._translate(error) from None
         added.add_done_callback(partial(self._on_added, request_ids, index))
         return added
 
