@@ -8,13 +8,14 @@ prompts by `kvflow bench serve` (request rate inf, a fixed concurrency, greedy, 
 output tokens/s and requests/s of each, the DP=2 / DP=1 ratio, and how the DP=2 server's requests split between its
 two engine cores (from /metrics, label `engine`).
 
-What 2 CPU cores can and cannot show: with one core for the API server and one for the engine, DP=1's engine already
-has the one torch thread it can get; DP=2 runs two engine processes of one thread each on the same two cores as the
-API server. So on such a machine the default model's ratio shows what a second scheduler and process cost or gain
-when they compete for the same cores, not the near-linear scaling DP gives where each engine core has a device (or
-cores) of its own; and the hash model's engine costs almost nothing, so its ratio measures the front end's routing
-and the second process's overhead (about 1 is right). Timings on a shared machine are noisy: compare ratios within
-one run only.
+What 2 CPU cores can and cannot show: DP=1's engine core has one torch thread (the other core is left to the API
+server) and DP=2's two engine cores have one each, so both runs share the same 2 CPUs. On the hash model the engine's
+cost is its own Python (scheduling, input preparation, output handling), one process's worth at DP=1: a second
+engine process can use the CPU time the first leaves idle, so DP=2 may gain, bounded by the 2 CPUs and by the API
+server's own share. On the default model the cores are already busy with matrix work at DP=1; DP=2 splits the batch
+in two smaller, less efficient ones on the same CPUs, so a ratio near or below 1 is expected here. Neither shows
+the near-linear scaling DP gives where each engine core has a device (or cores) of its own. Timings on a shared
+machine are noisy: compare ratios within one run only.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving import running_server
 
 HONEST_NOTE = (
-    "note: on a 2-core machine DP=1's engine already has its one torch thread and DP=2 runs two 1-thread engine "
-    "processes beside the API server on the same cores; the ratio shows the cost of a second scheduler there, not "
-    "the scaling DP gives when each engine core has its own device or cores (hash model: ~1 means routing is free)"
+    "note: 2 CPUs serve both runs (DP=1: one 1-thread engine core, DP=2: two, beside the API server). The hash "
+    "model's engine cost is Python per step, so a second engine process can use idle CPU time; the default "
+    "model's matrix work already fills the CPUs, so DP=2 only splits its batch. Neither shows the near-linear "
+    "scaling DP gives when each engine core has its own device or cores."
 )
 
 

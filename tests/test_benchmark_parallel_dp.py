@@ -30,4 +30,4 @@ def test_quick_run_prints_the_dp_ratio_and_both_engines_share() -> None:
     ratio, engine0, engine1 = float(row.group(1)), int(row.group(2)), int(row.group(3))
     assert ratio > 0
     assert engine0 + engine1 == 32 and min(engine0, engine1) >= 8  # a burst spreads evenly
-    assert "not the scaling DP gives" in result.stdout
+    assert "Neither shows the near-linear scaling" in result.stdout

@@ -88,7 +88,8 @@ _Outgoing = EngineReady | EngineStartupFailed | EngineCoreOutputs | UtilityResul
 @dataclass(frozen=True)
 class EngineCoreProcConfig:
     """What the spawned process gets (pickled by `spawn`): the core's config, the addresses to connect to, and its
-    place among the data-parallel engine cores of one front end (`data_parallel_rank` < `data_parallel_size`)."""
+    place among the data-parallel engine cores of one front end (`data_parallel_rank` < `data_parallel_size`) with
+    the GPUs it may see."""
 
     engine_config: EngineConfig
     model_info: ModelInfo | None
@@ -96,6 +97,7 @@ class EngineCoreProcConfig:
     output_address: str
     data_parallel_rank: int = 0
     data_parallel_size: int = 1
+    visible_devices: str | None = None  # this process's CUDA_VISIBLE_DEVICES (None: the parent's)
 
 
 def run_engine_core(config: EngineCoreProcConfig) -> None:
@@ -105,6 +107,8 @@ def run_engine_core(config: EngineCoreProcConfig) -> None:
     `os._exit`: the interpreter's teardown of torch's modules would add about half a second to every shutdown and
     has nothing left to release.
     """
+    if config.visible_devices is not None:  # before anything initializes CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = config.visible_devices
     exit_code = EngineCoreProc(config).run()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):

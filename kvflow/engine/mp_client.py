@@ -127,9 +127,11 @@ class MPEngineCoreClient(EngineCoreClient):
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
+        visible_devices: str | None = None,
     ) -> None:
         """`data_parallel_rank` / `data_parallel_size`: this core's place among the engine cores of one front end
-        (`kvflow.engine.dp_client`); the core takes its share of the CPU threads."""
+        (`kvflow.engine.dp_client`); the core takes its share of the CPU threads. `visible_devices`: the
+        process's `CUDA_VISIBLE_DEVICES` (None: this process's)."""
         self._output_handler = output_handler
         self._dead_handler = dead_handler
         self._lock = threading.Lock()
@@ -141,7 +143,7 @@ class MPEngineCoreClient(EngineCoreClient):
         self._output_thread: threading.Thread | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._resources = _ProcessResources(
-            engine_config, model_info, data_parallel_rank, data_parallel_size
+            engine_config, model_info, data_parallel_rank, data_parallel_size, visible_devices
         )
         self._finalizer = weakref.finalize(self, self._resources.close)
         self._finalizer.atexit = False  # the resources register their own atexit hook
@@ -364,6 +366,7 @@ class _ProcessResources:
         model_info: ModelInfo | None,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
+        visible_devices: str | None = None,
     ) -> None:
         self.ipc_dir = tempfile.mkdtemp(prefix=IPC_FOLDER_PREFIX)
         self.context = zmq.Context()
@@ -389,6 +392,7 @@ class _ProcessResources:
             output_address,
             data_parallel_rank,
             data_parallel_size,
+            visible_devices,
         )
         self.process: BaseProcess = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(config,), name=ENGINE_CORE_PROCESS_NAME

@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 
 from kvflow import LLM, AsyncLLM, SamplingParams
-from kvflow.engine.dp_client import DPEngineCoreClient
+from kvflow.engine.arg_utils import EngineArgs
+from kvflow.engine.dp_client import (
+    DPEngineCoreClient,
+    core_devices,
+    split_devices,
+    visible_cuda_devices,
+)
+from kvflow.model_info import resolve_model_info
 from kvflow.outputs import RequestOutput
 from kvflow.testing.hash_model import reference_tokens
 from tests.engine.test_async_llm import ChunkFeed, session_reference
@@ -159,3 +166,15 @@ def test_collective_rpc_and_run_reach_every_core_in_order(llm: AsyncLLM) -> None
 def test_llm_refuses_data_parallelism_naming_asyncllm_and_serve() -> None:
     with pytest.raises(ValueError, match=r"data_parallel_size=2: .*AsyncLLM.*--data-parallel-size"):
         LLM("hash", data_parallel_size=2)
+
+
+def test_each_core_gets_its_own_slice_of_the_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert split_devices(["0", "1", "2", "3"], 2, 2) == ["0,1", "2,3"]
+    assert split_devices(["GPU-a", "GPU-b", "GPU-c"], 2, 1) == ["GPU-a", "GPU-b"]
+    with pytest.raises(ValueError, match="need 4 GPUs, 3 are visible"):
+        split_devices(["0", "1", "2"], 2, 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 5")
+    assert visible_cuda_devices() == ["2", "5"]
+    engine_args = EngineArgs(model="hash", device="cpu", max_model_len=1024)
+    config = engine_args.create_engine_config(resolve_model_info("hash"))
+    assert core_devices(config, 2) == [None, None]  # CPU: nothing to hide
