@@ -13,6 +13,7 @@ import pytest
 
 from kvflow import LLM, AsyncLLM, SamplingParams
 from kvflow.engine.arg_utils import EngineArgs
+from kvflow.engine.core_client import EngineDeadError
 from kvflow.engine.dp_client import (
     DPEngineCoreClient,
     core_devices,
@@ -178,3 +179,21 @@ def test_each_core_gets_its_own_slice_of_the_visible_gpus(monkeypatch: pytest.Mo
     engine_args = EngineArgs(model="hash", device="cpu", max_model_len=1024)
     config = engine_args.create_engine_config(resolve_model_info("hash"))
     assert core_devices(config, 2) == [None, None]  # CPU: nothing to hide
+
+
+def test_shutdown_ends_streams_and_leaves_no_engine_process(llm: AsyncLLM) -> None:
+    """Runs last: it shuts the module's engine down with a request in flight on each core."""
+    client = llm.engine_core_client
+    assert isinstance(client, DPEngineCoreClient)
+
+    async def scenario() -> list[RequestOutput]:
+        tasks = [asyncio.ensure_future(final_output(llm, f"z{i}", 30 + i)) for i in range(2)]
+        await wait_for_loads(client, [1, 1])
+        await asyncio.to_thread(llm.shutdown)
+        return list(await asyncio.gather(*tasks))
+
+    for output in run(scenario()):
+        assert output.outputs[0].finish_reason == "abort"
+    assert not [pid for pid in client.pids if os.path.exists(f"/proc/{pid}")]
+    with pytest.raises(EngineDeadError):
+        run(final_output(llm, "after", 0))
