@@ -94,7 +94,11 @@ class EngineArgs:
     distributed_executor_backend: str | None = _option(
         None, "executor: 'uni' (in-process worker; only it in this build)", EXECUTOR_BACKENDS
     )
-    data_parallel_size: int = _option(1, "engine cores behind one front end (only 1 in this build)")
+    data_parallel_size: int = _option(
+        1,
+        "engine cores behind one front end, each in its own process with its own scheduler, KV cache (each "
+        "sized as for one core) and workers; requests go to the least loaded (AsyncLLM and `kvflow serve`)",
+    )
     long_prefill_token_threshold: int = _option(
         0, "cap on one request's prefill tokens per step (0: no cap)"
     )
@@ -133,11 +137,12 @@ class EngineArgs:
         resolve_device(
             self.device
         )  # an unknown or absent device is a ValueError now, not at load time
-        if self.tensor_parallel_size != 1 or self.data_parallel_size != 1:
+        if self.tensor_parallel_size != 1:
             raise ValueError(
-                "tensor_parallel_size and data_parallel_size must be 1: parallel engines are not "
-                "available in this build"
+                "tensor_parallel_size must be 1: parallel engines are not available in this build"
             )
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
     # ------------------------------------------------------------------------------------------------ config
     def create_engine_config(self, model_info: ModelInfo) -> EngineConfig:

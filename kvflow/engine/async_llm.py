@@ -30,6 +30,7 @@ from kvflow.engine.core_client import (
     InprocEngineCoreClient,
     fresh_dead_error,
 )
+from kvflow.engine.dp_client import DPEngineCoreClient
 from kvflow.engine.input_processor import check_priority
 from kvflow.engine.mp_client import MPEngineCoreClient
 from kvflow.engine.output_stream import OutputStream
@@ -58,7 +59,8 @@ class AsyncLLM:
     `AsyncLLM(model=None, **kwargs)` takes the same `EngineArgs` options as `LLM`. The front end keeps the
     tokenizer, the output processor and one `OutputStream` per live request; the engine core runs behind an
     `EngineCoreClient` (in-process on its own thread, or with `engine_process=True` in its own process, as
-    `kvflow serve` runs it), whose output handler turns each step's core outputs into `RequestOutput`s for the
+    `kvflow serve` runs it; with `data_parallel_size > 1`, several cores in their own processes behind
+    `DPEngineCoreClient`), whose output handler turns each step's core outputs into `RequestOutput`s for the
     consumers. Consumers may run on any event loop (a stream remembers the loop that started it). `num_kv_blocks`
     is the KV cache the core allocated. Stop with `shutdown()` or by using the engine as an async context manager.
 
@@ -93,6 +95,7 @@ class AsyncLLM:
         self._stat_loggers: list[StatLogger] = list(stat_loggers)
         if not engine_args.disable_log_stats:
             self._stat_loggers.append(LoggingStatLogger())
+        self.data_parallel_size = engine_args.data_parallel_size
         self.engine_core_client = self._start_engine_core(engine_args.engine_process)
         self._sessions = SessionFeeder(
             self.engine_core_client, self.input_processor, self.output_processor, self._lock
@@ -100,9 +103,20 @@ class AsyncLLM:
 
     def _start_engine_core(self, engine_process: bool) -> EngineCoreClient:
         """The core behind its client: in its own process (`engine_process`; this process then runs no torch
-        compute), else on a thread of this one. Either way `num_kv_blocks` is the KV cache the core allocated."""
-        client: InprocEngineCoreClient | MPEngineCoreClient
-        if engine_process:
+        compute), else on a thread of this one; with `data_parallel_size > 1`, that many cores, each in its own
+        process whatever `engine_process` says. `num_kv_blocks` is the KV cache a core allocated (the smallest,
+        with several: what any request can count on)."""
+        client: InprocEngineCoreClient | MPEngineCoreClient | DPEngineCoreClient
+        if self.data_parallel_size > 1:
+            client = DPEngineCoreClient(
+                self.engine_config,
+                self.model_info,
+                self._process_engine_outputs,
+                self._fail_all,
+                self.data_parallel_size,
+            )
+            self.num_kv_blocks = min(client.num_kv_blocks_per_engine)
+        elif engine_process:
             client = MPEngineCoreClient(
                 self.engine_config, self.model_info, self._process_engine_outputs, self._fail_all
             )
@@ -236,8 +250,20 @@ class AsyncLLM:
     async def run_in_engine(self, fn: Callable[[EngineCore], _T]) -> _T:
         """Run `fn(engine_core)` where the core runs, between steps, and return its result; its exception is
         raised here. For inspection, administration and tests. With `engine_process`, `fn` and its result travel
-        with cloudpickle (the result is a copy)."""
+        with cloudpickle (the result is a copy). With `data_parallel_size > 1` this is a ValueError: use
+        `run_in_each_engine`."""
         return await self._await(self.engine_core_client.run(fn))
+
+    async def run_in_each_engine(self, fn: Callable[[EngineCore], _T]) -> list[_T]:
+        """`run_in_engine` on every engine core (one, or `data_parallel_size`); their results in core order."""
+        return await self._await(self.engine_core_client.run_each(fn))
+
+    async def scheduler_stats(self) -> list[SchedulerStats]:
+        """A snapshot of every core's scheduler now, in core order (each with its `engine_index`)."""
+        snapshots = await self.run_in_each_engine(_make_stats)
+        for index, stats in enumerate(snapshots):
+            stats.engine_index = index
+        return snapshots
 
     async def collective_rpc(
         self,
@@ -246,8 +272,9 @@ class AsyncLLM:
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Run a worker method (by name, or a callable taking the worker as its first argument) on every rank,
-        between engine steps; returns the results in rank order. With `engine_process`, a callable, the arguments
-        and the results travel with cloudpickle."""
+        between engine steps; returns the results in rank order (with `data_parallel_size > 1`: every core's ranks,
+        core after core). With `engine_process`, a callable, the arguments and the results travel with
+        cloudpickle."""
         return await self._await(self.engine_core_client.collective_rpc(method, args, kwargs))
 
     def shutdown(self) -> None:
@@ -399,3 +426,7 @@ class AsyncLLM:
                 stream.put(fresh_dead_error(error))
             self._streams.clear()
             self._sessions.fail_all(error)
+
+
+def _make_stats(engine_core: EngineCore) -> SchedulerStats:
+    return engine_core.make_stats()

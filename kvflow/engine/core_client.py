@@ -2,9 +2,10 @@
 
 `EngineCoreClient` is the interface `AsyncLLM` is written against. `InprocEngineCoreClient` runs the core's
 `EngineLoop` on a thread of this process; `kvflow.engine.mp_client.MPEngineCoreClient` talks (ZMQ + msgspec) to an
-engine-core process that runs the same `EngineLoop` on its main thread. Every call is a message carrying plain data,
-so nothing here assumes the core shares this memory, except `run`, which ships a callable (for inspection and tests;
-across processes it travels with cloudpickle).
+engine-core process that runs the same `EngineLoop` on its main thread; `kvflow.engine.dp_client.DPEngineCoreClient`
+drives several such processes as one (data parallelism). Every call is a message carrying plain data, so nothing
+here assumes the core shares this memory, except `run`, which ships a callable (for inspection and tests; across
+processes it travels with cloudpickle).
 """
 
 from __future__ import annotations
@@ -116,6 +117,49 @@ class EngineCoreClient(ABC):
     def is_alive(self) -> bool:
         """Whether the engine loop (thread or process) still runs."""
         return self.dead_error is None
+
+    @property
+    def num_engines(self) -> int:
+        """How many engine cores this client drives (data parallelism: more than one)."""
+        return 1
+
+    def run_each(self, fn: Callable[[EngineCore], _T]) -> Future[list[_T]]:
+        """`run(fn)` on every engine core; the Future holds the results in core order."""
+        return gather([self.run(fn)], lambda results: results)
+
+
+def gather(
+    futures: list[Future[Any]],
+    combine: Callable[[list[Any]], _T],
+    translate_error: Callable[[BaseException], BaseException] = lambda error: error,
+) -> Future[_T]:
+    """A Future that completes once every one of `futures` has: with `combine(their results)` (in the order given),
+    or with the first of their errors in that order (passed through `translate_error`)."""
+    gathered: Future[_T] = Future()
+    lock = threading.Lock()
+    remaining = [len(futures)]
+
+    def on_done(_: Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [error for each in futures if (error := each.exception()) is not None]
+        if errors:
+            complete(gathered, error=translate_error(errors[0]))
+            return
+        try:
+            result = combine([each.result() for each in futures])
+        except Exception as exc:
+            complete(gathered, error=exc)
+            return
+        complete(gathered, result)
+
+    if not futures:
+        complete(gathered, combine([]))
+    for each in futures:
+        each.add_done_callback(on_done)
+    return gathered
 
 
 def complete(

@@ -87,12 +87,17 @@ _Outgoing = EngineReady | EngineStartupFailed | EngineCoreOutputs | UtilityResul
 
 @dataclass(frozen=True)
 class EngineCoreProcConfig:
-    """What the spawned process gets (pickled by `spawn`): the core's config and the addresses to connect to."""
+    """What the spawned process gets (pickled by `spawn`): the core's config, the addresses to connect to, and its
+    place among the data-parallel engine cores of one front end (`data_parallel_rank` < `data_parallel_size`) with
+    the GPUs it may see."""
 
     engine_config: EngineConfig
     model_info: ModelInfo | None
     input_address: str
     output_address: str
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
+    visible_devices: str | None = None  # this process's CUDA_VISIBLE_DEVICES (None: the parent's)
 
 
 def run_engine_core(config: EngineCoreProcConfig) -> None:
@@ -102,6 +107,8 @@ def run_engine_core(config: EngineCoreProcConfig) -> None:
     `os._exit`: the interpreter's teardown of torch's modules would add about half a second to every shutdown and
     has nothing left to release.
     """
+    if config.visible_devices is not None:  # before anything initializes CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = config.visible_devices
     exit_code = EngineCoreProc(config).run()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -156,7 +163,9 @@ class EngineCoreProc:
         from kvflow.engine.builder import build_engine_core
 
         try:
-            reserve_a_core_for_the_front_end(self._config.engine_config.model_config.device)
+            reserve_a_core_for_the_front_end(
+                self._config.engine_config.model_config.device, self._config.data_parallel_size
+            )
             engine_core = build_engine_core(self._config.engine_config, self._config.model_info)
         except (
             BaseException
@@ -313,11 +322,12 @@ class EngineCoreProc:
             socket.close(linger=0 if self._parent_died else _FLUSH_LINGER_MS)
 
 
-def reserve_a_core_for_the_front_end(device: str) -> None:
+def reserve_a_core_for_the_front_end(device: str, num_engine_cores: int = 1) -> None:
     """On CPU, run torch on every core this process may use but one, left to the front end (like vLLM's
-    VLLM_CPU_NUM_OF_RESERVED_CPU=1). An OpenMP team sharing its cores with a busy front-end process stalls at every
-    barrier whenever one of its threads is descheduled: decoding the default model on 2 cores ran 20x slower with 2
-    threads than with 1. An explicit OMP_NUM_THREADS is left alone."""
+    VLLM_CPU_NUM_OF_RESERVED_CPU=1), shared out between the `num_engine_cores` data-parallel engine cores (each
+    gets its share, at least one thread). An OpenMP team sharing its cores with a busy front-end process (or with
+    another engine core) stalls at every barrier whenever one of its threads is descheduled: decoding the default
+    model on 2 cores ran 20x slower with 2 threads than with 1. An explicit OMP_NUM_THREADS is left alone."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     from kvflow.utils import resolve_device
@@ -327,10 +337,13 @@ def reserve_a_core_for_the_front_end(device: str) -> None:
     import torch
 
     num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    num_threads = max(1, (num_cores or 1) - 1)
+    num_threads = max(1, ((num_cores or 1) - 1) // num_engine_cores)
     torch.set_num_threads(num_threads)
     logger.info(
-        "engine core process: %d torch threads (one core left to the front end)", num_threads
+        "engine core process: %d torch threads (one core left to the front end, the rest shared by %d "
+        "engine cores)",
+        num_threads,
+        num_engine_cores,
     )
 
 

@@ -125,7 +125,13 @@ class MPEngineCoreClient(EngineCoreClient):
         output_handler: OutputHandler,
         dead_handler: Callable[[EngineDeadError], None],
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+        visible_devices: str | None = None,
     ) -> None:
+        """`data_parallel_rank` / `data_parallel_size`: this core's place among the engine cores of one front end
+        (`kvflow.engine.dp_client`); the core takes its share of the CPU threads. `visible_devices`: the
+        process's `CUDA_VISIBLE_DEVICES` (None: this process's)."""
         self._output_handler = output_handler
         self._dead_handler = dead_handler
         self._lock = threading.Lock()
@@ -136,7 +142,9 @@ class MPEngineCoreClient(EngineCoreClient):
         self._handler_calls: list[bytes] | None = None  # calls made by the running output handler
         self._output_thread: threading.Thread | None = None
         self._encoder = msgspec.msgpack.Encoder()
-        self._resources = _ProcessResources(engine_config, model_info)
+        self._resources = _ProcessResources(
+            engine_config, model_info, data_parallel_rank, data_parallel_size, visible_devices
+        )
         self._finalizer = weakref.finalize(self, self._resources.close)
         self._finalizer.atexit = False  # the resources register their own atexit hook
         try:
@@ -352,7 +360,14 @@ class _ProcessResources:
 
     Invariant: `send_lock` serializes the input socket (sends, and closing it)."""
 
-    def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None) -> None:
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model_info: ModelInfo | None,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+        visible_devices: str | None = None,
+    ) -> None:
         self.ipc_dir = tempfile.mkdtemp(prefix=IPC_FOLDER_PREFIX)
         self.context = zmq.Context()
         self.input_socket = self.context.socket(zmq.PUSH)
@@ -370,7 +385,15 @@ class _ProcessResources:
         output_address = f"ipc://{os.path.join(self.ipc_dir, 'output')}"
         self.input_socket.bind(input_address)
         self.output_socket.bind(output_address)
-        config = EngineCoreProcConfig(engine_config, model_info, input_address, output_address)
+        config = EngineCoreProcConfig(
+            engine_config,
+            model_info,
+            input_address,
+            output_address,
+            data_parallel_rank,
+            data_parallel_size,
+            visible_devices,
+        )
         self.process: BaseProcess = multiprocessing.get_context("spawn").Process(
             target=run_engine_core, args=(config,), name=ENGINE_CORE_PROCESS_NAME
         )

@@ -8,8 +8,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvflow.core.sched.output import SchedulerStats
+
 if TYPE_CHECKING:
-    from kvflow.core.sched.output import SchedulerStats
     from kvflow.engine.stats import IterationStats
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,9 @@ class LoggingStatLogger:
     a warning when requests were preempted in an interval (the KV cache is too small for the load).
 
     Invariants: `record` only adds counts (O(1)); a line covers exactly the tokens recorded since the previous
-    line; nothing is logged for an interval without recorded tokens, so an idle engine stays quiet.
+    line; nothing is logged for an interval without recorded tokens, so an idle engine stays quiet. With several
+    data-parallel engine cores, a line covers all of them: requests and totals summed over each core's latest
+    snapshot, KV cache usage their mean (the cores' caches are the same size).
     """
 
     def __init__(
@@ -51,11 +54,13 @@ class LoggingStatLogger:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self._last_stats: SchedulerStats | None = None
+        self._latest: dict[int, SchedulerStats] = {}  # engine index -> its latest snapshot
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         """Count one step's tokens; write the line when the interval is over (`StatLogger`)."""
         self._num_prompt_tokens += iteration_stats.num_prompt_tokens
         self._num_generation_tokens += iteration_stats.num_generation_tokens
+        self._latest[scheduler_stats.engine_index] = scheduler_stats
         if self.due():
             self.log(scheduler_stats)
 
@@ -63,7 +68,10 @@ class LoggingStatLogger:
         return self._clock() - self._last_log_time >= self.interval_s
 
     def log(self, stats: SchedulerStats) -> None:
-        """Write the line for the interval that ends now (call when `due()`)."""
+        """Write the line for the interval that ends now (call when `due()`), with `stats` the latest snapshot of
+        its engine core."""
+        self._latest[stats.engine_index] = stats
+        stats = _combined(list(self._latest.values()))
         now = self._clock()
         elapsed = max(now - self._last_log_time, 1e-9)
         previous = self._last_stats
@@ -102,3 +110,17 @@ def _hit_rate(previous: SchedulerStats | None, stats: SchedulerStats) -> float:
     )
     hits = stats.prefix_cache_hit_tokens - (previous.prefix_cache_hit_tokens if previous else 0)
     return hits / queried if queried else 0.0
+
+
+def _combined(snapshots: list[SchedulerStats]) -> SchedulerStats:
+    """One snapshot of several engine cores: counts summed, KV cache usage averaged."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+    return SchedulerStats(
+        num_running_reqs=sum(each.num_running_reqs for each in snapshots),
+        num_waiting_reqs=sum(each.num_waiting_reqs for each in snapshots),
+        kv_cache_usage=sum(each.kv_cache_usage for each in snapshots) / len(snapshots),
+        prefix_cache_query_tokens=sum(each.prefix_cache_query_tokens for each in snapshots),
+        prefix_cache_hit_tokens=sum(each.prefix_cache_hit_tokens for each in snapshots),
+        num_preemptions_total=sum(each.num_preemptions_total for each in snapshots),
+    )

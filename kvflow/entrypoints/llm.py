@@ -49,6 +49,12 @@ class LLM:
                 "engine_process=True is for AsyncLLM and `kvflow serve`, whose engine core runs in its own "
                 "process; LLM steps its engine core itself, in this process"
             )
+        if engine_args.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size={engine_args.data_parallel_size}: LLM steps one engine core in this "
+                "process; data parallelism (several engine cores behind one front end) is for AsyncLLM and "
+                "`kvflow serve --data-parallel-size N`"
+            )
         parts = build_engine(engine_args)
         self.engine_config = parts.engine_config
         self.model_info = parts.model_info

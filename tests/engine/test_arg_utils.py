@@ -71,9 +71,10 @@ def test_choices_and_unsupported_parallelism_are_value_errors() -> None:
         EngineArgs(dtype="int4")
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         EngineArgs(scheduling_policy="lifo")
-    for option in ("tensor_parallel_size", "data_parallel_size"):
-        with pytest.raises(ValueError, match="not available in this build"):
-            EngineArgs(**{option: 2})
+    with pytest.raises(ValueError, match="not available in this build"):
+        EngineArgs(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"^data_parallel_size must be >= 1"):
+        EngineArgs(data_parallel_size=0)
 
 
 def test_model_and_tokenizer_accept_paths(tmp_path: Path) -> None:

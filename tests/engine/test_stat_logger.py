@@ -86,6 +86,23 @@ def test_an_idle_interval_is_quiet_and_preemptions_warn(records: Records) -> Non
     assert len(records.messages(logging.WARNING)) == 1
 
 
+def test_a_line_covers_every_data_parallel_engine(records: Records) -> None:
+    now = [0.0]
+    stat_logger = LoggingStatLogger(interval_s=5.0, clock=lambda: now[0])
+    first = stats(running=3, waiting=1, usage=0.2, queried=100, hits=50, preemptions=0)
+    second = stats(running=2, waiting=0, usage=0.4, queried=100, hits=0, preemptions=2)
+    second.engine_index = 1
+    stat_logger.record(first, IterationStats(num_generation_tokens=10))
+    now[0] += 5.0
+    stat_logger.record(second, IterationStats(num_generation_tokens=15))
+    [line] = records.messages(logging.INFO)
+    assert line.endswith(
+        "Running: 5 reqs, Waiting: 1 reqs, KV cache usage: 30.0%, Prefix cache hit rate: 25.0%"
+    )
+    [warning] = records.messages(logging.WARNING)
+    assert warning.startswith("2 requests were preempted")
+
+
 def test_the_interval_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert log_stats_interval_s() == 10.0
     monkeypatch.setenv("KVFLOW_LOG_STATS_INTERVAL", "2.5")

@@ -211,7 +211,8 @@ class SchedulerStats:
     preemption would hit the blocks it had just written, inflating the hit rate; a streaming session's later
     chunks keep their blocks and look nothing up), and never requests that skip the cache (prompt logprobs);
     `num_preemptions_total` counts preemptions since startup. The counts only grow, so a reader takes
-    differences between snapshots.
+    differences between snapshots (of the same engine core). `engine_index` names the core among the data-parallel
+    cores of one front end (0 with one core); the front end sets it, a core does not know it.
     """
 
     num_running_reqs: int
@@ -220,3 +221,4 @@ class SchedulerStats:
     prefix_cache_query_tokens: int
     prefix_cache_hit_tokens: int
     num_preemptions_total: int
+    engine_index: int = 0

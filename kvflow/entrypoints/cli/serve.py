@@ -115,14 +115,18 @@ def run_serve(args: argparse.Namespace) -> None:
         enable_admin_endpoints=args.enable_admin_endpoints,
         uvicorn_log_level=args.uvicorn_log_level,
     )
-    if args.engine_process:
+    if (
+        args.engine_process or args.data_parallel_size > 1
+    ):  # data-parallel cores always run in processes
         import torch
 
         torch.set_num_threads(
             1
         )  # the API process runs no torch compute: leave the cores to the engine
     try:
-        stat_logger = PrometheusStatLogger(config.served_model_name)
+        stat_logger = PrometheusStatLogger(
+            config.served_model_name, num_engines=args.data_parallel_size
+        )
         engine = make_async_llm(args, stat_loggers=[stat_logger])
         try:
             run_server(engine, config, stat_logger, sock)

@@ -112,8 +112,7 @@ async def metrics(raw_request: Request) -> Response:
     stat_logger: PrometheusStatLogger = state.metrics
     token = stat_logger.refresh_token()
     with contextlib.suppress(EngineDeadError):
-        stats = await state.engine.run_in_engine(lambda core: core.make_stats())
-        stat_logger.refresh(stats, token)
+        stat_logger.refresh(await state.engine.scheduler_stats(), token)
     return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -1,6 +1,8 @@
 """Prometheus metrics for `kvflow serve`: a `StatLogger` fed by `AsyncLLM` after every engine step.
 
-Names follow vLLM's with the `kvflow:` prefix, each labelled `model_name` (DESIGN.md's serving contract):
+Names follow vLLM's with the `kvflow:` prefix, each labelled `model_name` (DESIGN.md's serving contract) and, as in
+vLLM, `engine` (the data-parallel engine core it counts, "0" with one core: sums over `engine` are the server's
+totals, and each core's gauges are its own):
 gauges `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (a fraction, 1 = full, as vLLM);
 counters `prompt_tokens_total`, `generation_tokens_total`, `request_success_total{finished_reason}`,
 `num_preemptions_total`, `prefix_cache_queries_total`, `prefix_cache_hits_total` (prompt tokens looked up and found);
@@ -26,6 +28,8 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from kvflow.core.sched.output import SchedulerStats
     from kvflow.engine.stats import FinishedRequestStats, IterationStats
 
@@ -63,19 +67,23 @@ def token_buckets(max_tokens: int) -> list[int]:
 class PrometheusStatLogger:
     """The server's metrics, in a `CollectorRegistry` of its own (no process-global state).
 
-    Invariants: counters only grow; each of the scheduler's running totals (prefix-cache tokens, preemptions) is
-    counted exactly once whatever the order snapshots arrive in (a snapshot adds only what its total exceeds the
-    largest seen); the gauges never go back to a snapshot older than one already shown. `_lock` serializes the
-    engine's output thread (`record`) and the /metrics handler (`refresh`).
+    Invariants: every sample carries the `engine` label of the core it counts (`SchedulerStats.engine_index`;
+    a step's iteration stats belong to the core whose step it was); counters only grow; each of a core's scheduler
+    running totals (prefix-cache tokens, preemptions) is counted exactly once whatever the order its snapshots
+    arrive in (a snapshot adds only what its total exceeds the largest seen from that core); the gauges never go
+    back to a snapshot older than one already shown. `_lock` serializes the engines' output threads (`record`) and
+    the /metrics handler (`refresh`).
     """
 
-    def __init__(self, model_name: str, max_model_len: int = 1 << 20) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20, num_engines: int = 1) -> None:
+        """`num_engines`: the data-parallel engine cores, whose samples exist (at 0) before their first step."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self._lock = threading.Lock()
         self._num_records = 0  # steps recorded so far
-        self._counted_totals: dict[Counter, int] = {}  # running total -> how much of it is counted
-        labels = ["model_name"]
+        # (running total, engine) -> how much of it is counted
+        self._counted_totals: dict[tuple[Counter, str], int] = {}
+        labels = ["model_name", "engine"]
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=self.registry)
@@ -151,67 +159,74 @@ class PrometheusStatLogger:
             "Generated tokens per request",
             token_buckets(max_model_len),
         )
-        for reason in FINISHED_REASONS:  # present (at 0) before the first request, as in vLLM
-            self.request_success.labels(model_name, reason)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions):
-            metric.labels(model_name)
-        for metric in (self.prefix_cache_queries, self.prefix_cache_hits):
-            metric.labels(model_name)
+        for engine in map(
+            str, range(num_engines)
+        ):  # present (at 0) before the first request, as in vLLM
+            for reason in FINISHED_REASONS:
+                self.request_success.labels(model_name, engine, reason)
+            for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions):
+                metric.labels(model_name, engine)
+            for metric in (self.prefix_cache_queries, self.prefix_cache_hits):
+                metric.labels(model_name, engine)
+            for gauge in (self.running, self.waiting, self.kv_cache_usage):
+                gauge.labels(model_name, engine)
 
     # ------------------------------------------------------------------------------------------------ StatLogger
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         """One engine step (called on the engine's output thread)."""
-        name = self.model_name
+        name = self.model_name, str(scheduler_stats.engine_index)
         with self._lock:
             self._num_records += 1
             self._apply(scheduler_stats)
         if iteration_stats.num_prompt_tokens:
-            self.prompt_tokens.labels(name).inc(iteration_stats.num_prompt_tokens)
+            self.prompt_tokens.labels(*name).inc(iteration_stats.num_prompt_tokens)
         if iteration_stats.num_generation_tokens:
-            self.generation_tokens.labels(name).inc(iteration_stats.num_generation_tokens)
-        ttft = self.time_to_first_token.labels(name)
+            self.generation_tokens.labels(*name).inc(iteration_stats.num_generation_tokens)
+        ttft = self.time_to_first_token.labels(*name)
         for seconds in iteration_stats.time_to_first_tokens:
             ttft.observe(seconds)
-        itl = self.inter_token_latency.labels(name)
+        itl = self.inter_token_latency.labels(*name)
         for seconds in iteration_stats.inter_token_latencies:
             itl.observe(seconds)
         for finished in iteration_stats.finished_requests:
-            self._record_finished(finished)
+            self._record_finished(finished, name)
 
     def refresh_token(self) -> int:
         """Call before asking the engine for a snapshot to `refresh` with."""
         return self._num_records
 
-    def refresh(self, scheduler_stats: SchedulerStats, token: int) -> None:
-        """Apply a snapshot taken outside `record` (aborts change the scheduler without an output step), unless a
-        step was recorded since `token`: then the gauges already show a snapshot at least as recent."""
+    def refresh(self, scheduler_stats: Iterable[SchedulerStats], token: int) -> None:
+        """Apply snapshots taken outside `record` (aborts change the scheduler without an output step), one per
+        engine core, unless a step was recorded since `token`: then the gauges may already show a snapshot more
+        recent than one of these."""
         with self._lock:
             if token == self._num_records:
-                self._apply(scheduler_stats)
+                for each in scheduler_stats:
+                    self._apply(each)
 
     def _apply(self, scheduler_stats: SchedulerStats) -> None:
         """The gauges, and what the scheduler's running totals grew by (caller holds `_lock`)."""
-        name = self.model_name
-        self.running.labels(name).set(scheduler_stats.num_running_reqs)
-        self.waiting.labels(name).set(scheduler_stats.num_waiting_reqs)
-        self.kv_cache_usage.labels(name).set(scheduler_stats.kv_cache_usage)
+        engine = str(scheduler_stats.engine_index)
+        name = self.model_name, engine
+        self.running.labels(*name).set(scheduler_stats.num_running_reqs)
+        self.waiting.labels(*name).set(scheduler_stats.num_waiting_reqs)
+        self.kv_cache_usage.labels(*name).set(scheduler_stats.kv_cache_usage)
         for counter, total in (
             (self.prefix_cache_queries, scheduler_stats.prefix_cache_query_tokens),
             (self.prefix_cache_hits, scheduler_stats.prefix_cache_hit_tokens),
             (self.preemptions, scheduler_stats.num_preemptions_total),
         ):
-            counted = self._counted_totals.get(counter, 0)
+            counted = self._counted_totals.get((counter, engine), 0)
             if total > counted:
-                counter.labels(name).inc(total - counted)
-                self._counted_totals[counter] = total
+                counter.labels(*name).inc(total - counted)
+                self._counted_totals[(counter, engine)] = total
 
-    def _record_finished(self, finished: FinishedRequestStats) -> None:
-        name = self.model_name
+    def _record_finished(self, finished: FinishedRequestStats, name: tuple[str, str]) -> None:
         if finished.finish_reason is not None:
-            self.request_success.labels(name, finished.finish_reason).inc()
-        self.e2e_latency.labels(name).observe(finished.e2e_latency)
-        self.request_prompt_tokens.labels(name).observe(finished.num_prompt_tokens)
-        self.request_generation_tokens.labels(name).observe(finished.num_generation_tokens)
+            self.request_success.labels(*name, finished.finish_reason).inc()
+        self.e2e_latency.labels(*name).observe(finished.e2e_latency)
+        self.request_prompt_tokens.labels(*name).observe(finished.num_prompt_tokens)
+        self.request_generation_tokens.labels(*name).observe(finished.num_generation_tokens)
         # Lifecycle times: reported by newer front ends only.
         for histogram, field_name in (
             (self.queue_time, "queue_time"),
@@ -221,10 +236,10 @@ class PrometheusStatLogger:
         ):
             seconds = getattr(finished, field_name, None)
             if seconds is not None:
-                histogram.labels(name).observe(seconds)
+                histogram.labels(*name).observe(seconds)
         decode_time = getattr(finished, "decode_time", None)
         if decode_time is not None and finished.num_generation_tokens > 1:
-            self.time_per_output_token.labels(name).observe(
+            self.time_per_output_token.labels(*name).observe(
                 decode_time / (finished.num_generation_tokens - 1)
             )
 

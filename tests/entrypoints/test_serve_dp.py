@@ -1,0 +1,203 @@
+"""`kvflow serve --data-parallel-size 2` on the hash model (exact oracle): two engine-core processes behind one API
+server. Streams from the official `openai` client match the oracle and spread over both cores, a keep pause freezes
+both and loses nothing, `/metrics` sums over the `engine` label, and a dead core turns `/health` 503 while SIGTERM
+still leaves no process behind. The death test runs last: it ends the module's server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvflow.testing.hash_model import reference_tokens
+from tests.entrypoints.server import RemoteServer, running_server
+from tests.entrypoints.test_serve_engine_death import child_pids
+from tests.entrypoints.test_serve_rl import Stream, prompt_ids
+
+TIMEOUT_S = 120.0
+MAX_TOKENS = 40
+LONG = 1000  # still running when the test acts on it (max_model_len 1024, prompts of 16)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RemoteServer]:
+    with running_server(
+        "hash",
+        "--data-parallel-size",
+        "2",
+        "--max-model-len",
+        "1024",
+        "--num-kv-blocks",
+        "256",
+        "--max-num-seqs",
+        "32",
+        "--enable-admin-endpoints",
+    ) as remote:
+        yield remote
+
+
+def per_engine(server: RemoteServer, name: str, **labels: str) -> dict[str, float]:
+    """One metric's value per `engine` label."""
+    values: dict[str, float] = {}
+    for (sample, sample_labels), value in server.metrics().items():
+        found = dict(sample_labels)
+        if sample == name and set(labels.items()) <= sample_labels:
+            values[found["engine"]] = values.get(found["engine"], 0.0) + value
+    return values
+
+
+def engine_pids(server_pid: int) -> list[int]:
+    """The engine-core processes of the server (spawned children, not the resource tracker)."""
+    pids = []
+    for pid in child_pids(server_pid):
+        command_line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        if b"multiprocessing.spawn" in command_line and b"resource_tracker" not in command_line:
+            pids.append(pid)
+    return pids
+
+
+def run(coroutine: object) -> object:
+    return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))  # type: ignore[arg-type]
+
+
+def test_32_concurrent_streams_match_the_oracle_and_both_cores_serve(server: RemoteServer) -> None:
+    assert len(engine_pids(server.process.pid)) == 2
+    assert server.get("/v1/models").json()["data"][0]["max_model_len"] == 1024
+    before = per_engine(server, "kvflow:request_success_total", finished_reason="length")
+    prompts = [prompt_ids(500 + i, 4 + i % 13) for i in range(32)]
+
+    async def stream(client: object, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        response = await client.completions.create(  # type: ignore[attr-defined]
+            model="hash",
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
+        async for chunk in response:
+            tokens += chunk.choices[0].model_extra["token_ids"]
+        return tokens
+
+    async def scenario() -> list[list[int]]:
+        client = server.async_client()
+        async with client:
+            return await asyncio.gather(*(stream(client, prompt) for prompt in prompts))
+
+    assert run(scenario()) == [reference_tokens(prompt, MAX_TOKENS) for prompt in prompts]
+    after = per_engine(server, "kvflow:request_success_total", finished_reason="length")
+    served = {engine: after[engine] - before.get(engine, 0.0) for engine in after}
+    assert sorted(served) == ["0", "1"]
+    assert sum(served.values()) == 32
+    assert min(served.values()) >= 8, served  # least-loaded routing spreads a burst
+    generated = per_engine(server, "kvflow:generation_tokens_total")
+    assert all(value > 0 for value in generated.values()) and len(generated) == 2
+    server.wait_for_metric("kvflow:num_requests_running", 0)
+    assert per_engine(server, "kvflow:kv_cache_usage_perc") == {"0": 0.0, "1": 0.0}
+
+
+def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteServer) -> None:
+    """`/pause` returns once both cores are paused: from then on neither produces a token; after `/resume` every
+    stream equals the unpaused oracle."""
+
+    async def scenario() -> None:
+        async with server.async_http(limits=httpx.Limits(max_connections=16)) as http:
+            streams = [Stream(prompt_ids(700 + i), LONG).start(http) for i in range(6)]
+            for each in streams:
+                await each.first_token.wait()
+            response = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+            assert response.status_code == 200
+            assert (await http.get("/is_paused")).json() == {"is_paused": True}
+            running = await asyncio.to_thread(per_engine, server, "kvflow:num_requests_running")
+            assert running == {"0": 3.0, "1": 3.0}  # both cores hold (frozen) work
+            frozen = await asyncio.to_thread(per_engine, server, "kvflow:generation_tokens_total")
+            counts = [len(each.tokens) for each in streams]
+            await asyncio.sleep(0.4)
+            assert await asyncio.to_thread(
+                per_engine, server, "kvflow:generation_tokens_total"
+            ) == (frozen)
+            assert [len(each.tokens) for each in streams] == counts
+            assert not any(each.done for each in streams)
+            assert (await http.post("/resume")).status_code == 200
+            assert (await http.get("/is_paused")).json() == {"is_paused": False}
+            for each in streams:
+                await each.finished()
+                assert each.tokens == each.reference
+
+    run(scenario())
+
+
+def test_metrics_count_each_engines_running_totals_once_and_keep_its_gauges() -> None:
+    """Snapshots of two cores arrive interleaved: each core's running totals (preemptions, prefix-cache tokens)
+    are counted from its own snapshots, so the sum over `engine` is the server's total."""
+    from kvflow.core.sched.output import SchedulerStats
+    from kvflow.engine.stats import IterationStats
+    from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
+    from tests.entrypoints.server import parse_metrics
+
+    stat_logger = PrometheusStatLogger("m", num_engines=2)
+    snapshots = [  # running, waiting, usage, queried, hits, preemptions, engine
+        (3, 1, 0.5, 100, 10, 5, 0),
+        (2, 0, 0.25, 40, 4, 3, 1),
+        (1, 0, 0.125, 120, 12, 6, 0),
+    ]
+    for *counts, engine in snapshots:
+        stats = SchedulerStats(*counts, engine_index=engine)  # type: ignore[arg-type]
+        stat_logger.record(stats, IterationStats(num_generation_tokens=engine + 1))
+    samples = parse_metrics(stat_logger.render().decode())
+
+    def value(name: str, engine: str) -> float:
+        return samples[(name, frozenset({("model_name", "m"), ("engine", engine)}))]
+
+    assert value("kvflow:num_preemptions_total", "0") == 6
+    assert value("kvflow:num_preemptions_total", "1") == 3
+    assert (
+        value("kvflow:prefix_cache_queries_total", "0")
+        + value("kvflow:prefix_cache_queries_total", "1")
+        == 160
+    )
+    assert value("kvflow:generation_tokens_total", "0") == 2
+    assert value("kvflow:generation_tokens_total", "1") == 2
+    assert (
+        value("kvflow:num_requests_running", "0"),
+        value("kvflow:num_requests_running", "1"),
+    ) == (1, 2)
+    assert value("kvflow:kv_cache_usage_perc", "1") == 0.25
+
+
+@pytest.mark.slow
+def test_a_dead_core_turns_health_503_and_sigterm_leaves_no_process(server: RemoteServer) -> None:
+    pids = engine_pids(server.process.pid)
+    assert len(pids) == 2
+    body = {"model": "hash", "prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True}
+    events: list[str] = []
+    with httpx.Client(timeout=TIMEOUT_S) as client:
+        with client.stream(
+            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}
+        ) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line.removeprefix("data:").strip())
+                    if len(events) == 3:  # tokens flow: kill one core under the stream
+                        os.kill(pids[1], signal.SIGKILL)
+        payloads = [json.loads(event) for event in events if event != "[DONE]"]
+        message = payloads[-1]["error"]["message"]
+        assert "data-parallel engine core" in message and "exited unexpectedly" in message
+        assert client.get(f"{server.url}/health").status_code == 503
+        rejected = client.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2})
+        assert rejected.status_code == 503
+    deadline = time.monotonic() + TIMEOUT_S
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the surviving core is stopped too, and both are reaped
+    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    assert server.stop(signal.SIGTERM) == 0, server.log[-2000:]
+    assert "Traceback" not in server.log
+    assert not server.leftover_processes()
