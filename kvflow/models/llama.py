@@ -25,9 +25,9 @@ from kvflow.models.layers import (
     ColumnParallelLinear,
     Linear,
     LMHead,
-    RowParallelLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     VocabEmbedding,
     silu_and_mul,
 )

@@ -12,9 +12,9 @@ __all__ = [
     "ColumnParallelLinear",
     "LMHead",
     "Linear",
-    "RowParallelLinear",
     "RMSNorm",
     "RotaryEmbedding",
+    "RowParallelLinear",
     "VocabEmbedding",
     "silu_and_mul",
 ]
