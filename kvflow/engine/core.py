@@ -307,5 +307,11 @@ class EngineCore:
         return self.executor.collective_rpc(method, tuple(args), dict(kwargs or {}))
 
     def shutdown(self) -> None:
-        self.drain()
-        self.executor.shutdown()
+        """Apply what is in flight, then stop the executor's workers (also when a worker has died)."""
+        try:
+            self.drain()
+        except Exception:
+            logger.warning("batches in flight were lost at shutdown", exc_info=True)
+            self.batch_queue.clear()
+        finally:
+            self.executor.shutdown()

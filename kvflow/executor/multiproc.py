@@ -72,10 +72,10 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def free_tcp_port() -> int:
-    """A port on 127.0.0.1 free now (for rank 0's torch.distributed store)."""
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A port on `host` free now (for rank 0's torch.distributed store)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((host, 0))
         return probe.getsockname()[1]
 
 

@@ -305,6 +305,19 @@ class Worker:
                 f"weights must be a checkpoint folder or a state dict, got {type(weights).__name__}"
             )
 
+    def rank_info(self) -> dict[str, Any]:
+        """This rank's place and shape, for `collective_rpc("rank_info")` (plain JSON values): `rank`,
+        `tensor_parallel_size`, `pid`, `parent_pid`, `device`, `num_kv_blocks`, `kv_cache_shape`."""
+        return {
+            "rank": self.rank,
+            "tensor_parallel_size": self.tp.size,
+            "pid": os.getpid(),
+            "parent_pid": os.getppid(),
+            "device": str(self.device),
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_shape": list(self.model_runner.kv_cache.shape),
+        }
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step."""
         return self.model_runner.execute_model(scheduler_output)
