@@ -35,9 +35,11 @@ def build_rank_worker(startup: RankStartup) -> Worker:
         torch.set_num_threads(startup.num_threads)
     device_type = resolve_device(startup.engine_config.model_config.device).type
     if device_type == "cpu" and startup.dist_init_method.startswith("tcp://127.0.0.1:"):
-        os.environ.setdefault(
-            "GLOO_SOCKET_IFNAME", "lo"
-        )  # a loopback rendezvous: gloo's pairs stay on it
+        # A loopback rendezvous: gloo's pairs stay on the loopback interface.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if device_type == "cuda" and startup.world_size > 1:
+        # NCCL binds each rank to its device before the group forms (Ray gives each actor one visible GPU).
+        torch.cuda.set_device(startup.rank % torch.cuda.device_count())
     tp = init_tensor_parallel_group(
         startup.rank, startup.world_size, startup.dist_init_method, device_type
     )

@@ -258,7 +258,7 @@ class Worker:
         self.rank = self.tp.rank
         self.device = resolve_device(model_config.device)
         if self.device.type == "cuda" and self.tp.size > 1 and self.device.index is None:
-            self.device = torch.device("cuda", self.tp.rank)
+            self.device = torch.device("cuda", self.tp.rank % torch.cuda.device_count())
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
         self.model_info = (
