@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tp-sizes", default="1,2", help="comma-separated TP sizes, the first is the base"
     )
+    parser.add_argument("--num-requests", type=int, default=None, help="default 8 (quick: 4)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (quick: 12)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--skip-tp", action="store_true", help="skip the tensor-parallel part")
     parser.add_argument("--dp", action="store_true", help="run the data-parallel part")
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
 
     shape = QUICK_SHAPE if args.quick else QWEN2_05B_SHAPE
     num_requests, prompt_len, max_tokens = (4, 16, 12) if args.quick else (8, 64, 64)
+    num_requests = args.num_requests or num_requests
+    max_tokens = args.max_tokens or max_tokens
     cache_root = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
     name = "bench-quick" if args.quick else "bench-qwen2-0.5b-shape"
     print(f"# {COMMAND} {shlex.join(argv if argv is not None else sys.argv[1:])}")
