@@ -123,6 +123,27 @@ def test_each_step_is_one_broadcast_whose_size_does_not_grow_with_history(hash_t
     assert max(decode_sizes) < 1024
 
 
+def worker_children() -> list[int]:
+    """Live `mp` worker processes started by this process."""
+    pids = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+            command = (stat_file.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"mp_worker" in command:
+            pids.append(int(stat_file.parent.name))
+    return pids
+
+
+def test_a_rank_that_fails_to_start_raises_its_error_and_leaves_no_worker() -> None:
+    before = set(worker_children())
+    with pytest.raises(ValueError, match=r"tensor-parallel rank 0: num_kv_blocks=\d+ asks for"):
+        LLM("hash", tensor_parallel_size=2, **{**HASH_OPTIONS, "num_kv_blocks": 10**13})
+    assert set(worker_children()) <= before
+
+
 def test_async_llm_tp2_outputs_and_collective_rpc_in_rank_order() -> None:
     async def scenario() -> tuple[list[int], list[dict[str, Any]]]:
         llm = AsyncLLM("hash", tensor_parallel_size=2, **HASH_OPTIONS)
