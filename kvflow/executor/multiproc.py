@@ -113,6 +113,15 @@ class MultiprocExecutor(Executor):
 
         parallel_config = engine_config.parallel_config
         self.world_size = parallel_config.tensor_parallel_size
+        device_type = resolve_device(engine_config.model_config.device).type
+        if device_type == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < self.world_size:
+                raise ValueError(
+                    f"tensor_parallel_size={self.world_size} needs {self.world_size} CUDA devices on this "
+                    f"machine, found {torch.cuda.device_count()}"
+                )
         self.bytes_broadcast = (
             0  # every frame published, in bytes (each counted once, not per rank)
         )
@@ -136,15 +145,6 @@ class MultiprocExecutor(Executor):
         reply_address = f"ipc://{os.path.join(self._ipc_dir, 'replies')}"
         self._broadcast.bind(broadcast_address)
         self._replies.bind(reply_address)
-        device_type = resolve_device(engine_config.model_config.device).type
-        if device_type == "cuda":
-            import torch
-
-            if torch.cuda.device_count() < self.world_size:
-                raise ValueError(
-                    f"tensor_parallel_size={self.world_size} needs {self.world_size} CUDA devices on this "
-                    f"machine, found {torch.cuda.device_count()}"
-                )
         dist_init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
         num_threads = threads_per_rank(device_type, self.world_size)
         self._procs: list[subprocess.Popen[bytes]] = []
