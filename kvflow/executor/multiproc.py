@@ -122,9 +122,8 @@ class MultiprocExecutor(Executor):
                     f"tensor_parallel_size={self.world_size} needs {self.world_size} CUDA devices on this "
                     f"machine, found {torch.cuda.device_count()}"
                 )
-        self.bytes_broadcast = (
-            0  # every frame published, in bytes (each counted once, not per rank)
-        )
+        # Every frame published, in bytes: each counted once, however many ranks receive it.
+        self.bytes_broadcast = 0
         self.num_broadcasts = 0
         self.last_broadcast_bytes = 0
         self._call_ids = itertools.count()
