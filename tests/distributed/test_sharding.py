@@ -119,3 +119,19 @@ def test_head_counts_that_do_not_split_are_value_errors(checkpoint: Path) -> Non
         match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)",
     ):
         LlamaForCausalLM(config, dtype=torch.float32, tp=TensorParallelGroup(0, 3))
+
+
+def test_cpu_kv_cache_budget_is_split_between_ranks_so_tp_holds_as_many_blocks() -> None:
+    """Each rank's block is 1/N of one rank's bytes and the host's budget is split N ways: the same block count."""
+    from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig
+    from kvflow.worker.worker import DeviceMemory, plan_kv_cache
+
+    config = EngineConfig(
+        cache_config=CacheConfig(cpu_kv_cache_space_bytes=1 << 20),
+        scheduler_config=SchedulerConfig(max_num_seqs=64, max_model_len=8192),
+    )
+    memory = DeviceMemory("cpu", total_bytes=1 << 34, free_bytes=1 << 33)
+    one_rank = plan_kv_cache(config, 4096, memory)
+    two_ranks = plan_kv_cache(config, 2048, memory, num_host_ranks=2)
+    assert one_rank.num_blocks == two_ranks.num_blocks == (1 << 20) // 4096
+    assert "split between 2 ranks" in two_ranks.rule
