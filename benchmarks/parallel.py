@@ -54,9 +54,27 @@ class TPResult:
 
 
 def run_tp(
+    path: Path,
+    tp_size: int,
+    num_requests: int,
+    prompt_len: int,
+    max_tokens: int,
+    num_threads: int | None = None,
+) -> TPResult:
+    """Generate the workload at `tp_size` and time every pure decode step's `execute_model`. `num_threads` (TP=1
+    only) runs the in-process worker on that many threads instead of every core."""
+    default_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        return _run_tp(path, tp_size, num_requests, prompt_len, max_tokens)
+    finally:
+        torch.set_num_threads(default_threads)
+
+
+def _run_tp(
     path: Path, tp_size: int, num_requests: int, prompt_len: int, max_tokens: int
 ) -> TPResult:
-    """Generate the workload at `tp_size` and time every pure decode step's `execute_model`."""
     from kvflow import LLM, SamplingParams
 
     llm = LLM(
@@ -122,7 +140,8 @@ def print_tp(results: list[TPResult]) -> None:
     base = results[0]
     for result in results[1:]:
         print(
-            f"TP={result.tp_size} / TP={base.tp_size} median decode step time: "
+            f"TP={result.tp_size} ({result.threads_per_rank} threads/rank) / TP={base.tp_size} "
+            f"({base.threads_per_rank} threads/rank) median decode step time: "
             f"{result.median_step_ms / base.median_step_ms:.2f}x"
         )
 
@@ -147,6 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (quick: 12)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None)
     parser.add_argument("--skip-tp", action="store_true", help="skip the tensor-parallel part")
+    parser.add_argument(
+        "--tp1-one-thread",
+        action="store_true",
+        help="also run TP=1 on one thread (one rank's share of the cores): separates what TP costs or buys "
+        "from what PyTorch's thread team does on a busy machine",
+    )
     parser.add_argument("--dp", action="store_true", help="run the data-parallel part")
     args = parser.parse_args(argv)
 
@@ -169,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         tp_sizes = [int(size) for size in args.tp_sizes.split(",")]
         results = [run_tp(path, size, num_requests, prompt_len, max_tokens) for size in tp_sizes]
+        if args.tp1_one_thread:
+            results.append(run_tp(path, 1, num_requests, prompt_len, max_tokens, num_threads=1))
         print_tp(results)
     if args.dp:
         run_dp_part(args)

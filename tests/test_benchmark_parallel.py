@@ -37,5 +37,7 @@ def test_quick_run_prints_tp1_and_tp2(tmp_path: Path, capsys: pytest.CaptureFixt
     assert rows[1][3:] == ("in-process", "in-process")
     first_bytes, last_bytes = int(rows[2][3]), int(rows[2][4])
     assert 0 < last_bytes <= first_bytes + 32  # 11 decode steps of history added nothing
-    assert "TP=2 / TP=1 median decode step time:" in out
+    assert re.search(
+        r"TP=2 \(\d+ threads/rank\) / TP=1 \(\d+ threads/rank\) median decode step time", out
+    )
     assert "DP part" in out
