@@ -17,7 +17,13 @@ Systems, run one after the other in this process:
    on the same KV cache, with no scheduler, input preparation, sampling or output processing. Its time is the best
    kvflow could do with its own forward pass; the engine's overhead is (2) over (3).
 4. **kvflow sync**: (2) with `async_scheduling=False` (schedule, run, update, one after the other).
+5. **compute floor** (`compute_floor.py`): the time the model's linear layers alone take for every forward pass of
+   (2), each at that pass's row count, measured on this machine in this run (best of 3 per shape and row count on a
+   grid, interpolated). Attention, norms, RoPE, sampling and scheduling are all above it.
 Each system gets an untimed warm-up generation first. Output tokens/s = useful output tokens / wall time.
+
+Goals (issue 11), printed as ratios measured in the same run: kvflow's throughput >= 0.8 of the compute floor's
+(floor seconds / kvflow seconds), and >= 3x HF static.
 
 `--model default --skip-hf --num-requests 256` runs the kvflow systems on the built-in default model instead (a
 3.4M-parameter Llama), where per-step CPU work is large next to the forward pass, so the async/sync ratio shows
@@ -39,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compute_floor import GemmFloor  # a sibling script module
 
 COMMAND = "python benchmarks/throughput.py"
 QWEN2_05B_SHAPE = {
@@ -158,8 +167,13 @@ def run_hf(path: Path, workload: Workload, batch_size: int) -> Result:
 
 
 def run_kvflow(
-    path: Path, workload: Workload, engine_kwargs: dict[str, Any], name: str = "kvflow"
-) -> tuple[Result, Result]:
+    path: Path,
+    workload: Workload,
+    engine_kwargs: dict[str, Any],
+    name: str = "kvflow",
+    measure_floor: bool = False,
+) -> tuple[Result, Result, Result | None]:
+    """kvflow's engine run, the replay of its forward passes and (with `measure_floor`) their compute floor."""
     from kvflow import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, **engine_kwargs)
@@ -201,10 +215,21 @@ def run_kvflow(
         f"kvflow ran {len(recorded)} forward passes; mean batch {mean_tokens:.1f} tokens, {mean_reqs:.1f} requests",
         file=sys.stderr,
     )
+    floor_result = None
+    if measure_floor:
+        passes = [(batch.num_tokens, int(batch.logits_indices.numel())) for batch in recorded]
+        floor = GemmFloor.measure(runner.model, passes, dtype=runner.model.dtype)
+        floor_result = Result("compute floor", floor.seconds, produced)
+        print(
+            f"compute floor: {floor.flops / 1e12:.2f} TFLOP in linear layers over {floor.num_passes} passes, "
+            f"{floor.gflops_per_s:.0f} GFLOP/s",
+            file=sys.stderr,
+        )
     llm.engine_core.shutdown()
     return (
         Result(name, elapsed, produced),
         Result(f"{name} forward only", forward_elapsed, produced),
+        floor_result,
     )
 
 
@@ -256,13 +281,14 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_model_len": 512}
-    kvflow_result, forward_result = run_kvflow(
-        path, workload, {**engine_kwargs, "async_scheduling": True}
+    kvflow_result, forward_result, floor_result = run_kvflow(
+        path, workload, {**engine_kwargs, "async_scheduling": True}, measure_floor=True
     )
+    assert floor_result is not None
     results += [kvflow_result, forward_result]
     sync_result = None
     if not args.skip_sync:
-        sync_result, _ = run_kvflow(
+        sync_result, _, _ = run_kvflow(
             path, workload, {**engine_kwargs, "async_scheduling": False}, "kvflow sync"
         )
         results.append(sync_result)
@@ -276,12 +302,15 @@ def main(argv: list[str] | None = None) -> None:
         f"# {num_requests} requests, prompt tokens {sum(map(len, workload.prompts))}, "
         f"useful output tokens {workload.num_output_tokens}"
     )
+    results.append(floor_result)
     print(f"{'system':<22}{'elapsed s':>11}{'output tok/s':>14}")
     for result in results:
         print(f"{result.name:<22}{result.elapsed_s:>11.2f}{result.output_tokens_per_s:>14.1f}")
+    goals = [("kvflow / compute floor", floor_result.elapsed_s / kvflow_result.elapsed_s, 0.8)]
     if not args.skip_hf:
         speedup = kvflow_result.output_tokens_per_s / results[0].output_tokens_per_s
         print(f"kvflow / HF static throughput: {speedup:.2f}x")
+        goals.append(("kvflow / HF static", speedup, 3.0))
     print(
         f"kvflow engine time / forward-only time: {kvflow_result.elapsed_s / forward_result.elapsed_s:.3f}"
     )
@@ -290,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
             f"kvflow async / sync scheduling throughput: "
             f"{kvflow_result.output_tokens_per_s / sync_result.output_tokens_per_s:.3f}x"
         )
+    print(f"{'goal':<26}{'measured':>10}{'target':>9}  result")
+    for goal, measured, target in goals:
+        verdict = "PASS" if measured >= target else "MISS"
+        print(f"{goal:<26}{measured:>10.3f}{'>= ' + format(target, 'g'):>9}  {verdict}")
 
 
 if __name__ == "__main__":

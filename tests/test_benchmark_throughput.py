@@ -40,3 +40,56 @@ def test_quick_run_prints_every_system(tmp_path: Path, capsys: pytest.CaptureFix
         assert system in out
     assert "kvflow / HF static throughput:" in out and "async / sync scheduling throughput:" in out
     assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+    assert "compute floor" in out
+    goal_rows = {
+        line.split()[2]: line.split() for line in out.splitlines() if line.startswith("kvflow / ")
+    }
+    assert set(goal_rows) >= {"compute", "HF"}
+    assert goal_rows["compute"][-1] in ("PASS", "MISS") and goal_rows["HF"][-1] in ("PASS", "MISS")
+
+
+def load_compute_floor():  # type: ignore[no-untyped-def]
+    load_benchmark()  # puts benchmarks/ on sys.path
+    import compute_floor
+
+    return compute_floor
+
+
+def test_row_grid_covers_one_to_the_largest_row_count() -> None:
+    compute_floor = load_compute_floor()
+    assert compute_floor.row_grid(1) == [1]
+    assert compute_floor.row_grid(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
+    assert compute_floor.row_grid(64)[-1] == 64
+
+
+def test_interpolation_is_exact_on_the_grid_and_linear_between() -> None:
+    compute_floor = load_compute_floor()
+    measured = {1: 1.0, 4: 4.0, 8: 6.0}
+    assert compute_floor.interpolate(measured, 4) == 4.0
+    assert compute_floor.interpolate(measured, 6) == 5.0
+    assert compute_floor.interpolate(measured, 0) == 0.0
+    assert compute_floor.interpolate(measured, 16) == 12.0  # past the grid: proportional to rows
+
+
+def test_floor_counts_every_linear_layer_on_the_rows_kvflow_runs_it_on(tmp_path: Path) -> None:
+    """Layer 0 runs all four products on every token; the last layer runs only QKV on every token and the rest on
+    sampled rows; the LM head on sampled rows. The FLOPs of a pass follow from that exactly."""
+    import torch
+
+    from kvflow import LLM
+
+    benchmark = load_benchmark()
+    compute_floor = load_compute_floor()
+    path = benchmark.ensure_checkpoint(tmp_path / "ckpt", benchmark.QUICK_SHAPE)
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+    try:
+        model = llm.engine_core.executor.worker.model_runner.model
+        floor = compute_floor.GemmFloor.measure(model, [(10, 2)], dtype=torch.float32, repeats=1)
+    finally:
+        llm.engine_core.shutdown()
+    hidden, inter, vocab = 128, 256, 1000
+    qkv = hidden * (hidden + 2 * (hidden // 4) * 2)
+    others = hidden * hidden + hidden * 2 * inter + inter * hidden
+    expected = 2 * (10 * (2 * qkv + others) + 2 * (others + vocab * hidden))
+    assert floor.flops == expected
+    assert floor.seconds > 0 and floor.num_passes == 1

@@ -13,6 +13,7 @@ import torch
 
 from kvflow.models.hf_config import load_hf_config
 from kvflow.models.registry import get_model_class
+from kvflow.models.safetensors_io import SafetensorsFile, SafetensorsFormatError
 
 if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
@@ -83,25 +84,23 @@ def iterate_safetensors_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` for every tensor of the checkpoint, file by file, on the CPU.
 
-    With `select` (a tensor-parallel rank's `model.checkpoint_index`), only the part `select(name)` names is read
-    from the file (`safe_open(...).get_slice`), so a rank never materializes a whole sharded tensor; tensors it
-    maps to None are skipped. A missing file raises FileNotFoundError naming it; an unreadable one ValueError
-    naming it.
+    Each tensor is read into memory of its own (`SafetensorsFile`: positioned reads, no memory map), so a consumer
+    that copies it into a parameter and drops it holds one tensor beyond the model at any time, never a second copy
+    of the checkpoint. With `select` (a tensor-parallel rank's `model.checkpoint_index`) only the part
+    `select(name)` names is read (`SafetensorsFile.read(name, index)`), so a rank never materializes a whole
+    sharded tensor; tensors it maps to None are skipped. A missing file raises FileNotFoundError naming it; an
+    unreadable one ValueError naming it.
     """
-    from safetensors import SafetensorError, safe_open
-
     for file in safetensors_files(model_path):
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as handle:
-                for name in handle.keys():  # noqa: SIM118  (safe_open handles are not iterable)
+            with SafetensorsFile(file) as handle:
+                for name in handle.names():
                     index = () if select is None else select(name)
-                    if index is None:
-                        continue
-                    if index:
-                        yield name, handle.get_slice(name)[index]
-                    else:
-                        yield name, handle.get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as error:
+                    if index is not None:
+                        yield name, handle.read(name, index)
+        except SafetensorsFormatError:
+            raise
+        except OSError as error:
             raise ValueError(f"cannot read safetensors file {str(file)!r}: {error}") from error
 
 

@@ -135,3 +135,26 @@ def test_cpu_kv_cache_budget_is_split_between_ranks_so_tp_holds_as_many_blocks()
     two_ranks = plan_kv_cache(config, 2048, memory, num_host_ranks=2)
     assert one_rank.num_blocks == two_ranks.num_blocks == (1 << 20) // 4096
     assert "split between 2 ranks" in two_ranks.rule
+
+
+def test_column_slices_are_read_in_chunks_no_larger_than_the_part(tmp_path: Path) -> None:
+    """A row-parallel rank's columns: equal to slicing the whole tensor, read a few rows at a time."""
+    from safetensors.torch import save_file
+
+    from kvflow.models.safetensors_io import SafetensorsFile
+
+    weight = torch.randn(37, 20, dtype=torch.float32)
+    save_file({"w": weight, "b": torch.randn(5)}, str(tmp_path / "x.safetensors"))
+    with SafetensorsFile(tmp_path / "x.safetensors") as handle:
+        reads: list[int] = []
+        read_exactly = handle._read_exactly
+
+        def counting(tensor: torch.Tensor, offset: int, name: str) -> None:
+            reads.append(tensor.numel())
+            read_exactly(tensor, offset, name)
+
+        handle._read_exactly = counting  # type: ignore[method-assign]
+        part = handle.read("w", (slice(None), slice(10, 15)))
+        assert torch.equal(part, weight[:, 10:15])
+        assert max(reads) <= part.numel() and sum(reads) == weight.numel()
+        assert torch.equal(handle.read("w", (slice(3, 9), slice(0, 20, 2))), weight[3:9, ::2])

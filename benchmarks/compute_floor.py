@@ -1,0 +1,156 @@
+"""The compute floor of a run: how long the model's matrix products alone take at the batch sizes the run used.
+
+A forward pass of a Llama-family model runs, per decoder layer, four linear layers (fused QKV, output projection,
+fused gate/up, down) on every scheduled token, except that kvflow's last layer runs the output projection and MLP
+only on the rows it samples; then the LM head on the sampled rows. Everything else (attention, norms, RoPE,
+sampling, scheduling) is overhead above the floor. The floor of a run is
+
+    sum over the run's forward passes, over the model's linear layers, of time(F.linear at that pass's row count)
+
+where `time(N, K, M)` is measured on this machine, now, with the model's weights' dtype and the threads torch
+uses: best of a few repeats at a grid of row counts (1, 2, 3, 4, 6, 8, 12, ... up to the largest the run used),
+interpolated linearly between grid points. Its FLOPs are `2 * M * N * K` per product, so `floor FLOPs / floor
+seconds` is the GEMM rate the hardware reached on these shapes.
+
+`GemmFloor.measure(model, passes)` does all of this for a list of `(num_tokens, num_sampled)` passes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROWS_TOKENS = "tokens"
+ROWS_SAMPLED = "sampled"
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """A linear layer's weight `[out_features, in_features]` and whose rows it runs on (every scheduled token or
+    only the sampled ones)."""
+
+    out_features: int
+    in_features: int
+    rows: str
+
+
+def row_grid(max_rows: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and their midpoints) up to and including `max_rows`."""
+    grid: list[int] = []
+    power = 1
+    while power < max_rows:
+        grid.append(power)
+        if power >= 2 and power + power // 2 < max_rows:
+            grid.append(power + power // 2)
+        power *= 2
+    grid.append(max_rows)
+    return sorted(set(grid))
+
+
+def model_gemm_shapes(model: nn.Module) -> Counter[GemmShape]:
+    """The linear layers of one forward pass of kvflow's Llama-family model, counted by shape.
+
+    Decoder layers: every 2-D weight of a layer's attention and MLP (QKV, o, gate/up, down). The first projection of
+    attention (QKV) runs on every token in every layer; in the last layer the others run only on sampled rows. The
+    LM head runs on sampled rows.
+    """
+    layers = list(model.model.layers)  # type: ignore[union-attr]
+    shapes: Counter[GemmShape] = Counter()
+    for index, layer in enumerate(layers):
+        last = index == len(layers) - 1
+        for name, parameter in layer.named_parameters():
+            if parameter.dim() != 2 or not name.endswith("weight"):
+                continue
+            rows = ROWS_TOKENS if (not last or "qkv" in name) else ROWS_SAMPLED
+            shapes[GemmShape(parameter.shape[0], parameter.shape[1], rows)] += 1
+    head = model.lm_head.weight  # type: ignore[union-attr]
+    shapes[GemmShape(head.shape[0], head.shape[1], ROWS_SAMPLED)] += 1
+    return shapes
+
+
+def time_linear(
+    out_features: int, in_features: int, rows: int, dtype: torch.dtype, repeats: int
+) -> float:
+    """Best-of-`repeats` seconds of one `F.linear([rows, in], [out, in])` in `dtype` (after one warm-up call)."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    with torch.inference_mode():
+        F.linear(x, weight)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            F.linear(x, weight)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass
+class GemmFloor:
+    """The measured floor of a run (see the module docstring).
+
+    Invariants: `seconds` and `flops` cover exactly the given passes; `seconds_by_rows[shape]` holds the measured
+    time at every grid point of that shape's row kind.
+    """
+
+    seconds: float
+    flops: float
+    num_passes: int
+    seconds_by_rows: dict[GemmShape, dict[int, float]] = field(repr=False)
+
+    @property
+    def gflops_per_s(self) -> float:
+        return self.flops / self.seconds / 1e9
+
+    @classmethod
+    def measure(
+        cls,
+        model: nn.Module,
+        passes: list[tuple[int, int]],
+        *,
+        dtype: torch.dtype,
+        repeats: int = 3,
+    ) -> GemmFloor:
+        """The floor of `passes` (each `(num_tokens, num_sampled)`) through `model`'s linear layers."""
+        shapes = model_gemm_shapes(model)
+        max_rows = {
+            ROWS_TOKENS: max((tokens for tokens, _ in passes), default=1),
+            ROWS_SAMPLED: max((sampled for _, sampled in passes), default=1),
+        }
+        seconds_by_rows = {
+            shape: {
+                rows: time_linear(shape.out_features, shape.in_features, rows, dtype, repeats)
+                for rows in row_grid(max_rows[shape.rows])
+            }
+            for shape in shapes
+        }
+        seconds = flops = 0.0
+        for num_tokens, num_sampled in passes:
+            for shape, count in shapes.items():
+                rows = num_tokens if shape.rows == ROWS_TOKENS else num_sampled
+                seconds += count * interpolate(seconds_by_rows[shape], rows)
+                flops += count * 2.0 * rows * shape.out_features * shape.in_features
+        return cls(seconds, flops, len(passes), seconds_by_rows)
+
+
+def interpolate(seconds_at: dict[int, float], rows: int) -> float:
+    """Linear interpolation of measured times between the two grid points around `rows` (0 for no rows)."""
+    if rows <= 0:
+        return 0.0
+    grid = sorted(seconds_at)
+    if rows in seconds_at:
+        return seconds_at[rows]
+    right = bisect.bisect_left(grid, rows)
+    if right == 0:
+        return seconds_at[grid[0]]
+    if right == len(grid):
+        return seconds_at[grid[-1]] * rows / grid[-1]
+    low, high = grid[right - 1], grid[right]
+    weight = (rows - low) / (high - low)
+    return seconds_at[low] * (1 - weight) + seconds_at[high] * weight
