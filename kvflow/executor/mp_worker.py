@@ -103,7 +103,12 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     args: MultiprocWorkerArgs = pickle.load(sys.stdin.buffer)
     _watch_parent(args.parent_pid)
-    sys.exit(run_worker(args))
+    exit_code = run_worker(args)
+    # Everything is closed: skip the interpreter's teardown (seconds with torch loaded on a busy machine).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 if __name__ == "__main__":
