@@ -1,5 +1,6 @@
 """The `ray` executor on a local Ray instance this module starts (2 CPUs, no dashboard): TP=2 greedy outputs equal
-one rank's and transformers', RPCs come back in rank order, and shutdown leaves no live actor.
+one rank's and transformers', RPCs come back in rank order, a killed actor fails the engine naming its rank, and
+shutdown leaves no live actor.
 
 Ray is the optional extra `kvflow[ray]` (CI installs it): without it these tests FAIL saying how to install it.
 """
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.executor.multiproc import WorkerDiedError
 from kvflow.testing.hf_checkpoints import hf_greedy, load_hf_model, make_tiny_checkpoint
 
 MAX_TOKENS = 10
@@ -77,6 +79,12 @@ def test_tp2_on_ray_matches_one_rank_and_transformers_and_leaves_no_actor(
         assert [info["rank"] for info in infos] == [0, 1]
         assert [info["kv_cache_shape"][2] for info in infos] == [1, 1]  # 2 KV heads, 1 per rank
         assert sorted(_live_actor_pids(ray_instance)) == sorted(info["pid"] for info in infos)
+        # A rank's actor dies: the next step fails naming that rank (no hang), and so does every later call.
+        ray_instance.kill(llm.engine_core.executor.actors[1], no_restart=True)
+        with pytest.raises(WorkerDiedError, match=r"tensor-parallel rank 1 \(Ray actor\) died or failed"):
+            llm.generate(batch[:2], params, use_tqdm=False)
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            llm.collective_rpc("rank_info")
     finally:
         llm.shutdown()
     deadline = time.monotonic() + 30
