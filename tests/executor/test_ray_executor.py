@@ -81,7 +81,9 @@ def test_tp2_on_ray_matches_one_rank_and_transformers_and_leaves_no_actor(
         assert sorted(_live_actor_pids(ray_instance)) == sorted(info["pid"] for info in infos)
         # A rank's actor dies: the next step fails naming that rank (no hang), and so does every later call.
         ray_instance.kill(llm.engine_core.executor.actors[1], no_restart=True)
-        with pytest.raises(WorkerDiedError, match=r"tensor-parallel rank 1 \(Ray actor\) died or failed"):
+        with pytest.raises(
+            WorkerDiedError, match=r"tensor-parallel rank 1 \(Ray actor\) died or failed"
+        ):
             llm.generate(batch[:2], params, use_tqdm=False)
         with pytest.raises(WorkerDiedError, match="rank 1"):
             llm.collective_rpc("rank_info")
