@@ -10,7 +10,7 @@ SchedulingPolicyName = Literal["fcfs", "priority"]
 # The allowed values of the choice options; `EngineArgs` offers the same lists on the command line.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULING_POLICIES: tuple[SchedulingPolicyName, ...] = ("fcfs", "priority")
-EXECUTOR_BACKENDS = ("uni",)
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -152,9 +152,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How work is spread. `worker_thread` decides whether overlapped (async-scheduled) steps run the worker on its
-    own thread: "auto" = only when the model is on CUDA, whose kernels leave the CPU free to schedule; on a CPU
-    device the forward pass needs every core, so the step runs inline (same batch queue and outputs, no overlap)."""
+    """How work is spread. `tensor_parallel_size` ranks each hold a shard of the model; their workers run under
+    `distributed_executor_backend` ("uni": in-process, one rank only; "mp": worker processes; "ray": Ray actors;
+    None: "uni" at one rank, "mp" above). `worker_thread` decides whether the in-process executor runs overlapped
+    (async-scheduled) steps on its own thread: "auto" = only when the model is on CUDA, whose kernels leave the
+    CPU free to schedule; on a CPU device the forward pass needs every core, so the step runs inline (same batch
+    queue and outputs, no overlap)."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -169,6 +172,11 @@ class ParallelConfig:
             self.distributed_executor_backend in (None, *EXECUTOR_BACKENDS),
             f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
             f"got {self.distributed_executor_backend!r}",
+        )
+        _require(
+            self.distributed_executor_backend != "uni" or self.tensor_parallel_size == 1,
+            "distributed_executor_backend 'uni' runs a single rank; tensor_parallel_size="
+            f"{self.tensor_parallel_size} needs 'mp' or 'ray'",
         )
         _require(
             self.worker_thread in ("auto", "on", "off"),

@@ -90,9 +90,16 @@ class EngineArgs:
     async_scheduling: bool = _option(True, "plan step N+1 while step N runs (overlapped steps)")
     scheduling_policy: str = _option("fcfs", "admission and preemption order", SCHEDULING_POLICIES)
     seed: int = _option(0, "engine seed: draws of requests without their own seed")
-    tensor_parallel_size: int = _option(1, "tensor-parallel ranks (only 1 in this build)")
+    tensor_parallel_size: int = _option(
+        1,
+        "tensor-parallel ranks: each holds 1/N of the model's heads, MLP and vocabulary, and of the KV cache "
+        "(torch.distributed: gloo on CPU, NCCL on CUDA)",
+    )
     distributed_executor_backend: str | None = _option(
-        None, "executor: 'uni' (in-process worker; only it in this build)", EXECUTOR_BACKENDS
+        None,
+        "how the ranks run: 'uni' (in-process, one rank), 'mp' (worker processes on this machine), 'ray' "
+        "(Ray actors; pip install 'kvflow[ray]'); default: 'uni' at one rank, 'mp' above",
+        EXECUTOR_BACKENDS,
     )
     data_parallel_size: int = _option(
         1,
@@ -137,9 +144,12 @@ class EngineArgs:
         resolve_device(
             self.device
         )  # an unknown or absent device is a ValueError now, not at load time
-        if self.tensor_parallel_size != 1:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
             raise ValueError(
-                "tensor_parallel_size must be 1: parallel engines are not available in this build"
+                "distributed_executor_backend 'uni' runs a single rank; tensor_parallel_size="
+                f"{self.tensor_parallel_size} needs 'mp' or 'ray'"
             )
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")

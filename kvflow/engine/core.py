@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvflow.core.sched.async_scheduler import AsyncScheduler
 from kvflow.core.sched.output import EngineCoreOutput
 from kvflow.core.sched.scheduler import PauseState, Scheduler
-from kvflow.executor.uniproc import UniProcExecutor
+from kvflow.executor import get_executor_class, resolve_executor_backend
 from kvflow.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -72,12 +72,19 @@ class EngineCore:
 
     def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
         self.engine_config = engine_config
-        self.executor = UniProcExecutor(engine_config, model_info)
+        executor_class = get_executor_class(resolve_executor_backend(engine_config.parallel_config))
+        self.executor = executor_class(engine_config, model_info)
         scheduler_config = engine_config.scheduler_config
         scheduler_cls = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(
-            scheduler_config, engine_config.cache_config, num_kv_blocks=self.executor.num_kv_blocks
-        )
+        try:
+            self.scheduler = scheduler_cls(
+                scheduler_config,
+                engine_config.cache_config,
+                num_kv_blocks=self.executor.num_kv_blocks,
+            )
+        except BaseException:
+            self.executor.shutdown()  # no worker process outlives a core that failed to start
+            raise
         self.batch_queue_size = 2 if scheduler_config.async_scheduling else 1
         self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], int]] = deque()
         self.weight_version = 0
@@ -287,7 +294,7 @@ class EngineCore:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """Run a worker method on every rank and return the results in rank order (one rank today).
+        """Run a worker method on every rank and return the results in rank order.
 
         `method` is the name of a `Worker` method, or a callable taking the worker as its first argument; it is
         called with `*args, **kwargs`. Runs between engine steps (a front end sends it as a utility call), so it
@@ -300,5 +307,11 @@ class EngineCore:
         return self.executor.collective_rpc(method, tuple(args), dict(kwargs or {}))
 
     def shutdown(self) -> None:
-        self.drain()
-        self.executor.shutdown()
+        """Apply what is in flight, then stop the executor's workers (also when a worker has died)."""
+        try:
+            self.drain()
+        except Exception:
+            logger.warning("batches in flight were lost at shutdown", exc_info=True)
+            self.batch_queue.clear()
+        finally:
+            self.executor.shutdown()

@@ -217,6 +217,12 @@ class LLM:
         with self._lock:
             return self.engine_core.collective_rpc(method, args, kwargs)
 
+    def shutdown(self) -> None:
+        """Stop the engine's workers (tensor-parallel worker processes or Ray actors); the LLM is unusable after.
+        Idempotent; an LLM that is garbage-collected or outlives the interpreter stops them too."""
+        with self._lock:
+            self.engine_core.shutdown()
+
     # ------------------------------------------------------------------------------------------------ internals
     def _expand_sampling_params(
         self,

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from kvflow.executor.base import Executor
 from kvflow.worker.worker import Worker
 
 if TYPE_CHECKING:
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
     from kvflow.model_info import ModelInfo
 
 
-class UniProcExecutor:
+class UniProcExecutor(Executor):
     """Runs a single `Worker` in-process. `execute_model(..., non_block=True)` returns a Future: with a worker
     thread (`ParallelConfig.worker_thread`: "on", or "auto" on CUDA) the step runs on that one dedicated thread, so
     the caller schedules the next step meanwhile (PyTorch releases the GIL in its kernels); steps run one at a time,
@@ -24,6 +25,8 @@ class UniProcExecutor:
 
     `num_kv_blocks` is what the worker allocated, which the scheduler's KV cache manager must use.
     """
+
+    name = "uni"
 
     def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
         self.worker = Worker(engine_config, model_info)

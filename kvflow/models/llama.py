@@ -15,12 +15,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from kvflow.distributed.parallel_state import (
+    TensorParallelGroup,
+    kv_head_partition,
+    split_evenly,
+)
 from kvflow.models.attention import AttentionBackend, get_attention_backend
 from kvflow.models.layers import (
+    ColumnParallelLinear,
     Linear,
     LMHead,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     VocabEmbedding,
     silu_and_mul,
 )
@@ -42,11 +49,24 @@ _STACKED_PROJECTIONS = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def tp_head_ranges(
+    config: TransformerConfig, tp: TensorParallelGroup
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """`((first query head, query heads), (first KV head, KV heads))` rank `tp.rank` holds: the query heads divided
+    evenly, the KV heads as `kv_head_partition` says (each rank's query heads attend to its KV heads only).
+    Counts that do not divide are a ValueError naming the field."""
+    heads = split_evenly(config.num_attention_heads, tp.size, tp.rank, "num_attention_heads")
+    kv_heads = kv_head_partition(config.num_key_value_heads, tp.size, tp.rank)
+    return heads, kv_heads
+
+
 class LlamaAttention(nn.Module):
     """Self-attention with fused QKV: `qkv_proj` stacks q (num_heads), k and v (num_kv_heads) rows, in that order.
 
     Invariants: `q_norm`/`k_norm` exist exactly when the config has `qk_norm` (Qwen3), and are applied per head
-    before RoPE; the backend is shared by every layer and holds no per-layer state.
+    before RoPE; the backend is shared by every layer and holds no per-layer state. Under tensor parallelism
+    `num_heads` / `num_kv_heads` are this rank's heads (`tp_head_ranges`): `qkv_proj` is column-parallel, `o_proj`
+    row-parallel (one all-reduce).
     """
 
     def __init__(
@@ -56,21 +76,29 @@ class LlamaAttention(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        (first_head, self.num_heads), (first_kv_head, self.num_kv_heads) = tp_head_ranges(
+            config, tp
+        )
         self.head_dim = config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
+        q_range = (first_head * self.head_dim, self.num_heads * self.head_dim)
+        kv_range = (first_kv_head * self.head_dim, self.num_kv_heads * self.head_dim)
+        self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
-            (q_size, kv_size, kv_size),
+            (q_range, kv_range, kv_range),
             bias=config.attention_bias,
             dtype=dtype,
             device=device,
         )
-        self.o_proj = Linear(
-            q_size, config.hidden_size, bias=config.o_proj_bias, dtype=dtype, device=device
+        self.o_proj = RowParallelLinear(
+            q_range,
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            tp=tp,
+            dtype=dtype,
+            device=device,
         )
         self.q_norm = (
             RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
@@ -114,27 +142,38 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP: `down(silu(gate(x)) * up(x))` with gate and up fused in `gate_up_proj` (gate rows first)."""
+    """SwiGLU MLP: `down(silu(gate(x)) * up(x))` with gate and up fused in `gate_up_proj` (gate rows first).
+    Under tensor parallelism each rank holds a slice of the intermediate size: gate/up column-parallel, down
+    row-parallel (one all-reduce)."""
 
     def __init__(
-        self, config: TransformerConfig, *, dtype: torch.dtype, device: torch.device
+        self,
+        config: TransformerConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(
                 f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented"
             )
-        self.gate_up_proj = Linear(
+        intermediate_range = split_evenly(
+            config.intermediate_size, tp.size, tp.rank, "intermediate_size"
+        )
+        self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size,
-            (config.intermediate_size,) * 2,
+            (intermediate_range,) * 2,
             bias=config.mlp_bias,
             dtype=dtype,
             device=device,
         )
-        self.down_proj = Linear(
-            config.intermediate_size,
+        self.down_proj = RowParallelLinear(
+            intermediate_range,
             config.hidden_size,
             bias=config.mlp_bias,
+            tp=tp,
             dtype=dtype,
             device=device,
         )
@@ -158,16 +197,17 @@ class LlamaDecoderLayer(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
         )
-        self.self_attn = LlamaAttention(config, backend, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, backend, dtype=dtype, device=device, tp=tp)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device
         )
-        self.mlp = LlamaMLP(config, dtype=dtype, device=device)
+        self.mlp = LlamaMLP(config, dtype=dtype, device=device, tp=tp)
 
     def forward(
         self,
@@ -203,13 +243,14 @@ class LlamaModel(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(
-            config.vocab_size, config.hidden_size, dtype=dtype, device=device
+            config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=tp
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, backend, dtype=dtype, device=device)
+            LlamaDecoderLayer(config, backend, dtype=dtype, device=device, tp=tp)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
@@ -224,6 +265,11 @@ class LlamaForCausalLM(nn.Module):
     it, and returns float32 logits for `batch.logits_indices` only. Attention metadata and RoPE cos/sin are built once
     per forward (one metadata per distinct sliding window) and shared by all layers. It does not sample: the
     runner's `Sampler` turns its logits into tokens (`samples_own_tokens` is False).
+
+    Tensor parallelism (`tp` of N ranks): each rank holds its query heads and KV heads (`tp_head_ranges`), its
+    slice of the MLP and of the vocabulary; `num_kv_heads` and the KV cache are this rank's, and the logits are
+    gathered, so every rank returns the whole vocabulary's logits. `checkpoint_index` says which part of each
+    checkpoint tensor a rank loads. With `tp=None` (one rank) nothing is split and no collective runs.
     """
 
     samples_own_tokens = False
@@ -235,28 +281,34 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         attention_backend: str = "torch",
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp if tp is not None else TensorParallelGroup.single()
+        (_, num_heads), (_, num_kv_heads) = tp_head_ranges(config, self.tp)
         self.config = config
         self.vocab_size = config.vocab_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = num_kv_heads
         self.head_dim = config.head_dim
         self.attention_backend: AttentionBackend = get_attention_backend(attention_backend)(
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=config.head_dim,
             scale=config.head_dim**-0.5,
         )
-        self.model = LlamaModel(config, self.attention_backend, dtype=dtype, device=self.device)
+        self.model = LlamaModel(
+            config, self.attention_backend, dtype=dtype, device=self.device, tp=self.tp
+        )
         self.lm_head = LMHead(
             config.vocab_size,
             config.hidden_size,
             dtype=dtype,
             device=self.device,
             tied_to=self.model.embed_tokens if config.tie_word_embeddings else None,
+            tp=self.tp,
         )
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
@@ -312,13 +364,33 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden_states)
 
     # ------------------------------------------------------------------------------------------ weights
+    def checkpoint_index(self, checkpoint_name: str) -> tuple[slice, ...] | None:
+        """The part of checkpoint tensor `checkpoint_name` this rank loads: `()` for all of it (always, with one
+        rank), slices of its rows or columns, or None when this rank holds none of it (a row-parallel bias off the
+        first rank). Names the model does not know are read whole, so `load_weights` reports them."""
+        if self.tp.size == 1:
+            return ()
+        name, shard = _target_of(checkpoint_name)
+        module_name, _, param_name = name.rpartition(".")
+        module = dict(self.named_modules()).get(module_name)
+        if isinstance(module, RowParallelLinear) and param_name == "bias" and module.bias is None:
+            return None if module.has_checkpoint_bias else ()
+        if module is None or not hasattr(module, "checkpoint_index"):
+            return ()
+        return module.checkpoint_index(param_name, shard)
+
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        strict: bool = True,
+        sliced: bool = False,
     ) -> None:
         """Copy Hugging Face-named tensors in (fusing q/k/v and gate/up, casting to `dtype`).
 
-        Raises one ValueError naming every unexpected name, shape mismatch and (when `strict`, as for a whole
-        checkpoint) missing parameter; `strict=False` updates just the tensors given (a weight update).
+        `weights` are whole checkpoint tensors, cut here to this rank's part (`checkpoint_index`), or, with
+        `sliced`, already this rank's parts (as `iterate_safetensors_weights(path, model.checkpoint_index)` reads
+        them). Raises one ValueError naming every unexpected name, shape mismatch and (when `strict`, as for a
+        whole checkpoint) missing parameter; `strict=False` updates just the tensors given (a weight update).
         """
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
@@ -336,9 +408,14 @@ class LlamaForCausalLM(nn.Module):
                 saw_lm_head = True  # tied: the embedding provides it
                 continue
             name, shard = _target_of(checkpoint_name)
+            index = self.checkpoint_index(checkpoint_name)
+            if index is None:
+                continue  # another rank holds it
             if name not in params:
                 unexpected.append(checkpoint_name)
                 continue
+            if index and not sliced:
+                tensor = tensor[index]
             destination = self._destination(params[name], name, shard, modules)
             if tuple(destination.shape) != tuple(tensor.shape):
                 mismatched.append(
@@ -367,6 +444,8 @@ class LlamaForCausalLM(nn.Module):
         module = modules[name.rsplit(".", 1)[0]]
         if isinstance(module, Linear):
             return param.data[module.shard_rows(shard)]
+        if isinstance(module, VocabEmbedding | LMHead):
+            return module.checkpoint_destination()
         return param.data
 
     def _tie_if_lm_head_absent(

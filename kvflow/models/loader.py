@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +16,7 @@ from kvflow.models.registry import get_model_class
 from kvflow.models.safetensors_io import SafetensorsFile, SafetensorsFormatError
 
 if TYPE_CHECKING:
+    from kvflow.distributed import TensorParallelGroup
     from kvflow.models.hf_config import TransformerConfig
     from kvflow.models.llama import LlamaForCausalLM
 
@@ -74,18 +75,29 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in {str(path)!r}")
 
 
-def iterate_safetensors_weights(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+# Which part of a named checkpoint tensor to read: `()` all of it, slices of it, or None for none of it.
+TensorSelector = Callable[[str], "tuple[slice, ...] | None"]
+
+
+def iterate_safetensors_weights(
+    model_path: str | Path, select: TensorSelector | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, tensor)` for every tensor of the checkpoint, file by file, on the CPU.
 
     Each tensor is read into memory of its own (`SafetensorsFile`: positioned reads, no memory map), so a consumer
     that copies it into a parameter and drops it holds one tensor beyond the model at any time, never a second copy
-    of the checkpoint. A missing file raises FileNotFoundError naming it; an unreadable one ValueError naming it.
+    of the checkpoint. With `select` (a tensor-parallel rank's `model.checkpoint_index`) only the part
+    `select(name)` names is read (`SafetensorsFile.read(name, index)`), so a rank never materializes a whole
+    sharded tensor; tensors it maps to None are skipped. A missing file raises FileNotFoundError naming it; an
+    unreadable one ValueError naming it.
     """
     for file in safetensors_files(model_path):
         try:
             with SafetensorsFile(file) as handle:
                 for name in handle.names():
-                    yield name, handle.read(name)
+                    index = () if select is None else select(name)
+                    if index is not None:
+                        yield name, handle.read(name, index)
         except SafetensorsFormatError:
             raise
         except OSError as error:
@@ -97,26 +109,31 @@ def load_model(
     dtype: str = "auto",
     device: torch.device | str = "cpu",
     attention_backend: str = "torch",
+    tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
-    """Read the config, build the registered model class, load the weights, and return it in eval mode."""
+    """Read the config, build the registered model class, load the weights, and return it in eval mode.
+
+    With `tp` of several ranks the model holds this rank's shard of every tensor and only that shard is read."""
     started = time.perf_counter()
     config = load_hf_config(model_path)
     model_class = get_model_class([config.architecture])
     torch_dtype = resolve_dtype(dtype, config)
     model = model_class(
-        config, dtype=torch_dtype, device=device, attention_backend=attention_backend
+        config, dtype=torch_dtype, device=device, attention_backend=attention_backend, tp=tp
     )
     num_tensors = 0
     num_bytes = 0
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal num_tensors, num_bytes
-        for name, tensor in iterate_safetensors_weights(model_path):
+        for name, tensor in iterate_safetensors_weights(model_path, select):
             num_tensors += 1
             num_bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
 
-    model.load_weights(counted())
+    sharded = tp is not None and tp.size > 1
+    select = model.checkpoint_index if sharded else None
+    model.load_weights(counted(), sliced=sharded)
     model.eval()
     num_params = sum(param.numel() for param in model.parameters())
     logger.info(

@@ -127,8 +127,9 @@ class SafetensorsFile:
         `tensor[index]`), as a new contiguous CPU tensor.
 
         The first dimension's slice (step 1) becomes a byte range of the file, so a tensor-parallel rank reads
-        just its row shard; slices of later dimensions are cut from those rows in memory (the rows read are at
-        most the whole tensor).
+        just its row shard; slices of later dimensions (a row-parallel rank's columns) are cut from those rows in
+        memory, a bounded number of rows at a time: the rows in flight never take more than the part returned
+        (or one row), so a rank never holds the whole tensor.
         """
         entry = self.entries[name]
         index = index if isinstance(index, tuple) else (index,)
@@ -140,11 +141,27 @@ class SafetensorsFile:
         if step != 1:
             raise ValueError(f"the first-dimension slice of {name!r} must have step 1, got {step}")
         stop = max(start, stop)
-        rows = torch.empty((stop - start, *entry.shape[1:]), dtype=entry.dtype)
-        self._read_exactly(rows, entry.begin + start * entry.row_bytes, name)
         if len(index) == 1:
+            rows = torch.empty((stop - start, *entry.shape[1:]), dtype=entry.dtype)
+            self._read_exactly(rows, entry.begin + start * entry.row_bytes, name)
             return rows
-        return rows[(slice(None), *index[1:])].contiguous()
+        return self._read_rows_cut(entry, start, stop, index[1:], name)
+
+    def _read_rows_cut(
+        self, entry: TensorEntry, start: int, stop: int, cut: tuple[slice, ...], name: str
+    ) -> torch.Tensor:
+        """Rows `start:stop`, each cut by `cut` (slices of the later dimensions), read in chunks of rows no larger
+        than the result."""
+        cut_shape = torch.empty((0, *entry.shape[1:]), device="meta")[(slice(None), *cut)].shape[1:]
+        result = torch.empty((stop - start, *cut_shape), dtype=entry.dtype)
+        result_bytes = result.numel() * result.element_size()
+        rows_per_chunk = max(1, min(stop - start, result_bytes // max(entry.row_bytes, 1)))
+        for chunk_start in range(start, stop, rows_per_chunk):
+            chunk_stop = min(stop, chunk_start + rows_per_chunk)
+            rows = torch.empty((chunk_stop - chunk_start, *entry.shape[1:]), dtype=entry.dtype)
+            self._read_exactly(rows, entry.begin + chunk_start * entry.row_bytes, name)
+            result[chunk_start - start : chunk_stop - start] = rows[(slice(None), *cut)]
+        return result
 
     def _read_exactly(self, tensor: torch.Tensor, offset: int, name: str) -> None:
         """Fill contiguous `tensor`'s bytes from the file at `offset`."""

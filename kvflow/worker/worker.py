@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvflow.config import GIB
+from kvflow.distributed.parallel_state import TensorParallelGroup
 from kvflow.model_info import resolve_model_info
 from kvflow.models.registry import build_model
 from kvflow.utils import cdiv, resolve_device
@@ -98,7 +99,10 @@ def cuda_kv_cache_budget(total_bytes: int, free_bytes: int, gpu_memory_utilizati
 
 
 def plan_kv_cache(
-    engine_config: EngineConfig, bytes_per_block: int, memory: DeviceMemory
+    engine_config: EngineConfig,
+    bytes_per_block: int,
+    memory: DeviceMemory,
+    num_host_ranks: int = 1,
 ) -> KVCachePlan:
     """The KV cache's block count, by the first rule that applies:
 
@@ -109,6 +113,10 @@ def plan_kv_cache(
 
     A size the device cannot hold (more than its free memory), or one that holds no block, is a ValueError naming
     the option to change, raised before anything is allocated.
+
+    Under tensor parallelism `bytes_per_block` is one rank's (its KV heads only) and the plan is one rank's: the
+    explicit sizes apply per rank (as vLLM's are per GPU), and on CPU the automatic budget, which is the host's, is
+    split between the `num_host_ranks` ranks sharing the host, so TP=N holds as many blocks as TP=1 would.
     """
     cache_config = engine_config.cache_config
     if cache_config.num_kv_blocks is not None:
@@ -124,16 +132,19 @@ def plan_kv_cache(
                 f"kv_cache_memory_bytes={requested} holds no KV block ({bytes_per_block} bytes each)"
             )
         return KVCachePlan(num_blocks, bytes_per_block, f"kv_cache_memory_bytes={requested}")
-    return _automatic_plan(engine_config, bytes_per_block, memory)
+    return _automatic_plan(engine_config, bytes_per_block, memory, num_host_ranks)
 
 
 def _automatic_plan(
-    engine_config: EngineConfig, bytes_per_block: int, memory: DeviceMemory
+    engine_config: EngineConfig, bytes_per_block: int, memory: DeviceMemory, num_host_ranks: int
 ) -> KVCachePlan:
     """The device's budget in blocks, or the blocks every slot needs at full length if that is fewer."""
     cache_config = engine_config.cache_config
     scheduler_config = engine_config.scheduler_config
     budget, rule = _automatic_budget(cache_config, memory)
+    if memory.device_type == "cpu" and num_host_ranks > 1:
+        budget //= num_host_ranks
+        rule = f"{rule}, split between {num_host_ranks} ranks"
     budget_blocks = max(budget, 0) // bytes_per_block
     if budget_blocks < 1:
         raise ValueError(
@@ -226,21 +237,37 @@ def _log_kv_cache_plan(
 class Worker:
     """One device's worker: a model plus the runner that holds its request slots and a KV cache of `num_kv_blocks`
     blocks. The runner speaks the scheduler's protocol (`SchedulerConfig.use_v2_model_runner`: the slot runner, else
-    the persistent-batch runner). Its slot count is `max_num_seqs`, so the scheduler's admission bound matches it."""
+    the persistent-batch runner). Its slot count is `max_num_seqs`, so the scheduler's admission bound matches it.
 
-    def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
+    Under tensor parallelism (`tp` of N ranks, joined by the executor before the worker is built) each rank has a
+    Worker holding its shard of the model and a KV cache of its KV heads; every rank runs every step with the same
+    `SchedulerOutput` and samples the same tokens from the same gathered logits, so their slots stay identical.
+    On CUDA rank r uses `cuda:r` when the device option names no index."""
+
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        model_info: ModelInfo | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         model_config = engine_config.model_config
         scheduler_config = engine_config.scheduler_config
         block_size = engine_config.cache_config.block_size
         self.engine_config = engine_config
+        self.tp = tp if tp is not None else TensorParallelGroup.single()
+        self.rank = self.tp.rank
         self.device = resolve_device(model_config.device)
+        if self.device.type == "cuda" and self.tp.size > 1 and self.device.index is None:
+            self.device = torch.device("cuda", self.tp.rank % torch.cuda.device_count())
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
         self.model_info = (
             model_info if model_info is not None else resolve_model_info(model_config.model)
         )
-        self.model = build_model(model_config, self.model_info, self.device)
+        self.model = build_model(model_config, self.model_info, self.device, self.tp)
         bytes_per_block = self.model.kv_cache_bytes_per_block(block_size)
         self.kv_cache_plan = plan_kv_cache(
-            engine_config, bytes_per_block, measure_device_memory(self.device)
+            engine_config, bytes_per_block, measure_device_memory(self.device), self.tp.size
         )
         _log_kv_cache_plan(self.kv_cache_plan, engine_config, self.device)
         self.num_kv_blocks = self.kv_cache_plan.num_blocks
@@ -264,13 +291,32 @@ class Worker:
         from kvflow.models.loader import iterate_safetensors_weights
 
         if isinstance(weights, str | Path):
-            self.model.load_weights(iterate_safetensors_weights(Path(weights)))
+            select = getattr(self.model, "checkpoint_index", None) if self.tp.size > 1 else None
+            if select is None:
+                self.model.load_weights(iterate_safetensors_weights(Path(weights)))
+            else:  # read only this rank's shards
+                self.model.load_weights(
+                    iterate_safetensors_weights(Path(weights), select), sliced=True
+                )
         elif isinstance(weights, Mapping):
             self.model.load_weights(weights.items(), strict=False)
         else:
             raise ValueError(
                 f"weights must be a checkpoint folder or a state dict, got {type(weights).__name__}"
             )
+
+    def rank_info(self) -> dict[str, Any]:
+        """This rank's place and shape, for `collective_rpc("rank_info")` (plain JSON values): `rank`,
+        `tensor_parallel_size`, `pid`, `parent_pid`, `device`, `num_kv_blocks`, `kv_cache_shape`."""
+        return {
+            "rank": self.rank,
+            "tensor_parallel_size": self.tp.size,
+            "pid": os.getpid(),
+            "parent_pid": os.getppid(),
+            "device": str(self.device),
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_shape": list(self.model_runner.kv_cache.shape),
+        }
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step."""

@@ -66,15 +66,23 @@ def test_a_value_of_the_wrong_type_names_the_field(field_name: str, value: objec
         EngineArgs(**{field_name: value})
 
 
-def test_choices_and_unsupported_parallelism_are_value_errors() -> None:
+def test_choices_and_invalid_parallelism_are_value_errors() -> None:
     with pytest.raises(ValueError, match="dtype must be one of"):
         EngineArgs(dtype="int4")
     with pytest.raises(ValueError, match="scheduling_policy must be one of"):
         EngineArgs(scheduling_policy="lifo")
-    with pytest.raises(ValueError, match="not available in this build"):
-        EngineArgs(tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"^data_parallel_size must be >= 1"):
         EngineArgs(data_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineArgs(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="'uni' runs a single rank; tensor_parallel_size=2"):
+        EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
+        EngineArgs(distributed_executor_backend="mpi")
+    assert (
+        EngineArgs(tensor_parallel_size=2, distributed_executor_backend="ray").tensor_parallel_size
+        == 2
+    )
 
 
 def test_model_and_tokenizer_accept_paths(tmp_path: Path) -> None:

@@ -1,12 +1,17 @@
-"""Linear layers whose weight may stack several checkpoint projections (fused QKV, fused gate/up)."""
+"""Linear layers whose weight may stack several checkpoint projections (fused QKV, fused gate/up), and their
+tensor-parallel forms (column-parallel: output rows split; row-parallel: input columns split, then all-reduced)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvflow.distributed import TensorParallelGroup
 
 
 class Linear(nn.Module):
@@ -48,3 +53,71 @@ class Linear(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden_states, self.weight, self.bias)
+
+    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
+        """The part of checkpoint shard `shard`'s tensor for `param_name` ("weight" or "bias") this layer holds:
+        `()`, all of it (the layer is not split across ranks)."""
+        return ()
+
+
+class ColumnParallelLinear(Linear):
+    """A `Linear` whose output rows are split across tensor-parallel ranks; its output stays split (no collective).
+
+    Invariants: `row_ranges[i] = (start, length)` are the rows of checkpoint shard i's tensor (q, k, v or gate, up)
+    this rank holds, so `output_sizes[i] == length`; the bias, when present, is split the same way. With one rank
+    every range is the whole shard and the layer is exactly a `Linear`.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        row_ranges: Sequence[tuple[int, int]],
+        *,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__(
+            input_size, [length for _, length in row_ranges], bias=bias, dtype=dtype, device=device
+        )
+        self.row_ranges = tuple(row_ranges)
+
+    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
+        start, length = self.row_ranges[shard]
+        return (slice(start, start + length),)
+
+
+class RowParallelLinear(Linear):
+    """A `Linear` whose input columns are split across tensor-parallel ranks: each rank multiplies its columns of
+    the input (the split output of a `ColumnParallelLinear`), then one all-reduce sums the partial products.
+
+    Invariants: `weight` is `[output_size, column_range[1]]`, columns `column_range` of the checkpoint's weight; the
+    bias (when the checkpoint has one, `has_checkpoint_bias`) lives on the first rank only, so the sum adds it once.
+    `forward` is the local matmul (`Linear.forward`) followed by `tp.all_reduce`, a no-op for one rank.
+    """
+
+    def __init__(
+        self,
+        column_range: tuple[int, int],
+        output_size: int,
+        *,
+        bias: bool,
+        tp: TensorParallelGroup,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__(
+            column_range[1], output_size, bias=bias and tp.is_first_rank, dtype=dtype, device=device
+        )
+        self.column_range = column_range
+        self.has_checkpoint_bias = bias
+        self.tp = tp
+
+    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
+        if param_name == "bias":
+            return ()
+        start, length = self.column_range
+        return (slice(None), slice(start, start + length))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(hidden_states))

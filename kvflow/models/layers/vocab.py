@@ -1,4 +1,5 @@
-"""Token embedding and the language-model head (which may share the embedding's weight)."""
+"""Token embedding and the language-model head (which may share the embedding's weight), both vocab-parallel: with
+several tensor-parallel ranks each rank holds a contiguous part of the vocabulary's rows."""
 
 from __future__ import annotations
 
@@ -6,27 +7,67 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.distributed.parallel_state import TensorParallelGroup, vocab_partition
+
 
 class VocabEmbedding(nn.Module):
-    """Looks token ids up in a `[vocab_size, hidden_size]` table (`weight`)."""
+    """Looks token ids up in a `[vocab_size, hidden_size]` table (`weight`).
+
+    With `tp` of several ranks, `weight` is `[padded rows, hidden_size]` holding token ids
+    `[vocab_start, vocab_start + num_vocab_rows)` in its first rows (the rest stay zero); each rank looks up the ids
+    it holds (zeros for the others) and one all-reduce sums the rows, so every rank gets every embedding.
+    """
 
     def __init__(
-        self, vocab_size: int, hidden_size: int, *, dtype: torch.dtype, device: torch.device | str
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp if tp is not None else TensorParallelGroup.single()
+        self.vocab_size = vocab_size
+        self.vocab_start, self.num_vocab_rows, padded_rows = vocab_partition(
+            vocab_size, self.tp.size, self.tp.rank
+        )
         self.weight = nn.Parameter(
-            torch.empty(vocab_size, hidden_size, dtype=dtype, device=device), requires_grad=False
+            torch.zeros(padded_rows, hidden_size, dtype=dtype, device=device)
+            if self.tp.size > 1
+            else torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
         )
 
+    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
+        """The checkpoint rows this rank holds (`()`: all of them, with one rank)."""
+        if self.tp.size == 1:
+            return ()
+        return (slice(self.vocab_start, self.vocab_start + self.num_vocab_rows),)
+
+    def checkpoint_destination(self) -> torch.Tensor:
+        """Where the checkpoint rows this rank holds are copied: the weight's first `num_vocab_rows` rows."""
+        return self.weight.data[: self.num_vocab_rows]
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start
+        held = (local_ids >= 0) & (local_ids < self.num_vocab_rows)
+        embedded = F.embedding(local_ids.clamp(0, self.weight.shape[0] - 1), self.weight)
+        embedded = embedded * held.unsqueeze(-1).to(embedded.dtype)
+        return self.tp.all_reduce(embedded)
 
 
 class LMHead(nn.Module):
     """Projects hidden states to float32 vocabulary logits.
 
-    Invariants: `weight` is `[vocab_size, hidden_size]` in the model dtype; when tied it IS the embedding's
-    Parameter (one tensor, loaded once). The matmul runs in the model dtype; only its output is upcast.
+    Invariants: `weight` is `[vocab_size, hidden_size]` in the model dtype (with several ranks: this rank's rows,
+    padded, exactly as `VocabEmbedding`); when tied it IS the embedding's Parameter (one tensor, loaded once). The
+    matmul runs in the model dtype; with several ranks the partial logits are all-gathered (every rank gets the
+    whole vocabulary, so every rank's sampler sees the same logits) and the padding columns dropped; only then is
+    the output upcast.
     """
 
     def __init__(
@@ -37,20 +78,39 @@ class LMHead(nn.Module):
         dtype: torch.dtype,
         device: torch.device | str,
         tied_to: VocabEmbedding | None = None,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp if tp is not None else TensorParallelGroup.single()
+        self.vocab_size = vocab_size
+        self.vocab_start, self.num_vocab_rows, padded_rows = vocab_partition(
+            vocab_size, self.tp.size, self.tp.rank
+        )
         self.weight = (
             tied_to.weight
             if tied_to is not None
             else nn.Parameter(
-                torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
+                torch.zeros(padded_rows, hidden_size, dtype=dtype, device=device)
+                if self.tp.size > 1
+                else torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
                 requires_grad=False,
             )
         )
+
+    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
+        if self.tp.size == 1:
+            return ()
+        return (slice(self.vocab_start, self.vocab_start + self.num_vocab_rows),)
+
+    def checkpoint_destination(self) -> torch.Tensor:
+        return self.weight.data[: self.num_vocab_rows]
 
     def tie(self, embedding: VocabEmbedding) -> None:
         """Share the embedding's weight (for checkpoints that ship no `lm_head.weight`)."""
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight).float()
+        logits = F.linear(hidden_states, self.weight)
+        if self.tp.size > 1:
+            logits = self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
+        return logits.float()
