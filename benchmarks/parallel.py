@@ -1,5 +1,5 @@
 """Parallel engines on CPU: tensor parallelism (TP=2 vs TP=1 per-step decode time, and the bytes each step sends
-to the workers); the data-parallel part (DP=2 vs DP=1 serving throughput) has its place below.
+to the workers), and with `--dp` data parallelism (DP=2 vs DP=1 serving throughput; see benchmarks/parallel_dp.py).
 
 Reproduce with `python benchmarks/parallel.py` (`--quick` for a seconds-long smoke run on a tiny shape).
 
@@ -147,11 +147,15 @@ def print_tp(results: list[TPResult]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ DP part
-# DP=2 vs DP=1 serving throughput with `kvflow bench serve` (data parallelism, issue 12 item 3) goes here: start
-# `kvflow serve MODEL --data-parallel-size N` for N in (1, 2), run `kvflow bench serve` against each, print both
-# tables and the throughput ratio. `--dp` selects it; until it is written it says so.
 def run_dp_part(args: argparse.Namespace) -> None:
-    print("DP part: not implemented in this build (DP=2 vs DP=1 serving throughput goes here)")
+    """DP=2 vs DP=1 serving throughput: real `kvflow serve` processes loaded by `kvflow bench serve`
+    (benchmarks/parallel_dp.py, which says what 2 cores can and cannot show)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from parallel_dp import run_dp_benchmark  # a sibling script module
+
+    print("# DP part: kvflow serve --data-parallel-size 2 vs 1, same prompts, kvflow bench serve")
+    for row in run_dp_benchmark(quick=args.quick):
+        print(row)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -172,7 +176,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also run TP=1 on one thread (one rank's share of the cores): separates what TP costs or buys "
         "from what PyTorch's thread team does on a busy machine",
     )
-    parser.add_argument("--dp", action="store_true", help="run the data-parallel part")
+    parser.add_argument(
+        "--dp",
+        action="store_true",
+        help="also run the data-parallel part (benchmarks/parallel_dp.py)",
+    )
     args = parser.parse_args(argv)
 
     shape = QUICK_SHAPE if args.quick else QWEN2_05B_SHAPE
