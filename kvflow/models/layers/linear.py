@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import kernels
+
 
 class Linear(nn.Module):
     """`y = x @ weight.T (+ bias)`, where `weight` stacks `len(output_sizes)` shards along its rows.
@@ -47,4 +49,5 @@ class Linear(nn.Module):
         return slice(start, start + self.output_sizes[shard])
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight, self.bias)
+        out = kernels.linear(hidden_states, self.weight, self.bias)  # decode GEMV on CPU, else None
+        return out if out is not None else F.linear(hidden_states, self.weight, self.bias)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import kernels
+
 
 class VocabEmbedding(nn.Module):
     """Looks token ids up in a `[vocab_size, hidden_size]` table (`weight`)."""
@@ -53,4 +55,5 @@ class LMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight).float()
+        out = kernels.linear(hidden_states, self.weight, float_output=True)  # decode GEMV on CPU
+        return out if out is not None else F.linear(hidden_states, self.weight).float()
