@@ -1,10 +1,11 @@
 """Compiling and loading the C++ CPU kernels on first use, with a per-machine cache.
 
 The extension is built with `torch.utils.cpp_extension.load` (`-O3 -march=native -fopenmp`) into
-`<kvflow cache dir>/kernels/<name>/`, where `<name>` hashes the sources, the torch version, the compiler flags and
-the CPU's feature flags: a source edit, a torch upgrade or another CPU gets its own build, and every other process
-(and test run) imports the finished build in milliseconds. A file lock serialises builds, so two processes never
-race on one folder; a `.complete` marker written after a successful build says a folder is usable.
+`<kernel cache dir>/<name>/` (`$KVFLOW_KERNEL_CACHE_DIR`, else `<kvflow cache dir>/kernels`), where `<name>`
+hashes the sources, the torch and Python versions, the compiler flags and the CPU's feature flags: a source edit,
+a torch upgrade or another CPU gets its own build, and every other process (and test run) imports the finished
+build in milliseconds. A file lock serialises builds, so two processes never race on one folder; a `.complete`
+marker written after a successful build says a folder is usable.
 
 `KVFLOW_CPU_KERNELS=0` (also `false`, `off`, `no`) forces the pure-PyTorch paths. A missing compiler or a failed
 build logs one warning and falls back to them too.
@@ -30,6 +31,7 @@ from kvflow.utils import kvflow_cache_dir
 logger = logging.getLogger(__name__)
 
 CPU_KERNELS_ENV = "KVFLOW_CPU_KERNELS"
+KERNEL_CACHE_DIR_ENV = "KVFLOW_KERNEL_CACHE_DIR"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("bindings.cpp", "gemv.cpp", "elementwise.cpp", "attention.cpp")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17")
@@ -67,8 +69,9 @@ def extension_name() -> str:
 
 
 def kernels_build_dir() -> Path:
-    """Where builds live: `<kvflow cache dir>/kernels`."""
-    return kvflow_cache_dir() / "kernels"
+    """Where builds live: `$KVFLOW_KERNEL_CACHE_DIR`, else `<kvflow cache dir>/kernels`."""
+    root = os.environ.get(KERNEL_CACHE_DIR_ENV)
+    return Path(root).expanduser() if root else kvflow_cache_dir() / "kernels"
 
 
 def _import_built(name: str, build_dir: Path) -> ModuleType | None:
