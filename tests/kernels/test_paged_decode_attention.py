@@ -225,3 +225,13 @@ def test_kernels_off_means_torch_path(ops: object, kernels_off: None) -> None:
     )
     output = backend.forward(step.query, step.step_keys, step.step_values, step.cache, metadata)
     assert torch.equal(output, expected)
+
+
+def test_store_kv_rejects_a_slot_outside_the_cache(ops: object) -> None:
+    cache = torch.zeros(2, 2, 3, 4, 8)  # [K/V, kv_heads, blocks, block_size, head_dim]: 12 slots
+    step = torch.randn(2, 2, 8)
+    with pytest.raises(RuntimeError, match="outside the cache's 12 slots"):
+        ops.store_kv(step, step, torch.tensor([3, 12]), cache[0], cache[1])
+    assert not cache.any()  # nothing written
+    ops.store_kv(step, step, torch.tensor([3, 11]), cache[0], cache[1])
+    assert torch.equal(cache[0].view(2, 12, 8)[:, 11], step[1])

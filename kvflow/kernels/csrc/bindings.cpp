@@ -151,6 +151,33 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   });
 }
 
+void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping, at::Tensor& key_cache,
+              at::Tensor& value_cache) {
+  check_cpu(key, "key");
+  check_same_dtype(value, key, "value");
+  check_same_dtype(key_cache, key, "key_cache");
+  check_same_dtype(value_cache, key, "value_cache");
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.sizes() == key.sizes() &&
+                  value.strides() == key.strides(),
+              "key/value must be [tokens, kv_heads, head_dim] with equal strides and contiguous head_dim");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes() && key_cache.size(0) == key.size(1) &&
+                  key_cache.size(3) == key.size(2),
+              "key_cache/value_cache must be contiguous [kv_heads, blocks, block_size, head_dim] matching key");
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.numel() == key.size(0),
+              "slot_mapping must be contiguous int64 with one slot per token");
+  const int64_t num_slots = key_cache.size(1) * key_cache.size(2);
+  bool stored = false;
+  dispatch(key, [&](auto tag) {
+    using T = decltype(tag);
+    stored = kvflow::store_kv<T>(ptr<T>(key), ptr<T>(value), key.stride(0), key.stride(1), ptr<int64_t>(slot_mapping),
+                                 key.size(0), key.size(1), key.size(2), num_slots, ptr<T>(key_cache),
+                                 ptr<T>(value_cache));
+  });
+  TORCH_CHECK(stored, "slot_mapping has a slot outside the cache's ", num_slots, " slots");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -162,6 +189,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("rotary", &rotary, "neox rotary embedding into a new contiguous tensor");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
+  m.def("store_kv", &store_kv, "write the step's K/V into the paged cache at slot_mapping");
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;

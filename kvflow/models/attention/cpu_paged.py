@@ -1,10 +1,11 @@
 """Paged attention with a C++ decode kernel (`"cpu"`): the default on CPU when the kernels are available.
 
-Decode rows (one query token) are attended by `paged_decode_attention`, which reads K/V in place through the block
-table (no gather into a padded copy) with an fp32 online softmax, each loaded K/V row shared by its GQA query
-group. Prefill rows, the K/V writes and the cache layout are the torch backend's (this class extends it), and
-without the compiled kernels (`KVFLOW_CPU_KERNELS=0`, no compiler, a non-CPU tensor) every row takes the torch
-path, so the torch backend is both the fallback and the reference.
+In a step with decode rows, the K/V writes (`store_kv`) and the decode rows (one query token) run in C++:
+`paged_decode_attention` reads K/V in place through the block table (no gather into a padded copy) with an fp32
+online softmax, each loaded K/V row shared by its GQA query group. Prefill rows, steps without decode rows and the
+cache layout are the torch backend's (this class extends it), and without the compiled kernels
+(`KVFLOW_CPU_KERNELS=0`, no compiler, a non-CPU tensor) every row takes the torch path, so the torch backend is
+both the fallback and the reference.
 """
 
 from __future__ import annotations
@@ -111,9 +112,11 @@ class CpuPagedAttention(TorchPagedAttention):
         plan, decode = metadata.torch_plan, metadata.decode
         if decode is None or query.dtype not in _KERNEL_DTYPES:
             return super().forward(query, key, value, kv_cache_layer, plan)
-        key_cache, value_cache = self._store(key, value, kv_cache_layer, plan.slot_mapping)
+        ops = load_cpu_kernels()
+        key_cache, value_cache = kv_cache_layer[0], kv_cache_layer[1]
+        ops.store_kv(key, value, plan.slot_mapping, key_cache, value_cache)
         output = query.new_empty(query.shape)
-        load_cpu_kernels().paged_decode_attention(
+        ops.paged_decode_attention(
             query,
             key_cache,
             value_cache,
