@@ -166,7 +166,8 @@ def test_cpu_backend_matches_reference(
 
 
 def test_strided_query_and_prefill_only_batches(ops: object) -> None:
-    """A query that is a view into a fused qkv tensor; a batch without decode rows is the torch backend's."""
+    """Strided q/k/v views (as the model passes them) give the contiguous result; a batch without decode rows is
+    the torch backend's."""
     requests = [(9, 1), (17, 1)]
     step = _make_step(
         requests,
@@ -178,12 +179,13 @@ def test_strided_query_and_prefill_only_batches(ops: object) -> None:
         seed=3,
     )
     backend = get_attention_backend("cpu")(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
-    fused = torch.cat((step.query, torch.randn(2, 4, 16).bfloat16()), dim=1)  # [tokens, 8, 16]
-    query = fused[:, :4]
-    assert not query.is_contiguous()
-    output = backend.forward(
-        query, step.step_keys, step.step_values, step.cache, backend.build_metadata(step.batch)
-    )
+    # q, k and v as the attention layer passes them: views of two different fused tensors
+    rotated = torch.cat((step.query, step.step_keys), dim=1)  # [tokens, 4 + 2, 16]
+    qkv = torch.cat((torch.randn(2, 6, 16).bfloat16(), step.step_values), dim=1)  # [tokens, 8, 16]
+    query, key, value = rotated[:, :4], rotated[:, 4:], qkv[:, 6:]
+    assert not (query.is_contiguous() or key.is_contiguous() or value.is_contiguous())
+    strided_cache = step.cache.clone()
+    output = backend.forward(query, key, value, strided_cache, backend.build_metadata(step.batch))
     contiguous = backend.forward(
         step.query,
         step.step_keys,
@@ -192,6 +194,7 @@ def test_strided_query_and_prefill_only_batches(ops: object) -> None:
         backend.build_metadata(step.batch),
     )
     assert torch.equal(output, contiguous)
+    assert torch.equal(strided_cache, step.cache)
     prefill = _make_step(
         [(0, 5), (3, 4)],
         num_heads=4,

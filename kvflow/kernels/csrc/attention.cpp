@@ -122,24 +122,24 @@ void paged_decode_attention(const T* query, int64_t q_token_stride, int64_t q_he
 }
 
 template <typename T>
-bool store_kv(const T* key, const T* value, int64_t token_stride, int64_t head_stride, const int64_t* slot_mapping,
-              int64_t tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, T* key_cache, T* value_cache) {
+bool store_kv(const T* key, int64_t key_token_stride, int64_t key_head_stride, const T* value,
+              int64_t value_token_stride, int64_t value_head_stride, const int64_t* slot_mapping, int64_t tokens,
+              int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, T* key_cache, T* value_cache) {
   for (int64_t t = 0; t < tokens; ++t)
     if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return false;
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t source = t * token_stride + h * head_stride;
       const int64_t target = (h * num_slots + slot_mapping[t]) * head_dim;
-      std::memcpy(key_cache + target, key + source, head_dim * sizeof(T));
-      std::memcpy(value_cache + target, value + source, head_dim * sizeof(T));
+      std::memcpy(key_cache + target, key + t * key_token_stride + h * key_head_stride, head_dim * sizeof(T));
+      std::memcpy(value_cache + target, value + t * value_token_stride + h * value_head_stride, head_dim * sizeof(T));
     }
   return true;
 }
 
-template bool store_kv<float>(const float*, const float*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t,
-                              int64_t, float*, float*);
-template bool store_kv<bf16>(const bf16*, const bf16*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int64_t,
-                             int64_t, bf16*, bf16*);
+template bool store_kv<float>(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const int64_t*, int64_t,
+                              int64_t, int64_t, int64_t, float*, float*);
+template bool store_kv<bf16>(const bf16*, int64_t, int64_t, const bf16*, int64_t, int64_t, const int64_t*, int64_t,
+                             int64_t, int64_t, int64_t, bf16*, bf16*);
 
 template void paged_decode_attention<float>(const float*, int64_t, int64_t, const float*, const float*, int64_t,
                                             int64_t, const int32_t*, int64_t, const int32_t*, const int64_t*, int64_t,

@@ -157,9 +157,8 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   check_same_dtype(value, key, "value");
   check_same_dtype(key_cache, key, "key_cache");
   check_same_dtype(value_cache, key, "value_cache");
-  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.sizes() == key.sizes() &&
-                  value.strides() == key.strides(),
-              "key/value must be [tokens, kv_heads, head_dim] with equal strides and contiguous head_dim");
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.sizes() == key.sizes() && value.stride(2) == 1,
+              "key/value must be [tokens, kv_heads, head_dim] with contiguous head_dim");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   value_cache.sizes() == key_cache.sizes() && key_cache.size(0) == key.size(1) &&
                   key_cache.size(3) == key.size(2),
@@ -171,8 +170,8 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   bool stored = false;
   dispatch(key, [&](auto tag) {
     using T = decltype(tag);
-    stored = kvflow::store_kv<T>(ptr<T>(key), ptr<T>(value), key.stride(0), key.stride(1), ptr<int64_t>(slot_mapping),
-                                 key.size(0), key.size(1), key.size(2), num_slots, ptr<T>(key_cache),
+    stored = kvflow::store_kv<T>(ptr<T>(key), key.stride(0), key.stride(1), ptr<T>(value), value.stride(0),
+                                 value.stride(1), ptr<int64_t>(slot_mapping), key.size(0), key.size(1), key.size(2), num_slots, ptr<T>(key_cache),
                                  ptr<T>(value_cache));
   });
   TORCH_CHECK(stored, "slot_mapping has a slot outside the cache's ", num_slots, " slots");

@@ -10,8 +10,8 @@ using bf16 = uint16_t;  // bfloat16 bits
 // ([num_kv_heads, num_slots, head_dim] contiguous) at slot slot_mapping[t]. Returns false (writing nothing) when a
 // slot is outside [0, num_slots).
 template <typename T>
-bool store_kv(const T* key, const T* value, int64_t token_stride, int64_t head_stride, const int64_t* slot_mapping,
-              int64_t tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, T* key_cache, T* value_cache);
+bool store_kv(const T* key, int64_t key_token_stride, int64_t key_head_stride, const T* value,
+              int64_t value_token_stride, int64_t value_head_stride, const int64_t* slot_mapping, int64_t tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, T* key_cache, T* value_cache);
 
 }  // namespace kvflow
 
