@@ -55,7 +55,7 @@ def linear(
     if not 0 < num_rows <= MAX_GEMV_ROWS or not weight.is_contiguous():
         return None
     ops = load_cpu_kernels()
-    if ops is None:
+    if ops is None or not ops.has_avx512():  # the portable build's GEMV is not measured to win
         return None
     rows = hidden_states.reshape(num_rows, input_size)
     if rows.stride(1) != 1:

@@ -2,8 +2,9 @@
 kernels switched off), over random shapes (tails shorter than a 16-lane vector included) and dtypes.
 
 Tolerances: RoPE and the residual sum are bitwise (the kernel rounds every intermediate the PyTorch expression
-rounds); GEMV, RMSNorm and SiLU may differ from PyTorch by one bfloat16 ulp, where a different summation order (or
-exp's last float32 ulp) lands on the other side of a rounding boundary, and by float32 rounding in float32.
+rounds); GEMV and SiLU may differ from PyTorch by one bfloat16 ulp, where a different summation order (or exp's
+last float32 ulp) lands on the other side of a rounding boundary, RMSNorm by two (a one-ulp difference of the
+normalised value, then the weight product's rounding), and float32 results by float32 rounding.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from kvflow.models.layers import Linear, LMHead, RMSNorm, RotaryEmbedding, silu_
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values (8 significant bits)
 
 
-def _within_one_ulp(actual: torch.Tensor, expected: torch.Tensor, slack: float = 0.0) -> None:
+def _within_one_ulp(
+    actual: torch.Tensor, expected: torch.Tensor, slack: float = 0.0, ulps: int = 1
+) -> None:
     difference = (actual.float() - expected.float()).abs()
-    bound = expected.float().abs() * BF16_ULP + slack
+    bound = expected.float().abs() * BF16_ULP * ulps + slack
     assert bool((difference <= bound).all()), float((difference - bound).max())
 
 
@@ -77,10 +80,10 @@ def test_add_rms_norm(ops: object, hidden_size: int) -> None:
         assert fused is not None
         normed, new_residual = fused
         assert torch.equal(new_residual, hidden + residual)
-        _within_one_ulp(normed, norm(hidden + residual))
+        _within_one_ulp(normed, norm(hidden + residual), ulps=2)
         alone, same = kernels.add_rms_norm(hidden, None, norm.weight, norm.eps)
         assert same is hidden
-        _within_one_ulp(alone, norm(hidden))
+        _within_one_ulp(alone, norm(hidden), ulps=2)
         # the layer uses the kernel and leaves its inputs alone
         hidden_before = hidden.clone()
         layer_normed, _ = norm.forward_with_residual(hidden, residual)

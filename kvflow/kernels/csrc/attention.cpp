@@ -50,6 +50,7 @@ void attend_one(const T* query, int64_t q_head_stride, const T* key_cache, const
 #else
       for (int64_t g = 0; g < group; ++g) {
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t d = 0; d < head_dim; ++d) sum += q_buffer[g * padded_dim + d] * to_float<T>(key[d]);
         scores[g * block_size + j] = sum;
       }

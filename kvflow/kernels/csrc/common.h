@@ -65,17 +65,15 @@ inline __m512 load16(const bf16* source, __mmask16 mask = 0xffff) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// Manual round-to-nearest-even rather than AVX512_BF16's vcvtneps2bf16, which flushes denormals: results stay
+// bitwise equal to torch's conversion on every CPU.
 inline __m256i float16_to_bf16_bits(__m512 values) {
-#ifdef __AVX512BF16__
-  return (__m256i)_mm512_cvtneps_pbh(values);
-#else
   __m512i bits = _mm512_castps_si512(values);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   __mmask16 is_nan = _mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q);
   rounded = _mm512_mask_or_epi32(rounded, is_nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
   return _mm512_cvtepi32_epi16(rounded);
-#endif
 }
 
 inline void store16(float* target, __m512 values, __mmask16 mask = 0xffff) {

@@ -38,6 +38,7 @@ void add_rms_norm(const T* x, const T* residual, const T* weight, int64_t rows, 
     }
     sum_squares = _mm512_reduce_add_ps(acc);
 #else
+#pragma omp simd reduction(+ : sum_squares)
     for (int64_t i = 0; i < hidden; ++i) {
       float value = to_float<T>(xr[i]);
       if (rr) {

@@ -44,6 +44,7 @@ void dot_block(const T* w, int64_t K, const float* xf, int64_t xf_stride, float 
       float sum = 0.f;
       const T* row = w + r * K;
       const float* xr = xf + m * xf_stride;
+#pragma omp simd reduction(+ : sum)
       for (int64_t k = 0; k < K; ++k) sum += to_float<T>(row[k]) * xr[k];
       out[r][m] = sum;
     }
