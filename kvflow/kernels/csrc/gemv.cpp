@@ -12,6 +12,9 @@
 namespace kvflow {
 namespace {
 
+// How far ahead of the loads each weight row is prefetched (the hardware prefetcher alone under-fills DRAM).
+constexpr int kPrefetchBytes = 1024;
+
 template <typename T, int R, int MT>
 void dot_block(const T* w, int64_t K, const float* xf, int64_t xf_stride, float (*out)[MT]) {
 #ifdef KVFLOW_AVX512
@@ -23,6 +26,7 @@ void dot_block(const T* w, int64_t K, const float* xf, int64_t xf_stride, float 
     __m512 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_ps(xf + m * xf_stride + k);
     for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
       __m512 wv = load16(w + r * K + k);
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
