@@ -3,6 +3,8 @@ the device helpers import it when called."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
@@ -71,3 +73,9 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 def child_request_id(parent_request_id: str, index: int) -> str:
     """The core request id of sample `index` of a parallel-sampling (`n > 1`) request (vLLM's convention)."""
     return f"{index}_{parent_request_id}"
+
+
+def kvflow_cache_dir() -> Path:
+    """kvflow's cache root: `$KVFLOW_CACHE_DIR` when set, else `~/.cache/kvflow` (not created here)."""
+    root = os.environ.get("KVFLOW_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "kvflow"

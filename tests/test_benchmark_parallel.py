@@ -40,4 +40,6 @@ def test_quick_run_prints_tp1_and_tp2(tmp_path: Path, capsys: pytest.CaptureFixt
     assert re.search(
         r"TP=2 \(\d+ threads/rank\) / TP=1 \(\d+ threads/rank\) median decode step time", out
     )
-    assert "DP part" not in out  # --dp runs benchmarks/parallel_dp.py (tests/test_benchmark_parallel_dp.py)
+    assert (
+        "DP part" not in out
+    )  # --dp runs benchmarks/parallel_dp.py (tests/test_benchmark_parallel_dp.py)

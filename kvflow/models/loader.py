@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvflow.models.attention import resolve_attention_backend
 from kvflow.models.hf_config import load_hf_config
 from kvflow.models.registry import get_model_class
 from kvflow.models.safetensors_io import SafetensorsFile, SafetensorsFormatError
@@ -108,13 +109,16 @@ def load_model(
     model_path: str | Path,
     dtype: str = "auto",
     device: torch.device | str = "cpu",
-    attention_backend: str = "torch",
+    attention_backend: str = "auto",
     tp: TensorParallelGroup | None = None,
 ) -> LlamaForCausalLM:
     """Read the config, build the registered model class, load the weights, and return it in eval mode.
 
-    With `tp` of several ranks the model holds this rank's shard of every tensor and only that shard is read."""
+    `attention_backend` "auto" is the C++ decode backend ("cpu") on a CPU with the kernels, else "torch". With `tp`
+    of several ranks the model holds this rank's shard of every tensor and only that shard is read.
+    """
     started = time.perf_counter()
+    attention_backend = resolve_attention_backend(attention_backend, torch.device(device))
     config = load_hf_config(model_path)
     model_class = get_model_class([config.architecture])
     torch_dtype = resolve_dtype(dtype, config)

@@ -1,4 +1,5 @@
-"""Attention backends: the interface, the registry, and the pure-PyTorch paged backend (`"torch"`)."""
+"""Attention backends: the interface, the registry, the pure-PyTorch paged backend (`"torch"`) and its C++
+decode variant (`"cpu"`, registered on first registry lookup)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from kvflow.models.attention.registry import (
     available_attention_backends,
     get_attention_backend,
     register_attention_backend,
+    resolve_attention_backend,
 )
 from kvflow.models.attention.torch_paged import TorchPagedAttention, TorchPagedMetadata
 
@@ -17,4 +19,5 @@ __all__ = [
     "available_attention_backends",
     "get_attention_backend",
     "register_attention_backend",
+    "resolve_attention_backend",
 ]

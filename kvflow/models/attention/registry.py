@@ -6,6 +6,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
+    import torch
+
     from kvflow.models.attention.base import AttentionBackend
 
 BackendT = TypeVar("BackendT", bound="type[AttentionBackend]")
@@ -31,7 +33,7 @@ def register_attention_backend(name: str) -> Callable[[BackendT], BackendT]:
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:
     """The backend class registered as `name`; an unknown name is a ValueError listing the known ones."""
-    import kvflow.models.attention.torch_paged  # noqa: F401  (registers the built-in backend)
+    _register_builtin_backends()
 
     backend = _BACKENDS.get(name)
     if backend is None:
@@ -43,6 +45,20 @@ def get_attention_backend(name: str) -> type[AttentionBackend]:
 
 def available_attention_backends() -> list[str]:
     """The registered backend names, sorted."""
-    import kvflow.models.attention.torch_paged  # noqa: F401
-
+    _register_builtin_backends()
     return sorted(_BACKENDS)
+
+
+def _register_builtin_backends() -> None:
+    import kvflow.models.attention.cpu_paged  # registers "cpu"
+    import kvflow.models.attention.torch_paged  # noqa: F401  (registers "torch")
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """The backend to build for `name` on `device`: "auto" is "cpu" (the C++ decode kernel) on a CPU where the
+    kernels are available, else "torch"; any other name is returned as given."""
+    if name != "auto":
+        return name
+    from kvflow.kernels import cpu_kernels_available
+
+    return "cpu" if device.type == "cpu" and cpu_kernels_available() else "torch"

@@ -146,14 +146,8 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache_layer: torch.Tensor,
         metadata: TorchPagedMetadata,
     ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache_layer[0], kv_cache_layer[1]
+        key_cache, value_cache = self._store(key, value, kv_cache_layer, metadata.slot_mapping)
         num_blocks = key_cache.shape[1]
-        key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
-            1, metadata.slot_mapping, key.transpose(0, 1)
-        )
-        value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
-            1, metadata.slot_mapping, value.transpose(0, 1)
-        )
         key_blocks = key_cache.view(self.num_kv_heads, num_blocks, -1)
         value_blocks = value_cache.view(self.num_kv_heads, num_blocks, -1)
 
@@ -169,6 +163,23 @@ class TorchPagedAttention(AttentionBackend):
         for token_indices, group_output in outputs:
             output.index_copy_(0, token_indices, group_output)
         return output
+
+    def _store(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's K/V at `slot_mapping`; returns the layer's `(key_cache, value_cache)`."""
+        key_cache, value_cache = kv_cache_layer[0], kv_cache_layer[1]
+        key_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
+            1, slot_mapping, key.transpose(0, 1)
+        )
+        value_cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
+            1, slot_mapping, value.transpose(0, 1)
+        )
+        return key_cache, value_cache
 
     def _gather(self, blocks: torch.Tensor, kv: _KVGather, buffer_index: int) -> torch.Tensor:
         """`[num_kv_heads, num_rows, blocks_per_row * block_size, head_dim]`, contiguous: a view of workspace buffer

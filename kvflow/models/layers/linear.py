@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import kernels
+
 if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
 
@@ -52,7 +54,8 @@ class Linear(nn.Module):
         return slice(start, start + self.output_sizes[shard])
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden_states, self.weight, self.bias)
+        out = kernels.linear(hidden_states, self.weight, self.bias)  # decode GEMV on CPU, else None
+        return out if out is not None else F.linear(hidden_states, self.weight, self.bias)
 
     def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
         """The part of checkpoint shard `shard`'s tensor for `param_name` ("weight" or "bias") this layer holds:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow import kernels
+
 
 class RMSNorm(nn.Module):
     """`weight * (x / sqrt(mean(x**2) + eps))` over the last dimension.
@@ -33,6 +35,11 @@ class RMSNorm(nn.Module):
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the residual stream (if any) first; returns `(normalised, new residual)`."""
+        fused = kernels.add_rms_norm(
+            hidden_states, residual, self.weight, self.eps
+        )  # CPU, else None
+        if fused is not None:
+            return fused
         if residual is not None:
             hidden_states = hidden_states + residual
         return self(hidden_states), hidden_states

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvflow import kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Positions cached up front; longer sequences grow the cache (by doubling) on the forward that needs them.
 _INITIAL_CACHED_POSITIONS = 8192
@@ -120,6 +122,9 @@ class RotaryEmbedding(nn.Module):
     @staticmethod
     def apply(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate `[num_tokens, num_heads, head_dim]` heads (any strides); returns a new contiguous tensor."""
+        fused = kernels.rotary(heads, cos, sin)  # one pass on CPU, else None
+        if fused is not None:
+            return fused
         half = heads.shape[-1] // 2
         first, second = heads[..., :half], heads[..., half:]
         return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import kernels
 from kvflow.distributed.parallel_state import TensorParallelGroup, vocab_partition
 
 
@@ -110,7 +111,8 @@ class LMHead(nn.Module):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        out = kernels.linear(hidden_states, self.weight, float_output=True)  # decode GEMV on CPU
+        logits = out if out is not None else F.linear(hidden_states, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits.float()

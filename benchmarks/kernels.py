@@ -1,0 +1,198 @@
+"""kvflow's C++ CPU kernels against the PyTorch ops they replace, and the GEMV against the memory-read floor.
+
+Reproduce with `python benchmarks/kernels.py` (`--quick` for a seconds-long smoke run; `--threads N`).
+
+What is measured, all in one process, each kernel interleaved with its PyTorch counterpart (median of `--repeats`
+calls each, so a busy machine slows both alike):
+* **GEMV** on the Qwen2-0.5B shapes (K, N) = (896, 1152) QKV, (896, 896) o, (896, 9728) gate_up, (4864, 896)
+  down, (896, 32000) LM head, bfloat16, M = 1, 4, 8 rows: `kvflow.kernels.linear` vs `F.linear`, and the
+  **memory floor**: the weight's bytes divided by the read bandwidth the kernels' `stream_read` reaches on a
+  buffer larger than the caches, i.e. the time just reading the weight once takes.
+* **Elementwise** at batch 1: add + RMSNorm (896), SiLU-and-mul (2 x 4864), RoPE (16 heads of 64), against the
+  PyTorch expressions of `RMSNorm.forward_with_residual`, `silu_and_mul` and `RotaryEmbedding.apply`.
+* **Decode attention**: one decode row over 160 cached tokens (14 query / 2 KV heads of 64, blocks of 16, K/V write
+  included), the "cpu" backend against the "torch" backend.
+Ratios > 1 mean the kernel is faster. The kernels are built (or loaded from the cache) first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvflow.batch import BatchInputs
+from kvflow.kernels import load_cpu_kernels
+from kvflow.models.attention import TorchPagedAttention
+from kvflow.models.attention.cpu_paged import CpuPagedAttention
+
+GEMV_SHAPES = {
+    "qkv": (896, 1152),
+    "o": (896, 896),
+    "gate_up": (896, 9728),
+    "down": (4864, 896),
+    "lm_head": (896, 32000),
+}
+
+
+def interleaved(
+    first: Callable[[], object], second: Callable[[], object], repeats: int
+) -> tuple[float, float]:
+    """Median seconds of `first` and of `second`, called alternately `repeats` times each after a warm-up."""
+    for _ in range(3):
+        first()
+        second()
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for index, fn in enumerate((first, second)):
+            started = time.perf_counter()
+            fn()
+            times[index].append(time.perf_counter() - started)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def read_bandwidth(ops: object, num_bytes: int, repeats: int) -> float:
+    """Bytes per second `stream_read` reaches over a `num_bytes` buffer (median of `repeats` passes)."""
+    buffer = torch.ones(num_bytes, dtype=torch.uint8)
+    ops.stream_read(buffer)  # type: ignore[attr-defined]
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        ops.stream_read(buffer)  # type: ignore[attr-defined]
+        times.append(time.perf_counter() - started)
+    return num_bytes / statistics.median(times)
+
+
+def bench_gemv(ops: object, rows: list[int], repeats: int, bandwidth: float) -> None:
+    print(
+        f"{'GEMV (bf16)':<12} {'M':>2} {'torch us':>9} {'kernel us':>9} {'speedup':>8} "
+        f"{'kernel GB/s':>11} {'floor us':>9} {'floor/kernel':>12}"
+    )
+    generator = torch.Generator().manual_seed(0)
+    for name, (input_size, output_size) in GEMV_SHAPES.items():
+        weight = torch.randn(output_size, input_size, generator=generator).bfloat16()
+        floor = weight.numel() * 2 / bandwidth
+        for num_rows in rows:
+            x = torch.randn(num_rows, input_size, generator=generator).bfloat16()
+            torch_s, kernel_s = interleaved(
+                lambda x=x, weight=weight: F.linear(x, weight),
+                lambda x=x, weight=weight: ops.linear(x, weight, None, False),  # type: ignore[attr-defined]
+                repeats,
+            )
+            print(
+                f"{name:<12} {num_rows:>2} {torch_s * 1e6:>9.0f} {kernel_s * 1e6:>9.0f} "
+                f"{torch_s / kernel_s:>7.2f}x {weight.numel() * 2 / kernel_s / 1e9:>11.1f} "
+                f"{floor * 1e6:>9.0f} {floor / kernel_s:>12.2f}"
+            )
+
+
+def bench_elementwise(ops: object, repeats: int) -> None:
+    print(f"\n{'op (batch 1)':<28} {'torch us':>9} {'kernel us':>9} {'speedup':>8}")
+    hidden = torch.randn(1, 896).bfloat16()
+    residual = torch.randn(1, 896).bfloat16()
+    weight = torch.randn(896).bfloat16()
+
+    def torch_norm() -> object:
+        summed = hidden + residual
+        as_float = summed.float()
+        variance = as_float.pow(2).mean(-1, keepdim=True)
+        return weight * (as_float * torch.rsqrt(variance + 1e-6)).to(torch.bfloat16), summed
+
+    gate_up = torch.randn(1, 2 * 4864).bfloat16()
+    qk = torch.randn(1, 18, 64).bfloat16()[:, :16]
+    cos, sin = torch.randn(1, 1, 32).bfloat16(), torch.randn(1, 1, 32).bfloat16()
+
+    def torch_rope() -> object:
+        first, second = qk[..., :32], qk[..., 32:]
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+    cases = {
+        "add + RMSNorm (896)": (
+            torch_norm,
+            lambda: ops.add_rms_norm(hidden, residual, weight, 1e-6),  # type: ignore[attr-defined]
+        ),
+        "SiLU-and-mul (2 x 4864)": (
+            lambda: F.silu(gate_up[..., :4864]) * gate_up[..., 4864:],
+            lambda: ops.silu_and_mul(gate_up),  # type: ignore[attr-defined]
+        ),
+        "RoPE (16 heads x 64)": (torch_rope, lambda: ops.rotary(qk, cos, sin)),  # type: ignore[attr-defined]
+    }
+    for name, (torch_fn, kernel_fn) in cases.items():
+        torch_s, kernel_s = interleaved(torch_fn, kernel_fn, repeats)
+        print(
+            f"{name:<28} {torch_s * 1e6:>9.1f} {kernel_s * 1e6:>9.1f} {torch_s / kernel_s:>7.2f}x"
+        )
+
+
+def bench_attention(repeats: int, context: int = 160) -> None:
+    num_heads, num_kv_heads, head_dim, block_size = 14, 2, 64, 16
+    num_blocks = context // block_size + 4
+    dims = dict(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=head_dim**-0.5
+    )
+    cache = torch.randn(
+        TorchPagedAttention.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    ).bfloat16()
+    batch = BatchInputs(
+        req_ids=["a"],
+        block_size=block_size,
+        input_ids=torch.zeros(1, dtype=torch.int64),
+        positions=torch.tensor([context - 1]),
+        slot_mapping=torch.tensor([context - 1]),
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+        seq_lens=torch.tensor([context], dtype=torch.int32),
+        block_tables=torch.randperm(num_blocks, dtype=torch.int32)[None],
+        logits_indices=torch.zeros(1, dtype=torch.int64),
+        sampled_req_indices=torch.zeros(1, dtype=torch.int64),
+    )
+    query = torch.randn(1, num_heads, head_dim).bfloat16()
+    key = torch.randn(1, num_kv_heads, head_dim).bfloat16()
+    value = torch.randn(1, num_kv_heads, head_dim).bfloat16()
+    torch_backend, cpu_backend = TorchPagedAttention(**dims), CpuPagedAttention(**dims)
+    torch_plan, cpu_plan = torch_backend.build_metadata(batch), cpu_backend.build_metadata(batch)
+    torch_s, kernel_s = interleaved(
+        lambda: torch_backend.forward(query, key, value, cache, torch_plan),
+        lambda: cpu_backend.forward(query, key, value, cache, cpu_plan),
+        repeats,
+    )
+    name = f"decode attention ({context} tok)"
+    print(f"{name:<28} {torch_s * 1e6:>9.1f} {kernel_s * 1e6:>9.1f} {torch_s / kernel_s:>7.2f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="M = 1 only, few repeats")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's)"
+    )
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per op (default 30)")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    repeats = args.repeats or (5 if args.quick else 30)
+    ops = load_cpu_kernels()
+    if ops is None:
+        raise SystemExit(
+            "the CPU kernels are not available (KVFLOW_CPU_KERNELS=0 or the build failed)"
+        )
+    bandwidth = read_bandwidth(ops, (64 if args.quick else 512) * 2**20, repeats)
+    print(
+        f"threads {torch.get_num_threads()}, torch {torch.__version__}, "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s (stream_read)\n"
+    )
+    with torch.inference_mode():
+        bench_gemv(ops, [1] if args.quick else [1, 4, 8], repeats, bandwidth)
+        bench_elementwise(ops, repeats * 10)
+        bench_attention(repeats * 10)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""C++ CPU kernels for decode (built on first use, see `build.py`) and the dispatch helpers the layers call.
+
+Each helper returns the kernel's result when the kernel applies (a CPU tensor of a supported dtype and shape, the
+extension loaded) and None otherwise, so the caller runs its PyTorch code: that code is both the fallback and the
+reference the kernels are tested against. `KVFLOW_CPU_KERNELS=0` makes every helper return None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.kernels.build import CPU_KERNELS_ENV, cpu_kernels_requested, load_cpu_kernels
+
+__all__ = [
+    "CPU_KERNELS_ENV",
+    "MAX_GEMV_ROWS",
+    "add_rms_norm",
+    "cpu_kernels_available",
+    "cpu_kernels_requested",
+    "linear",
+    "load_cpu_kernels",
+    "rotary",
+    "silu_and_mul",
+]
+
+# Up to this many rows the GEMV kernel beats torch's GEMM for the decode shapes (benchmarks/kernels.py).
+MAX_GEMV_ROWS = 8
+_ELEMENTWISE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the compiled kernels are in use in this process (built, loaded and not disabled)."""
+    return load_cpu_kernels() is not None
+
+
+def linear(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    float_output: bool = False,
+) -> torch.Tensor | None:
+    """`F.linear(hidden_states, weight, bias)` for at most `MAX_GEMV_ROWS` bfloat16 rows on the CPU, else None.
+
+    With `float_output` the bfloat16-rounded result comes back as float32 (what `F.linear(...).float()` gives).
+    """
+    if (
+        weight.dtype is not torch.bfloat16
+        or hidden_states.dtype is not torch.bfloat16
+        or hidden_states.device.type != "cpu"
+    ):
+        return None
+    input_size = weight.shape[1]
+    num_rows = hidden_states.numel() // input_size if input_size else 0
+    if not 0 < num_rows <= MAX_GEMV_ROWS or not weight.is_contiguous():
+        return None
+    ops = load_cpu_kernels()
+    if ops is None or not ops.has_avx512():  # the portable build's GEMV is not measured to win
+        return None
+    rows = hidden_states.reshape(num_rows, input_size)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = ops.linear(rows, weight, bias, float_output)
+    return out.view(*hidden_states.shape[:-1], weight.shape[0])
+
+
+def add_rms_norm(
+    hidden_states: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`(rms_norm(hidden + residual), hidden + residual)` in one pass (residual None: `(rms_norm(hidden), hidden)`)
+    for contiguous CPU bfloat16 tensors, else None. Inputs are not modified.
+
+    bfloat16 only: float32 RMSNorm must equal transformers bit for bit, and its mean's summation order is torch's.
+    """
+    if (
+        hidden_states.device.type != "cpu"
+        or hidden_states.dtype is not torch.bfloat16
+        or weight.dtype is not hidden_states.dtype
+        or not hidden_states.is_contiguous()
+        or (
+            residual is not None
+            and (
+                residual.dtype is not hidden_states.dtype
+                or residual.shape != hidden_states.shape
+                or not residual.is_contiguous()
+            )
+        )
+    ):
+        return None
+    ops = load_cpu_kernels()
+    return None if ops is None else ops.add_rms_norm(hidden_states, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """`silu(gate) * up` of a `[..., 2 * d]` CPU bfloat16/float32 tensor in one pass, else None."""
+    if (
+        gate_up.device.type != "cpu"
+        or gate_up.dtype not in _ELEMENTWISE_DTYPES
+        or gate_up.dim() < 1
+        or gate_up.shape[-1] % 2
+        or gate_up.stride(-1) != 1
+    ):
+        return None
+    ops = load_cpu_kernels()
+    if ops is None:
+        return None
+    rows = gate_up.reshape(-1, gate_up.shape[-1])
+    return ops.silu_and_mul(rows).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def rotary(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """Neox rotary embedding of `[tokens, heads, head_dim]` (head_dim contiguous) by `[tokens, 1, head_dim / 2]`
+    cos/sin of the same dtype, into a new contiguous tensor (CPU bfloat16/float32), else None."""
+    if (
+        heads.device.type != "cpu"
+        or heads.dtype not in _ELEMENTWISE_DTYPES
+        or heads.dim() != 3
+        or heads.stride(2) != 1
+        or cos.dtype is not heads.dtype
+        or sin.dtype is not heads.dtype
+        or cos.shape != (heads.shape[0], 1, heads.shape[2] // 2)
+        or sin.shape != cos.shape
+        or not cos.is_contiguous()
+        or not sin.is_contiguous()
+    ):
+        return None
+    ops = load_cpu_kernels()
+    return None if ops is None else ops.rotary(heads, cos, sin)

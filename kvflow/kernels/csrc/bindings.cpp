@@ -1,0 +1,199 @@
+// Python bindings: tensor checks (TORCH_CHECK names the argument) and dispatch to the raw kernels by dtype.
+// Every op runs on at::get_num_threads() threads of the OpenMP runtime torch itself uses.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "kernels.h"
+
+namespace {
+
+using kvflow::bf16;
+
+void check_cpu(const at::Tensor& tensor, const char* name) {
+  TORCH_CHECK(tensor.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kFloat, name,
+              " must be bfloat16 or float32, got ", tensor.scalar_type());
+}
+
+void check_same_dtype(const at::Tensor& tensor, const at::Tensor& reference, const char* name) {
+  TORCH_CHECK(tensor.scalar_type() == reference.scalar_type(), name, " must have dtype ", reference.scalar_type(),
+              ", got ", tensor.scalar_type());
+}
+
+template <typename Fn>
+void dispatch(const at::Tensor& tensor, Fn&& fn) {
+  if (tensor.scalar_type() == at::kBFloat16)
+    fn(bf16{});
+  else
+    fn(float{});
+}
+
+template <typename T>
+T* ptr(const at::Tensor& tensor) {
+  return reinterpret_cast<T*>(tensor.data_ptr());
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                  bool float_output) {
+  check_cpu(x, "x");
+  check_same_dtype(weight, x, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight must be contiguous [N, K] with K = x.size(1)");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  if (bias) {
+    check_same_dtype(*bias, x, "bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be contiguous [N]");
+  }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : x.scalar_type()));
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::gemv<T>(ptr<T>(x), M, K, x.stride(0), ptr<T>(weight), N, bias ? ptr<T>(*bias) : nullptr,
+                    float_output ? nullptr : ptr<T>(out), float_output ? ptr<float>(out) : nullptr,
+                    at::get_num_threads());
+  });
+  return out;
+}
+
+int64_t stream_read(const at::Tensor& data) {
+  TORCH_CHECK(data.is_contiguous() && data.scalar_type() == at::kByte, "data must be a contiguous uint8 tensor");
+  return static_cast<int64_t>(
+      kvflow::stream_read(ptr<uint8_t>(data), data.numel() / 64 * 64, at::get_num_threads()) & 0x7fffffff);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_same_dtype(weight, x, "weight");
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  const int64_t hidden = x.size(-1), rows = x.numel() / std::max<int64_t>(hidden, 1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == hidden, "weight must be contiguous [hidden]");
+  at::Tensor out = at::empty_like(x);
+  at::Tensor summed = x;
+  if (residual) {
+    check_same_dtype(*residual, x, "residual");
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == x.sizes(), "residual must be contiguous like x");
+    summed = at::empty_like(x);
+  }
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::add_rms_norm<T>(ptr<T>(x), residual ? ptr<T>(*residual) : nullptr, ptr<T>(weight), rows, hidden,
+                            static_cast<float>(eps), ptr<T>(out), residual ? ptr<T>(summed) : nullptr,
+                            at::get_num_threads());
+  });
+  return {out, summed};
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be 2-D [rows, 2 * d] with contiguous rows");
+  const int64_t rows = gate_up.size(0), d = gate_up.size(1) / 2;
+  at::Tensor out = at::empty({rows, d}, gate_up.options());
+  dispatch(gate_up, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::silu_and_mul<T>(ptr<T>(gate_up), rows, d, gate_up.stride(0), ptr<T>(out), at::get_num_threads());
+  });
+  return out;
+}
+
+at::Tensor rotary(const at::Tensor& heads, const at::Tensor& cos, const at::Tensor& sin) {
+  check_cpu(heads, "heads");
+  check_same_dtype(cos, heads, "cos");
+  check_same_dtype(sin, heads, "sin");
+  TORCH_CHECK(heads.dim() == 3 && heads.stride(2) == 1 && heads.size(2) % 2 == 0,
+              "heads must be [tokens, heads, head_dim] with contiguous head_dim (even)");
+  const int64_t tokens = heads.size(0), num_heads = heads.size(1), head_dim = heads.size(2);
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * head_dim / 2 &&
+                  sin.numel() == cos.numel(),
+              "cos and sin must be contiguous [tokens, 1, head_dim / 2]");
+  at::Tensor out = at::empty({tokens, num_heads, head_dim}, heads.options());
+  dispatch(heads, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::rotary<T>(ptr<T>(heads), tokens, num_heads, head_dim, heads.stride(0), heads.stride(1), ptr<T>(cos),
+                      ptr<T>(sin), ptr<T>(out), at::get_num_threads());
+  });
+  return out;
+}
+
+void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_index,
+                            double scale, int64_t window, at::Tensor& out) {
+  check_cpu(query, "query");
+  check_same_dtype(key_cache, query, "key_cache");
+  check_same_dtype(value_cache, query, "value_cache");
+  check_same_dtype(out, query, "out");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [tokens, heads, head_dim], head_dim contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes(),
+              "key_cache/value_cache must be contiguous [kv_heads, blocks, block_size, head_dim]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.scalar_type() == at::kInt,
+              "block_tables must be int32 [rows, max_blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kInt, "seq_lens must be contiguous int32");
+  TORCH_CHECK(token_index.is_contiguous() && token_index.scalar_type() == at::kLong,
+              "token_index must be contiguous int64");
+  const int64_t rows = token_index.numel();
+  TORCH_CHECK(seq_lens.numel() == rows && block_tables.size(0) == rows, "block_tables/seq_lens need one row each");
+  const int64_t num_heads = query.size(1), head_dim = query.size(2), num_kv_heads = key_cache.size(0);
+  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 32,
+              "key_cache head_dim must match query; heads per kv head must divide evenly and be <= 32");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous like query");
+  dispatch(query, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::paged_decode_attention<T>(ptr<T>(query), query.stride(0), query.stride(1), ptr<T>(key_cache),
+                                      ptr<T>(value_cache), key_cache.size(1), key_cache.size(2),
+                                      ptr<int32_t>(block_tables), block_tables.stride(0), ptr<int32_t>(seq_lens),
+                                      ptr<int64_t>(token_index), rows, num_heads, num_kv_heads, head_dim,
+                                      static_cast<float>(scale), window, ptr<T>(out), at::get_num_threads());
+  });
+}
+
+void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping, at::Tensor& key_cache,
+              at::Tensor& value_cache) {
+  check_cpu(key, "key");
+  check_same_dtype(value, key, "value");
+  check_same_dtype(key_cache, key, "key_cache");
+  check_same_dtype(value_cache, key, "value_cache");
+  TORCH_CHECK(key.dim() == 3 && key.stride(2) == 1 && value.sizes() == key.sizes() && value.stride(2) == 1,
+              "key/value must be [tokens, kv_heads, head_dim] with contiguous head_dim");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes() && key_cache.size(0) == key.size(1) &&
+                  key_cache.size(3) == key.size(2),
+              "key_cache/value_cache must be contiguous [kv_heads, blocks, block_size, head_dim] matching key");
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong &&
+                  slot_mapping.numel() == key.size(0),
+              "slot_mapping must be contiguous int64 with one slot per token");
+  const int64_t num_slots = key_cache.size(1) * key_cache.size(2);
+  bool stored = false;
+  dispatch(key, [&](auto tag) {
+    using T = decltype(tag);
+    stored = kvflow::store_kv<T>(ptr<T>(key), key.stride(0), key.stride(1), ptr<T>(value), value.stride(0),
+                                 value.stride(1), ptr<int64_t>(slot_mapping), key.size(0), key.size(1), key.size(2), num_slots, ptr<T>(key_cache),
+                                 ptr<T>(value_cache));
+  });
+  TORCH_CHECK(stored, "slot_mapping has a slot outside the cache's ", num_slots, " slots");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvflow CPU kernels (decode GEMV, fused elementwise ops, paged decode attention)";
+  m.def("linear", &linear, "x @ weight.T (+ bias) for small M", py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("float_output") = false);
+  m.def("stream_read", &stream_read, "read a uint8 buffer once (the memory-read floor)");
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("rotary", &rotary, "neox rotary embedding into a new contiguous tensor");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
+  m.def("store_kv", &store_kv, "write the step's K/V into the paged cache at slot_mapping");
+  m.def("has_avx512", []() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return true;
+#else
+    return false;
+#endif
+  });
+}

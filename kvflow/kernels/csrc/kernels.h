@@ -1,0 +1,59 @@
+// Raw-pointer entry points of kvflow's CPU kernels (no torch headers: these sources compile in seconds).
+// Each is instantiated for T = float and T = bf16 (uint16_t); bindings.cpp checks tensors and calls them.
+#pragma once
+
+#include <cstdint>
+
+namespace kvflow {
+using bf16 = uint16_t;  // bfloat16 bits
+// Writes key[t, h, :] / value[t, h, :] (token and head strides given, head_dim contiguous) into the caches
+// ([num_kv_heads, num_slots, head_dim] contiguous) at slot slot_mapping[t]. Returns false (writing nothing) when a
+// slot is outside [0, num_slots).
+template <typename T>
+bool store_kv(const T* key, int64_t key_token_stride, int64_t key_head_stride, const T* value,
+              int64_t value_token_stride, int64_t value_head_stride, const int64_t* slot_mapping, int64_t tokens, int64_t num_kv_heads, int64_t head_dim, int64_t num_slots, T* key_cache, T* value_cache);
+
+}  // namespace kvflow
+
+namespace kvflow {
+
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for m < M, fp32 accumulation, rounded once to T.
+// x rows are `x_stride` elements apart; w is [N, K] row-major; y is [M, N] row-major (T), or, when `y_float` is
+// given instead, the T-rounded results stored as float. Threads split the rows of w.
+template <typename T>
+void gemv(const T* x, int64_t M, int64_t K, int64_t x_stride, const T* w, int64_t N, const T* bias, T* y,
+          float* y_float, int num_threads);
+
+// Reads `num_bytes` (a multiple of 64) with `num_threads` threads and returns a checksum: the memory-read floor.
+uint64_t stream_read(const uint8_t* data, int64_t num_bytes, int num_threads);
+
+// residual_out = x + residual (rounded to T); out = weight * T(residual_out * rsqrt(mean(residual_out^2) + eps)).
+// With residual == nullptr the sum is x itself (residual_out may then be nullptr). Rows are `hidden` contiguous.
+template <typename T>
+void add_rms_norm(const T* x, const T* residual, const T* weight, int64_t rows, int64_t hidden, float eps, T* out,
+                  T* residual_out, int num_threads);
+
+// out[r, i] = T(T(silu(gate[r, i])) * up[r, i]) with gate_up[r] = [gate (d) | up (d)], rows `in_stride` apart.
+template <typename T>
+void silu_and_mul(const T* gate_up, int64_t rows, int64_t d, int64_t in_stride, T* out, int num_threads);
+
+// Neox-style rotary embedding of heads[t, h, :] (token stride `token_stride`, head stride `head_stride`, the
+// head_dim contiguous) into out [tokens, heads, head_dim] contiguous, rounding each product and sum to T as the
+// PyTorch expression does. cos/sin are [tokens, head_dim / 2] contiguous.
+template <typename T>
+void rotary(const T* heads, int64_t tokens, int64_t num_heads, int64_t head_dim, int64_t token_stride,
+            int64_t head_stride, const T* cos, const T* sin, T* out, int num_threads);
+
+// Decode attention (one query token per row) reading K/V in place through block tables.
+// query[t, h, :] at query + t * q_token_stride + h * q_head_stride; key/value caches are
+// [num_kv_heads, num_blocks, block_size, head_dim] contiguous; row r attends with the query token
+// token_index[r] to positions [max(0, seq_len - window), seq_len) (window 0: no window) of its sequence, whose
+// blocks are block_tables[r * table_stride + i]. Writes out[token_index[r], h, :] ([tokens, heads, head_dim]).
+template <typename T>
+void paged_decode_attention(const T* query, int64_t q_token_stride, int64_t q_head_stride, const T* key_cache,
+                            const T* value_cache, int64_t num_blocks, int64_t block_size, const int32_t* block_tables,
+                            int64_t table_stride, const int32_t* seq_lens, const int64_t* token_index, int64_t rows,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,
+                            T* out, int num_threads);
+
+}  // namespace kvflow

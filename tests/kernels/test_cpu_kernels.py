@@ -1,0 +1,143 @@
+"""The C++ GEMV and fused elementwise kernels against their PyTorch references (kvflow's own layer code with the
+kernels switched off), over random shapes (tails shorter than a 16-lane vector included) and dtypes.
+
+Tolerances: RoPE and the residual sum are bitwise (the kernel rounds every intermediate the PyTorch expression
+rounds); GEMV and SiLU may differ from PyTorch by one bfloat16 ulp, where a different summation order (or exp's
+last float32 ulp) lands on the other side of a rounding boundary, RMSNorm by two (a one-ulp difference of the
+normalised value, then the weight product's rounding), and float32 results by float32 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvflow import kernels
+from kvflow.models.attention import resolve_attention_backend
+from kvflow.models.layers import Linear, LMHead, RMSNorm, RotaryEmbedding, silu_and_mul
+
+BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values (8 significant bits)
+
+
+def _within_one_ulp(
+    actual: torch.Tensor, expected: torch.Tensor, slack: float = 0.0, ulps: int = 1
+) -> None:
+    difference = (actual.float() - expected.float()).abs()
+    bound = expected.float().abs() * BF16_ULP * ulps + slack
+    assert bool((difference <= bound).all()), float((difference - bound).max())
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("input_size", "output_size"), [(13, 7), (40, 33), (896, 1152), (300, 65)])
+def test_linear_matches_f_linear(
+    ops: object, input_size: int, output_size: int, with_bias: bool
+) -> None:
+    generator = torch.Generator().manual_seed(input_size * output_size)
+    weight = torch.randn(output_size, input_size, generator=generator).bfloat16()
+    bias = torch.randn(output_size, generator=generator).bfloat16() if with_bias else None
+    for num_rows in range(1, kernels.MAX_GEMV_ROWS + 1):
+        rows = torch.randn(num_rows, input_size, generator=generator).bfloat16()
+        out = kernels.linear(rows, weight, bias)
+        assert out is not None and out.dtype == torch.bfloat16
+        exact = F.linear(rows.float(), weight.float(), None if bias is None else bias.float())
+        _within_one_ulp(out, exact, slack=1e-5 * input_size)
+        _within_one_ulp(out, F.linear(rows, weight, bias), slack=1e-5 * input_size)
+        as_float = kernels.linear(rows, weight, bias, float_output=True)
+        assert as_float is not None and as_float.dtype == torch.float32
+        assert torch.equal(as_float, out.float())  # the bf16 result, upcast
+
+
+def test_linear_dispatch(ops: object) -> None:
+    """Decode-sized bf16 rows go to the kernel; prefill-sized rows, float32 and strided 3-D inputs are handled."""
+    layer = Linear(64, (48, 16), bias=True, dtype=torch.bfloat16, device="cpu")
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    small = torch.randn(2, 3, 64).bfloat16()  # 6 rows, leading dims kept
+    expected = ops.linear(small.reshape(6, 64), layer.weight, layer.bias, False).view(2, 3, 64)
+    assert torch.equal(layer(small), expected)
+    large = torch.randn(kernels.MAX_GEMV_ROWS + 1, 64).bfloat16()
+    assert torch.equal(layer(large), F.linear(large, layer.weight, layer.bias))
+    strided = torch.randn(3, 128).bfloat16()[:, ::2]
+    _within_one_ulp(layer(strided), F.linear(strided, layer.weight, layer.bias), slack=1e-3)
+    assert kernels.linear(torch.randn(2, 64), layer.weight.float()) is None  # float32: torch
+    head = LMHead(96, 64, dtype=torch.bfloat16, device="cpu")
+    torch.nn.init.normal_(head.weight)
+    logits = head(small[0])
+    assert logits.dtype == torch.float32
+    _within_one_ulp(logits, F.linear(small[0], head.weight).float(), slack=1e-3)
+
+
+@pytest.mark.parametrize("hidden_size", [7, 64, 896, 1000])
+def test_add_rms_norm(ops: object, hidden_size: int) -> None:
+    generator = torch.Generator().manual_seed(hidden_size)
+    norm = RMSNorm(hidden_size, 1e-6, dtype=torch.bfloat16, device="cpu")
+    norm.weight.data.copy_(torch.randn(hidden_size, generator=generator))
+    for num_rows in (1, 3, 70):
+        hidden = torch.randn(num_rows, hidden_size, generator=generator).bfloat16()
+        residual = torch.randn(num_rows, hidden_size, generator=generator).bfloat16()
+        fused = kernels.add_rms_norm(hidden, residual, norm.weight, norm.eps)
+        assert fused is not None
+        normed, new_residual = fused
+        assert torch.equal(new_residual, hidden + residual)
+        _within_one_ulp(normed, norm(hidden + residual), ulps=2)
+        alone, same = kernels.add_rms_norm(hidden, None, norm.weight, norm.eps)
+        assert same is hidden
+        _within_one_ulp(alone, norm(hidden), ulps=2)
+        # the layer uses the kernel and leaves its inputs alone
+        hidden_before = hidden.clone()
+        layer_normed, _ = norm.forward_with_residual(hidden, residual)
+        assert torch.equal(layer_normed, normed) and torch.equal(hidden, hidden_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [5, 64, 4864])
+def test_silu_and_mul(ops: object, dtype: torch.dtype, width: int) -> None:
+    gate_up = (torch.randn(4, 2 * width, generator=torch.Generator().manual_seed(width)) * 4).to(
+        dtype
+    )
+    fused = kernels.silu_and_mul(gate_up)
+    half = gate_up[:, :width]
+    expected = F.silu(half) * gate_up[:, width:]
+    assert fused is not None and fused.shape == (4, width)
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, expected, atol=1e-6, rtol=1e-6)
+    else:
+        _within_one_ulp(fused, expected)
+        assert float((fused == expected).float().mean()) > 0.99
+    assert torch.equal(silu_and_mul(gate_up), fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("num_heads", "head_dim"), [(3, 8), (16, 64), (4, 40)])
+def test_rotary_is_bitwise(ops: object, dtype: torch.dtype, num_heads: int, head_dim: int) -> None:
+    rotary = RotaryEmbedding(head_dim, 256, 10000.0, None, device="cpu")
+    positions = torch.tensor([0, 5, 77, 200, 31])
+    cos, sin = rotary.cos_sin(positions, dtype)
+    fused_qkv = torch.randn(5, num_heads + 2, head_dim).to(dtype)
+    heads = fused_qkv[:, :num_heads]  # a strided view, as the attention layer passes it
+    half = head_dim // 2
+    first, second = heads[..., :half], heads[..., half:]
+    expected = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    fused = RotaryEmbedding.apply(heads, cos, sin)
+    assert fused.is_contiguous()
+    assert torch.equal(fused, expected)
+    assert torch.equal(ops.rotary(heads, cos, sin), expected)
+
+
+def test_setting_forces_pytorch_paths(ops: object, kernels_off: None) -> None:
+    """KVFLOW_CPU_KERNELS=0: no kernel module, every dispatch declines, "auto" attention is the torch backend."""
+    assert kernels.load_cpu_kernels() is None and not kernels.cpu_kernels_available()
+    rows = torch.randn(1, 32).bfloat16()
+    weight = torch.randn(16, 32).bfloat16()
+    assert kernels.linear(rows, weight) is None
+    assert kernels.add_rms_norm(rows, rows, weight[0].repeat(2), 1e-6) is None
+    assert kernels.silu_and_mul(rows) is None
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_attention_backend("cpu", torch.device("cpu")) == "cpu"  # explicit names stay
+
+
+def test_kernels_on_by_default(ops: object) -> None:
+    assert kernels.cpu_kernels_available()
+    assert resolve_attention_backend("auto", torch.device("cpu")) == "cpu"
+    assert resolve_attention_backend("auto", torch.device("meta")) == "torch"

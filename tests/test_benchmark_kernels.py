@@ -1,0 +1,29 @@
+"""Structural check of benchmarks/kernels.py in quick mode (no timing assertions: CI is noisy)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from kvflow.kernels import load_cpu_kernels
+
+BENCHMARK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels.py"
+
+
+def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> None:
+    if load_cpu_kernels() is None:
+        pytest.skip("CPU kernels unavailable")
+    spec = importlib.util.spec_from_file_location("kvflow_benchmark_kernels", BENCHMARK_PATH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--quick", "--repeats", "1", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "read bandwidth" in out
+    for name in ("qkv", "o", "gate_up", "down", "lm_head", "add + RMSNorm", "SiLU", "RoPE"):
+        assert f"\n{name}" in out, name
+    assert "decode attention" in out
+    assert len(re.findall(r"\d\.\d\dx", out)) == 9  # a speedup on every row
