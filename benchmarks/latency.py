@@ -291,7 +291,8 @@ def measure_ttft(llm: Any, vocab_size: int, prompt_len: int, repeats: int) -> Tt
         passes, num_tokens = [], 0
         for args, kwargs in recorded:
             passes.append((args, kwargs))
-            num_tokens += int(args[0].num_tokens)
+            batch = args[0] if args else kwargs["batch"]
+            num_tokens += int(batch.num_tokens)
             if num_tokens >= prompt_len:
                 break
         return passes
@@ -310,6 +311,10 @@ def measure_ttft(llm: Any, vocab_size: int, prompt_len: int, repeats: int) -> Tt
         metrics = output.metrics
         assert metrics is not None and metrics.first_token_time is not None
         passes = prefill_passes()
+        if not passes:
+            raise RuntimeError(
+                "no forward pass was recorded: the runner no longer calls model.forward"
+            )
         with torch.inference_mode():
             start = time.perf_counter()
             for args, kwargs in passes:
