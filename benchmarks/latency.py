@@ -456,6 +456,24 @@ def format_goals(goals: Sequence[Goal]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ main
+def describe_cpu() -> str:
+    """The CPU's model name and whether it has the bf16 matrix instructions that decide bf16 GEMV speed."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    except OSError:
+        pass
+    features = [flag for flag in ("avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
+    return f"{name} ({', '.join(features) or 'no avx512'})"
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -534,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv_shown = argv if argv is not None else sys.argv[1:]
     print(f"# {COMMAND} {shlex.join(argv_shown)}")
     print(
-        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {threads} threads; "
+        f"# {describe_cpu()}, torch {torch.__version__}, {threads} threads; "
         f"checkpoint {path} ({shape.num_layers} layers, hidden {shape.hidden_size}, bf16)"
     )
     print(
@@ -594,7 +612,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     results: dict[str, Any] = {
         "command": f"{COMMAND} {shlex.join(argv_shown)}",
-        "machine": platform.processor() or platform.machine(),
+        "machine": describe_cpu(),
         "torch": torch.__version__,
         "threads": threads,
         "checkpoint": str(path),
