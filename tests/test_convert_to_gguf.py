@@ -163,7 +163,13 @@ def test_llama_cpp_continues_the_default_model_greedily_as_kvflow_does(tmp_path:
 
     gguf_path = load_converter().convert(DEFAULT_CHECKPOINT, tmp_path / "default.gguf", dtype="f32")
     prompt, num_tokens = "Once upon a time", 12
-    llm = LLM(str(DEFAULT_CHECKPOINT), dtype="float32", max_model_len=256, num_kv_blocks=32)
+    llm = LLM(
+        str(DEFAULT_CHECKPOINT),
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=32,
+        max_num_seqs=1,
+    )
     (output,) = llm.generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     )
