@@ -6,7 +6,8 @@ Reproduce with `python benchmarks/latency.py` (`--quick` for a seconds-long smok
 checkpoint's folder is printed in the header). `--json PATH` saves every figure.
 
 Checkpoint: the random-weight Qwen2-0.5B-shaped bfloat16 checkpoint of `benchmarks/throughput.py` (same helper, same
-seed; `--model` runs another checkpoint folder). Every figure below comes from this process, one after the other:
+seed; `--model` runs another checkpoint folder). Every figure comes from this run, one after the other, so only
+ratios within one run compare (machines differ in ISA and load):
 1. **kvflow decode**: `LLM(checkpoint, dtype="bfloat16", max_num_seqs=1)` (otherwise the defaults: async
    scheduling, prefix caching), one request at a time, a 32-token random prompt, 128 greedy tokens with
    `ignore_eos`. Decode time only: (last token's time - first token's time) / (tokens - 1), from
@@ -23,7 +24,8 @@ seed; `--model` runs another checkpoint folder). Every figure below comes from t
 6. **memory**: the KV cache's bytes per token from the allocated tensors (their nbytes / (blocks x block size))
    against `2 x layers x kv_heads x head_dim x dtype bytes`; and the peak RSS (VmHWM) of a fresh interpreter while
    it constructs `LLM(checkpoint)` with a fixed 64-block KV cache, minus that interpreter's RSS after
-   `import torch` and `from kvflow import LLM`, against the loaded weights' bytes plus the KV cache's.
+   `import torch` and `from kvflow import LLM`, against the loaded weights' bytes plus the KV cache's (VmHWM counts
+   resident pages of a memory-mapped checkpoint file too).
 The goals table at the end prints each goal of issue 11 as a ratio measured in this run, its target and PASS / MISS
 (SKIP when not measured; "info" rows have no target).
 """
