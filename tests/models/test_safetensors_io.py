@@ -111,7 +111,11 @@ _PEAK_RSS_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import torch
+    from kvflow.models.attention import resolve_attention_backend
     from kvflow.models.loader import load_model
+
+    # The C++ kernels (the "auto" attention backend's) load before the baseline: their library is not the load's.
+    resolve_attention_backend("auto", torch.device("cpu"))
 
     def status_kib(field):
         for line in open("/proc/self/status"):
@@ -129,17 +133,17 @@ _PEAK_RSS_SCRIPT = textwrap.dedent(
 
 
 def test_loading_peaks_at_the_weights_plus_one_tensor_not_two_copies(tmp_path: Path) -> None:
-    """A ~100 MB float32 checkpoint in one file: the load's peak RSS growth stays under 1.2x the weights (a
-    memory-mapped read would touch every page of the file and peak near 2x)."""
+    """A ~115 MB float32 checkpoint in one file whose largest tensor is 7% of it: the load's peak RSS growth stays
+    under 1.2x the weights (a memory-mapped read touches every page of the file and peaks near 2x)."""
     path = make_tiny_checkpoint(
         tmp_path / "ckpt",
         "llama",
         hidden_size=512,
         intermediate_size=1536,
-        num_hidden_layers=4,
+        num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=4,
-        vocab_size=16000,
+        vocab_size=4000,
         tie_word_embeddings=False,
     )
     run = subprocess.run(
@@ -150,5 +154,5 @@ def test_loading_peaks_at_the_weights_plus_one_tensor_not_two_copies(tmp_path: P
         check=True,
     )
     measured = json.loads(run.stdout.strip().splitlines()[-1])
-    assert measured["weights"] > 80e6
+    assert measured["weights"] > 100e6 and measured["largest"] < 0.1 * measured["weights"]
     assert measured["growth"] <= 1.2 * measured["weights"], measured
