@@ -233,10 +233,6 @@ class MultiprocExecutor(Executor):
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Every rank's result, in rank order; the lowest failing rank's exception (naming it) if any failed."""
-        if not isinstance(method, str) and not callable(method):
-            raise TypeError(
-                f"collective_rpc needs a method name or a callable, got {type(method).__name__}"
-            )
         message = RunMethod(method, tuple(args), dict(kwargs or {}))
         return self._call(message, frozenset(range(self.world_size))).result()
 

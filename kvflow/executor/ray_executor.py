@@ -205,10 +205,6 @@ class RayExecutor(Executor):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        if not isinstance(method, str) and not callable(method):
-            raise TypeError(
-                f"collective_rpc needs a method name or a callable, got {type(method).__name__}"
-            )
         refs = self._submit(RunMethod(method, tuple(args), dict(kwargs or {})))
         replies: list[WorkerReply] = []
         for rank, ref in enumerate(refs):

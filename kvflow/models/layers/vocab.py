@@ -11,35 +11,31 @@ from kvflow import kernels
 from kvflow.distributed.parallel_state import TensorParallelGroup, vocab_partition
 
 
-class VocabEmbedding(nn.Module):
-    """Looks token ids up in a `[vocab_size, hidden_size]` table (`weight`).
+class _VocabShard(nn.Module):
+    """This rank's contiguous part of the vocabulary's rows, shared by the embedding and the LM head.
 
-    With `tp` of several ranks, `weight` is `[padded rows, hidden_size]` holding token ids
-    `[vocab_start, vocab_start + num_vocab_rows)` in its first rows (the rest stay zero); each rank looks up the ids
-    it holds (zeros for the others) and one all-reduce sums the rows, so every rank gets every embedding.
+    Invariants: with one rank `weight` is `[vocab_size, hidden_size]` and the checkpoint tensor loads whole; with
+    several it is `[padded rows, hidden_size]`, token ids `[vocab_start, vocab_start + num_vocab_rows)` in its first
+    rows and zeros after them.
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        tp: TensorParallelGroup | None = None,
-    ) -> None:
+    def __init__(self, vocab_size: int, tp: TensorParallelGroup | None) -> None:
         super().__init__()
         self.tp = tp if tp is not None else TensorParallelGroup.single()
         self.vocab_size = vocab_size
-        self.vocab_start, self.num_vocab_rows, padded_rows = vocab_partition(
+        self.vocab_start, self.num_vocab_rows, self.padded_rows = vocab_partition(
             vocab_size, self.tp.size, self.tp.rank
         )
-        self.weight = nn.Parameter(
-            torch.zeros(padded_rows, hidden_size, dtype=dtype, device=device)
+
+    def _new_weight(
+        self, hidden_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> nn.Parameter:
+        data = (
+            torch.zeros(self.padded_rows, hidden_size, dtype=dtype, device=device)
             if self.tp.size > 1
-            else torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
-            requires_grad=False,
+            else torch.empty(self.vocab_size, hidden_size, dtype=dtype, device=device)
         )
+        return nn.Parameter(data, requires_grad=False)
 
     def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
         """The checkpoint rows this rank holds (`()`: all of them, with one rank)."""
@@ -51,6 +47,26 @@ class VocabEmbedding(nn.Module):
         """Where the checkpoint rows this rank holds are copied: the weight's first `num_vocab_rows` rows."""
         return self.weight.data[: self.num_vocab_rows]
 
+
+class VocabEmbedding(_VocabShard):
+    """Looks token ids up in a `[vocab_size, hidden_size]` table (`weight`).
+
+    With `tp` of several ranks each rank looks up the ids it holds (zeros for the others) and one all-reduce sums
+    the rows, so every rank gets every embedding.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
+        super().__init__(vocab_size, tp)
+        self.weight = self._new_weight(hidden_size, dtype, device)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
@@ -61,14 +77,13 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(embedded)
 
 
-class LMHead(nn.Module):
+class LMHead(_VocabShard):
     """Projects hidden states to float32 vocabulary logits.
 
-    Invariants: `weight` is `[vocab_size, hidden_size]` in the model dtype (with several ranks: this rank's rows,
-    padded, exactly as `VocabEmbedding`); when tied it IS the embedding's Parameter (one tensor, loaded once). The
-    matmul runs in the model dtype; with several ranks the partial logits are all-gathered (every rank gets the
-    whole vocabulary, so every rank's sampler sees the same logits) and the padding columns dropped; only then is
-    the output upcast.
+    Invariants: `weight` is laid out exactly as `VocabEmbedding`'s, in the model dtype; when tied it IS the
+    embedding's Parameter (one tensor, loaded once). The matmul runs in the model dtype; with several ranks the
+    partial logits are all-gathered (every rank's sampler sees the same logits) and the padding columns dropped;
+    only then is the output upcast.
     """
 
     def __init__(
@@ -81,30 +96,10 @@ class LMHead(nn.Module):
         tied_to: VocabEmbedding | None = None,
         tp: TensorParallelGroup | None = None,
     ) -> None:
-        super().__init__()
-        self.tp = tp if tp is not None else TensorParallelGroup.single()
-        self.vocab_size = vocab_size
-        self.vocab_start, self.num_vocab_rows, padded_rows = vocab_partition(
-            vocab_size, self.tp.size, self.tp.rank
-        )
+        super().__init__(vocab_size, tp)
         self.weight = (
-            tied_to.weight
-            if tied_to is not None
-            else nn.Parameter(
-                torch.zeros(padded_rows, hidden_size, dtype=dtype, device=device)
-                if self.tp.size > 1
-                else torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
-                requires_grad=False,
-            )
+            tied_to.weight if tied_to is not None else self._new_weight(hidden_size, dtype, device)
         )
-
-    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
-        if self.tp.size == 1:
-            return ()
-        return (slice(self.vocab_start, self.vocab_start + self.num_vocab_rows),)
-
-    def checkpoint_destination(self) -> torch.Tensor:
-        return self.weight.data[: self.num_vocab_rows]
 
     def tie(self, embedding: VocabEmbedding) -> None:
         """Share the embedding's weight (for checkpoints that ship no `lm_head.weight`)."""
