@@ -209,6 +209,13 @@ class Request:
         if len(self._all_token_ids) >= self._num_tokens_to_next_hash:
             self.update_block_hashes()
 
+    def append_output_token_id(self, token_id: int) -> None:
+        """`append_output_token_ids` for one token (the scheduler's per-step path: no type check)."""
+        self._output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        if len(self._all_token_ids) >= self._num_tokens_to_next_hash:
+            self.update_block_hashes()
+
     def set_block_hasher(self, block_hasher: BlockHasher) -> None:
         """Attach the hasher (the scheduler does this on add) and hash every full block so far."""
         self._block_hasher = block_hasher

@@ -65,7 +65,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, _RequestBlocks] = {}
         # What `allocate_slots` returns when it allocates nothing (most decode steps): one shared instance, so
         # callers must not mutate it.
-        self._no_new_blocks = KVCacheBlocks(([],))
+        self.no_new_blocks = KVCacheBlocks(([],))
 
     @property
     def num_blocks(self) -> int:
@@ -128,7 +128,7 @@ class KVCacheManager:
                 and num_tokens_to_cache // self.block_size > req_blocks.num_cached_blocks
             ):
                 self.cache_blocks(request, min(num_tokens_to_cache, request.num_tokens))
-            return self._no_new_blocks
+            return self.no_new_blocks
         computed_blocks = new_computed_blocks.blocks[0] if new_computed_blocks is not None else []
         num_existing = len(req_blocks.blocks) if req_blocks else 0
         if self.max_model_len is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from sched_helpers import SimWorker, run_to_completion, runner_output, step
 
+from kvflow.core.sched.output import ModelRunnerOutput
 from kvflow.request import RequestStatus
 from kvflow.testing import DEFAULT_EOS_TOKEN_ID, make_request, make_requests, make_scheduler
 from kvflow.testing.hash_model import reference_tokens
@@ -313,3 +314,38 @@ def test_finish_sets_status(status):
     scheduler.add_request(request)
     scheduler.finish_requests("a", status)
     assert request.status == status
+
+
+def test_stop_inside_a_multi_token_output_cuts_a_copy_and_leaves_the_runner_lists_alone():
+    """The scheduler reads the runner's sampled lists without copying them; a stop that drops tokens returns
+    a new list. Two requests share one sampled list object: one stops inside it, the other keeps all of it."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("stops", [1] * 4, max_tokens=10))
+    scheduler.add_request(make_request("goes_on", [2] * 4, max_tokens=10, ignore_eos=True))
+    output = scheduler.schedule()
+    shared = [5, EOS, 9]
+    req_ids = list(output.num_scheduled_tokens)
+    model_output = ModelRunnerOutput(
+        req_ids, {req_id: i for i, req_id in enumerate(req_ids)}, [shared, shared]
+    )
+    outputs = {o.request_id: o for o in scheduler.update_from_output(output, model_output)}
+    assert outputs["stops"].new_token_ids == [5, EOS]
+    assert outputs["stops"].finish_reason == "stop"
+    assert outputs["goes_on"].new_token_ids == [5, EOS, 9]
+    assert outputs["goes_on"].finish_reason is None
+    assert shared == [5, EOS, 9]
+    assert scheduler.requests["goes_on"].output_token_ids == [5, EOS, 9]
+
+
+def test_steady_decoding_sends_no_token_lists_and_shares_one_empty_list():
+    """Slot runner, steady decoding: every cached request's `new_token_ids` is empty (the worker feeds its own
+    samples), and the scheduler allocates no list per request for that."""
+    scheduler = make_scheduler(max_num_seqs=8)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", [i + 1] * 5, max_tokens=20, ignore_eos=True))
+    step(scheduler)  # prefill
+    output, _ = step(scheduler)
+    new_token_ids = output.scheduled_cached_reqs.new_token_ids
+    assert len(new_token_ids) == 4
+    assert all(chunk == [] for chunk in new_token_ids)
+    assert len({id(chunk) for chunk in new_token_ids}) == 1

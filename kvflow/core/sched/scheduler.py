@@ -28,6 +28,9 @@ from kvflow.core.sched.stop import check_stop
 from kvflow.request import Request, RequestStatus, StreamingUpdate
 from kvflow.utils import cdiv
 
+# `CachedRequestData.new_token_ids` of a request with nothing new (steady decoding): shared, never modified.
+_NO_TOKENS: list[int] = []
+
 
 class PauseState(enum.Enum):
     """What `schedule()` may do while the engine is paused. Requests that arrive meanwhile still queue."""
@@ -332,8 +335,9 @@ class Scheduler:
         running = self.running  # preemption below deletes from this very list
         num_new_tokens_for_running = self._num_new_tokens_for_running
         allocate_slots = self.kv_cache_manager.allocate_slots
-        add_to_plan = plan.add
         append_cached = plan.cached.append
+        num_scheduled_tokens = plan.num_scheduled_tokens
+        req_to_new_blocks = plan.req_to_new_blocks
         req_index = 0
         while req_index < len(running) and plan.token_budget > 0:
             request = running[req_index]
@@ -361,7 +365,10 @@ class Scheduler:
             if new_blocks is None:
                 break
             append_cached(request)
-            add_to_plan(request, num_new_tokens, new_blocks)
+            # plan.add(request, num_new_tokens, new_blocks), inlined: this loop runs per request per step.
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            req_to_new_blocks[request.request_id] = new_blocks
+            plan.token_budget -= num_new_tokens
             req_index += 1
 
     def _pick_preemption_victim(self) -> Request:
@@ -534,10 +541,14 @@ class Scheduler:
             ],
         )
         new_block_ids = data.new_block_ids
+        # Most decode steps allocate nothing: that shared result is recognised by identity.
+        no_new_blocks = self.kv_cache_manager.no_new_blocks
         for request in running_reqs:
             new_blocks = req_to_new_blocks.get(request.request_id)
             new_block_ids.append(
-                None if new_blocks is None or new_blocks.is_empty else new_blocks.get_block_ids()
+                None
+                if new_blocks is no_new_blocks or new_blocks is None or new_blocks.is_empty
+                else new_blocks.get_block_ids()
             )
         # A resumed request's block table is replaced whole.
         new_block_ids += [
@@ -549,8 +560,9 @@ class Scheduler:
                 running_reqs, resumed_reqs, send_all_tokens, data.all_token_ids
             )
         else:
-            # Steady decoding on the slot runner: the worker feeds its own sampled tokens.
-            data.new_token_ids = [[] for _ in scheduled]
+            # Steady decoding on the slot runner: the worker feeds its own sampled tokens. One shared empty
+            # list (read-only, like every field the worker receives): a list per request only fed the collector.
+            data.new_token_ids = [_NO_TOKENS] * len(scheduled)
         return data
 
     def _unsent_token_ids(
@@ -624,7 +636,8 @@ class Scheduler:
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
             status_before = request.status
-            new_token_ids, stopped = update_request_with_output(request, list(generated))
+            # The runner's list is not copied: it is only read, and a stop cuts a copy (see below).
+            new_token_ids, stopped = update_request_with_output(request, generated)
             num_cached_tokens = request.num_cached_tokens
             output = EngineCoreOutput(
                 request_id,
@@ -682,14 +695,19 @@ class Scheduler:
     def _update_request_with_output(
         self, request: Request, new_token_ids: list[int]
     ) -> tuple[list[int], bool]:
-        """Append tokens one by one, stopping at the first that ends the request (later ones are dropped)."""
+        """Append tokens one by one, stopping at the first that ends the request (later ones are dropped).
+
+        `new_token_ids` is never modified (it is the runner's list): a stop that drops tokens returns a new list.
+        """
         max_model_len = self.max_model_len
+        if len(new_token_ids) == 1:  # no speculative tokens: one token per step (most steps)
+            request.append_output_token_id(new_token_ids[0])
+            return new_token_ids, check_stop(request, max_model_len)
         for num_appended, token_id in enumerate(new_token_ids, 1):
-            request.append_output_token_ids(token_id)
+            request.append_output_token_id(token_id)
             if check_stop(request, max_model_len):
                 # E.g., [5, EOS, 9]: stops at EOS (num_appended 2), so 9 is dropped -> [5, EOS].
-                del new_token_ids[num_appended:]
-                return new_token_ids, True
+                return new_token_ids[:num_appended], True
         return new_token_ids, False
 
     def _handle_stopped_request(self, request: Request, status_before: RequestStatus) -> bool:

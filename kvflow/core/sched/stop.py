@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvflow.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from kvflow.sampling_params import SamplingParams
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -17,27 +12,23 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     records which) come first, so a request whose last allowed token is EOS or a stop token finishes "stop", not
     "length"; then the length caps (`max_tokens`, `max_model_len`). Below `min_tokens` only the length caps can
     end it (`min_tokens <= max_tokens`, but `max_model_len` may come first).
+
+    Runs once per output token, so it is one flat function (no helper calls).
     """
     params = request.sampling_params
     num_output_tokens = request.num_output_tokens
-    if num_output_tokens >= params.min_tokens and _check_stop_token(request, params):
-        return True
+    if num_output_tokens >= params.min_tokens:
+        stop_token_ids = params.stop_token_ids
+        if not params.ignore_eos or stop_token_ids:
+            last_token_id = request.output_token_ids[-1]
+            if not params.ignore_eos and last_token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if stop_token_ids and last_token_id in stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = last_token_id
+                return True
     if num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
-    return False
-
-
-def _check_stop_token(request: Request, params: SamplingParams) -> bool:
-    """EOS or a stop token id as the latest token: mark the request stopped and return True."""
-    if params.ignore_eos and not params.stop_token_ids:
-        return False  # nothing to look for
-    last_token_id = request.output_token_ids[-1]
-    if not params.ignore_eos and last_token_id == request.eos_token_id:
-        request.status = RequestStatus.FINISHED_STOPPED
-        return True
-    if params.stop_token_ids and last_token_id in params.stop_token_ids:
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.stop_reason = last_token_id
         return True
     return False
