@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from kvflow import kernels
 from kvflow.distributed.parallel_state import (
     TensorParallelGroup,
     kv_head_partition,
     split_evenly,
 )
+from kvflow.kernels import load_cpu_kernels
 from kvflow.models.attention import AttentionBackend, get_attention_backend
+from kvflow.models.attention.cpu_paged import CpuPagedAttention
 from kvflow.models.layers import (
     ColumnParallelLinear,
     Linear,
@@ -232,6 +235,23 @@ class LlamaDecoderLayer(nn.Module):
         )
         return self.mlp(hidden_states), residual
 
+    def fused_decode_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """The layer's weights in `decode_layer`'s order: the two norms, then (weight, bias) of QKV, o, gate/up
+        and down."""
+        attention, mlp = self.self_attn, self.mlp
+        return (
+            self.input_layernorm.weight,
+            self.post_attention_layernorm.weight,
+            attention.qkv_proj.weight,
+            attention.qkv_proj.bias,
+            attention.o_proj.weight,
+            attention.o_proj.bias,
+            mlp.gate_up_proj.weight,
+            mlp.gate_up_proj.bias,
+            mlp.down_proj.weight,
+            mlp.down_proj.bias,
+        )
+
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm (parameter names follow the checkpoint's `model.*`)."""
@@ -320,6 +340,9 @@ class LlamaForCausalLM(nn.Module):
         self._layer_windows = [
             config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
         ]
+        self._num_heads = num_heads
+        # Whether decode-only steps may run each layer as one C++ call (decided at the first forward).
+        self._fused_decode: bool | None = None
 
     # ------------------------------------------------------------------------------------------ KV cache
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -346,6 +369,12 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(batch.positions, self.dtype, max_position)
         logits_indices = batch.logits_indices.to(torch.int64)
         hidden_states = self.model.embed_tokens(batch.input_ids)
+        if self._is_fused_decode_step(batch, metadata_by_window, logits_indices):
+            hidden_states, residual = self._fused_decode_layers(
+                hidden_states, cos, sin, kv_cache, metadata_by_window
+            )
+            hidden_states, _ = self.model.norm.forward_with_residual(hidden_states, residual)
+            return self.lm_head(hidden_states)
         residual: torch.Tensor | None = None
         last_layer = self.num_layers - 1
         for layer_index, layer in enumerate(self.model.layers):
@@ -362,6 +391,79 @@ class LlamaForCausalLM(nn.Module):
             hidden_states = hidden_states.index_select(0, logits_indices)
         hidden_states, _ = self.model.norm.forward_with_residual(hidden_states, residual)
         return self.lm_head(hidden_states)
+
+    def _fused_decode_supported(self) -> bool:
+        """Whether this model's layers match `decode_layer`: bfloat16 on the CPU with the AVX-512 kernels and the
+        "cpu" attention backend, one rank, no per-head q/k norm. Then its steps of at most `MAX_GEMV_ROWS` decode
+        rows take the very kernels the per-op path takes, in the same order, so the results are equal."""
+        if (
+            self.device.type != "cpu"
+            or self.dtype is not torch.bfloat16
+            or self.tp.size != 1
+            or self.config.qk_norm
+            or not isinstance(self.attention_backend, CpuPagedAttention)
+        ):
+            return False
+        ops = load_cpu_kernels()
+        return ops is not None and ops.has_avx512()
+
+    def _is_fused_decode_step(
+        self,
+        batch: BatchInputs,
+        metadata_by_window: dict[int | None, Any],
+        logits_indices: torch.Tensor,
+    ) -> bool:
+        """A step of only decode rows (one token each, every one sampled), few enough for the GEMV kernel."""
+        if self._fused_decode is None:
+            self._fused_decode = self._fused_decode_supported()
+        num_tokens = batch.num_tokens
+        if (
+            not self._fused_decode
+            or not 0 < num_tokens <= kernels.MAX_GEMV_ROWS
+            or batch.num_reqs != num_tokens
+            or logits_indices.numel() != num_tokens
+        ):
+            return False
+        return all(
+            metadata.decode is not None and not metadata.torch_plan.prefills
+            for metadata in metadata_by_window.values()
+        )
+
+    def _fused_decode_layers(
+        self,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata_by_window: dict[int | None, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer as one `decode_layer` call; returns `(last layer's output, residual)`."""
+        ops = load_cpu_kernels()
+        slot_mapping = next(iter(metadata_by_window.values())).torch_plan.slot_mapping
+        eps = self.config.rms_norm_eps
+        scale = self.attention_backend.scale
+        num_heads = self._num_heads
+        residual: torch.Tensor | None = None
+        for layer_index, layer in enumerate(self.model.layers):
+            decode = metadata_by_window[self._layer_windows[layer_index]].decode
+            hidden_states, residual = ops.decode_layer(
+                hidden_states,
+                residual,
+                *layer.fused_decode_weights(),
+                cos,
+                sin,
+                kv_cache,
+                layer_index,
+                slot_mapping,
+                decode.block_tables,
+                decode.seq_lens,
+                num_heads,
+                eps,
+                scale,
+                decode.window,
+            )
+        assert residual is not None
+        return hidden_states, residual
 
     # ------------------------------------------------------------------------------------------ weights
     def checkpoint_index(self, checkpoint_name: str) -> tuple[slice, ...] | None:

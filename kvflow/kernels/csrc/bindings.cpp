@@ -177,6 +177,93 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   TORCH_CHECK(stored, "slot_mapping has a slot outside the cache's ", num_slots, " slots");
 }
 
+void check_weight(const at::Tensor& weight, const at::Tensor& x, int64_t rows, int64_t cols, const char* name) {
+  check_same_dtype(weight, x, name);
+  TORCH_CHECK(weight.is_contiguous() && weight.dim() == 2 && weight.size(0) == rows && weight.size(1) == cols, name,
+              " must be contiguous [", rows, ", ", cols, "], got ", weight.sizes());
+}
+
+template <typename T>
+const T* optional_vector(const c10::optional<at::Tensor>& tensor, const at::Tensor& x, int64_t size,
+                         const char* name) {
+  if (!tensor) return nullptr;
+  check_same_dtype(*tensor, x, name);
+  TORCH_CHECK(tensor->is_contiguous() && tensor->numel() == size, name, " must be contiguous [", size, "]");
+  return ptr<T>(*tensor);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const at::Tensor& o, const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up,
+    const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down, const c10::optional<at::Tensor>& down_bias,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale,
+    int64_t window) {
+  check_cpu(hidden, "hidden");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [rows, hidden]");
+  const int64_t M = hidden.size(0), H = hidden.size(1);
+  TORCH_CHECK(M >= 1 && M <= kvflow::kMaxDecodeLayerRows, "rows must be in [1, ", kvflow::kMaxDecodeLayerRows,
+              "], got ", M);
+  if (residual) {
+    check_same_dtype(*residual, hidden, "residual");
+    TORCH_CHECK(residual->is_contiguous() && residual->sizes() == hidden.sizes(), "residual must be like hidden");
+  }
+  check_same_dtype(kv_cache, hidden, "kv_cache");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(1) == 2 && layer >= 0 &&
+                  layer < kv_cache.size(0),
+              "kv_cache must be contiguous [layers, 2, kv_heads, blocks, block_size, head_dim] holding `layer`");
+  const int64_t nkv = kv_cache.size(2), num_blocks = kv_cache.size(3), block_size = kv_cache.size(4),
+                hd = kv_cache.size(5);
+  TORCH_CHECK(num_heads > 0 && num_heads % nkv == 0 && num_heads / nkv <= 32,
+              "num_heads must be a multiple of the cache's kv heads, at most 32 per kv head");
+  const int64_t I = down.size(1);
+  check_weight(input_norm.view({1, -1}), hidden, 1, H, "input_norm");
+  check_weight(post_norm.view({1, -1}), hidden, 1, H, "post_norm");
+  check_weight(qkv, hidden, (num_heads + 2 * nkv) * hd, H, "qkv");
+  check_weight(o, hidden, H, num_heads * hd, "o");
+  check_weight(gate_up, hidden, 2 * I, H, "gate_up");
+  check_weight(down, hidden, H, I, "down");
+  check_same_dtype(cos, hidden, "cos");
+  check_same_dtype(sin, hidden, "sin");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == M * hd / 2 && sin.numel() == cos.numel(),
+              "cos and sin must be contiguous [rows, 1, head_dim / 2]");
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == M,
+              "slot_mapping must be contiguous int64 [rows]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == M && block_tables.stride(1) == 1 &&
+                  block_tables.scalar_type() == at::kInt,
+              "block_tables must be int32 [rows, max_blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kInt && seq_lens.numel() == M,
+              "seq_lens must be contiguous int32 [rows]");
+  kvflow::DecodeLayerParams params{M, H, I, num_heads, nkv, hd, static_cast<float>(eps), static_cast<float>(scale),
+                                   window, num_blocks, block_size, ptr<int64_t>(slot_mapping),
+                                   ptr<int32_t>(block_tables), block_tables.stride(0), ptr<int32_t>(seq_lens)};
+  at::Tensor workspace = at::empty({params.workspace_elements()}, hidden.options());
+  at::Tensor out = at::empty_like(hidden);
+  at::Tensor residual_out = at::empty_like(hidden);
+  bool stored = false;
+  dispatch(hidden, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::DecodeLayerWeights<T> weights{
+        ptr<T>(input_norm),
+        ptr<T>(post_norm),
+        ptr<T>(qkv),
+        optional_vector<T>(qkv_bias, hidden, qkv.size(0), "qkv_bias"),
+        ptr<T>(o),
+        optional_vector<T>(o_bias, hidden, H, "o_bias"),
+        ptr<T>(gate_up),
+        optional_vector<T>(gate_up_bias, hidden, 2 * I, "gate_up_bias"),
+        ptr<T>(down),
+        optional_vector<T>(down_bias, hidden, H, "down_bias")};
+    T* layer_cache = ptr<T>(kv_cache) + layer * kv_cache.stride(0);
+    stored = kvflow::decode_layer<T>(params, weights, ptr<T>(hidden), residual ? ptr<T>(*residual) : nullptr,
+                                     ptr<T>(cos), ptr<T>(sin), layer_cache, layer_cache + kv_cache.stride(1),
+                                     ptr<T>(workspace), ptr<T>(out), ptr<T>(residual_out), at::get_num_threads());
+  });
+  TORCH_CHECK(stored, "slot_mapping has a slot outside the cache's ", num_blocks * block_size, " slots");
+  return {out, residual_out};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -189,6 +276,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "neox rotary embedding into a new contiguous tensor");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
   m.def("store_kv", &store_kv, "write the step's K/V into the paged cache at slot_mapping");
+  m.def("decode_layer", &decode_layer, "one decoder layer of a decode-only step (returns out, residual)");
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;

@@ -57,3 +57,48 @@ void paged_decode_attention(const T* query, int64_t q_token_stride, int64_t q_he
                             T* out, int num_threads);
 
 }  // namespace kvflow
+
+namespace kvflow {
+
+// Most rows decode_layer takes (its token index lives on the stack).
+constexpr int64_t kMaxDecodeLayerRows = 64;
+
+// Shapes and the step's paging of one decode_layer call. Every row is a decode row (one query token, sampled).
+struct DecodeLayerParams {
+  int64_t rows, hidden, intermediate, num_heads, num_kv_heads, head_dim;
+  float eps, scale;
+  int64_t window;  // 0: no sliding window
+  int64_t num_blocks, block_size;
+  const int64_t* slot_mapping;  // [rows]
+  const int32_t* block_tables;  // [rows, table_stride]
+  int64_t table_stride;
+  const int32_t* seq_lens;  // [rows], counting this step's token
+  int64_t qkv_width() const;
+  int64_t workspace_elements() const;
+};
+
+// One layer's weights (row-major [out, in]; a bias may be nullptr).
+template <typename T>
+struct DecodeLayerWeights {
+  const T* input_norm;
+  const T* post_norm;
+  const T* qkv;
+  const T* qkv_bias;
+  const T* o;
+  const T* o_bias;
+  const T* gate_up;
+  const T* gate_up_bias;
+  const T* down;
+  const T* down_bias;
+};
+
+// out = the layer's MLP output, residual_out = the residual stream after attention (their sum is the layer's
+// hidden state); residual nullptr for the first layer. Writes the rows' K/V into the caches
+// ([num_kv_heads, num_blocks, block_size, head_dim]). Returns false (the caches untouched) when a slot is out of
+// range. rows <= kMaxDecodeLayerRows.
+template <typename T>
+bool decode_layer(const DecodeLayerParams& params, const DecodeLayerWeights<T>& weights, const T* hidden,
+                  const T* residual, const T* cos, const T* sin, T* key_cache, T* value_cache, T* workspace, T* out,
+                  T* residual_out, int num_threads);
+
+}  // namespace kvflow

@@ -1,0 +1,63 @@
+// One Llama-family decoder layer for a decode-only step of up to a few rows, in one call from Python.
+// It chains the same raw kernels the layer's Python code calls one by one (add+RMSNorm, QKV GEMV, RoPE, K/V store,
+// paged decode attention, o GEMV, add+RMSNorm, gate/up GEMV, SiLU-and-mul, down GEMV) in the same order with the
+// same roundings, so its results equal that path bit for bit; what it saves is ~30 Python-level tensor ops and
+// views per layer. Intermediates live in a caller-provided workspace (DecodeLayerParams::workspace_elements).
+#include "kernels.h"
+
+namespace kvflow {
+
+int64_t DecodeLayerParams::qkv_width() const { return (num_heads + 2 * num_kv_heads) * head_dim; }
+
+int64_t DecodeLayerParams::workspace_elements() const {
+  // residual sum, normed, qkv, rotated q/k, attention out, o, normed2, gate_up, act
+  const int64_t per_row = 4 * hidden + qkv_width() + (num_heads + num_kv_heads) * head_dim +
+                          num_heads * head_dim + 3 * intermediate;
+  return rows * per_row;
+}
+
+template <typename T>
+bool decode_layer(const DecodeLayerParams& p, const DecodeLayerWeights<T>& w, const T* hidden, const T* residual,
+                  const T* cos, const T* sin, T* key_cache, T* value_cache, T* workspace, T* out,
+                  T* residual_out, int num_threads) {
+  const int64_t M = p.rows, H = p.hidden, I = p.intermediate, hd = p.head_dim;
+  const int64_t nh = p.num_heads, nkv = p.num_kv_heads, qkv_width = p.qkv_width();
+  const int64_t rotated_width = (nh + nkv) * hd, attn_width = nh * hd;
+  T* summed = workspace;  // hidden + residual (the residual stream after the first norm)
+  T* normed = summed + M * H;
+  T* qkv = normed + M * H;
+  T* rotated = qkv + M * qkv_width;
+  T* attn = rotated + M * rotated_width;
+  T* o = attn + M * attn_width;
+  T* normed2 = o + M * H;
+  T* gate_up = normed2 + M * H;
+  T* act = gate_up + M * 2 * I;
+
+  // residual None (first layer): the stream is `hidden` itself.
+  const T* stream = residual ? summed : hidden;
+  add_rms_norm<T>(hidden, residual, w.input_norm, M, H, p.eps, normed, residual ? summed : nullptr, num_threads);
+  gemv<T>(normed, M, H, H, w.qkv, qkv_width, w.qkv_bias, qkv, nullptr, num_threads);
+  rotary<T>(qkv, M, nh + nkv, hd, qkv_width, hd, cos, sin, rotated, num_threads);
+  if (!store_kv<T>(rotated + nh * hd, rotated_width, hd, qkv + (nh + nkv) * hd, qkv_width, hd, p.slot_mapping, M,
+                   nkv, hd, p.num_blocks * p.block_size, key_cache, value_cache))
+    return false;
+  int64_t token_index[kMaxDecodeLayerRows];
+  for (int64_t r = 0; r < M; ++r) token_index[r] = r;
+  paged_decode_attention<T>(rotated, rotated_width, hd, key_cache, value_cache, p.num_blocks, p.block_size,
+                            p.block_tables, p.table_stride, p.seq_lens, token_index, M, nh, nkv, hd, p.scale,
+                            p.window, attn, num_threads);
+  gemv<T>(attn, M, attn_width, attn_width, w.o, H, w.o_bias, o, nullptr, num_threads);
+  add_rms_norm<T>(o, stream, w.post_norm, M, H, p.eps, normed2, residual_out, num_threads);
+  gemv<T>(normed2, M, H, H, w.gate_up, 2 * I, w.gate_up_bias, gate_up, nullptr, num_threads);
+  silu_and_mul<T>(gate_up, M, I, 2 * I, act, num_threads);
+  gemv<T>(act, M, I, I, w.down, H, w.down_bias, out, nullptr, num_threads);
+  return true;
+}
+
+template bool decode_layer<float>(const DecodeLayerParams&, const DecodeLayerWeights<float>&, const float*,
+                                  const float*, const float*, const float*, float*, float*, float*, float*, float*,
+                                  int);
+template bool decode_layer<bf16>(const DecodeLayerParams&, const DecodeLayerWeights<bf16>&, const bf16*, const bf16*,
+                                 const bf16*, const bf16*, bf16*, bf16*, bf16*, bf16*, bf16*, int);
+
+}  // namespace kvflow
