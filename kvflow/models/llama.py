@@ -341,8 +341,10 @@ class LlamaForCausalLM(nn.Module):
             config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
         ]
         self._num_heads = num_heads
-        # Whether decode-only steps may run each layer as one C++ call (decided at the first forward).
+        # Whether decode-only steps may run each layer as one C++ call (decided at the first forward), and each
+        # layer's `fused_decode_weights()` (gathered at the first such step; `load_weights` forgets them).
         self._fused_decode: bool | None = None
+        self._fused_weights: list[tuple[torch.Tensor | None, ...]] | None = None
 
     # ------------------------------------------------------------------------------------------ KV cache
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -443,13 +445,15 @@ class LlamaForCausalLM(nn.Module):
         eps = self.config.rms_norm_eps
         scale = self.attention_backend.scale
         num_heads = self._num_heads
+        if self._fused_weights is None:  # module attribute lookups cost ~1.5 ms a step, so once
+            self._fused_weights = [layer.fused_decode_weights() for layer in self.model.layers]
         residual: torch.Tensor | None = None
-        for layer_index, layer in enumerate(self.model.layers):
+        for layer_index, weights in enumerate(self._fused_weights):
             decode = metadata_by_window[self._layer_windows[layer_index]].decode
             hidden_states, residual = ops.decode_layer(
                 hidden_states,
                 residual,
-                *layer.fused_decode_weights(),
+                *weights,
                 cos,
                 sin,
                 kv_cache,
@@ -494,6 +498,7 @@ class LlamaForCausalLM(nn.Module):
         them). Raises one ValueError naming every unexpected name, shape mismatch and (when `strict`, as for a
         whole checkpoint) missing parameter; `strict=False` updates just the tensors given (a weight update).
         """
+        self._fused_weights = None  # in-place copies keep the tensors, but a tie may swap one
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         expected = {
