@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 CPU_KERNELS_ENV = "KVFLOW_CPU_KERNELS"
 KERNEL_CACHE_DIR_ENV = "KVFLOW_KERNEL_CACHE_DIR"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("bindings.cpp", "gemv.cpp", "elementwise.cpp", "attention.cpp")
+_SOURCES = ("bindings.cpp", "gemv.cpp", "gemm.cpp", "elementwise.cpp", "attention.cpp")
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _LDFLAGS = ("-fopenmp",)
 _COMPLETE_MARKER = ".complete"

@@ -57,3 +57,12 @@ void paged_decode_attention(const T* query, int64_t q_token_stride, int64_t q_he
                             T* out, int num_threads);
 
 }  // namespace kvflow
+
+namespace kvflow {
+
+// The same product as gemv for bf16 (y = x w^T (+ bias), fp32 accumulation, rounded once), blocked for M > 8:
+// the weight is widened to fp32 once per cache-sized block and reused by every row of x. Threads split w's rows.
+void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
+          float* y_float, int num_threads);
+
+}  // namespace kvflow

@@ -1,0 +1,203 @@
+// bf16 GEMM for prefill-sized M on AVX-512 CPUs without native bf16 matmul (no AVX512_BF16, no AMX): there the
+// library's bf16 GEMM runs at a fraction of its fp32 rate, so this kernel widens the bf16 weight to fp32 once per
+// cache-sized block and runs an fp32 FMA microkernel over it.
+//
+// Layout, per call:
+// * x (M rows, row stride x_stride) is converted once to fp32 in tiles of kMT rows (M padded to a multiple of kMT
+//   with zero rows, K to a multiple of 16 with zeros): xf[tile][k step][row in tile][16].
+// * Threads split the weight's rows into contiguous bands of kNB-row blocks. Per block and per K block (at most
+//   kKB wide, so a tile of x fits L1 and the packed weights L2), the weight block is widened into a thread-local
+//   buffer wp[row group of kR][k step][row in group][16] (rows past N and k past K are zeros), and every x tile
+//   runs against every row group of it: each weight byte comes from DRAM once per call.
+// * The microkernel holds kR x kMT = 16 accumulators of 16 k lanes each; after a K block one transposing tree
+//   reduces them to one vector of the 16 dot products, added into a thread-local fp32 block of results. The last
+//   K block's results get the bias, are rounded once to bf16 (round-to-nearest-even, as torch) and stored.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace kvflow {
+
+#ifdef KVFLOW_AVX512
+namespace {
+
+constexpr int kR = 4;             // weight rows per microkernel tile
+constexpr int kMT = 4;            // x rows per microkernel tile
+constexpr int64_t kNB = 64;       // weight rows per block (a multiple of kR)
+constexpr int64_t kKB = 1024;     // widest K block (a multiple of 16): a 4-row x tile is 16 KiB, a block 256 KiB
+
+// A 64-byte aligned float buffer that only grows: one per thread, reused across calls (no page faults per call).
+struct Scratch {
+  float* data = nullptr;
+  size_t size = 0;
+  float* get(size_t count) {
+    if (count > size) {
+      std::free(data);
+      data = static_cast<float*>(std::aligned_alloc(64, (count * sizeof(float) + 63) / 64 * 64));
+      size = count;
+    }
+    return data;
+  }
+  ~Scratch() { std::free(data); }
+};
+
+// Sums each of 16 vectors across its lanes: element 4 * c + j of the result is the sum of v[4 * j + c].
+inline __m512 reduce16(const __m512 v[16]) {
+  __m512 pairs[8], quads[4], octs[2];
+  for (int i = 0; i < 8; ++i) {  // 128-bit chunks: [a0 + a2, a1 + a3, b0 + b2, b1 + b3]
+    __m512 low = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
+    __m512 high = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
+    pairs[i] = _mm512_add_ps(low, high);
+  }
+  for (int i = 0; i < 4; ++i) {  // chunk c holds 4 partial sums of v[4 * i + c]
+    __m512 even = _mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    __m512 odd = _mm512_shuffle_f32x4(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    quads[i] = _mm512_add_ps(even, odd);
+  }
+  for (int i = 0; i < 2; ++i) {  // chunk c: [2 partials of v[8i + c], 2 partials of v[8i + 4 + c]]
+    __m512 low = _mm512_shuffle_ps(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
+    __m512 high = _mm512_shuffle_ps(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
+    octs[i] = _mm512_add_ps(low, high);
+  }
+  __m512 even = _mm512_shuffle_ps(octs[0], octs[1], _MM_SHUFFLE(2, 0, 2, 0));
+  __m512 odd = _mm512_shuffle_ps(octs[0], octs[1], _MM_SHUFFLE(3, 1, 3, 1));
+  return _mm512_add_ps(even, odd);
+}
+
+// The kR x kMT dot products of a packed weight group and a packed x tile over `steps` k steps of 16; element
+// 4 * m + r of the result is row m of x times weight row r.
+inline __m512 tile_dots(const float* w, const float* x, int64_t steps) {
+  static_assert(kR == 4 && kMT == 4, "reduce16 maps 16 accumulators");
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s, w += kR * 16, x += kMT * 16) {
+    __m512 xv[kMT];
+    for (int m = 0; m < kMT; ++m) xv[m] = _mm512_load_ps(x + m * 16);
+    for (int r = 0; r < kR; ++r) {
+      __m512 wv = _mm512_load_ps(w + r * 16);
+      for (int m = 0; m < kMT; ++m) acc[4 * r + m] = _mm512_fmadd_ps(wv, xv[m], acc[4 * r + m]);
+    }
+  }
+  return reduce16(acc);
+}
+
+// Widens rows [n0, n0 + rows) x columns [k0, k0 + steps * 16) of w into wp (zeros past N and K).
+void pack_weights(const bf16* w, int64_t N, int64_t K, int64_t n0, int64_t rows, int64_t k0, int64_t steps,
+                  float* wp) {
+  for (int64_t g = 0; g < rows; g += kR)
+    for (int r = 0; r < kR; ++r) {
+      const int64_t n = n0 + g + r;
+      float* out = wp + g * steps * 16 + r * 16;
+      if (n >= N) {
+        for (int64_t s = 0; s < steps; ++s) _mm512_store_ps(out + s * kR * 16, _mm512_setzero_ps());
+        continue;
+      }
+      const bf16* row = w + n * K;
+      for (int64_t s = 0; s < steps; ++s) {
+        const int64_t k = k0 + s * 16;
+        __m512 v = k + 16 <= K ? load16(row + k) : load16(row + k, tail_mask(std::max<int64_t>(0, K - k)));
+        _mm512_store_ps(out + s * kR * 16, v);
+      }
+    }
+}
+
+// Converts x tiles [t_begin, t_end) into xf (zero rows past M, zeros past K).
+void pack_x(const bf16* x, int64_t M, int64_t K, int64_t x_stride, int64_t k_steps, int64_t t_begin, int64_t t_end,
+            float* xf) {
+  for (int64_t t = t_begin; t < t_end; ++t)
+    for (int m = 0; m < kMT; ++m) {
+      const int64_t row = t * kMT + m;
+      float* out = xf + t * k_steps * kMT * 16 + m * 16;
+      for (int64_t s = 0; s < k_steps; ++s) {
+        const int64_t k = s * 16;
+        __m512 v = row >= M ? _mm512_setzero_ps()
+                   : k + 16 <= K ? load16(x + row * x_stride + k)
+                                 : load16(x + row * x_stride + k, tail_mask(K - k));
+        _mm512_store_ps(out + s * kMT * 16, v);
+      }
+    }
+}
+
+// Adds bias to the fp32 results of rows [n0, n0 + count) and stores them rounded to bf16 (or as rounded floats).
+void store_block(const float* acc, int64_t acc_stride, int64_t M, int64_t N, int64_t n0, int64_t count,
+                 const bf16* bias, bf16* y, float* y_float) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < count; j += 16) {
+      const __mmask16 mask = tail_mask(count - j);
+      __m512 value = _mm512_maskz_loadu_ps(mask, acc + m * acc_stride + j);
+      if (bias) value = _mm512_add_ps(value, load16(bias + n0 + j, mask));
+      if (y_float)
+        store16(y_float + m * N + n0 + j, round16<bf16>(value), mask);
+      else
+        store16(y + m * N + n0 + j, value, mask);
+    }
+}
+
+}  // namespace
+
+void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
+          float* y_float, int num_threads) {
+  const int64_t k_steps = (K + 15) / 16;
+  const int64_t tiles = (M + kMT - 1) / kMT;
+  const int64_t k_blocks = (k_steps * 16 + kKB - 1) / kKB;
+  const int64_t kb_steps = (k_steps + k_blocks - 1) / k_blocks;  // K blocks of near-equal width
+  const int64_t n_blocks = (N + kNB - 1) / kNB;
+  static Scratch x_scratch;  // calls come from one Python thread at a time (the GIL holder)
+  float* xf = x_scratch.get(static_cast<size_t>(tiles * kMT * k_steps * 16));
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n_blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    pack_x(x, M, K, x_stride, k_steps, tiles * t / nt, tiles * (t + 1) / nt, xf);
+    static thread_local Scratch w_scratch, acc_scratch;
+    float* wp = w_scratch.get(static_cast<size_t>(kNB * kb_steps * 16));
+    float* acc = acc_scratch.get(static_cast<size_t>(tiles * kMT * kNB));
+#pragma omp barrier
+    for (int64_t b = n_blocks * t / nt; b < n_blocks * (t + 1) / nt; ++b) {
+      const int64_t n0 = b * kNB, count = std::min(kNB, N - n0);
+      const int64_t rows = (count + kR - 1) / kR * kR;
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        const int64_t s0 = kb * kb_steps, steps = std::min(kb_steps, k_steps - s0);
+        pack_weights(w, N, K, n0, rows, s0 * 16, steps, wp);
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+          const float* xt = xf + (tile * k_steps + s0) * kMT * 16;
+          float* out = acc + tile * kMT * kNB;
+          for (int64_t g = 0; g < rows; g += kR) {
+            const __m512 dots = tile_dots(wp + g * steps * 16, xt, steps);
+            // chunk m of `dots` holds x row m times weight rows g .. g + 3
+            float* target = out + g;
+            const __m128 c0 = _mm512_castps512_ps128(dots), c1 = _mm512_extractf32x4_ps(dots, 1),
+                         c2 = _mm512_extractf32x4_ps(dots, 2), c3 = _mm512_extractf32x4_ps(dots, 3);
+            if (kb == 0) {
+              _mm_storeu_ps(target, c0);
+              _mm_storeu_ps(target + kNB, c1);
+              _mm_storeu_ps(target + 2 * kNB, c2);
+              _mm_storeu_ps(target + 3 * kNB, c3);
+            } else {
+              _mm_storeu_ps(target, _mm_add_ps(_mm_loadu_ps(target), c0));
+              _mm_storeu_ps(target + kNB, _mm_add_ps(_mm_loadu_ps(target + kNB), c1));
+              _mm_storeu_ps(target + 2 * kNB, _mm_add_ps(_mm_loadu_ps(target + 2 * kNB), c2));
+              _mm_storeu_ps(target + 3 * kNB, _mm_add_ps(_mm_loadu_ps(target + 3 * kNB), c3));
+            }
+          }
+        }
+      }
+      store_block(acc, kNB, M, N, n0, count, bias, y, y_float);
+    }
+  }
+}
+
+#else  // the portable build: the GEMV's scalar loop (the dispatcher only sends M > 8 here on AVX-512 CPUs)
+
+void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
+          float* y_float, int num_threads) {
+  gemv<bf16>(x, M, K, x_stride, w, N, bias, y, y_float, num_threads);
+}
+
+#endif
+
+}  // namespace kvflow
