@@ -53,6 +53,12 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_feature_flags() -> frozenset[str]:
+    """The CPU's feature flags as a set (empty where /proc/cpuinfo has none, e.g. off Linux)."""
+    flags = _cpu_flags()
+    return frozenset(flags.split()) if " " in flags else frozenset()
+
+
 def extension_name() -> str:
     """`kvflow_cpu_kernels_<hash>`: the hash covers sources, torch version, flags and CPU features."""
     import torch

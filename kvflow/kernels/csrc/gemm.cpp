@@ -28,6 +28,8 @@ namespace {
 constexpr int kR = 4;             // weight rows per microkernel tile
 constexpr int kMT = 4;            // x rows per microkernel tile
 constexpr int64_t kNB = 64;       // weight rows per block (a multiple of kR)
+constexpr int64_t kMC = 512;      // rows of x per pass over the weight: bounds the scratch buffers (x: 10 MiB at
+                                  // K = 4864); 512 FMAs per weight element make the extra weight reads negligible
 constexpr int64_t kKB = 1024;     // widest K block (a multiple of 16): a 4-row x tile is 16 KiB, a block 256 KiB
 
 // A 64-byte aligned float buffer that only grows: one per thread, reused across calls (no page faults per call).
@@ -137,10 +139,9 @@ void store_block(const float* acc, int64_t acc_stride, int64_t M, int64_t N, int
     }
 }
 
-}  // namespace
-
-void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
-          float* y_float, int num_threads) {
+// gemm for at most kMC rows of x.
+void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias,
+               bf16* y, float* y_float, int num_threads) {
   const int64_t k_steps = (K + 15) / 16;
   const int64_t tiles = (M + kMT - 1) / kMT;
   const int64_t k_blocks = (k_steps * 16 + kKB - 1) / kKB;
@@ -189,6 +190,15 @@ void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, 
       store_block(acc, kNB, M, N, n0, count, bias, y, y_float);
     }
   }
+}
+
+}  // namespace
+
+void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
+          float* y_float, int num_threads) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMC)
+    gemm_rows(x + m0 * x_stride, std::min(kMC, M - m0), K, x_stride, w, N, bias, y ? y + m0 * N : nullptr,
+              y_float ? y_float + m0 * N : nullptr, num_threads);
 }
 
 #else  // the portable build: the GEMV's scalar loop (the dispatcher only sends M > 8 here on AVX-512 CPUs)
