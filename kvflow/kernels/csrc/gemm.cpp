@@ -3,15 +3,15 @@
 // cache-sized block and runs an fp32 FMA microkernel over it.
 //
 // Layout, per call:
-// * x (M rows, row stride x_stride) is converted once to fp32 in tiles of kMT rows (M padded to a multiple of kMT
-//   with zero rows, K to a multiple of 16 with zeros): xf[tile][k step][row in tile][16].
+// * x (M rows, row stride x_stride) is converted once to fp32 in tiles of kMT rows (the last one shorter), K padded
+//   to a multiple of 16 with zeros: tile t is xf[t * kMT * k_steps * 16 + (k step * rows in tile + row) * 16 + lane].
 // * Threads split the weight's rows into contiguous bands of kNB-row blocks. Per block and per K block (at most
 //   kKB wide, so a tile of x fits L1 and the packed weights L2), the weight block is widened into a thread-local
 //   buffer wp[row group of kR][k step][row in group][16] (rows past N and k past K are zeros), and every x tile
 //   runs against every row group of it: each weight byte comes from DRAM once per call.
-// * The microkernel holds kR x kMT = 16 accumulators of 16 k lanes each; after a K block one transposing tree
-//   reduces them to one vector of the 16 dot products, added into a thread-local fp32 block of results. The last
-//   K block's results get the bias, are rounded once to bf16 (round-to-nearest-even, as torch) and stored.
+// * The microkernel holds kR x (rows in tile) accumulators of 16 k lanes each; after a K block transposing trees
+//   reduce each 4 x 4 of them to one vector of 16 dot products, added into a thread-local fp32 block of results.
+//   The last K block's results get the bias, are rounded once to bf16 (round-to-nearest-even, as torch), stored.
 #include <omp.h>
 
 #include <algorithm>
@@ -26,11 +26,11 @@ namespace kvflow {
 namespace {
 
 constexpr int kR = 4;             // weight rows per microkernel tile
-constexpr int kMT = 4;            // x rows per microkernel tile
+constexpr int kMT = 6;            // x rows per microkernel tile: 4 x 6 accumulators + 6 x vectors + 1 weight
 constexpr int64_t kNB = 64;       // weight rows per block (a multiple of kR)
 constexpr int64_t kMC = 512;      // rows of x per pass over the weight: bounds the scratch buffers (x: 10 MiB at
                                   // K = 4864); 512 FMAs per weight element make the extra weight reads negligible
-constexpr int64_t kKB = 1024;     // widest K block (a multiple of 16): a 4-row x tile is 16 KiB, a block 256 KiB
+constexpr int64_t kKB = 1024;     // widest K block (a multiple of 16): a 6-row x tile is 24 KiB, a block 256 KiB
 
 // A 64-byte aligned float buffer that only grows: one per thread, reused across calls (no page faults per call).
 struct Scratch {
@@ -70,21 +70,35 @@ inline __m512 reduce16(const __m512 v[16]) {
   return _mm512_add_ps(even, odd);
 }
 
-// The kR x kMT dot products of a packed weight group and a packed x tile over `steps` k steps of 16; element
-// 4 * m + r of the result is row m of x times weight row r.
-inline __m512 tile_dots(const float* w, const float* x, int64_t steps) {
-  static_assert(kR == 4 && kMT == 4, "reduce16 maps 16 accumulators");
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < steps; ++s, w += kR * 16, x += kMT * 16) {
-    __m512 xv[kMT];
-    for (int m = 0; m < kMT; ++m) xv[m] = _mm512_load_ps(x + m * 16);
+// The kR x MT dot products of a packed weight group (rows g .. g + 3) and a packed x tile of MT rows over `steps`
+// k steps of 16, stored to (or, with `accumulate`, added to) out[m * out_stride + r].
+template <int MT>
+inline void tile_dots(const float* w, const float* x, int64_t steps, float* out, int64_t out_stride,
+                      bool accumulate) {
+  static_assert(kR == 4 && kMT <= 6, "reduce16 maps 4 weight rows x 4 x rows; gemm_rows 6 tiles");
+  __m512 acc[kR][MT];
+  for (int r = 0; r < kR; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s, w += kR * 16, x += MT * 16) {
+    __m512 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_load_ps(x + m * 16);
     for (int r = 0; r < kR; ++r) {
-      __m512 wv = _mm512_load_ps(w + r * 16);
-      for (int m = 0; m < kMT; ++m) acc[4 * r + m] = _mm512_fmadd_ps(wv, xv[m], acc[4 * r + m]);
+      const __m512 wv = _mm512_load_ps(w + r * 16);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
   }
-  return reduce16(acc);
+  alignas(64) float sums[16];
+  for (int g = 0; g < MT; g += 4) {  // x rows g .. g + 3 (zeros past MT)
+    __m512 v[16];
+    for (int r = 0; r < kR; ++r)
+      for (int c = 0; c < 4; ++c) v[4 * r + c] = g + c < MT ? acc[r][g + c] : _mm512_setzero_ps();
+    _mm512_store_ps(sums, reduce16(v));  // sums[4 * c + r]: x row g + c times weight row r
+    for (int c = 0; c < 4 && g + c < MT; ++c) {
+      float* target = out + (g + c) * out_stride;
+      const __m128 part = _mm_load_ps(sums + 4 * c);
+      _mm_storeu_ps(target, accumulate ? _mm_add_ps(_mm_loadu_ps(target), part) : part);
+    }
+  }
 }
 
 // Widens rows [n0, n0 + rows) x columns [k0, k0 + steps * 16) of w into wp (zeros past N and K).
@@ -107,21 +121,21 @@ void pack_weights(const bf16* w, int64_t N, int64_t K, int64_t n0, int64_t rows,
     }
 }
 
-// Converts x tiles [t_begin, t_end) into xf (zero rows past M, zeros past K).
+// Converts x tiles [t_begin, t_end) into xf (zeros past K).
 void pack_x(const bf16* x, int64_t M, int64_t K, int64_t x_stride, int64_t k_steps, int64_t t_begin, int64_t t_end,
             float* xf) {
-  for (int64_t t = t_begin; t < t_end; ++t)
-    for (int m = 0; m < kMT; ++m) {
-      const int64_t row = t * kMT + m;
-      float* out = xf + t * k_steps * kMT * 16 + m * 16;
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const int64_t m0 = t * kMT, height = std::min<int64_t>(kMT, M - m0);
+    float* tile = xf + m0 * k_steps * 16;
+    for (int64_t m = 0; m < height; ++m) {
+      const bf16* row = x + (m0 + m) * x_stride;
       for (int64_t s = 0; s < k_steps; ++s) {
         const int64_t k = s * 16;
-        __m512 v = row >= M ? _mm512_setzero_ps()
-                   : k + 16 <= K ? load16(x + row * x_stride + k)
-                                 : load16(x + row * x_stride + k, tail_mask(K - k));
-        _mm512_store_ps(out + s * kMT * 16, v);
+        const __m512 v = k + 16 <= K ? load16(row + k) : load16(row + k, tail_mask(K - k));
+        _mm512_store_ps(tile + (s * height + m) * 16, v);
       }
     }
+  }
 }
 
 // Adds bias to the fp32 results of rows [n0, n0 + count) and stores them rounded to bf16 (or as rounded floats).
@@ -148,7 +162,7 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
   const int64_t kb_steps = (k_steps + k_blocks - 1) / k_blocks;  // K blocks of near-equal width
   const int64_t n_blocks = (N + kNB - 1) / kNB;
   static Scratch x_scratch;  // calls come from one Python thread at a time (the GIL holder)
-  float* xf = x_scratch.get(static_cast<size_t>(tiles * kMT * k_steps * 16));
+  float* xf = x_scratch.get(static_cast<size_t>(M * k_steps * 16));
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n_blocks)));
 #pragma omp parallel num_threads(threads)
   {
@@ -156,7 +170,7 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
     pack_x(x, M, K, x_stride, k_steps, tiles * t / nt, tiles * (t + 1) / nt, xf);
     static thread_local Scratch w_scratch, acc_scratch;
     float* wp = w_scratch.get(static_cast<size_t>(kNB * kb_steps * 16));
-    float* acc = acc_scratch.get(static_cast<size_t>(tiles * kMT * kNB));
+    float* acc = acc_scratch.get(static_cast<size_t>(M * kNB));
 #pragma omp barrier
     for (int64_t b = n_blocks * t / nt; b < n_blocks * (t + 1) / nt; ++b) {
       const int64_t n0 = b * kNB, count = std::min(kNB, N - n0);
@@ -165,24 +179,18 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
         const int64_t s0 = kb * kb_steps, steps = std::min(kb_steps, k_steps - s0);
         pack_weights(w, N, K, n0, rows, s0 * 16, steps, wp);
         for (int64_t tile = 0; tile < tiles; ++tile) {
-          const float* xt = xf + (tile * k_steps + s0) * kMT * 16;
-          float* out = acc + tile * kMT * kNB;
+          const int64_t m0 = tile * kMT, height = std::min<int64_t>(kMT, M - m0);
+          const float* xt = xf + (m0 * k_steps + s0 * height) * 16;
           for (int64_t g = 0; g < rows; g += kR) {
-            const __m512 dots = tile_dots(wp + g * steps * 16, xt, steps);
-            // chunk m of `dots` holds x row m times weight rows g .. g + 3
-            float* target = out + g;
-            const __m128 c0 = _mm512_castps512_ps128(dots), c1 = _mm512_extractf32x4_ps(dots, 1),
-                         c2 = _mm512_extractf32x4_ps(dots, 2), c3 = _mm512_extractf32x4_ps(dots, 3);
-            if (kb == 0) {
-              _mm_storeu_ps(target, c0);
-              _mm_storeu_ps(target + kNB, c1);
-              _mm_storeu_ps(target + 2 * kNB, c2);
-              _mm_storeu_ps(target + 3 * kNB, c3);
-            } else {
-              _mm_storeu_ps(target, _mm_add_ps(_mm_loadu_ps(target), c0));
-              _mm_storeu_ps(target + kNB, _mm_add_ps(_mm_loadu_ps(target + kNB), c1));
-              _mm_storeu_ps(target + 2 * kNB, _mm_add_ps(_mm_loadu_ps(target + 2 * kNB), c2));
-              _mm_storeu_ps(target + 3 * kNB, _mm_add_ps(_mm_loadu_ps(target + 3 * kNB), c3));
+            const float* wg = wp + g * steps * 16;
+            float* out = acc + m0 * kNB + g;
+            switch (height) {
+              case 6: tile_dots<6>(wg, xt, steps, out, kNB, kb > 0); break;
+              case 5: tile_dots<5>(wg, xt, steps, out, kNB, kb > 0); break;
+              case 4: tile_dots<4>(wg, xt, steps, out, kNB, kb > 0); break;
+              case 3: tile_dots<3>(wg, xt, steps, out, kNB, kb > 0); break;
+              case 2: tile_dots<2>(wg, xt, steps, out, kNB, kb > 0); break;
+              default: tile_dots<1>(wg, xt, steps, out, kNB, kb > 0); break;
             }
           }
         }
