@@ -181,7 +181,15 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
         for (int64_t tile = 0; tile < tiles; ++tile) {
           const int64_t m0 = tile * kMT, height = std::min<int64_t>(kMT, M - m0);
           const float* xt = xf + (m0 * k_steps + s0 * height) * 16;
+          // the next tile's slice of x (in L3 when x outgrows L2) is fetched into L2 during this tile's groups
+          const int64_t next_height = std::min<int64_t>(kMT, M - m0 - kMT);
+          const char* next_x = reinterpret_cast<const char*>(xf + ((m0 + kMT) * k_steps + s0 * next_height) * 16);
+          const int64_t next_lines = tile + 1 < tiles ? next_height * steps : 0;  // 64-byte lines
+          const int64_t lines_per_group = (next_lines + rows / kR - 1) / (rows / kR);
+          int64_t next_line = 0;
           for (int64_t g = 0; g < rows; g += kR) {
+            for (const int64_t end = std::min(next_lines, next_line + lines_per_group); next_line < end; ++next_line)
+              _mm_prefetch(next_x + next_line * 64, _MM_HINT_T1);
             const float* wg = wp + g * steps * 16;
             float* out = acc + m0 * kNB + g;
             switch (height) {
