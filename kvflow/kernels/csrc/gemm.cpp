@@ -12,6 +12,11 @@
 // * The microkernel holds kR x (rows in tile) accumulators of 16 k lanes each; after a K block transposing trees
 //   reduce each 4 x 4 of them to one vector of 16 dot products, added into a thread-local fp32 block of results.
 //   The last K block's results get the bias, are rounded once to bf16 (round-to-nearest-even, as torch), stored.
+// * Prefetches into L2, spread over the compute: the next weight block's rows (one line per row segment per k step,
+//   so its DRAM reads overlap FMAs rather than stall the packing; +5-15% at M = 16..64 on weights not in cache) and
+//   the next x tile (x outgrows L2 at M = 256, K = 4864).
+// Measured single-threaded on an Ice Lake Xeon (benchmarks/kernels.py): 60-110 GFLOP/s, 2-3.5x oneDNN's bf16
+// GEMM and about its fp32 GEMM on pre-converted weights.
 #include <omp.h>
 
 #include <algorithm>
@@ -70,16 +75,26 @@ inline __m512 reduce16(const __m512 v[16]) {
   return _mm512_add_ps(even, odd);
 }
 
+// Row segments of bf16 weights to prefetch: `rows` segments of `lines` 64-byte lines, `stride` bytes apart.
+struct PrefetchRows {
+  const char* base = nullptr;
+  int64_t stride = 0, rows = 0, lines = 0;
+};
+
 // The kR x MT dot products of a packed weight group (rows g .. g + 3) and a packed x tile of MT rows over `steps`
-// k steps of 16, stored to (or, with `accumulate`, added to) out[m * out_stride + r].
+// k steps of 16, stored to (or, with `accumulate`, added to) out[m * out_stride + r]. Meanwhile `prefetch`'s lines
+// are requested one per segment per step: spread out, the next weight block's DRAM reads overlap these FMAs.
 template <int MT>
-inline void tile_dots(const float* w, const float* x, int64_t steps, float* out, int64_t out_stride,
-                      bool accumulate) {
+inline void tile_dots(const float* w, const float* x, int64_t steps, float* out, int64_t out_stride, bool accumulate,
+                      const PrefetchRows& prefetch) {
   static_assert(kR == 4 && kMT <= 6, "reduce16 maps 4 weight rows x 4 x rows; gemm_rows 6 tiles");
   __m512 acc[kR][MT];
   for (int r = 0; r < kR; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t s = 0; s < steps; ++s, w += kR * 16, x += MT * 16) {
+    if (s < prefetch.lines)
+      for (int64_t j = 0; j < prefetch.rows; ++j)
+        _mm_prefetch(prefetch.base + j * prefetch.stride + s * 64, _MM_HINT_T1);
     __m512 xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_load_ps(x + m * 16);
     for (int r = 0; r < kR; ++r) {
@@ -172,12 +187,25 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
     float* wp = w_scratch.get(static_cast<size_t>(kNB * kb_steps * 16));
     float* acc = acc_scratch.get(static_cast<size_t>(M * kNB));
 #pragma omp barrier
-    for (int64_t b = n_blocks * t / nt; b < n_blocks * (t + 1) / nt; ++b) {
+    const int64_t b_end = n_blocks * (t + 1) / nt;
+    for (int64_t b = n_blocks * t / nt; b < b_end; ++b) {
       const int64_t n0 = b * kNB, count = std::min(kNB, N - n0);
       const int64_t rows = (count + kR - 1) / kR * kR;
       for (int64_t kb = 0; kb < k_blocks; ++kb) {
         const int64_t s0 = kb * kb_steps, steps = std::min(kb_steps, k_steps - s0);
         pack_weights(w, N, K, n0, rows, s0 * 16, steps, wp);
+        // The next (block, K block) this thread packs, prefetched during this one's tile_dots calls: call c takes
+        // row segments [c * per_call, (c + 1) * per_call).
+        const bool last_kb = kb + 1 == k_blocks;
+        const int64_t next_n0 = last_kb ? n0 + kNB : n0, next_s0 = last_kb ? 0 : s0 + kb_steps;
+        const int64_t next_rows = last_kb && b + 1 == b_end ? 0 : std::min(kNB, N - next_n0);
+        const int64_t calls = tiles * (rows / kR);
+        const int64_t per_call = (next_rows + calls - 1) / calls;
+        PrefetchRows prefetch;
+        prefetch.stride = K * static_cast<int64_t>(sizeof(bf16));
+        prefetch.lines = (std::min(kb_steps, k_steps - next_s0) * 16 * static_cast<int64_t>(sizeof(bf16)) + 63) / 64;
+        const char* next_base = reinterpret_cast<const char*>(w + next_n0 * K + next_s0 * 16);
+        int64_t call = 0;
         for (int64_t tile = 0; tile < tiles; ++tile) {
           const int64_t m0 = tile * kMT, height = std::min<int64_t>(kMT, M - m0);
           const float* xt = xf + (m0 * k_steps + s0 * height) * 16;
@@ -192,13 +220,17 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
               _mm_prefetch(next_x + next_line * 64, _MM_HINT_T1);
             const float* wg = wp + g * steps * 16;
             float* out = acc + m0 * kNB + g;
+            const int64_t first = std::min(next_rows, call * per_call);
+            prefetch.rows = std::min(next_rows, first + per_call) - first;
+            prefetch.base = next_base + first * prefetch.stride;
+            ++call;
             switch (height) {
-              case 6: tile_dots<6>(wg, xt, steps, out, kNB, kb > 0); break;
-              case 5: tile_dots<5>(wg, xt, steps, out, kNB, kb > 0); break;
-              case 4: tile_dots<4>(wg, xt, steps, out, kNB, kb > 0); break;
-              case 3: tile_dots<3>(wg, xt, steps, out, kNB, kb > 0); break;
-              case 2: tile_dots<2>(wg, xt, steps, out, kNB, kb > 0); break;
-              default: tile_dots<1>(wg, xt, steps, out, kNB, kb > 0); break;
+              case 6: tile_dots<6>(wg, xt, steps, out, kNB, kb > 0, prefetch); break;
+              case 5: tile_dots<5>(wg, xt, steps, out, kNB, kb > 0, prefetch); break;
+              case 4: tile_dots<4>(wg, xt, steps, out, kNB, kb > 0, prefetch); break;
+              case 3: tile_dots<3>(wg, xt, steps, out, kNB, kb > 0, prefetch); break;
+              case 2: tile_dots<2>(wg, xt, steps, out, kNB, kb > 0, prefetch); break;
+              default: tile_dots<1>(wg, xt, steps, out, kNB, kb > 0, prefetch); break;
             }
           }
         }
