@@ -176,7 +176,7 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
   const int64_t k_blocks = (k_steps * 16 + kKB - 1) / kKB;
   const int64_t kb_steps = (k_steps + k_blocks - 1) / k_blocks;  // K blocks of near-equal width
   const int64_t n_blocks = (N + kNB - 1) / kNB;
-  static Scratch x_scratch;  // calls come from one Python thread at a time (the GIL holder)
+  static thread_local Scratch x_scratch;  // the calling thread's; the team reads it after the barrier
   float* xf = x_scratch.get(static_cast<size_t>(M * k_steps * 16));
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n_blocks)));
 #pragma omp parallel num_threads(threads)
