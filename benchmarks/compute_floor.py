@@ -5,12 +5,15 @@ fused gate/up, down) on every scheduled token, except that kvflow's last layer r
 only on the rows it samples; then the LM head on the sampled rows. Everything else (attention, norms, RoPE,
 sampling, scheduling) is overhead above the floor. The floor of a run is
 
-    sum over the run's forward passes, over the model's linear layers, of time(F.linear at that pass's row count)
+    sum over the run's forward passes, over the model's linear layers, of time(the product at that pass's rows)
 
 where `time(N, K, M)` is measured on this machine, now, with the model's weights' dtype and the threads torch
 uses: best of a few repeats at a grid of row counts (1, 2, 3, 4, 6, 8, 12, ... up to the largest the run used),
-interpolated linearly between grid points. Its FLOPs are `2 * M * N * K` per product, so `floor FLOPs / floor
-seconds` is the GEMM rate the hardware reached on these shapes.
+interpolated linearly between grid points. At each grid point both `F.linear` and kvflow's own
+`kvflow.kernels.linear` (the GEMV/GEMM kernels, where they apply on this CPU) are timed and the faster counts, so
+the floor is the best product kvflow could call, never a slower library's (`GemmFloor.sources` says which won).
+Its FLOPs are `2 * M * N * K` per product, so `floor FLOPs / floor seconds` is the GEMM rate the hardware reached
+on these shapes.
 
 `GemmFloor.measure(model, passes)` does all of this for a list of `(num_tokens, num_sampled)` passes.
 """
@@ -26,8 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import kernels
+
 ROWS_TOKENS = "tokens"
 ROWS_SAMPLED = "sampled"
+SOURCE_TORCH = "torch"
+SOURCE_KERNEL = "kvflow kernel"
 
 
 @dataclass(frozen=True)
@@ -75,20 +82,46 @@ def model_gemm_shapes(model: nn.Module) -> Counter[GemmShape]:
 
 
 def time_linear(
-    out_features: int, in_features: int, rows: int, dtype: torch.dtype, repeats: int
-) -> float:
-    """Best-of-`repeats` seconds of one `F.linear([rows, in], [out, in])` in `dtype` (after one warm-up call)."""
+    out_features: int,
+    in_features: int,
+    rows: int,
+    dtype: torch.dtype,
+    repeats: int,
+    *,
+    kernel: bool = False,
+) -> float | None:
+    """Best-of-`repeats` seconds of one `F.linear([rows, in], [out, in])` in `dtype` (after one warm-up call);
+    with `kernel`, of `kvflow.kernels.linear` instead, or None where no kvflow kernel applies."""
     generator = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=generator).to(dtype)
     weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
     with torch.inference_mode():
-        F.linear(x, weight)
+        if kernel:
+            if kernels.linear(x, weight) is None:
+                return None
+            product = lambda: kernels.linear(x, weight)  # noqa: E731
+        else:
+            product = lambda: F.linear(x, weight)  # noqa: E731
+        product()
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            F.linear(x, weight)
+            product()
             best = min(best, time.perf_counter() - start)
     return best
+
+
+def fastest_linear(
+    out_features: int, in_features: int, rows: int, dtype: torch.dtype, repeats: int
+) -> tuple[float, str]:
+    """The faster of `F.linear` and kvflow's kernel (where one applies): `(seconds, SOURCE_TORCH or
+    SOURCE_KERNEL)`."""
+    torch_s = time_linear(out_features, in_features, rows, dtype, repeats)
+    assert torch_s is not None
+    kernel_s = time_linear(out_features, in_features, rows, dtype, repeats, kernel=True)
+    if kernel_s is not None and kernel_s < torch_s:
+        return kernel_s, SOURCE_KERNEL
+    return torch_s, SOURCE_TORCH
 
 
 @dataclass
@@ -96,17 +129,34 @@ class GemmFloor:
     """The measured floor of a run (see the module docstring).
 
     Invariants: `seconds` and `flops` cover exactly the given passes; `seconds_by_rows[shape]` holds the measured
-    time at every grid point of that shape's row kind.
+    time at every grid point of that shape's row kind, and `source_by_rows[shape]` the same grid points' faster
+    product (`SOURCE_TORCH` or `SOURCE_KERNEL`).
     """
 
     seconds: float
     flops: float
     num_passes: int
     seconds_by_rows: dict[GemmShape, dict[int, float]] = field(repr=False)
+    source_by_rows: dict[GemmShape, dict[int, str]] = field(repr=False)
 
     @property
     def gflops_per_s(self) -> float:
         return self.flops / self.seconds / 1e9
+
+    def sources(self) -> list[str]:
+        """One line per shape: which product the floor used at which grid row counts, e.g.
+        `floor GEMM 1152x896 (tokens rows): kvflow kernel at 1,2,3,4,6,8,12,16; torch at none`."""
+        lines = []
+        for shape, by_rows in self.source_by_rows.items():
+            parts = []
+            for source in (SOURCE_KERNEL, SOURCE_TORCH):
+                rows = [count for count, used in sorted(by_rows.items()) if used == source]
+                parts.append(f"{source} at {_rows_text(rows)}")
+            lines.append(
+                f"floor GEMM {shape.out_features}x{shape.in_features} ({shape.rows} rows): "
+                + "; ".join(parts)
+            )
+        return lines
 
     @classmethod
     def measure(
@@ -123,12 +173,20 @@ class GemmFloor:
             ROWS_TOKENS: max((tokens for tokens, _ in passes), default=1),
             ROWS_SAMPLED: max((sampled for _, sampled in passes), default=1),
         }
-        seconds_by_rows = {
+        measured = {
             shape: {
-                rows: time_linear(shape.out_features, shape.in_features, rows, dtype, repeats)
+                rows: fastest_linear(shape.out_features, shape.in_features, rows, dtype, repeats)
                 for rows in row_grid(max_rows[shape.rows])
             }
             for shape in shapes
+        }
+        seconds_by_rows = {
+            shape: {rows: timed[0] for rows, timed in grid.items()}
+            for shape, grid in measured.items()
+        }
+        source_by_rows = {
+            shape: {rows: timed[1] for rows, timed in grid.items()}
+            for shape, grid in measured.items()
         }
         seconds = flops = 0.0
         for num_tokens, num_sampled in passes:
@@ -136,7 +194,12 @@ class GemmFloor:
                 rows = num_tokens if shape.rows == ROWS_TOKENS else num_sampled
                 seconds += count * interpolate(seconds_by_rows[shape], rows)
                 flops += count * 2.0 * rows * shape.out_features * shape.in_features
-        return cls(seconds, flops, len(passes), seconds_by_rows)
+        return cls(seconds, flops, len(passes), seconds_by_rows, source_by_rows)
+
+
+def _rows_text(rows: list[int]) -> str:
+    """`"none"` or the grid row counts, comma-separated."""
+    return ",".join(map(str, rows)) if rows else "none"
 
 
 def interpolate(seconds_at: dict[int, float], rows: int) -> float:

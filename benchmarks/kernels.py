@@ -8,6 +8,10 @@ calls each, so a busy machine slows both alike):
   down, (896, 32000) LM head, bfloat16, M = 1, 4, 8 rows: `kvflow.kernels.linear` vs `F.linear`, and the
   **memory floor**: the weight's bytes divided by the read bandwidth the kernels' `stream_read` reaches on a
   buffer larger than the caches, i.e. the time just reading the weight once takes.
+* **GEMM** (bfloat16, M > 8: prefill and batched decode) on the same shapes, M = 16, 64, 256, plus the full
+  Qwen2-0.5B LM head (896, 151936) at M = 16: the kernel (`ops.gemm`, whether or not `kvflow.kernels.linear`
+  dispatches to it on this CPU; the header says) vs `F.linear` in bfloat16, and vs `F.linear` in float32 on weights
+  converted beforehand (a reference ceiling: torch's fp32 GEMM without any conversion cost).
 * **Elementwise** at batch 1: add + RMSNorm (896), SiLU-and-mul (2 x 4864), RoPE (16 heads of 64), against the
   PyTorch expressions of `RMSNorm.forward_with_residual`, `silu_and_mul` and `RotaryEmbedding.apply`.
 * **Decode attention**: one decode row over 160 cached tokens (14 query / 2 KV heads of 64, blocks of 16, K/V write
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvflow.batch import BatchInputs
-from kvflow.kernels import load_cpu_kernels
+from kvflow.kernels import cpu_feature_flags, gemm_kernel_wins, load_cpu_kernels
 from kvflow.models.attention import TorchPagedAttention
 from kvflow.models.attention.cpu_paged import CpuPagedAttention
 
@@ -43,20 +47,18 @@ GEMV_SHAPES = {
 }
 
 
-def interleaved(
-    first: Callable[[], object], second: Callable[[], object], repeats: int
-) -> tuple[float, float]:
-    """Median seconds of `first` and of `second`, called alternately `repeats` times each after a warm-up."""
+def interleaved(*fns: Callable[[], object], repeats: int) -> tuple[float, ...]:
+    """Median seconds of each of `fns`, called in turn `repeats` times each after a warm-up."""
     for _ in range(3):
-        first()
-        second()
-    times: tuple[list[float], list[float]] = ([], [])
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for index, fn in enumerate((first, second)):
+        for index, fn in enumerate(fns):
             started = time.perf_counter()
             fn()
             times[index].append(time.perf_counter() - started)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return tuple(statistics.median(series) for series in times)
 
 
 def read_bandwidth(ops: object, num_bytes: int, repeats: int) -> float:
@@ -85,12 +87,46 @@ def bench_gemv(ops: object, rows: list[int], repeats: int, bandwidth: float) -> 
             torch_s, kernel_s = interleaved(
                 lambda x=x, weight=weight: F.linear(x, weight),
                 lambda x=x, weight=weight: ops.linear(x, weight, None, False),  # type: ignore[attr-defined]
-                repeats,
+                repeats=repeats,
             )
             print(
                 f"{name:<12} {num_rows:>2} {torch_s * 1e6:>9.0f} {kernel_s * 1e6:>9.0f} "
                 f"{torch_s / kernel_s:>7.2f}x {weight.numel() * 2 / kernel_s / 1e9:>11.1f} "
                 f"{floor * 1e6:>9.0f} {floor / kernel_s:>12.2f}"
+            )
+
+
+def bench_gemm(
+    ops: object, rows: list[int], head_rows: list[int], head_size: int, repeats: int
+) -> None:
+    dispatch = (
+        "kernel" if gemm_kernel_wins(cpu_feature_flags()) else "torch (native bf16 or no AVX-512)"
+    )
+    print(f"\nGEMM (bf16, M > 8): kernels.linear dispatches to {dispatch} on this CPU")
+    print(
+        f"{'GEMM (bf16)':<12} {'M':>4} {'torch us':>9} {'kernel us':>9} {'speedup':>8} "
+        f"{'fp32 us':>9} {'fp32/kernel':>11} {'kernel GFLOP/s':>14}"
+    )
+    generator = torch.Generator().manual_seed(1)
+    shapes = [(name, shape, rows) for name, shape in GEMV_SHAPES.items() if name != "lm_head"]
+    shapes.append(("lm_head", (GEMV_SHAPES["lm_head"][0], head_size), head_rows))
+    for name, (input_size, output_size), row_counts in shapes:
+        weight = torch.randn(output_size, input_size, generator=generator).bfloat16()
+        weight_fp32 = weight.float()
+        for num_rows in row_counts:
+            x = torch.randn(num_rows, input_size, generator=generator).bfloat16()
+            x_fp32 = x.float()
+            torch_s, kernel_s, fp32_s = interleaved(
+                lambda x=x, weight=weight: F.linear(x, weight),
+                lambda x=x, weight=weight: ops.gemm(x, weight, None, False),  # type: ignore[attr-defined]
+                lambda x=x_fp32, weight=weight_fp32: F.linear(x, weight),
+                repeats=repeats,
+            )
+            flops = 2.0 * num_rows * input_size * output_size
+            print(
+                f"{name:<12} {num_rows:>4} {torch_s * 1e6:>9.0f} {kernel_s * 1e6:>9.0f} "
+                f"{torch_s / kernel_s:>7.2f}x {fp32_s * 1e6:>9.0f} {fp32_s / kernel_s:>10.2f} "
+                f"{flops / kernel_s / 1e9:>14.0f}"
             )
 
 
@@ -126,7 +162,7 @@ def bench_elementwise(ops: object, repeats: int) -> None:
         "RoPE (16 heads x 64)": (torch_rope, lambda: ops.rotary(qk, cos, sin)),  # type: ignore[attr-defined]
     }
     for name, (torch_fn, kernel_fn) in cases.items():
-        torch_s, kernel_s = interleaved(torch_fn, kernel_fn, repeats)
+        torch_s, kernel_s = interleaved(torch_fn, kernel_fn, repeats=repeats)
         print(
             f"{name:<28} {torch_s * 1e6:>9.1f} {kernel_s * 1e6:>9.1f} {torch_s / kernel_s:>7.2f}x"
         )
@@ -161,7 +197,7 @@ def bench_attention(repeats: int, context: int = 160) -> None:
     torch_s, kernel_s = interleaved(
         lambda: torch_backend.forward(query, key, value, cache, torch_plan),
         lambda: cpu_backend.forward(query, key, value, cache, cpu_plan),
-        repeats,
+        repeats=repeats,
     )
     name = f"decode attention ({context} tok)"
     print(f"{name:<28} {torch_s * 1e6:>9.1f} {kernel_s * 1e6:>9.1f} {torch_s / kernel_s:>7.2f}x")
@@ -190,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     with torch.inference_mode():
         bench_gemv(ops, [1] if args.quick else [1, 4, 8], repeats, bandwidth)
+        if args.quick:  # the 272 MB LM head would dominate a smoke run
+            bench_gemm(ops, [16], [16], GEMV_SHAPES["lm_head"][1], repeats)
+        else:
+            bench_gemm(ops, [16, 64, 256], [16], 151936, max(5, repeats // 3))
         bench_elementwise(ops, repeats * 10)
         bench_attention(repeats * 10)
 

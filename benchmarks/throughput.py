@@ -19,7 +19,8 @@ Systems, run one after the other in this process:
 4. **kvflow sync**: (2) with `async_scheduling=False` (schedule, run, update, one after the other).
 5. **compute floor** (`compute_floor.py`): the time the model's linear layers alone take for every forward pass of
    (2), each at that pass's row count, measured on this machine in this run (best of 3 per shape and row count on a
-   grid, interpolated). Attention, norms, RoPE, sampling and scheduling are all above it.
+   grid, interpolated; at each point the faster of `F.linear` and kvflow's own GEMV/GEMM kernel, the lines
+   "floor GEMM ..." say which). Attention, norms, RoPE, sampling and scheduling are all above it.
 Each system gets an untimed warm-up generation first. Output tokens/s = useful output tokens / wall time.
 
 Goals (issue 11), printed as ratios measured in the same run: kvflow's throughput >= 0.8 of the compute floor's
@@ -225,6 +226,8 @@ def run_kvflow(
             f"{floor.gflops_per_s:.0f} GFLOP/s",
             file=sys.stderr,
         )
+        for line in floor.sources():
+            print(line, file=sys.stderr)
     llm.engine_core.shutdown()
     return (
         Result(name, elapsed, produced),

@@ -26,4 +26,6 @@ def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> No
     for name in ("qkv", "o", "gate_up", "down", "lm_head", "add + RMSNorm", "SiLU", "RoPE"):
         assert f"\n{name}" in out, name
     assert "decode attention" in out
-    assert len(re.findall(r"\d\.\d\dx", out)) == 9  # a speedup on every row
+    assert "GEMM (bf16, M > 8): kernels.linear dispatches to" in out
+    assert len(re.findall(r"\n\w+ +16 .*\d\.\d\dx", out)) == 5  # a GEMM speedup per shape at M = 16
+    assert len(re.findall(r"\d\.\d\dx", out)) == 14  # a speedup on every row

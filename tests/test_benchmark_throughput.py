@@ -93,3 +93,23 @@ def test_floor_counts_every_linear_layer_on_the_rows_kvflow_runs_it_on(tmp_path:
     expected = 2 * (10 * (2 * qkv + others) + 2 * (others + vocab * hidden))
     assert floor.flops == expected
     assert floor.seconds > 0 and floor.num_passes == 1
+
+
+def test_floor_uses_the_faster_of_torch_and_the_kvflow_kernel_and_says_which() -> None:
+    import torch
+
+    compute_floor = load_compute_floor()
+    # float32: no kvflow kernel applies, so torch's product is the floor
+    assert compute_floor.time_linear(64, 32, 16, torch.float32, 1, kernel=True) is None
+    assert compute_floor.fastest_linear(64, 32, 16, torch.float32, 1)[1] == "torch"
+    seconds, source = compute_floor.fastest_linear(64, 32, 16, torch.bfloat16, 1)
+    assert seconds > 0 and source in (compute_floor.SOURCE_TORCH, compute_floor.SOURCE_KERNEL)
+    shape = compute_floor.GemmShape(8, 4, compute_floor.ROWS_TOKENS)
+    floor = compute_floor.GemmFloor(
+        1.0,
+        2.0,
+        1,
+        {shape: {1: 0.1, 2: 0.2, 4: 0.3}},
+        {shape: {1: "torch", 2: "kvflow kernel", 4: "torch"}},
+    )
+    assert floor.sources() == ["floor GEMM 8x4 (tokens rows): kvflow kernel at 2; torch at 1,4"]

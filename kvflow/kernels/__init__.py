@@ -7,9 +7,17 @@ reference the kernels are tested against. `KVFLOW_CPU_KERNELS=0` makes every hel
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Collection
+
 import torch
 
-from kvflow.kernels.build import CPU_KERNELS_ENV, cpu_kernels_requested, load_cpu_kernels
+from kvflow.kernels.build import (
+    CPU_KERNELS_ENV,
+    cpu_feature_flags,
+    cpu_kernels_requested,
+    load_cpu_kernels,
+)
 
 __all__ = [
     "CPU_KERNELS_ENV",
@@ -17,6 +25,7 @@ __all__ = [
     "add_rms_norm",
     "cpu_kernels_available",
     "cpu_kernels_requested",
+    "gemm_kernel_wins",
     "linear",
     "load_cpu_kernels",
     "rotary",
@@ -25,12 +34,34 @@ __all__ = [
 
 # Up to this many rows the GEMV kernel beats torch's GEMM for the decode shapes (benchmarks/kernels.py).
 MAX_GEMV_ROWS = 8
+# The GEMM kernel's instruction set, and the native bf16 matmul instructions in whose presence oneDNN's bf16 GEMM
+# stays in charge.
+_GEMM_REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 _ELEMENTWISE_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def cpu_kernels_available() -> bool:
     """Whether the compiled kernels are in use in this process (built, loaded and not disabled)."""
     return load_cpu_kernels() is not None
+
+
+def gemm_kernel_wins(flags: Collection[str]) -> bool:
+    """Whether kvflow's bf16 GEMM (M > `MAX_GEMV_ROWS`) should replace torch's on a CPU with these feature flags.
+
+    True on AVX-512 CPUs without native bf16 matmul (no AVX512_BF16, no AMX: Skylake-X/Cascade Lake/Ice Lake
+    servers), where oneDNN's bf16 GEMM runs at a fraction of its fp32 rate and the kernel (fp32 FMAs on weights
+    widened in cache-sized blocks) measured 2-4x faster on the Qwen2-0.5B shapes (benchmarks/kernels.py). On CPUs
+    with AVX512_BF16 or AMX (Zen 4, Sapphire Rapids) oneDNN uses those instructions; the kernel was never measured
+    there, so torch stays in charge.
+    """
+    present = set(flags)
+    return present >= _GEMM_REQUIRED_FLAGS and not (_NATIVE_BF16_FLAGS & present)
+
+
+@functools.cache
+def _gemm_kernel_wins_here() -> bool:
+    return gemm_kernel_wins(cpu_feature_flags())
 
 
 def linear(
@@ -40,9 +71,11 @@ def linear(
     *,
     float_output: bool = False,
 ) -> torch.Tensor | None:
-    """`F.linear(hidden_states, weight, bias)` for at most `MAX_GEMV_ROWS` bfloat16 rows on the CPU, else None.
+    """`F.linear(hidden_states, weight, bias)` for bfloat16 rows on the CPU where a kernel wins, else None.
 
-    With `float_output` the bfloat16-rounded result comes back as float32 (what `F.linear(...).float()` gives).
+    At most `MAX_GEMV_ROWS` rows: the decode GEMV (AVX-512 builds). More rows: the blocked GEMM, only on CPUs where
+    `gemm_kernel_wins`. With `float_output` the bfloat16-rounded result comes back as float32 (what
+    `F.linear(...).float()` gives).
     """
     if (
         weight.dtype is not torch.bfloat16
@@ -52,15 +85,18 @@ def linear(
         return None
     input_size = weight.shape[1]
     num_rows = hidden_states.numel() // input_size if input_size else 0
-    if not 0 < num_rows <= MAX_GEMV_ROWS or not weight.is_contiguous():
+    if num_rows <= 0 or not weight.is_contiguous():
+        return None
+    use_gemm = num_rows > MAX_GEMV_ROWS
+    if use_gemm and not _gemm_kernel_wins_here():
         return None
     ops = load_cpu_kernels()
-    if ops is None or not ops.has_avx512():  # the portable build's GEMV is not measured to win
+    if ops is None or not ops.has_avx512():  # the portable build's kernels are not measured to win
         return None
     rows = hidden_states.reshape(num_rows, input_size)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    out = ops.linear(rows, weight, bias, float_output)
+    out = (ops.gemm if use_gemm else ops.linear)(rows, weight, bias, float_output)
     return out.view(*hidden_states.shape[:-1], weight.shape[0])
 
 

@@ -33,7 +33,14 @@ logger = logging.getLogger(__name__)
 CPU_KERNELS_ENV = "KVFLOW_CPU_KERNELS"
 KERNEL_CACHE_DIR_ENV = "KVFLOW_KERNEL_CACHE_DIR"
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ("bindings.cpp", "gemv.cpp", "elementwise.cpp", "attention.cpp", "decode_layer.cpp")
+_SOURCES = (
+    "bindings.cpp",
+    "gemv.cpp",
+    "gemm.cpp",
+    "elementwise.cpp",
+    "attention.cpp",
+    "decode_layer.cpp",
+)
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _LDFLAGS = ("-fopenmp",)
 _COMPLETE_MARKER = ".complete"
@@ -51,6 +58,12 @@ def _cpu_flags() -> str:
             if line.startswith(("flags", "Features")):
                 return " ".join(sorted(line.split(":", 1)[1].split()))
     return platform.processor() or platform.machine()
+
+
+def cpu_feature_flags() -> frozenset[str]:
+    """The CPU's feature flags as a set (empty where /proc/cpuinfo has none, e.g. off Linux)."""
+    flags = _cpu_flags()
+    return frozenset(flags.split()) if " " in flags else frozenset()
 
 
 def extension_name() -> str:

@@ -58,6 +58,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return out;
 }
 
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                bool float_output) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "x must be a bfloat16 CPU tensor");
+  check_same_dtype(weight, x, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
+              "weight must be contiguous [N, K] with K = x.size(1)");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  if (bias) {
+    check_same_dtype(*bias, x, "bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be contiguous [N]");
+  }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
+  if (M == 0 || N == 0) return out;
+  kvflow::gemm(ptr<bf16>(x), M, K, x.stride(0), ptr<bf16>(weight), N, bias ? ptr<bf16>(*bias) : nullptr,
+               float_output ? nullptr : ptr<bf16>(out), float_output ? ptr<float>(out) : nullptr,
+               at::get_num_threads());
+  return out;
+}
+
 int64_t stream_read(const at::Tensor& data) {
   TORCH_CHECK(data.is_contiguous() && data.scalar_type() == at::kByte, "data must be a contiguous uint8 tensor");
   return static_cast<int64_t>(
@@ -267,9 +287,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "kvflow CPU kernels (decode GEMV, fused elementwise ops, paged decode attention)";
+  m.doc() = "kvflow CPU kernels (decode GEMV, prefill GEMM, fused elementwise ops, paged decode attention)";
   m.def("linear", &linear, "x @ weight.T (+ bias) for small M", py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("float_output") = false);
+  m.def("gemm", &gemm, "x @ weight.T (+ bias) for bfloat16 and M > 8 (weights widened to fp32 in blocks)",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("float_output") = false);
   m.def("stream_read", &stream_read, "read a uint8 buffer once (the memory-read floor)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

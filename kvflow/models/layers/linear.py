@@ -54,7 +54,7 @@ class Linear(nn.Module):
         return slice(start, start + self.output_sizes[shard])
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = kernels.linear(hidden_states, self.weight, self.bias)  # decode GEMV on CPU, else None
+        out = kernels.linear(hidden_states, self.weight, self.bias)  # CPU GEMV/GEMM, else None
         return out if out is not None else F.linear(hidden_states, self.weight, self.bias)
 
     def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:

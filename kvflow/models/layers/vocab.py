@@ -106,7 +106,7 @@ class LMHead(_VocabShard):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = kernels.linear(hidden_states, self.weight, float_output=True)  # decode GEMV on CPU
+        out = kernels.linear(hidden_states, self.weight, float_output=True)  # CPU GEMV/GEMM kernel
         logits = out if out is not None else F.linear(hidden_states, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
