@@ -20,7 +20,8 @@ Systems, run one after the other in this process:
 5. **compute floor** (`compute_floor.py`): the time the model's linear layers alone take for every forward pass of
    (2), each at that pass's row count, measured on this machine in this run (best of 3 per shape and row count on a
    grid, interpolated; at each point the faster of `F.linear` and kvflow's own GEMV/GEMM kernel, the lines
-   "floor GEMM ..." say which). Attention, norms, RoPE, sampling and scheduling are all above it.
+   "floor GEMM ..." say which; up to 64 rows each product reads its weight from memory, as a forward pass does,
+   not from the cache). Attention, norms, RoPE, sampling and scheduling are all above it.
 Each system gets an untimed warm-up generation first. Output tokens/s = useful output tokens / wall time.
 
 Goals (issue 11), printed as ratios measured in the same run: kvflow's throughput >= 0.8 of the compute floor's

@@ -26,6 +26,7 @@ __all__ = [
     "cpu_kernels_available",
     "cpu_kernels_requested",
     "gemm_kernel_wins",
+    "gemm_kernel_wins_here",
     "linear",
     "load_cpu_kernels",
     "rotary",
@@ -60,7 +61,9 @@ def gemm_kernel_wins(flags: Collection[str]) -> bool:
 
 
 @functools.cache
-def _gemm_kernel_wins_here() -> bool:
+def gemm_kernel_wins_here() -> bool:
+    """`gemm_kernel_wins` for this machine's CPU: whether `linear` sends more than `MAX_GEMV_ROWS` rows to the
+    kernel's GEMM."""
     return gemm_kernel_wins(cpu_feature_flags())
 
 
@@ -88,7 +91,7 @@ def linear(
     if num_rows <= 0 or not weight.is_contiguous():
         return None
     use_gemm = num_rows > MAX_GEMV_ROWS
-    if use_gemm and not _gemm_kernel_wins_here():
+    if use_gemm and not gemm_kernel_wins_here():
         return None
     ops = load_cpu_kernels()
     if ops is None or not ops.has_avx512():  # the portable build's kernels are not measured to win

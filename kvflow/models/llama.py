@@ -50,6 +50,8 @@ _STACKED_PROJECTIONS = (
     (".gate_up_proj.", ".up_proj.", 1),
 )
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Most decode rows a step may run through `decode_layer` (the C++ side's kMaxDecodeLayerRows).
+FUSED_DECODE_MAX_ROWS = 64
 
 
 def tp_head_ranges(
@@ -396,8 +398,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_decode_supported(self) -> bool:
         """Whether this model's layers match `decode_layer`: bfloat16 on the CPU with the AVX-512 kernels and the
-        "cpu" attention backend, one rank, no per-head q/k norm. Then its steps of at most `MAX_GEMV_ROWS` decode
-        rows take the very kernels the per-op path takes, in the same order, so the results are equal."""
+        "cpu" attention backend, one rank, no per-head q/k norm. Then its decode-only steps take the very kernels
+        the per-op path takes, in the same order, so the results are equal (see `_is_fused_decode_step`)."""
         if (
             self.device.type != "cpu"
             or self.dtype is not torch.bfloat16
@@ -415,13 +417,18 @@ class LlamaForCausalLM(nn.Module):
         metadata_by_window: dict[int | None, Any],
         logits_indices: torch.Tensor,
     ) -> bool:
-        """A step of only decode rows (one token each, every one sampled), few enough for the GEMV kernel."""
+        """A step of only decode rows (one token each, every one sampled): up to `MAX_GEMV_ROWS` rows, or up to
+        `FUSED_DECODE_MAX_ROWS` where `kernels.linear` sends more rows to the kernel's GEMM (which `decode_layer`
+        then calls too), so the products are the per-op path's."""
         if self._fused_decode is None:
             self._fused_decode = self._fused_decode_supported()
         num_tokens = batch.num_tokens
+        max_rows = (
+            FUSED_DECODE_MAX_ROWS if kernels.gemm_kernel_wins_here() else kernels.MAX_GEMV_ROWS
+        )
         if (
             not self._fused_decode
-            or not 0 < num_tokens <= kernels.MAX_GEMV_ROWS
+            or not 0 < num_tokens <= max_rows
             or batch.num_reqs != num_tokens
             or logits_indices.numel() != num_tokens
         ):
@@ -465,6 +472,7 @@ class LlamaForCausalLM(nn.Module):
                 eps,
                 scale,
                 decode.window,
+                kernels.MAX_GEMV_ROWS,
             )
         assert residual is not None
         return hidden_states, residual

@@ -219,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down, const c10::optional<at::Tensor>& down_bias,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale,
-    int64_t window) {
+    int64_t window, int64_t gemv_max_rows) {
   check_cpu(hidden, "hidden");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [rows, hidden]");
   const int64_t M = hidden.size(0), H = hidden.size(1);
@@ -257,7 +257,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
               "seq_lens must be contiguous int32 [rows]");
   kvflow::DecodeLayerParams params{M, H, I, num_heads, nkv, hd, static_cast<float>(eps), static_cast<float>(scale),
                                    window, num_blocks, block_size, ptr<int64_t>(slot_mapping),
-                                   ptr<int32_t>(block_tables), block_tables.stride(0), ptr<int32_t>(seq_lens)};
+                                   ptr<int32_t>(block_tables), block_tables.stride(0), ptr<int32_t>(seq_lens),
+                                   gemv_max_rows};
   at::Tensor workspace = at::empty({params.workspace_elements()}, hidden.options());
   at::Tensor out = at::empty_like(hidden);
   at::Tensor residual_out = at::empty_like(hidden);

@@ -1,11 +1,29 @@
-// One Llama-family decoder layer for a decode-only step of up to a few rows, in one call from Python.
+// One Llama-family decoder layer for a decode-only step of up to kMaxDecodeLayerRows rows, in one call from Python.
 // It chains the same raw kernels the layer's Python code calls one by one (add+RMSNorm, QKV GEMV, RoPE, K/V store,
 // paged decode attention, o GEMV, add+RMSNorm, gate/up GEMV, SiLU-and-mul, down GEMV) in the same order with the
 // same roundings, so its results equal that path bit for bit; what it saves is ~30 Python-level tensor ops and
 // views per layer. Intermediates live in a caller-provided workspace (DecodeLayerParams::workspace_elements).
+#include <type_traits>
+
 #include "kernels.h"
 
 namespace kvflow {
+namespace {
+
+// The product kernels.linear picks for M rows: the GEMV up to `gemv_max_rows`, else the blocked GEMM (bf16).
+template <typename T>
+void product(const DecodeLayerParams& p, const T* x, int64_t K, const T* w, int64_t N, const T* bias, T* y,
+             int num_threads) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (p.rows > p.gemv_max_rows) {
+      gemm(x, p.rows, K, K, w, N, bias, y, nullptr, num_threads);
+      return;
+    }
+  }
+  gemv<T>(x, p.rows, K, K, w, N, bias, y, nullptr, num_threads);
+}
+
+}  // namespace
 
 int64_t DecodeLayerParams::qkv_width() const { return (num_heads + 2 * num_kv_heads) * head_dim; }
 
@@ -36,7 +54,7 @@ bool decode_layer(const DecodeLayerParams& p, const DecodeLayerWeights<T>& w, co
   // residual None (first layer): the stream is `hidden` itself.
   const T* stream = residual ? summed : hidden;
   add_rms_norm<T>(hidden, residual, w.input_norm, M, H, p.eps, normed, residual ? summed : nullptr, num_threads);
-  gemv<T>(normed, M, H, H, w.qkv, qkv_width, w.qkv_bias, qkv, nullptr, num_threads);
+  product<T>(p, normed, H, w.qkv, qkv_width, w.qkv_bias, qkv, num_threads);
   rotary<T>(qkv, M, nh + nkv, hd, qkv_width, hd, cos, sin, rotated, num_threads);
   if (!store_kv<T>(rotated + nh * hd, rotated_width, hd, qkv + (nh + nkv) * hd, qkv_width, hd, p.slot_mapping, M,
                    nkv, hd, p.num_blocks * p.block_size, key_cache, value_cache))
@@ -46,11 +64,11 @@ bool decode_layer(const DecodeLayerParams& p, const DecodeLayerWeights<T>& w, co
   paged_decode_attention<T>(rotated, rotated_width, hd, key_cache, value_cache, p.num_blocks, p.block_size,
                             p.block_tables, p.table_stride, p.seq_lens, token_index, M, nh, nkv, hd, p.scale,
                             p.window, attn, num_threads);
-  gemv<T>(attn, M, attn_width, attn_width, w.o, H, w.o_bias, o, nullptr, num_threads);
+  product<T>(p, attn, attn_width, w.o, H, w.o_bias, o, num_threads);
   add_rms_norm<T>(o, stream, w.post_norm, M, H, p.eps, normed2, residual_out, num_threads);
-  gemv<T>(normed2, M, H, H, w.gate_up, 2 * I, w.gate_up_bias, gate_up, nullptr, num_threads);
+  product<T>(p, normed2, H, w.gate_up, 2 * I, w.gate_up_bias, gate_up, num_threads);
   silu_and_mul<T>(gate_up, M, I, 2 * I, act, num_threads);
-  gemv<T>(act, M, I, I, w.down, H, w.down_bias, out, nullptr, num_threads);
+  product<T>(p, act, I, w.down, H, w.down_bias, out, num_threads);
   return true;
 }
 

@@ -73,6 +73,7 @@ struct DecodeLayerParams {
   const int32_t* block_tables;  // [rows, table_stride]
   int64_t table_stride;
   const int32_t* seq_lens;  // [rows], counting this step's token
+  int64_t gemv_max_rows;     // above it (bf16) the products run on the GEMM, as kernels.linear dispatches
   int64_t qkv_width() const;
   int64_t workspace_elements() const;
 };
