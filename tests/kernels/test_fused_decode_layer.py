@@ -124,16 +124,17 @@ def test_decode_layer_rejects_a_slot_outside_the_cache(ops: object) -> None:
         None,
     )
     kv_cache = torch.zeros(1, 2, kv_heads, 4, 4, head_dim, dtype=bf16)
-    with pytest.raises(RuntimeError, match="slot_mapping has a slot outside"):
+
+    def call(layer_weights: tuple[torch.Tensor | None, ...], slot: int) -> None:
         ops.decode_layer(  # type: ignore[attr-defined]
             torch.ones(1, hidden_size, dtype=bf16),
             None,
-            *weights,
+            *layer_weights,
             torch.ones(1, 1, head_dim // 2, dtype=bf16),
             torch.zeros(1, 1, head_dim // 2, dtype=bf16),
             kv_cache,
             0,
-            torch.tensor([16], dtype=torch.int64),
+            torch.tensor([slot], dtype=torch.int64),
             torch.zeros(1, 1, dtype=torch.int32),
             torch.tensor([1], dtype=torch.int32),
             heads,
@@ -142,24 +143,9 @@ def test_decode_layer_rejects_a_slot_outside_the_cache(ops: object) -> None:
             0,
             8,
         )
+
+    with pytest.raises(RuntimeError, match="slot_mapping has a slot outside"):
+        call(weights, slot=16)
     assert not kv_cache.any()
     with pytest.raises(RuntimeError, match="qkv must be contiguous"):
-        ops.decode_layer(  # type: ignore[attr-defined]
-            torch.ones(1, hidden_size, dtype=bf16),
-            None,
-            *weights[:2],
-            weights[2][:-1],
-            *weights[3:],
-            torch.ones(1, 1, head_dim // 2, dtype=bf16),
-            torch.zeros(1, 1, head_dim // 2, dtype=bf16),
-            kv_cache,
-            0,
-            torch.tensor([0], dtype=torch.int64),
-            torch.zeros(1, 1, dtype=torch.int32),
-            torch.tensor([1], dtype=torch.int32),
-            heads,
-            1e-6,
-            head_dim**-0.5,
-            0,
-            8,
-        )
+        call((*weights[:2], weights[2][:-1], *weights[3:]), slot=0)

@@ -36,18 +36,23 @@ T* ptr(const at::Tensor& tensor) {
   return reinterpret_cast<T*>(tensor.data_ptr());
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  bool float_output) {
-  check_cpu(x, "x");
+// x [M, K] with contiguous rows, weight [N, K] contiguous, bias [N] or none, all of x's dtype.
+void check_product_operands(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   check_same_dtype(weight, x, "weight");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
               "weight must be contiguous [N, K] with K = x.size(1)");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   if (bias) {
     check_same_dtype(*bias, x, "bias");
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be contiguous [N]");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == weight.size(0), "bias must be contiguous [N]");
   }
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                  bool float_output) {
+  check_cpu(x, "x");
+  check_product_operands(x, weight, bias);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor out = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : x.scalar_type()));
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
@@ -61,15 +66,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                 bool float_output) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "x must be a bfloat16 CPU tensor");
-  check_same_dtype(weight, x, "weight");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.size(1) == x.size(1),
-              "weight must be contiguous [N, K] with K = x.size(1)");
+  check_product_operands(x, weight, bias);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  if (bias) {
-    check_same_dtype(*bias, x, "bias");
-    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N, "bias must be contiguous [N]");
-  }
   at::Tensor out = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0 || N == 0) return out;
   kvflow::gemm(ptr<bf16>(x), M, K, x.stride(0), ptr<bf16>(weight), N, bias ? ptr<bf16>(*bias) : nullptr,
