@@ -201,11 +201,10 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
-            self._output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
-        else:
-            self._output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
+            self.append_output_token_id(token_ids)
+            return
+        self._output_token_ids.extend(token_ids)
+        self._all_token_ids.extend(token_ids)
         if len(self._all_token_ids) >= self._num_tokens_to_next_hash:
             self.update_block_hashes()
 

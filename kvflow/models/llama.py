@@ -373,24 +373,23 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb.cos_sin(batch.positions, self.dtype, max_position)
         logits_indices = batch.logits_indices.to(torch.int64)
         hidden_states = self.model.embed_tokens(batch.input_ids)
+        residual: torch.Tensor | None = None
         if self._is_fused_decode_step(batch, metadata_by_window, logits_indices):
             hidden_states, residual = self._fused_decode_layers(
                 hidden_states, cos, sin, kv_cache, metadata_by_window
             )
-            hidden_states, _ = self.model.norm.forward_with_residual(hidden_states, residual)
-            return self.lm_head(hidden_states)
-        residual: torch.Tensor | None = None
-        last_layer = self.num_layers - 1
-        for layer_index, layer in enumerate(self.model.layers):
-            hidden_states, residual = layer(
-                hidden_states,
-                residual,
-                cos,
-                sin,
-                kv_cache[layer_index],
-                metadata_by_window[self._layer_windows[layer_index]],
-                logits_indices if layer_index == last_layer else None,
-            )
+        else:
+            last_layer = self.num_layers - 1
+            for layer_index, layer in enumerate(self.model.layers):
+                hidden_states, residual = layer(
+                    hidden_states,
+                    residual,
+                    cos,
+                    sin,
+                    kv_cache[layer_index],
+                    metadata_by_window[self._layer_windows[layer_index]],
+                    logits_indices if layer_index == last_layer else None,
+                )
         if residual is None:  # no layers
             hidden_states = hidden_states.index_select(0, logits_indices)
         hidden_states, _ = self.model.norm.forward_with_residual(hidden_states, residual)

@@ -700,9 +700,6 @@ class Scheduler:
         `new_token_ids` is never modified (it is the runner's list): a stop that drops tokens returns a new list.
         """
         max_model_len = self.max_model_len
-        if len(new_token_ids) == 1:  # no speculative tokens: one token per step (most steps)
-            request.append_output_token_id(new_token_ids[0])
-            return new_token_ids, check_stop(request, max_model_len)
         for num_appended, token_id in enumerate(new_token_ids, 1):
             request.append_output_token_id(token_id)
             if check_stop(request, max_model_len):
