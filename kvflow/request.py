@@ -47,7 +47,8 @@ class RequestStatus(enum.IntEnum):
 
     @staticmethod
     def get_finished_reason(status: RequestStatus) -> str | None:
-        """The OpenAI-style finish reason of a finished status ("stop", "length", "abort")."""
+        """The OpenAI-style finish reason of a finished status ("stop", "length", "abort"; "error" for a request
+        that failed alone inside a step, as vLLM reports it)."""
         return _FINISH_REASONS.get(status)
 
 
@@ -59,7 +60,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "length",
-    RequestStatus.FINISHED_ERROR: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -75,6 +75,15 @@ def child_request_id(parent_request_id: str, index: int) -> str:
     return f"{index}_{parent_request_id}"
 
 
+def short_repr(value: object, limit: int = 60) -> str:
+    """A value's repr for an error message, cut to `limit` characters: a hostile value may be huge (an int of
+    thousands of digits has no repr at all, only a bit length)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 def kvflow_cache_dir() -> Path:
     """kvflow's cache root: `$KVFLOW_CACHE_DIR` when set, else `~/.cache/kvflow` (not created here)."""
     root = os.environ.get("KVFLOW_CACHE_DIR")

@@ -95,6 +95,15 @@ def test_positive_temperature_is_not_greedy():
         {"repetition_penalty": 0.5},
         {"output_kind": "delta"},
         {"output_kind": "final_only"},
+        # The edges of the types the engine stores each field in.
+        {"top_k": 2**31 - 1},
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"max_tokens": 2**63 - 1},
+        {"stop_token_ids": [2**63 - 1]},
+        {"temperature": 3.4e38},
+        {"repetition_penalty": 3.4e38},
+        {"repetition_penalty": 2e-45},  # rounds to the smallest positive float32
     ],
 )
 def test_boundary_values_are_accepted(kwargs):
@@ -142,6 +151,23 @@ INVALID_VALUES = [
     ("output_kind", "streaming"),
     ("seed", 1.5),
     ("seed", "42"),
+    # Past the types the engine stores them in (int64, int32 for top_k, finite float32): each would overflow
+    # inside an engine step (numpy, torch) or where the request crosses into the engine process (msgspec).
+    ("top_k", 2**31),
+    ("top_k", 2**63),
+    ("seed", 2**63),
+    ("seed", -(2**63) - 1),
+    ("seed", 2**64),
+    ("max_tokens", 2**63),
+    ("n", 2**63),
+    ("logprobs", 2**64),
+    ("prompt_logprobs", 2**64),
+    ("stop_token_ids", [2**63]),
+    ("temperature", 3.5e38),
+    ("temperature", 10**400),
+    ("repetition_penalty", 1e-46),  # 0 once rounded to float32: logits would be divided by zero
+    ("repetition_penalty", 10**400),
+    ("presence_penalty", 10**400),
 ]
 
 
@@ -175,3 +201,22 @@ def test_min_tokens_equal_to_max_tokens_is_accepted():
 def test_bool_temperature_is_rejected():
     with pytest.raises(ValueError, match=r"\btemperature\b"):
         SamplingParams(temperature=True)  # type: ignore[arg-type]
+
+
+def test_an_error_about_a_huge_value_stays_short():
+    """A client's 10**5000 is named by its size, not printed (an int that long has no str at all)."""
+    with pytest.raises(
+        ValueError, match=r"SamplingParams\.max_tokens .* got an int of 16610 bits$"
+    ) as info:
+        SamplingParams(max_tokens=10**5000)
+    assert len(str(info.value)) < 120
+
+
+def test_validate_checks_a_params_object_changed_after_construction():
+    params = SamplingParams()
+    params.top_k = 2**40
+    with pytest.raises(ValueError, match=r"\btop_k\b"):
+        params.validate()
+    params.top_k, params.stop = 0, None  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"\bstop\b"):
+        params.validate()

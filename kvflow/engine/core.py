@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from kvflow.core.sched.async_scheduler import AsyncScheduler
 from kvflow.core.sched.output import EngineCoreOutput
 from kvflow.core.sched.scheduler import PauseState, Scheduler
+from kvflow.engine.request_limits import RequestLimits
 from kvflow.executor import get_executor_class, resolve_executor_backend
+from kvflow.model_info import resolve_model_info
 from kvflow.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -72,6 +74,11 @@ class EngineCore:
 
     def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
         self.engine_config = engine_config
+        if model_info is None:
+            model_info = resolve_model_info(engine_config.model_config.model)
+        self.request_limits = RequestLimits.of(
+            model_info, engine_config.model_config, engine_config.scheduler_config.max_model_len
+        )
         executor_class = get_executor_class(resolve_executor_backend(engine_config.parallel_config))
         self.executor = executor_class(engine_config, model_info)
         scheduler_config = engine_config.scheduler_config
@@ -92,18 +99,21 @@ class EngineCore:
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
-        """Queue a request (or a streaming session's next chunk); ValueError if the scheduler rejects it."""
+        """Queue a request (or a streaming session's next chunk) once it passes `request_limits`; ValueError if
+        it or the scheduler rejects it."""
+        self.request_limits.check_request(request)
         self.scheduler.add_request(request)
 
     def add_requests(self, requests: list[Request]) -> None:
-        """Queue a prompt's requests (its `n` samples) all or nothing: if one is rejected (ValueError), the ones
-        queued before it are aborted and the error is raised."""
+        """Queue a prompt's requests (its `n` samples) all or nothing: if one is rejected (any exception, a
+        ValueError naming its field for anything a request can get wrong), the ones queued before it are
+        aborted and the error is raised, so a bad request fails alone."""
         added: list[str] = []
         try:
             for request in requests:
-                self.scheduler.add_request(request)
+                self.add_request(request)
                 added.append(request.request_id)
-        except ValueError:
+        except Exception:
             self.abort_requests(added)
             raise
 

@@ -224,6 +224,13 @@ class EngineLoop:
     outputs. A pause's Future completes once the pause is in effect or a resume released it. A message that fails
     fails its caller only; an error anywhere else stops the loop: every pending Future fails with `EngineDeadError`
     (its `__cause__` the error), `dead_handler` is called once, and the core is shut down.
+
+    Invariant: a bad request fails only itself, never the engine. It is refused when it is added (its call fails
+    with a ValueError naming the field: `EngineCore.add_requests` checks it against `RequestLimits`, and
+    `SamplingParams.validate` bounds every number to the type the engine stores it in), and a fault inside a step
+    that belongs to one request (its sampling, or applying its output) ends that request with finish_reason
+    "error" while the step's other requests go on (`ModelRunnerOutput.failed_req_ids`,
+    `Scheduler._fail_request`). Only a fault no request can be blamed for stops the loop.
     """
 
     def __init__(

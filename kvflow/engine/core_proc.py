@@ -270,9 +270,28 @@ class EngineCoreProc:
                 frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            messages = [self._to_loop_message(decoder.decode(frame.buffer)) for frame in frames]
+            decoded = [self._decode(decoder, frame.buffer) for frame in frames]
+            messages = [message for message in decoded if message is not None]
+            if not messages:
+                continue
             # A multipart message is a batch: applied together, with no engine step in between.
             self._inbox.put(messages[0] if len(messages) == 1 else LoopBatch(messages))  # type: ignore[arg-type]
+
+    def _decode(
+        self, decoder: msgspec.msgpack.Decoder[InputMessage], buffer: memoryview
+    ) -> LoopMessage | None:
+        """One frame as an engine-loop message. A call whose content fails validation (e.g. SamplingParams a
+        front end of another version let through) fails alone: its caller gets the ValueError and the engine goes
+        on (None). Anything else undecodable means the protocol is broken: raised."""
+        try:
+            return self._to_loop_message(decoder.decode(buffer))
+        except msgspec.ValidationError as error:
+            call_id = _call_id_of(buffer)
+            if call_id is None:
+                raise
+            refused = ValueError(str(error))
+            self._outbox.put(UtilityResult(call_id, error=RemoteError.from_exception(refused)))
+            return None
 
     def _to_loop_message(self, message: InputMessage) -> LoopMessage:
         if isinstance(message, Shutdown):
@@ -345,6 +364,18 @@ def reserve_a_core_for_the_front_end(device: str, num_engine_cores: int = 1) -> 
         num_threads,
         num_engine_cores,
     )
+
+
+def _call_id_of(buffer: memoryview) -> int | None:
+    """The `call_id` of an encoded call message (`[tag, call_id, ...]`, see `messages`), read without its types;
+    None when the frame is not one."""
+    try:
+        fields = msgspec.msgpack.decode(buffer)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(fields, list) and len(fields) > 1 and type(fields[1]) is int:
+        return fields[1]
+    return None
 
 
 def _core_call(message: AddRequests | AbortRequests | UtilityCall | RunCallable) -> Any:

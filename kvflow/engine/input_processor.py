@@ -11,10 +11,11 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvflow.config import ModelConfig
+from kvflow.engine.request_limits import RequestLimits, short_list
 from kvflow.model_info import load_sampling_defaults
 from kvflow.request import Request
-from kvflow.sampling_params import SamplingParams
-from kvflow.utils import child_request_id
+from kvflow.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, wrap_int64
+from kvflow.utils import child_request_id, short_repr
 
 if TYPE_CHECKING:
     from kvflow.model_info import ModelInfo
@@ -60,11 +61,9 @@ class InputProcessor:
         if model_config is None:
             model_config = ModelConfig()  # its defaults: generation_config "auto", max_logprobs 20
         self.tokenizer = tokenizer
+        self.limits = RequestLimits.of(model_info, model_config, max_model_len)
         self.vocab_size = model_info.vocab_size
         self.max_model_len = max_model_len
-        self.max_logprobs = model_config.max_logprobs
-        # The hash model samples its own tokens: there are no logits to take logprobs from.
-        self.has_logits = not model_info.is_hash_model
         self.eos_token_id = model_info.eos_token_id
         if self.eos_token_id is None and tokenizer is not None:
             self.eos_token_id = tokenizer.eos_token_id
@@ -91,7 +90,7 @@ class InputProcessor:
         prompt_list = list(prompts)
         if prompt_list and all(_is_token_id(item) for item in prompt_list):
             raise ValueError(
-                f"prompts is a list of ints ({_short(prompt_list)}): pass token ids as "
+                f"prompts is a list of ints ({short_list(prompt_list)}): pass token ids as "
                 "{'prompt_token_ids': [...]} (a list of prompts must hold strings or dicts)"
             )
         for index, prompt in enumerate(prompt_list):
@@ -143,7 +142,8 @@ class InputProcessor:
             raise ValueError(
                 f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}"
             )
-        self._check_params(sampling_params)
+        sampling_params.validate()  # it may have been changed since it was built
+        self.limits.check_params(sampling_params)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
@@ -153,38 +153,6 @@ class InputProcessor:
         return ProcessedPrompt(
             prompt_text, prompt_token_ids, self.with_model_stop_ids(sampling_params)
         )
-
-    def _check_params(self, sampling_params: SamplingParams) -> None:
-        """The checks that need the model: logprobs within the engine's cap and the model's logits, stop token
-        ids in the vocabulary."""
-        for name in ("logprobs", "prompt_logprobs"):
-            self._check_num_logprobs(name, getattr(sampling_params, name))
-        outside = [t for t in sampling_params.stop_token_ids or () if t >= self.vocab_size]
-        if outside:
-            raise ValueError(
-                f"SamplingParams.stop_token_ids holds {_short(outside)}, not token ids in "
-                f"[0, {self.vocab_size})"
-            )
-
-    def _check_num_logprobs(self, name: str, num_logprobs: int | None) -> None:
-        """`SamplingParams.<name>` (logprobs or prompt_logprobs) is something this engine can return."""
-        if num_logprobs is None:
-            return
-        if self.max_logprobs != -1 and num_logprobs > self.max_logprobs:
-            raise ValueError(
-                f"SamplingParams.{name}={num_logprobs} is more than this engine allows "
-                f"(max_logprobs={self.max_logprobs}); ask for fewer or raise max_logprobs"
-            )
-        if num_logprobs > self.vocab_size:
-            raise ValueError(
-                f"SamplingParams.{name}={num_logprobs} is more than the vocabulary size "
-                f"({self.vocab_size})"
-            )
-        if not self.has_logits:
-            raise ValueError(
-                f"SamplingParams.{name}={num_logprobs}: the hash model samples its own tokens and has no "
-                "logits, so it cannot return logprobs"
-            )
 
     def with_model_stop_ids(self, sampling_params: SamplingParams) -> SamplingParams:
         if not self.extra_eos_token_ids or sampling_params.ignore_eos:
@@ -207,7 +175,7 @@ class InputProcessor:
             return prompt, token_ids
         if isinstance(prompt, list | tuple) and prompt and all(map(_is_token_id, prompt)):
             raise ValueError(
-                f"a prompt must be a string or a dict, got a list of ints ({_short(prompt)}): pass token ids "
+                f"a prompt must be a string or a dict, got a list of ints ({short_list(prompt)}): pass token ids "
                 "as {'prompt_token_ids': [...]}"
             )
         if not isinstance(prompt, dict) or not ({"prompt_token_ids", "prompt"} & prompt.keys()):
@@ -233,7 +201,7 @@ class InputProcessor:
                 or not 0 <= token_id < self.vocab_size
             ):
                 raise ValueError(
-                    f"prompt_token_ids holds {token_id!r}, not a token id in [0, {self.vocab_size})"
+                    f"prompt_token_ids holds {short_repr(token_id)}, not a token id in [0, {self.vocab_size})"
                 )
         return prompt.get("prompt"), list(token_ids)
 
@@ -285,11 +253,12 @@ class InputProcessor:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample `index` of an `n` > 1 request: n=1, its own seed, prompt logprobs on child 0 only."""
+    """Sample `index` of an `n` > 1 request: n=1, its own seed (`seed + index`, wrapped into int64 as the
+    sampler's 64-bit seed mixing would), prompt logprobs on child 0 only."""
     return dataclasses.replace(
         params,
         n=1,
-        seed=None if params.seed is None else params.seed + index,
+        seed=None if params.seed is None else wrap_int64(params.seed + index),
         prompt_logprobs=params.prompt_logprobs if index == 0 else None,
     )
 
@@ -311,22 +280,17 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _short(values: Sequence[object], limit: int = 8) -> str:
-    """`[1, 2, 3]`, or the first `limit` items and an ellipsis."""
-    shown = ", ".join(repr(value) for value in values[:limit])
-    return f"[{shown}{', ...' if len(values) > limit else ''}]"
-
-
 def _describe(value: object) -> str:
     """A short description of a wrong value for an error message: its type and a bounded repr."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{type(value).__name__} {short_repr(value)}"
 
 
 def check_priority(priority: object, scheduling_policy: str) -> int:
-    """A request's priority (lower runs first): an int, and non-zero only under the "priority" policy."""
+    """A request's priority (lower runs first): an int64, and non-zero only under the "priority" policy."""
     if not isinstance(priority, int) or isinstance(priority, bool):
-        raise ValueError(f"priority must be an int, got {priority!r}")
+        raise ValueError(f"priority must be an int, got {short_repr(priority)}")
+    if not INT64_MIN <= priority <= INT64_MAX:
+        raise ValueError(f"priority must be an int in [-2**63, 2**63), got {short_repr(priority)}")
     if priority and scheduling_policy != "priority":
         raise ValueError(
             f"priority={priority} needs scheduling_policy='priority' (this engine schedules "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,11 +49,14 @@ class _PromptLogprobRows:
 class _StepArrays:
     """Numpy views of one step's batch that the post-forward state update needs."""
 
+    req_ids: list[str]  # request of each batch row
     slot_indices: np.ndarray  # [num_reqs] slot of each batch row
     num_scheduled: np.ndarray  # [num_reqs]
     sampled_rows: np.ndarray  # [num_sampled] batch rows that sample
     req_id_to_index: dict[str, int]  # batch row of each request
     prompt_rows: _PromptLogprobRows | None = None
+    # Requests whose sampling failed on their own this step -> why (see `ModelRunnerOutput.failed_req_ids`).
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -273,6 +276,7 @@ class ModelRunner:
         sampled_rows = np.flatnonzero(samples)
         logits_indices = query_start_loc[sampled_rows + 1] - 1
         arrays = _StepArrays(
+            req_ids,
             slot_indices,
             num_scheduled,
             sampled_rows,
@@ -380,6 +384,13 @@ class ModelRunner:
         )
         model_output = model_output[:num_sampled]  # prompt-logprob rows, if any, follow
         slot_indices = arrays.slot_indices[arrays.sampled_rows]
+        try:
+            return self._sample_rows(model_output, slot_indices)
+        except Exception as error:
+            return self._sample_isolating_faults(model_output, slot_indices, arrays, error)
+
+    def _sample_rows(self, logits: torch.Tensor, slot_indices: np.ndarray) -> SamplerOutput:
+        """Sample one token per row of `logits`, row i for the request in slot `slot_indices[i]`."""
         params = [self.slots.sampling_params[index] for index in slot_indices.tolist()]
         assert all(p is not None for p in params), "a sampling request has no SamplingParams"
         metadata = build_sampling_metadata(
@@ -388,11 +399,42 @@ class ModelRunner:
             slot_indices=slot_indices,
             num_prompt_tokens=self.slots.num_prompt_tokens[slot_indices],
             num_tokens=self.slots.num_tokens[slot_indices],
-            vocab_size=int(model_output.shape[1]),
+            vocab_size=int(logits.shape[1]),
             eos_token_id=self.eos_token_id,
-            device=model_output.device,
+            device=logits.device,
         )
-        return self.sampler(model_output, metadata)
+        return self.sampler(logits, metadata)
+
+    def _sample_isolating_faults(
+        self,
+        logits: torch.Tensor,
+        slot_indices: np.ndarray,
+        arrays: _StepArrays,
+        error: Exception,
+    ) -> SamplerOutput:
+        """The batch failed to sample: find the rows that fail on their own, record their requests in
+        `arrays.failed` (the scheduler ends them with finish_reason "error") and sample the others as a batch.
+        A failed row gets token 0 so that every slot advances as scheduled (its request is finished before its
+        next token is read). Re-raises `error` when no row fails alone: the fault is not a request's."""
+        req_ids = [arrays.req_ids[row] for row in arrays.sampled_rows.tolist()]
+        good_rows: list[int] = []
+        for row in range(len(req_ids)):
+            try:
+                self._sample_rows(logits[row : row + 1], slot_indices[row : row + 1])
+            except Exception as row_error:
+                arrays.failed[req_ids[row]] = f"{type(row_error).__name__}: {row_error}"
+            else:
+                good_rows.append(row)
+        if not arrays.failed:
+            raise error
+        token_ids = torch.zeros(len(req_ids), dtype=torch.int64, device=logits.device)
+        logprobs = None
+        if good_rows:
+            rows = torch.tensor(good_rows, dtype=torch.int64, device=logits.device)
+            sampled = self._sample_rows(logits[rows], slot_indices[good_rows])
+            token_ids[rows] = sampled.sampled_token_ids
+            logprobs = _spread_rows(sampled.logprobs, good_rows, len(req_ids))
+        return SamplerOutput(token_ids, logprobs)
 
     # ------------------------------------------------------------------------------------------ f. update
     def _update_states(
@@ -411,9 +453,10 @@ class ModelRunner:
             req_ids=batch.req_ids,
             req_id_to_index=arrays.req_id_to_index,
             sampled_token_ids=sampled_token_ids,
-            logprobs=_logprobs_by_batch_row(
-                sampler_output.logprobs, arrays.sampled_rows, batch.num_reqs
+            logprobs=_spread_rows(
+                sampler_output.logprobs, arrays.sampled_rows.tolist(), batch.num_reqs
             ),
+            failed_req_ids=arrays.failed or None,
         )
 
     def _append_sampled(self, slot_indices: np.ndarray, token_ids: np.ndarray) -> None:
@@ -424,19 +467,20 @@ class ModelRunner:
         self.slots.num_tokens[slot_indices[fits]] += 1
 
 
-def _logprobs_by_batch_row(
-    logprobs: LogprobsLists | None, sampled_rows: np.ndarray, num_reqs: int
+def _spread_rows(
+    logprobs: LogprobsLists | None, rows: list[int], num_rows: int
 ) -> LogprobsLists | None:
-    """Spread the sampler's per-sampled-row logprobs over the batch's rows (empty rows where nothing sampled)."""
+    """Logprob rows given for `rows` (in order) spread over `num_rows` rows, empty ones (rank -1) elsewhere: the
+    sampled rows over the batch's rows (partial prefills sample nothing), or a subset of the sampled rows."""
     if logprobs is None:
         return None
-    token_ids: list[list[int]] = [[] for _ in range(num_reqs)]
-    values: list[list[float]] = [[] for _ in range(num_reqs)]
-    ranks = [-1] * num_reqs
-    for sampled_index, row in enumerate(sampled_rows.tolist()):
-        token_ids[row] = logprobs.logprob_token_ids[sampled_index]
-        values[row] = logprobs.logprobs[sampled_index]
-        ranks[row] = logprobs.sampled_token_ranks[sampled_index]
+    token_ids: list[list[int]] = [[] for _ in range(num_rows)]
+    values: list[list[float]] = [[] for _ in range(num_rows)]
+    ranks = [-1] * num_rows
+    for index, row in enumerate(rows):
+        token_ids[row] = logprobs.logprob_token_ids[index]
+        values[row] = logprobs.logprobs[index]
+        ranks[row] = logprobs.sampled_token_ranks[index]
     return LogprobsLists(token_ids, values, ranks)
 
 

@@ -465,6 +465,24 @@ def test_the_client_orders_outputs_before_answers_and_sends_handler_calls_as_one
         client.is_paused()
 
 
+def test_a_request_that_fails_validation_where_it_is_decoded_fails_alone() -> None:
+    """A SamplingParams changed after it was built encodes fine but fails validation in the engine process: its
+    call gets the ValueError, and the engine goes on serving."""
+    recorder = Recorder()
+    client = MPEngineCoreClient(hash_engine_config(), None, recorder.on_outputs, recorder.on_dead)
+    try:
+        bad = core_request("bad", [1, 2], 4)
+        bad.sampling_params.top_k = 2**40
+        with pytest.raises(ValueError, match="top_k"):
+            client.add_requests([bad]).result(TIMEOUT_S)
+        client.add_requests([core_request("ok", [1] * 5, 3)]).result(TIMEOUT_S)
+        wait_until(lambda: recorder.finished == ["ok"], "the next request finished")
+        assert recorder.tokens == {"ok": reference_tokens([1] * 5, 3)}
+        assert not recorder.dead
+    finally:
+        client.shutdown()
+
+
 # ------------------------------------------------------------------------------------------------ death, shutdown
 def test_killing_the_engine_process_fails_every_consumer_and_later_calls() -> None:
     llm = AsyncLLM("hash", engine_process=True, **HASH_OPTIONS)

@@ -364,7 +364,7 @@ def seeded_row(seed: int, position: int, **kwargs: object) -> Row:
     return Row(SamplingParams(seed=seed, **kwargs), outputs=[4] * position)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("seed", "position"), [(0, 0), (1234, 3), (-5, 17), (2**63 + 1, 9)])
+@pytest.mark.parametrize(("seed", "position"), [(0, 0), (1234, 3), (-5, 17), (-(2**63) + 1, 9)])
 def test_seeded_row_is_independent_of_the_batch(seed: int, position: int) -> None:
     target = seeded_row(seed, position)
     alone = sample([target], flat_logits(1))

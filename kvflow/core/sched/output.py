@@ -133,6 +133,9 @@ class ModelRunnerOutput:
     computed prompt positions this step to their rows: prompt tokens `start_index .. start_index + num_rows - 1`,
     contiguous with the request's earlier chunks. A request recomputing its prompt after a preemption sends rows it
     sent before; the scheduler keeps the first copy.
+
+    `failed_req_ids` (None when none) maps each request whose sampling failed on its own this step to the error's
+    text; its sampled token is a placeholder, and the scheduler ends it with finish_reason "error".
     """
 
     req_ids: list[str]
@@ -140,6 +143,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
     prompt_logprobs_dict: dict[str, LogprobsLists] | None = None
+    failed_req_ids: dict[str, str] | None = None
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
@@ -171,7 +175,8 @@ class EngineCoreEvent:
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, gc=False):
     """What the engine reports about one request after a step.
 
-    `finish_reason` is "stop", "length" or "abort" when generation ended. For a streaming-input session a chunk
+    `finish_reason` is "stop", "length" or "abort" when generation ended, or "error" when the request failed alone
+    inside a step (then `stop_reason` holds the error's text). For a streaming-input session a chunk
     can end while the session stays open: then `session_continues` is True and the request is not finished.
 
     `new_prompt_logprobs` (requests with `SamplingParams.prompt_logprobs` and at least two prompt tokens) comes once,

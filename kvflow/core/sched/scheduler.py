@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,8 +29,14 @@ from kvflow.core.sched.stop import check_stop
 from kvflow.request import Request, RequestStatus, StreamingUpdate
 from kvflow.utils import cdiv
 
+logger = logging.getLogger(__name__)
+
 # `CachedRequestData.new_token_ids` of a request with nothing new (steady decoding): shared, never modified.
 _NO_TOKENS: list[int] = []
+
+
+class RequestFailedInStep(RuntimeError):
+    """The worker could not run a request's part of a step (e.g. its sampling failed); the text says why."""
 
 
 class PauseState(enum.Enum):
@@ -618,6 +625,7 @@ class Scheduler:
         sampled_token_ids = model_runner_output.sampled_token_ids
         req_id_to_index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
+        failed_req_ids = model_runner_output.failed_req_ids
         if model_runner_output.prompt_logprobs_dict:
             self._receive_prompt_logprobs(model_runner_output.prompt_logprobs_dict)
         # Runs once per scheduled request per step: lookups are hoisted out of the loop.
@@ -636,27 +644,33 @@ class Scheduler:
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
             status_before = request.status
-            # The runner's list is not copied: it is only read, and a stop cuts a copy (see below).
-            new_token_ids, stopped = update_request_with_output(request, generated)
-            num_cached_tokens = request.num_cached_tokens
-            output = EngineCoreOutput(
-                request_id,
-                new_token_ids,
-                num_cached_tokens=num_cached_tokens if num_cached_tokens > 0 else 0,
-                new_logprobs=None
-                if logprobs is None
-                else _logprobs_row(logprobs, index, len(new_token_ids)),
-            )
-            if request.events:
-                output.events, request.events = request.events, []
-            if request.prompt_logprobs_rows is not None and new_token_ids:
-                output.new_prompt_logprobs, request.prompt_logprobs_rows = (
-                    request.prompt_logprobs_rows,
-                    None,
+            try:
+                if failed_req_ids and request_id in failed_req_ids:
+                    raise RequestFailedInStep(failed_req_ids[request_id])
+                # The runner's list is not copied: it is only read, and a stop cuts a copy (see below).
+                new_token_ids, stopped = update_request_with_output(request, generated)
+                num_cached_tokens = request.num_cached_tokens
+                output = EngineCoreOutput(
+                    request_id,
+                    new_token_ids,
+                    num_cached_tokens=num_cached_tokens if num_cached_tokens > 0 else 0,
+                    new_logprobs=None
+                    if logprobs is None
+                    else _logprobs_row(logprobs, index, len(new_token_ids)),
                 )
+                if request.events:
+                    output.events, request.events = request.events, []
+                if request.prompt_logprobs_rows is not None and new_token_ids:
+                    output.new_prompt_logprobs, request.prompt_logprobs_rows = (
+                        request.prompt_logprobs_rows,
+                        None,
+                    )
+            except Exception as error:  # this request's fault alone: it ends, the engine goes on
+                stopped, output = True, self._fail_request(request, error)
             if stopped:
-                output.finish_reason = request.get_finished_reason()
-                output.stop_reason = request.stop_reason
+                if output.finish_reason is None:
+                    output.finish_reason = request.get_finished_reason()
+                    output.stop_reason = request.stop_reason
                 if status_before == RequestStatus.RUNNING:
                     stopped_running.add(request)
                 else:  # preempted by a forced reset after this step was planned (rare)
@@ -666,6 +680,24 @@ class Scheduler:
         if stopped_running:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
+
+    def _fail_request(self, request: Request, error: Exception) -> EngineCoreOutput:
+        """A request whose output could not be applied (a fault that is its own, e.g. a bad value that slipped past
+        admission): logged with its traceback, marked FINISHED_ERROR (finish_reason "error", the error's text as
+        `stop_reason`), and finished like a stopped request, so the engine and every other request go on."""
+        logger.error(
+            "request %s failed in an engine step and ends with finish_reason 'error'",
+            request.request_id,
+            exc_info=error,
+        )
+        request.status = RequestStatus.FINISHED_ERROR
+        request.resumable = False  # a streaming session ends with it
+        return EngineCoreOutput(
+            request.request_id,
+            [],
+            finish_reason=request.get_finished_reason(),
+            stop_reason=f"{type(error).__name__}: {error}",
+        )
 
     def _receive_prompt_logprobs(self, prompt_logprobs_dict: dict[str, LogprobsLists]) -> None:
         """Hold each request's new prompt-logprob rows until its first output token carries them out.
