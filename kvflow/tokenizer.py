@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -32,6 +33,9 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"
 
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+COMPILED_TEMPLATE_CACHE_SIZE = 64
+# Texts at least this long are encoded through `encode_batch`, which releases the GIL while it works.
+_LONG_TEXT_CHARS = 4096
 
 
 class ChatTemplateError(ValueError):
@@ -99,7 +103,8 @@ class Tokenizer:
         self._post_processor_adds_bos, self._post_processor_adds_eos = self._probe_post_processor()
         self._chat_template = chat_template
         self._named_chat_templates = dict(named_chat_templates or {})
-        self._compiled_templates: dict[str, jinja2.Template] = {}
+        # Compiled templates by source, least recently used first; bounded, since request templates come and go.
+        self._compiled_templates: OrderedDict[str, jinja2.Template] = OrderedDict()
 
     # ------------------------------------------------------------------------------------------------ ids
     @property
@@ -173,8 +178,13 @@ class Tokenizer:
 
     # ------------------------------------------------------------------------------------------------ text
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, BOS (and EOS) as the configuration says."""
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; with `add_special_tokens`, BOS (and EOS) as the configuration says. A long text
+        goes through `encode_batch`, which lets other threads run (an event loop, say) while it tokenizes."""
+        if len(text) >= _LONG_TEXT_CHARS:
+            encoding = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
+        ids = encoding.ids
         if add_special_tokens:
             ids = self._apply_add_bos_eos(ids)
         return ids
@@ -212,31 +222,42 @@ class Tokenizer:
         `encode_chat`). Messages are checked first (`check_chat_messages`): a malformed one is a ValueError
         naming its index, never an error from inside the template.
         """
+        source, variables = self.chat_template_inputs(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tools=tools,
+            **kwargs,
+        )
+        return render_chat_template(self._compile(source), variables)
+
+    def chat_template_inputs(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> tuple[str, dict[str, Any]]:
+        """What `apply_chat_template` renders: the template source and the variables it sees (checked messages,
+        tools, add_generation_prompt, the special tokens, `kwargs`), for a renderer elsewhere (the server renders
+        templates sent by clients in a sandbox process)."""
         checked_messages = check_chat_messages(messages)
         if tools is not None and not all(isinstance(tool, Mapping) for tool in tools):
             raise TypeError("tools must be JSON-schema dicts (Python callables are not converted)")
-        template = self._compile(self._resolve_chat_template(chat_template))
-        variables = {**self._special_tokens, **kwargs}
-        try:
-            return template.render(
-                messages=checked_messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-        except jinja2.exceptions.SecurityError as error:
-            raise ChatTemplateError(
-                f"chat template attempted an unsafe operation: {error}"
-            ) from error
-        except jinja2.TemplateError as error:
-            raise ChatTemplateError(f"chat template error: {error}") from error
-        except (
-            TypeError,
-            AttributeError,
-        ) as error:  # e.g. iterating a value the template did not expect
-            raise ChatTemplateError(
-                f"chat template error: {error} (the template cannot render these messages)"
-            ) from error
+        variables = {
+            **self._special_tokens,
+            **kwargs,
+            "messages": checked_messages,
+            "tools": tools,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        return self._resolve_chat_template(chat_template), variables
+
+    def is_named_chat_template(self, chat_template: str | None) -> bool:
+        """Whether `chat_template` names one of the checkpoint's own templates (None: its default)."""
+        return chat_template is None or chat_template in self._named_chat_templates
 
     def encode_chat(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
         """`apply_chat_template` then `encode` without adding special tokens (the template placed them)."""
@@ -312,10 +333,15 @@ class Tokenizer:
         )
 
     def _compile(self, source: str) -> jinja2.Template:
+        """The compiled template of `source`, from an LRU cache of `COMPILED_TEMPLATE_CACHE_SIZE` entries."""
         template = self._compiled_templates.get(source)
         if template is None:
             template = compile_chat_template(source)
             self._compiled_templates[source] = template
+            if len(self._compiled_templates) > COMPILED_TEMPLATE_CACHE_SIZE:
+                self._compiled_templates.popitem(last=False)
+        else:
+            self._compiled_templates.move_to_end(source)
         return template
 
     def __repr__(self) -> str:
@@ -381,6 +407,37 @@ def compile_chat_template(source: str) -> jinja2.Template:
     except jinja2.TemplateSyntaxError as error:
         raise ChatTemplateError(
             f"chat template is not valid Jinja (line {error.lineno}): {error.message}"
+        ) from error
+
+
+def render_chat_template(
+    template: jinja2.Template, variables: Mapping[str, Any], max_chars: int | None = None
+) -> str:
+    """Render a compiled chat template; every failure is a ChatTemplateError saying why. With `max_chars`, the
+    rendering stops (ChatTemplateError) as soon as its output grows past that many characters."""
+    try:
+        if max_chars is None:
+            return template.render(**variables)
+        pieces: list[str] = []
+        num_chars = 0
+        for piece in template.generate(**variables):
+            num_chars += len(piece)
+            if num_chars > max_chars:
+                raise ChatTemplateError(
+                    f"chat template output is longer than {max_chars} characters"
+                )
+            pieces.append(piece)
+        return "".join(pieces)
+    except jinja2.exceptions.SecurityError as error:
+        raise ChatTemplateError(f"chat template attempted an unsafe operation: {error}") from error
+    except jinja2.TemplateError as error:
+        raise ChatTemplateError(f"chat template error: {error}") from error
+    except (
+        TypeError,
+        AttributeError,
+    ) as error:  # e.g. iterating a value the template did not expect
+        raise ChatTemplateError(
+            f"chat template error: {error} (the template cannot render these messages)"
         ) from error
 
 

@@ -51,6 +51,8 @@ __all__ = ["AsyncLLM", "EngineDeadError", "StreamingInput"]
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+# Prompts with at least this many samples are added to the engine from a worker thread.
+_ADD_OFF_LOOP_MIN_N = 16
 
 
 class AsyncLLM:
@@ -192,7 +194,7 @@ class AsyncLLM:
         ended = False
         try:
             if processed is not None:
-                self._add_request(request_id, processed, stream, priority)
+                await self._add_prompt(request_id, processed, stream, priority)
             else:
                 input_task = stream.loop.create_task(
                     self._sessions.feed(request_id, prompt, sampling_params, stream)  # type: ignore[arg-type]
@@ -315,6 +317,25 @@ class AsyncLLM:
             self._live_request_ids.add(request_id)
         return request_id
 
+    async def _add_prompt(
+        self, request_id: str, processed: ProcessedPrompt, stream: OutputStream, priority: int
+    ) -> None:
+        """`_add_request`, on a worker thread when the prompt expands into many samples (their requests, output
+        states and messages grow with `n`), so that a large `n` does not stall the event loop. A consumer
+        cancelled meanwhile waits for the add to finish, so that its abort finds the request."""
+        if processed.sampling_params.n < _ADD_OFF_LOOP_MIN_N:
+            self._add_request(request_id, processed, stream, priority)
+            return
+        added = asyncio.ensure_future(
+            asyncio.to_thread(self._add_request, request_id, processed, stream, priority)
+        )
+        try:
+            await asyncio.shield(added)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await added
+            raise
+
     def _add_request(
         self, request_id: str, processed: ProcessedPrompt, stream: OutputStream, priority: int
     ) -> None:
@@ -420,7 +441,10 @@ class AsyncLLM:
         self._streams.pop(request_id, None)
 
     def _fail_all(self, error: EngineDeadError) -> None:
-        """The client's dead handler: every live stream ends with the engine's error."""
+        """The client's dead handler: every live stream ends with the engine's error; an engine that died (not
+        one shut down) is logged once, with the cause (an exit code or signal, or the error)."""
+        if error.__cause__ is not None:
+            logger.error("the engine died: %s", error)
         with self._lock:
             for stream in self._streams.values():
                 stream.put(fresh_dead_error(error))

@@ -30,6 +30,10 @@ PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
+class EngineNotPausedError(RuntimeError):
+    """A weight update was asked for while no pause is in effect (batches may be in flight)."""
+
+
 @dataclass
 class Pause:
     """A pause the engine was asked for.
@@ -287,10 +291,7 @@ class EngineCore:
         """Load new weights (a checkpoint folder or a state dict of Hugging Face names) into the running model;
         returns the new weight version. Only while a pause is in effect, so nothing is in flight (the RLHF loop:
         pause -> update_weights -> resume)."""
-        if not self.pause_effective():
-            raise RuntimeError(
-                "update_weights needs a paused engine: call pause_generation() and let it take effect first"
-            )
+        self._check_paused_for("update_weights")
         assert not self.batch_queue
         self.executor.update_weights(weights)
         self.weight_version += 1
@@ -314,7 +315,17 @@ class EngineCore:
             raise TypeError(
                 f"collective_rpc needs a method name or a callable, got {type(method).__name__}"
             )
+        if (
+            method == "update_weights"
+        ):  # new weights only while nothing is in flight, as update_weights
+            self._check_paused_for("collective_rpc('update_weights')")
         return self.executor.collective_rpc(method, tuple(args), dict(kwargs or {}))
+
+    def _check_paused_for(self, what: str) -> None:
+        if not self.pause_effective():
+            raise EngineNotPausedError(
+                f"{what} needs a paused engine: call pause_generation() and let it take effect first"
+            )
 
     def shutdown(self) -> None:
         """Apply what is in flight, then stop the executor's workers (also when a worker has died)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -328,12 +329,14 @@ class Worker:
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        """The `collective_rpc` target: `self.<method>(*args, **kwargs)` for a name, `method(self, *args,
-        **kwargs)` for a callable. An unknown name is an AttributeError naming it."""
+        """The `collective_rpc` target: `self.<method>(*args, **kwargs)` for the name of a public method,
+        `method(self, *args, **kwargs)` for a callable. Any other name (unknown, private, or an attribute that is
+        not a method, like `model`) is an AttributeError naming it."""
         if isinstance(method, str):
-            if not hasattr(self, method):
-                raise AttributeError(f"the worker has no method {method!r}")
-            return getattr(self, method)(*args, **(kwargs or {}))
+            bound = None if method.startswith("_") else getattr(self, method, None)
+            if not inspect.ismethod(bound):
+                raise AttributeError(f"the worker has no public method {method!r}")
+            return bound(*args, **(kwargs or {}))
         if not callable(method):
             raise TypeError(
                 f"collective_rpc needs a method name or a callable, got {type(method).__name__}"

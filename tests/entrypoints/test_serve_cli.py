@@ -108,7 +108,7 @@ def test_a_port_in_use_fails_before_the_model_loads() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_stops_the_server_cleanly(sig: signal.Signals) -> None:
-    with running_server(*HASH_SERVER) as server:
+    with running_server(*HASH_SERVER, "--enable-admin-endpoints") as server:
         first_chunk = threading.Event()
         payloads: list[Any] = []
 

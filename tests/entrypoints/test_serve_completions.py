@@ -21,7 +21,7 @@ MODEL = "hash"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[RemoteServer]:
-    with running_server(*HASH_SERVER) as remote:
+    with running_server(*HASH_SERVER, "--enable-admin-endpoints") as remote:
         yield remote
 
 

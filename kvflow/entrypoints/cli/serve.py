@@ -13,24 +13,30 @@ import socket
 
 from kvflow.entrypoints.cli.args import LOGGING_EPILOG, HelpFormatter
 from kvflow.entrypoints.cli.engine import CommandError, make_async_llm
+from kvflow.entrypoints.openai.server_config import (
+    REQUEST_TEMPLATE_TIMEOUT_S,
+    ServerConfig,
+    ServingLimits,
+)
 
 API_KEY_ENV = "KVFLOW_API_KEY"
+LISTEN_BACKLOG = 2048  # uvicorn's default
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 DESCRIPTION = """\
 Serve MODEL over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions,
 /v1/models), as vLLM's server does, plus /health, /version, /metrics (Prometheus),
-/tokenize, /detokenize and the RL controls /pause, /resume, /is_paused. Point any
-OpenAI or vLLM client at http://HOST:PORT/v1.
+/tokenize, /detokenize and /is_paused. Point any OpenAI or vLLM client at
+http://HOST:PORT/v1.
 
 MODEL is a Hugging Face checkpoint folder; without it, the built-in default model
 (a small English model kvflow ships); 'hash' is the deterministic test model (token-id
 prompts only)."""
 
 EPILOG = f"""\
-admin endpoints (--enable-admin-endpoints):
-  POST /reset_prefix_cache, /abort_requests, /update_weights, /collective_rpc,
-  GET /weight_version
+admin endpoints (--enable-admin-endpoints), for RL trainers:
+  POST /pause, /resume, /reset_prefix_cache, /abort_requests, /update_weights,
+  /collective_rpc, GET /weight_version
 
 {LOGGING_EPILOG}"""
 
@@ -71,8 +77,35 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--enable-admin-endpoints",
         action="store_true",
-        help="also serve the admin endpoints listed below",
+        help="also serve the admin endpoints listed below (pause and resume among them)",
     )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render chat templates sent in requests ('chat_template'), in a sandbox process with a "
+        f"{REQUEST_TEMPLATE_TIMEOUT_S:g} s time limit; without it they are refused (400)",
+    )
+    server.add_argument(
+        "--timeout-keep-alive",
+        type=_positive_float,
+        default=ServerConfig.timeout_keep_alive_s,
+        metavar="SECONDS",
+        help="close a kept-alive connection idle this long (longer than clients' own idle expiry, so a "
+        "client never reuses a connection as the server closes it)",
+    )
+    limits = parser.add_argument_group(
+        "request limits", "each exceeded is a 400 naming the field (413 for the body)"
+    )
+    defaults = ServingLimits()
+    for flag, name, what in _LIMIT_FLAGS:
+        limits.add_argument(
+            flag,
+            type=_positive_int,
+            default=getattr(defaults, name),
+            metavar="N",
+            dest=name,
+            help=what,
+        )
     server.add_argument(
         "--uvicorn-log-level",
         default="warning",
@@ -89,6 +122,36 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_serve)
 
 
+_LIMIT_FLAGS = (
+    ("--max-n", "max_n", "most samples per request (n, best_of)"),
+    ("--max-prompts-per-request", "max_prompts", "most prompts in one /v1/completions request"),
+    ("--max-stop-strings", "max_stop_strings", "most stop strings per request"),
+    ("--max-stop-string-chars", "max_stop_string_chars", "longest stop string (characters)"),
+    ("--max-logit-bias", "max_logit_bias", "most logit_bias entries (OpenAI's limit)"),
+    ("--max-request-body-bytes", "max_request_body_bytes", "largest request body"),
+    (
+        "--max-stream-buffer-bytes",
+        "max_stream_buffer_bytes",
+        "bytes of a stream that may wait for a client that does not read; past them the request is "
+        "aborted and its KV cache and slot are freed",
+    ),
+)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def run_serve(args: argparse.Namespace) -> None:
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -103,7 +166,7 @@ def run_serve(args: argparse.Namespace) -> None:
             f"cannot listen on {args.host}:{args.port}: {error.strerror or error}"
         ) from error
     # The server's modules import torch and FastAPI (seconds): only once the port is ours.
-    from kvflow.entrypoints.openai.api_server import ServerConfig, run_server
+    from kvflow.entrypoints.openai.api_server import run_server
     from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
     from kvflow.entrypoints.openai.serving_models import DEFAULT_MODEL_NAME
 
@@ -113,6 +176,9 @@ def run_serve(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         enable_admin_endpoints=args.enable_admin_endpoints,
+        trust_request_chat_template=args.trust_request_chat_template,
+        limits=ServingLimits(**{name: getattr(args, name) for _, name, _ in _LIMIT_FLAGS}),
+        timeout_keep_alive_s=args.timeout_keep_alive,
         uvicorn_log_level=args.uvicorn_log_level,
     )
     if (
@@ -137,13 +203,17 @@ def run_serve(args: argparse.Namespace) -> None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to `host:port` (port 0: a free one), taken before anything loads so that a port in use
-    fails at once; the server listens on it once ready. OSError if it cannot be bound."""
+    """A TCP socket bound to `host:port` (port 0: a free one) and listening, taken before anything loads so that a
+    port in use fails at once. Listening now, not once the model has loaded, is what makes the port ours: on Linux
+    two sockets with SO_REUSEADDR may both bind one port as long as neither listens, so two servers started at
+    the same moment would both get past a bind. Connections made before the server is ready wait in the backlog.
+    OSError if it cannot be bound."""
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()
         raise

@@ -21,12 +21,11 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import secrets
+import resource
 import signal
 import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
@@ -35,7 +34,6 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.engine.async_llm import EngineDeadError
@@ -46,6 +44,12 @@ from kvflow.entrypoints.openai.errors import (
     validation_param,
 )
 from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST
+from kvflow.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestIdMiddleware,
+    UnexpectedErrorMiddleware,
+)
 from kvflow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,16 +60,16 @@ from kvflow.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from kvflow.entrypoints.openai.rl import RLControl, admin_router, control_router
+from kvflow.entrypoints.openai.server_config import ServerConfig
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from kvflow.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, LiveRequests
+from kvflow.entrypoints.openai.serving_engine import LiveRequests
 from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
 from kvflow.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
 from kvflow.version import __version__
 
 if TYPE_CHECKING:
-    from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
 
@@ -75,18 +79,6 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 # After SIGINT/SIGTERM requests in flight are aborted at once; this bounds the wait for their responses to drain.
 GRACEFUL_SHUTDOWN_S = 10.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """The server's own options (the engine's are `EngineArgs`)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str = "default"
-    api_key: str | None = None
-    enable_admin_endpoints: bool = False
-    uvicorn_log_level: str = "warning"
 
 
 # ---------------------------------------------------------------------------------------------------- routes
@@ -113,6 +105,8 @@ async def metrics(raw_request: Request) -> Response:
     token = stat_logger.refresh_token()
     with contextlib.suppress(EngineDeadError):
         stat_logger.refresh(await state.engine.scheduler_stats(), token)
+    if state.engine.errored:
+        stat_logger.mark_engine_dead()
     return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -135,7 +129,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 
 @router.post("/tokenize")
 async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
-    return raw_request.app.state.serving_tokenization.tokenize(request)
+    return await raw_request.app.state.serving_tokenization.tokenize(request)
 
 
 @router.post("/detokenize")
@@ -143,86 +137,40 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Detoke
     return raw_request.app.state.serving_tokenization.detokenize(request)
 
 
-# ---------------------------------------------------------------------------------------------------- middleware
-class APIKeyMiddleware:
-    """401 for a request without `Authorization: Bearer <api key>`, except on `OPEN_PATHS` (and CORS preflights)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["method"] != "OPTIONS"
-            and scope["path"] not in OPEN_PATHS
-        ):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
-                response = error_response(
-                    HTTPStatus.UNAUTHORIZED,
-                    "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class RequestIdMiddleware:
-    """Echoes a request's `X-Request-Id` header on its response."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = (
-            Headers(scope=scope).get(REQUEST_ID_HEADER) if scope["type"] == "http" else None
-        )
-        if not request_id:
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_request_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(raw=message.setdefault("headers", []))[REQUEST_ID_HEADER] = (
-                    request_id
-                )
-            await send(message)
-
-        await self.app(scope, receive, send_with_request_id)
-
-
 # ---------------------------------------------------------------------------------------------------- app
 def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger) -> FastAPI:
     """The FastAPI app serving `engine` (which must be the engine `stat_logger` is registered with)."""
+    template_sandbox = TemplateSandbox() if config.trust_request_chat_template else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        logger.info(
-            "kvflow serve: model %r at http://%s (OpenAI API under /v1)",
-            config.served_model_name,
-            _display_address(config.host, config.port),
-        )
-        yield
+        try:
+            yield
+        finally:
+            if template_sandbox is not None:
+                template_sandbox.close()
 
     app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan)
     models = OpenAIServingModels(engine, config.served_model_name)
     live_requests = LiveRequests()
+    serving = (engine, models, live_requests, config.limits, template_sandbox)
     app.state.engine = engine
     app.state.metrics = stat_logger
     app.state.serving_models = models
-    app.state.serving_completion = OpenAIServingCompletion(engine, models, live_requests)
-    app.state.serving_chat = OpenAIServingChat(engine, models, live_requests)
-    app.state.serving_tokenization = OpenAIServingTokenization(engine, models)
+    app.state.serving_completion = OpenAIServingCompletion(*serving)
+    app.state.serving_chat = OpenAIServingChat(*serving)
+    app.state.serving_tokenization = OpenAIServingTokenization(engine, models, template_sandbox)
     app.state.rl_control = RLControl(engine, live_requests)
     app.include_router(router)
     app.include_router(control_router)
     if config.enable_admin_endpoints:
         app.include_router(admin_router)
     _add_error_handlers(app)
+    # Added innermost first: requests pass RequestId, UnexpectedError, BodySizeLimit, APIKey, then the routes.
     if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.limits.max_request_body_bytes)
+    app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(RequestIdMiddleware)
     return app
 
@@ -253,9 +201,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def value_error(_: Request, error: ValueError) -> JSONResponse:
         return error_response(HTTPStatus.BAD_REQUEST, str(error))
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, error: Exception) -> JSONResponse:
-        return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
+    # Any other exception: UnexpectedErrorMiddleware (a handler for `Exception` here would re-raise after
+    # answering, and uvicorn would then close the connection under the client).
 
 
 # ---------------------------------------------------------------------------------------------------- serving
@@ -264,9 +211,22 @@ class _Server(uvicorn.Server):
     it has stopped) and that shutting down first shuts the engine down, so requests in flight end at once
     (finish_reason "abort") instead of holding the shutdown until they finish."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: AsyncLLM, server_config: ServerConfig
+    ) -> None:
         super().__init__(config)
         self.engine = engine
+        self.server_config = server_config
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start serving, then say so: the address is announced only once the socket accepts connections."""
+        await super().startup(sockets)
+        if self.started:
+            logger.info(
+                "kvflow serve: model %r at http://%s (OpenAI API under /v1)",
+                self.server_config.served_model_name,
+                _display_address(self.server_config.host, self.server_config.port),
+            )
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -291,22 +251,37 @@ class _Server(uvicorn.Server):
 def run_server(
     engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger, sock: socket.socket
 ) -> None:
-    """Serve until SIGINT/SIGTERM; returns once the engine has shut down and every response has ended."""
+    """Serve on `sock` (bound and listening) until SIGINT/SIGTERM; returns once the engine has shut down and every
+    response has ended. RuntimeError if the server could not start."""
     _route_uvicorn_logs()
+    raise_open_files_limit()
     # No `*_created` series next to every counter and histogram, as in vLLM (a process-wide prometheus_client
     # setting, fine in the server's own process).
     prometheus_client.disable_created_metrics()
-    port = sock.getsockname()[1]
-    app = build_app(engine, dataclasses.replace(config, port=port), stat_logger)
+    config = dataclasses.replace(config, port=sock.getsockname()[1])
+    app = build_app(engine, config, stat_logger)
     uvicorn_config = uvicorn.Config(
         app,
         log_config=None,
         log_level=config.uvicorn_log_level,
         access_log=True,  # shown only at --uvicorn-log-level info or debug
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=config.timeout_keep_alive_s,
     )
-    _Server(uvicorn_config, engine).run(sockets=[sock])
+    server = _Server(uvicorn_config, engine, config)
+    server.run(sockets=[sock])
+    if not server.started:
+        raise RuntimeError("the HTTP server did not start (its error is logged above)")
     logger.info("kvflow serve stopped")
+
+
+def raise_open_files_limit() -> None:
+    """Raise the soft limit on open files to the hard one (as vLLM does): every kept-alive connection holds one,
+    and the default soft limit (often 1024) is below what a busy server keeps open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _display_address(host: str, port: int) -> str:

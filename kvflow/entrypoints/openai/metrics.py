@@ -3,7 +3,9 @@
 Names follow vLLM's with the `kvflow:` prefix, each labelled `model_name` (DESIGN.md's serving contract) and, as in
 vLLM, `engine` (the data-parallel engine core it counts, "0" with one core: sums over `engine` are the server's
 totals, and each core's gauges are its own):
-gauges `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (a fraction, 1 = full, as vLLM);
+gauges `num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc` (a fraction, 1 = full, as vLLM),
+`engine_alive` (1 while the engine core serves, 0 once it died: then the three gauges above are gone rather than
+frozen at their last values);
 counters `prompt_tokens_total`, `generation_tokens_total`, `request_success_total{finished_reason}`,
 `num_preemptions_total`, `prefix_cache_queries_total`, `prefix_cache_hits_total` (prompt tokens looked up and found);
 histograms `time_to_first_token_seconds` (from arrival at the front end), `inter_token_latency_seconds`,
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
 
-FINISHED_REASONS = ("stop", "length", "abort")
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 # vLLM's buckets (seconds).
 TTFT_BUCKETS = (
     *(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75),
@@ -99,6 +101,11 @@ class PrometheusStatLogger:
         self.kv_cache_usage = gauge(
             "kvflow:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%)"
         )
+        self.engine_alive = gauge(
+            "kvflow:engine_alive", "1 while the engine core serves, 0 once it has died"
+        )
+        self._num_engines = num_engines
+        self._engine_dead = False
         self.prompt_tokens = counter("kvflow:prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("kvflow:generation_tokens", "Tokens generated")
         self.request_success = counter(
@@ -170,6 +177,7 @@ class PrometheusStatLogger:
                 metric.labels(model_name, engine)
             for gauge in (self.running, self.waiting, self.kv_cache_usage):
                 gauge.labels(model_name, engine)
+            self.engine_alive.labels(model_name, engine).set(1)
 
     # ------------------------------------------------------------------------------------------------ StatLogger
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
@@ -204,8 +212,22 @@ class PrometheusStatLogger:
                 for each in scheduler_stats:
                     self._apply(each)
 
+    def mark_engine_dead(self) -> None:
+        """The engine died: `engine_alive` is 0 and the load gauges, which nothing updates any more, are removed
+        (idempotent; nothing changes them afterwards)."""
+        with self._lock:
+            if self._engine_dead:
+                return
+            self._engine_dead = True
+            for engine in map(str, range(self._num_engines)):
+                self.engine_alive.labels(self.model_name, engine).set(0)
+                for gauge in (self.running, self.waiting, self.kv_cache_usage):
+                    gauge.remove(self.model_name, engine)
+
     def _apply(self, scheduler_stats: SchedulerStats) -> None:
         """The gauges, and what the scheduler's running totals grew by (caller holds `_lock`)."""
+        if self._engine_dead:
+            return
         engine = str(scheduler_stats.engine_index)
         name = self.model_name, engine
         self.running.labels(*name).set(scheduler_stats.num_running_reqs)

@@ -3,7 +3,9 @@
 Requests accept unknown fields (clients send `user`, `metadata` and the like); the handlers log and ignore them, as
 vLLM does. Fields kvflow cannot honour (`suffix`, `logit_bias`, ...) are refused by the handlers, never ignored,
 because ignoring them would change what the client gets. Value checks (ranges, lengths) are left to
-`SamplingParams` and the input processor, whose ValueErrors name the field; these models check only types.
+`SamplingParams`, the input processor and the server's limits (`limits.ServingLimits`), whose errors name the field;
+these models check types, and that every string in a request is valid Unicode (JSON's `\ud800` escape decodes to a
+lone surrogate, which no tokenizer or encoder accepts), a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -11,15 +13,57 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 # ---------------------------------------------------------------------------------------------------- shared
 
 
 class OpenAIBaseModel(BaseModel):
-    """A request body: unknown fields are kept in `model_extra` (reported, then ignored)."""
+    """A request body: unknown fields are kept in `model_extra` (reported, then ignored). Every string in it, at
+    any depth and in any field, is valid Unicode (a ValueError naming the field otherwise)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        check_unicode(value)
+        return value
+
+    @model_validator(mode="after")
+    def _valid_unicode_extras(self) -> OpenAIBaseModel:
+        check_unicode(self.model_extra or {})
+        return self
+
+
+def check_unicode(value: Any) -> None:
+    """ValueError if `value` (a JSON value) holds a string that is not valid Unicode: a lone surrogate, which
+    JSON's `\ud800`-style escapes can produce and UTF-8 cannot encode. ASCII strings are skipped at C speed."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as error:
+                    raise ValueError(
+                        f"holds text that is not valid Unicode (the lone surrogate "
+                        f"{item[error.start]!r} at character {error.start}); send text as UTF-8"
+                    ) from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 class ErrorInfo(BaseModel):

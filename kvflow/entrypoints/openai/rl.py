@@ -1,14 +1,19 @@
-"""RL control endpoints (always on) and admin endpoints (`--enable-admin-endpoints`), for training loops.
+"""Engine-control endpoints for training loops: `GET /is_paused` always; the rest only with
+`--enable-admin-endpoints` (RL trainers start the server with it; like vLLM, which registers them in dev mode only),
+and behind `--api-key` like every route.
 
-    POST /pause?mode=abort|wait|keep&clear_cache=true|false   -> {"status": "paused"} once the pause is in effect
-    POST /resume                                              -> {"status": "resumed"}
     GET  /is_paused                                           -> {"is_paused": bool}
   admin:
+    POST /pause?mode=abort|wait|keep&clear_cache=true|false   -> {"status": "paused"} once the pause is in effect
+    POST /resume                                              -> {"status": "resumed"}
     POST /reset_prefix_cache?reset_running_requests=false     -> 200 reset, 409 blocks still in use
     POST /abort_requests {"request_ids": [...]}               -> {"aborted": [...]}  (none given: every request)
     POST /update_weights {"path": folder}                     -> {"weight_version": N}  (409 unless paused)
     GET  /weight_version                                      -> {"weight_version": N}
     POST /collective_rpc {"method", "args", "kwargs"}         -> {"results": [...]}  (one per worker rank)
+
+`/collective_rpc` calls public worker methods only (no leading underscore, not the engine's own step plumbing
+`INTERNAL_WORKER_METHODS`), and `update_weights` through it needs a pause in effect, as `/update_weights` does (409).
 
 Pause semantics are the engine's (`kvflow.engine.core.Pause`): "abort" ends every request with finish_reason "abort"
 (partial outputs kept), "wait" lets started requests finish, "keep" freezes everything, streams included, until
@@ -25,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from fastapi.encoders import jsonable_encoder
 
-from kvflow.engine.core import PAUSE_MODES
+from kvflow.engine.core import PAUSE_MODES, EngineNotPausedError
 from kvflow.entrypoints.openai.errors import OpenAIServingError
 from kvflow.entrypoints.openai.protocol import (
     AbortRequestsRequest,
@@ -38,6 +43,9 @@ if TYPE_CHECKING:
     from kvflow.entrypoints.openai.serving_engine import LiveRequests
 
 logger = logging.getLogger(__name__)
+
+# Worker methods the engine itself drives: called from outside they would break its invariants.
+INTERNAL_WORKER_METHODS = frozenset({"execute_model", "execute_method"})
 
 
 class RLControl:
@@ -87,8 +95,8 @@ class RLControl:
         try:
             self.weight_version = await self.engine.update_weights(path)
         except (
-            RuntimeError
-        ) as error:  # the pause has not taken effect (a "wait" pause still draining)
+            EngineNotPausedError
+        ) as error:  # the pause has not taken effect ("wait" still draining)
             raise OpenAIServingError(str(error), status_code=HTTPStatus.CONFLICT) from error
         except (ValueError, OSError) as error:
             raise OpenAIServingError(f"cannot load weights: {error}", param="path") from error
@@ -97,8 +105,15 @@ class RLControl:
     async def collective_rpc(
         self, method: str, args: list[Any], kwargs: dict[str, Any]
     ) -> list[Any]:
+        if method.startswith("_") or method in INTERNAL_WORKER_METHODS:
+            raise OpenAIServingError(
+                f"method must name a public worker method, and {method!r} is not one",
+                param="method",
+            )
         try:
             results = await self.engine.collective_rpc(method, args=tuple(args), kwargs=kwargs)
+        except EngineNotPausedError as error:
+            raise OpenAIServingError(str(error), status_code=HTTPStatus.CONFLICT) from error
         except (AttributeError, TypeError, ValueError) as error:
             raise OpenAIServingError(f"{type(error).__name__}: {error}", param="method") from error
         return [_jsonable(result) for result in results]
@@ -118,7 +133,15 @@ def _control(raw_request: Request) -> RLControl:
 control_router = APIRouter()
 
 
-@control_router.post("/pause")
+@control_router.get("/is_paused")
+async def is_paused(raw_request: Request) -> dict[str, bool]:
+    return {"is_paused": await _control(raw_request).engine.is_paused()}
+
+
+admin_router = APIRouter()
+
+
+@admin_router.post("/pause")
 async def pause(
     raw_request: Request,
     mode: str = "abort",
@@ -129,18 +152,10 @@ async def pause(
     return {"status": "paused"}
 
 
-@control_router.post("/resume")
+@admin_router.post("/resume")
 async def resume(raw_request: Request) -> dict[str, str]:
     await _control(raw_request).resume()
     return {"status": "resumed"}
-
-
-@control_router.get("/is_paused")
-async def is_paused(raw_request: Request) -> dict[str, bool]:
-    return {"is_paused": await _control(raw_request).engine.is_paused()}
-
-
-admin_router = APIRouter()
 
 
 @admin_router.post("/reset_prefix_cache")

@@ -8,7 +8,7 @@ expect string content. Tool calls are not parsed: `tools` reach the template, `t
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,8 +33,10 @@ from kvflow.entrypoints.openai.serving_engine import (
     SSE_DONE,
     OpenAIServing,
     PromptInput,
+    bounded_stream,
     cached_tokens,
     make_usage,
+    raise_if_failed,
     run_until_disconnected,
     sse_event,
     stream_error_event,
@@ -44,6 +46,7 @@ from kvflow.tokenizer import ChatTemplateError
 if TYPE_CHECKING:
     from fastapi import Request
 
+    from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
     from kvflow.outputs import CompletionOutput
     from kvflow.tokenizer import Tokenizer
 
@@ -66,12 +69,16 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         _check_chat_fields(request)
         request_id = self.request_id(raw_request, request.request_id)
-        prompt = self._prompt(request)
+        prompt = await self._prompt(request)
         response_id = f"chatcmpl-{request_id}"
         echo = _echo_text(request)
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, response_id, prompt, echo),
+                bounded_stream(
+                    self._stream(request, request_id, response_id, prompt, echo),
+                    self.limits.max_stream_buffer_bytes,
+                    request_id,
+                ),
                 media_type="text/event-stream",
             )
         response = await run_until_disconnected(
@@ -82,21 +89,22 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     # ------------------------------------------------------------------------------------------------ prompt
-    def _prompt(self, request: ChatCompletionRequest) -> PromptInput:
+    async def _prompt(self, request: ChatCompletionRequest) -> PromptInput:
         if self.tokenizer is None:
             raise OpenAIServingError(
                 "this model has no tokenizer, so no chat template: use /v1/completions with token ids",
                 param="messages",
             )
-        text = render_chat(
+        text = await render_chat(
             self.tokenizer,
             request.messages,
             add_generation_prompt=request.add_generation_prompt,
             chat_template=request.chat_template,
             tools=request.tools,
             template_kwargs=request.chat_template_kwargs,
+            template_sandbox=self.template_sandbox,
         )
-        token_ids = self.tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+        token_ids = await self.encode(text, request.add_special_tokens)
         if request.max_completion_tokens is not None:
             max_tokens_param, requested = "max_completion_tokens", request.max_completion_tokens
         else:
@@ -123,6 +131,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse:
         final = None
         async for _, output in self.generate(request_id, [prompt], request.priority):
+            raise_if_failed(output)
             final = output  # "final_only": the one output
         assert final is not None
         choices = [
@@ -169,7 +178,7 @@ class OpenAIServingChat(OpenAIServing):
         response_id: str,
         prompt: PromptInput,
         echo: str,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """Server-sent events: per choice a first chunk with the role (and the echoed text), then one chunk per new
         piece, the last carrying `finish_reason`; the usage chunk if asked for; `[DONE]`."""
         created = int(time.time())
@@ -182,6 +191,7 @@ class OpenAIServingChat(OpenAIServing):
         started = False
         try:
             async for _, result in self.generate(request_id, [prompt], request.priority):
+                raise_if_failed(result)
                 num_cached = cached_tokens(result)
                 if not started:
                     started = True
@@ -280,7 +290,7 @@ def _check_chat_fields(request: ChatCompletionRequest) -> None:
         )
 
 
-def render_chat(
+async def render_chat(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     *,
@@ -288,22 +298,46 @@ def render_chat(
     chat_template: str | None,
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any] | None,
+    template_sandbox: TemplateSandbox | None,
 ) -> str:
     """The prompt text of a conversation (what /v1/chat/completions and /tokenize both render); 400 naming
-    `messages`, `chat_template` or `tools` when it cannot be rendered."""
-    extra = {
-        name: value
-        for name, value in (template_kwargs or {}).items()
-        if name not in _RESERVED_TEMPLATE_KWARGS
-    }
+    `messages`, `chat_template`, `chat_template_kwargs` or `tools` when it cannot be rendered.
+
+    The checkpoint's own templates (its default, or one of its named ones) render here. A template source sent by
+    the client renders in `template_sandbox` (time, memory and output limits), and is refused without one, as
+    vLLM refuses it without `--trust-request-chat-template`."""
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
+    if reserved:
+        raise OpenAIServingError(
+            f"chat_template_kwargs may not set {reserved}: use the request's own fields",
+            param="chat_template_kwargs",
+        )
+    trusted = tokenizer.is_named_chat_template(chat_template)
+    if not trusted and template_sandbox is None:
+        raise OpenAIServingError(
+            "chat_template was passed with the request, but this server does not render request chat "
+            "templates: start it with --trust-request-chat-template, or pass the name of one of the "
+            "checkpoint's templates",
+            param="chat_template",
+        )
     try:
-        return tokenizer.apply_chat_template(
+        if trusted:
+            return tokenizer.apply_chat_template(
+                text_messages(messages),
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                tools=tools,
+                **(template_kwargs or {}),
+            )
+        source, variables = tokenizer.chat_template_inputs(
             text_messages(messages),
             add_generation_prompt=add_generation_prompt,
             chat_template=chat_template,
             tools=tools,
-            **extra,
+            **(template_kwargs or {}),
         )
+        assert template_sandbox is not None
+        return await template_sandbox.render(source, variables)
     except ChatTemplateError as error:
         param = "chat_template" if chat_template is not None else "messages"
         raise OpenAIServingError(str(error), param=param) from error

@@ -9,8 +9,9 @@ likelihoods (`echo: true, logprobs: 1, max_tokens: 1`).
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,11 +32,15 @@ from kvflow.entrypoints.openai.protocol import (
 )
 from kvflow.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
+    LONG_TEXT_CHARS,
+    MANY_PROMPTS,
     SSE_DONE,
     OpenAIServing,
     PromptInput,
+    bounded_stream,
     cached_tokens,
     make_usage,
+    raise_if_failed,
     run_until_disconnected,
     sse_event,
     stream_error_event,
@@ -59,11 +64,18 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIServingError("best_of must equal n in kvflow", param="best_of")
         request_id = self.request_id(raw_request, request.request_id)
-        prompts = self._prompts(request)
+        if _is_heavy(request.prompt):  # many prompts or long texts: prepared off the event loop
+            prompts = await asyncio.to_thread(self._prompts, request)
+        else:
+            prompts = self._prompts(request)
         response_id = f"cmpl-{request_id}"
         if request.stream:
             return StreamingResponse(
-                self._stream(request, request_id, response_id, prompts),
+                bounded_stream(
+                    self._stream(request, request_id, response_id, prompts),
+                    self.limits.max_stream_buffer_bytes,
+                    request_id,
+                ),
                 media_type="text/event-stream",
             )
         response = await run_until_disconnected(
@@ -85,6 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
             items = [raw]  # type: ignore[list-item]
         else:
             items = raw  # type: ignore[assignment]
+        self.check_num_prompts(len(items))
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
             self.check_prompt_logprobs("echo")
@@ -149,6 +162,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse:
         finals: list[RequestOutput | None] = [None] * len(prompts)
         async for index, output in self.generate(request_id, prompts, request.priority):
+            raise_if_failed(output)
             finals[index] = output  # "final_only": each prompt's one output
         choices = []
         num_completion_tokens = 0
@@ -203,7 +217,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id: str,
         response_id: str,
         prompts: list[PromptInput],
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """Server-sent events: one chunk per new piece of a choice (never an empty one), the usage chunk if asked
         for, then `[DONE]`; an error after the start is an error event before `[DONE]`."""
         created = int(time.time())
@@ -220,6 +234,7 @@ class OpenAIServingCompletion(OpenAIServing):
         texts = self.token_texts(request)
         try:
             async for prompt_index, result in self.generate(request_id, prompts, request.priority):
+                raise_if_failed(result)
                 prompt = prompts[prompt_index]
                 num_cached[prompt_index] = cached_tokens(result)
                 if prompt_logprobs[prompt_index] is None:
@@ -280,3 +295,11 @@ class OpenAIServingCompletion(OpenAIServing):
             model=self.models.served_model_name,
             choices=choices,
         )
+
+
+def _is_heavy(prompt: str | list[str] | list[int] | list[list[int]]) -> bool:
+    """Whether preparing this `prompt` may take long enough to stall the event loop: many prompts, or long text."""
+    items = [prompt] if isinstance(prompt, str) else prompt
+    if len(items) > MANY_PROMPTS:
+        return True
+    return any(isinstance(item, str) and len(item) >= LONG_TEXT_CHARS for item in items)

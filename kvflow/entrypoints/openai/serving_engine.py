@@ -15,7 +15,16 @@ import dataclasses
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
+from collections import deque
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,9 +33,12 @@ from kvflow.engine.async_llm import EngineDeadError
 from kvflow.engine.input_processor import check_priority
 from kvflow.entrypoints.openai.errors import OpenAIServingError, bad_request, error_body
 from kvflow.entrypoints.openai.logprobs import TokenTexts
+from kvflow.entrypoints.openai.middleware import REQUEST_ID_HEADER
 from kvflow.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
+from kvflow.entrypoints.openai.server_config import ServingLimits
 from kvflow.model_info import load_sampling_defaults
 from kvflow.sampling_params import SamplingParams
+from kvflow.utils import short_repr
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -36,12 +48,15 @@ if TYPE_CHECKING:
     from kvflow.engine.input_processor import ProcessedPrompt
     from kvflow.entrypoints.openai.protocol import SamplingFields
     from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
+    from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
     from kvflow.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
-REQUEST_ID_HEADER = "X-Request-Id"
+# Texts at least this long are tokenized off the event loop; requests with more prompts than this are prepared there.
+LONG_TEXT_CHARS = 16384
+MANY_PROMPTS = 16
 # The status of a response whose client went away (it is never sent; nginx logs such requests as 499).
 CLIENT_CLOSED_REQUEST = 499
 # Whether this engine build computes prompt logprobs (SamplingParams.prompt_logprobs).
@@ -119,11 +134,20 @@ class OpenAIServing:
     aliases: Mapping[str, str] = {"prompt_token_ids": "prompt"}
 
     def __init__(
-        self, engine: AsyncLLM, models: OpenAIServingModels, live_requests: LiveRequests
+        self,
+        engine: AsyncLLM,
+        models: OpenAIServingModels,
+        live_requests: LiveRequests,
+        limits: ServingLimits | None = None,
+        template_sandbox: TemplateSandbox | None = None,
     ) -> None:
+        """`template_sandbox`: where chat templates sent by clients render (`--trust-request-chat-template`);
+        None refuses them."""
         self.engine = engine
         self.models = models
         self.live_requests = live_requests
+        self.limits = limits if limits is not None else ServingLimits()
+        self.template_sandbox = template_sandbox
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = models.max_model_len
         self.default_sampling_params = engine.get_default_sampling_params()
@@ -144,6 +168,7 @@ class OpenAIServing:
                 "The following fields were present in the request but ignored: %s",
                 sorted(request.model_extra),
             )
+        self.check_limits(request)
         if request.logit_bias:
             raise OpenAIServingError("logit_bias is not supported by kvflow", param="logit_bias")
         if request.stream_options is not None and not request.stream:
@@ -156,6 +181,36 @@ class OpenAIServing:
             check_priority(request.priority, self.scheduling_policy)
         except ValueError as error:
             raise OpenAIServingError(str(error), param="priority") from error
+
+    def check_limits(self, request: SamplingFields) -> None:
+        """The bounds every generation request shares (`ServingLimits`: n, best_of, stop, logit_bias)."""
+        limits = self.limits
+        _check_count("n", request.n, limits.max_n, "--max-n")
+        best_of = getattr(request, "best_of", None)
+        if best_of is not None:
+            _check_count("best_of", best_of, limits.max_n, "--max-n")
+        stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        _check_count("stop", len(stop), limits.max_stop_strings, "--max-stop-strings", "strings")
+        longest = max(map(len, stop), default=0)
+        if longest > limits.max_stop_string_chars:
+            raise OpenAIServingError(
+                f"stop holds a string of {longest} characters; this server takes at most "
+                f"{limits.max_stop_string_chars} (--max-stop-string-chars)",
+                param="stop",
+            )
+        if request.logit_bias is not None:
+            _check_count(
+                "logit_bias",
+                len(request.logit_bias),
+                limits.max_logit_bias,
+                "--max-logit-bias",
+                "entries",
+            )
+
+    def check_num_prompts(self, num_prompts: int) -> None:
+        _check_count(
+            "prompt", num_prompts, self.limits.max_prompts, "--max-prompts-per-request", "prompts"
+        )
 
     @staticmethod
     def check_prompt_logprobs(param: str) -> None:
@@ -172,6 +227,14 @@ class OpenAIServing:
                 "the engine has died; restart the server",
                 status_code=HTTPStatus.SERVICE_UNAVAILABLE,
             )
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`; a long text is tokenized on a worker thread (the tokenizer lets the event loop run
+        meanwhile), so one large prompt does not stall every other request."""
+        assert self.tokenizer is not None
+        if len(text) < LONG_TEXT_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     def request_id(self, raw_request: Request, body_request_id: str | None) -> str:
         """The X-Request-Id header, else the body's `request_id` (vLLM), else a fresh one; 400 if it is live."""
@@ -300,11 +363,29 @@ class OpenAIServing:
         return TokenTexts(self.tokenizer, request.return_tokens_as_token_ids)
 
 
+def _check_count(name: str, value: int, limit: int, flag: str, unit: str = "") -> None:
+    """400 naming `name` when `value` (the field itself, or how many `unit` it holds) is over `limit`."""
+    if value > limit:
+        shown = f"{name} holds {value} {unit}" if unit else f"{name}={short_repr(value)}"
+        raise OpenAIServingError(f"{shown}; this server takes at most {limit} ({flag})", param=name)
+
+
 def _engine_prompt(prompt: PromptInput) -> dict[str, Any]:
     engine_prompt: dict[str, Any] = {"prompt_token_ids": prompt.token_ids}
     if prompt.text is not None:
         engine_prompt["prompt"] = prompt.text
     return engine_prompt
+
+
+def raise_if_failed(output: RequestOutput) -> None:
+    """A 500 for an output the engine ended with finish_reason "error" (the request failed alone inside a step;
+    `stop_reason` holds why)."""
+    for completion in output.outputs:
+        if completion.finish_reason == "error":
+            raise OpenAIServingError(
+                f"the request failed in the engine: {completion.stop_reason}",
+                status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
+            )
 
 
 def make_usage(
@@ -392,6 +473,71 @@ def sse_event(payload: BaseModel) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def bounded_stream(
+    events: AsyncGenerator[str, None], max_buffered_bytes: int, request_id: str
+) -> AsyncIterator[str]:
+    """`events` as the response body, through a buffer of at most `max_buffered_bytes` (about: characters of
+    mostly-ASCII JSON) between the task that produces them and the writes to the client.
+
+    The writes wait for a client that does not read (TCP backpressure); the producer does not, so an unread stream
+    shows as a full buffer. Past the bound the request is aborted (closing `events` aborts its engine requests,
+    freeing their KV blocks and slots) and the stream ends with an error event and `[DONE]`, delivered if the
+    client ever reads again. A consumer that is merely slow (a busy event loop) keeps draining the buffer and is
+    never cut off: only writes that stall fill it.
+    """
+    buffer: deque[str] = deque()
+    num_buffered = 0
+    produced = asyncio.Event()
+    finished = False
+
+    async def produce() -> None:
+        nonlocal num_buffered, finished
+        try:
+            async for event in events:
+                buffer.append(event)
+                num_buffered += len(event)
+                produced.set()
+                if num_buffered > max_buffered_bytes:
+                    logger.warning(
+                        "request %s: its client has not read %d bytes of its stream; aborting it",
+                        request_id,
+                        num_buffered,
+                    )
+                    buffer.append(stream_error_event(StreamBufferFullError(max_buffered_bytes)))
+                    buffer.append(SSE_DONE)
+                    return
+        finally:
+            await events.aclose()  # aborts what still runs
+            finished = True
+            produced.set()
+
+    producer = asyncio.ensure_future(produce())
+    try:
+        while True:
+            await produced.wait()
+            produced.clear()
+            while buffer:
+                event = buffer.popleft()
+                num_buffered -= len(event)
+                yield event
+            if finished and not buffer:
+                break
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+
+
+class StreamBufferFullError(OpenAIServingError):
+    """A stream's client stopped reading and its buffer filled up: the request was aborted."""
+
+    def __init__(self, max_buffered_bytes: int) -> None:
+        super().__init__(
+            f"the client did not read its stream: more than {max_buffered_bytes} bytes waited to be sent "
+            "(--max-stream-buffer-bytes), so the request was aborted",
+            status_code=HTTPStatus.REQUEST_TIMEOUT,
+        )
 
 
 def stream_error_event(error: BaseException) -> str:

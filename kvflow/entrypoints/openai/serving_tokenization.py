@@ -8,6 +8,7 @@ skipped, as the output text of a completion is.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from kvflow.entrypoints.openai.errors import OpenAIServingError
@@ -18,41 +19,53 @@ from kvflow.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from kvflow.entrypoints.openai.serving_chat import render_chat
+from kvflow.entrypoints.openai.serving_engine import LONG_TEXT_CHARS
 
 if TYPE_CHECKING:
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
+    from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
     from kvflow.tokenizer import Tokenizer
 
 
 class OpenAIServingTokenization:
     """Tokenizes and detokenizes with the engine's tokenizer (400 when the model has none, like the hash model)."""
 
-    def __init__(self, engine: AsyncLLM, models: OpenAIServingModels) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        models: OpenAIServingModels,
+        template_sandbox: TemplateSandbox | None = None,
+    ) -> None:
         self.tokenizer = engine.get_tokenizer()
         self.vocab_size = engine.model_info.vocab_size
         self.models = models
+        self.template_sandbox = template_sandbox
 
-    def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.models.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIServingError("give either prompt or messages", param="prompt")
         tokenizer = self._tokenizer("prompt" if request.messages is None else "messages")
         if request.messages is not None:
-            text = render_chat(
+            text = await render_chat(
                 tokenizer,
                 request.messages,
                 add_generation_prompt=request.add_generation_prompt,
                 chat_template=request.chat_template,
                 tools=request.tools,
                 template_kwargs=request.chat_template_kwargs,
+                template_sandbox=self.template_sandbox,
             )
             add_special_tokens = bool(request.add_special_tokens)
         else:
             assert request.prompt is not None
             text = request.prompt
             add_special_tokens = request.add_special_tokens is not False
-        token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if len(text) < LONG_TEXT_CHARS:
+            token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        else:  # off the event loop (the tokenizer lets it run meanwhile)
+            token_ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
         return TokenizeResponse(
             count=len(token_ids),
             max_model_len=self.models.max_model_len,

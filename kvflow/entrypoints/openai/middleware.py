@@ -1,0 +1,166 @@
+"""The server's ASGI middleware, outermost first: request ids, unexpected errors, body size, API key.
+
+    RequestIdMiddleware         echoes `X-Request-Id` on the response (errors included)
+    UnexpectedErrorMiddleware   any exception a route did not turn into a response: logged once with the request id
+                                and traceback, answered with a 500 in OpenAI's shape on a connection that stays usable
+    BodySizeLimitMiddleware     a body over `--max-request-body-bytes`: 413 before the route reads it
+    APIKeyMiddleware            `Authorization: Bearer <key>` on every path but the open ones (401)
+
+Why the error middleware: Starlette's own handler for `Exception` answers and then re-raises, so uvicorn closes
+the connection after the 500 without saying `Connection: close`, and a client that pools connections fails its
+next request on it. Here the exception stops: uvicorn keeps the connection alive, as after any other response.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.exceptions import HTTPException
+
+from kvflow.entrypoints.openai.errors import error_response
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
+
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+class RequestIdMiddleware:
+    """Echoes a request's `X-Request-Id` header on its response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = (
+            Headers(scope=scope).get(REQUEST_ID_HEADER) if scope["type"] == "http" else None
+        )
+        if not request_id:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_request_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(raw=message.setdefault("headers", []))[REQUEST_ID_HEADER] = (
+                    request_id
+                )
+            await send(message)
+
+        await self.app(scope, receive, send_with_request_id)
+
+
+class UnexpectedErrorMiddleware:
+    """Turns an exception no route handled into a 500 in OpenAI's shape, logged once with the request's id and
+    traceback. The connection stays usable. An exception after the response started cannot be answered: it is
+    logged, and the connection is closed (re-raised to uvicorn), the only honest end of a half-sent response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        response_started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as error:
+            request_id = Headers(scope=scope).get(REQUEST_ID_HEADER, "-")
+            logger.error(
+                "unexpected error in %s %s (request id %s)",
+                scope.get("method"),
+                scope.get("path"),
+                request_id,
+                exc_info=error,
+            )
+            if response_started:
+                raise
+            response = error_response(
+                HTTPStatus.INTERNAL_SERVER_ERROR,
+                f"internal server error ({type(error).__name__}); the server log has the details",
+            )
+            await response(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body of more than `max_bytes`: at once when its Content-Length says so, or as soon as a
+    body sent without one grows past it while the route reads it (an HTTPException there, answered by the app's
+    handler). Either way with `Connection: close`: the rest of the body is never read."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.message = (
+            f"the request body is larger than this server takes ({max_bytes} bytes, "
+            "--max-request-body-bytes)"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            response = error_response(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self.message, headers=_CLOSE
+            )
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise HTTPException(
+                        HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self.message, headers=_CLOSE
+                    )
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+_CLOSE = {"Connection": "close"}
+
+
+class APIKeyMiddleware:
+    """401 for a request without `Authorization: Bearer <api key>`, except on `open_paths` (and CORS preflights)."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: Collection[str]) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] != "OPTIONS"
+            and scope["path"] not in self.open_paths
+        ):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(
+                    HTTPStatus.UNAUTHORIZED,
+                    "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
