@@ -101,6 +101,7 @@ def time_linear(
     repeats: int,
     *,
     kernel: bool = False,
+    cold_bytes: int = COLD_BYTES,
 ) -> float | None:
     """Best-of-`repeats` seconds of one `F.linear([rows, in], [out, in])` in `dtype` (after one warm-up call),
     with the weight read from memory up to `COLD_MAX_ROWS` rows (see the module docstring); with `kernel`, of
@@ -118,7 +119,7 @@ def time_linear(
         product(weight)
         weights = [weight]
         if rows <= COLD_MAX_ROWS:
-            num_copies = -(-COLD_BYTES // (weight.numel() * weight.element_size()))
+            num_copies = -(-cold_bytes // (weight.numel() * weight.element_size()))
             weights += [weight.clone() for _ in range(num_copies - 1)]
         best = float("inf")
         for _ in range(repeats):
@@ -130,13 +131,20 @@ def time_linear(
 
 
 def fastest_linear(
-    out_features: int, in_features: int, rows: int, dtype: torch.dtype, repeats: int
+    out_features: int,
+    in_features: int,
+    rows: int,
+    dtype: torch.dtype,
+    repeats: int,
+    cold_bytes: int = COLD_BYTES,
 ) -> tuple[float, str]:
     """The faster of `F.linear` and kvflow's kernel (where one applies): `(seconds, SOURCE_TORCH or
     SOURCE_KERNEL)`."""
-    torch_s = time_linear(out_features, in_features, rows, dtype, repeats)
+    torch_s = time_linear(out_features, in_features, rows, dtype, repeats, cold_bytes=cold_bytes)
     assert torch_s is not None
-    kernel_s = time_linear(out_features, in_features, rows, dtype, repeats, kernel=True)
+    kernel_s = time_linear(
+        out_features, in_features, rows, dtype, repeats, kernel=True, cold_bytes=cold_bytes
+    )
     if kernel_s is not None and kernel_s < torch_s:
         return kernel_s, SOURCE_KERNEL
     return torch_s, SOURCE_TORCH
@@ -184,8 +192,10 @@ class GemmFloor:
         *,
         dtype: torch.dtype,
         repeats: int = 3,
+        cold_bytes: int = COLD_BYTES,
     ) -> GemmFloor:
-        """The floor of `passes` (each `(num_tokens, num_sampled)`) through `model`'s linear layers."""
+        """The floor of `passes` (each `(num_tokens, num_sampled)`) through `model`'s linear layers; the weight
+        copies a product sweeps total `cold_bytes` (a smoke run passes less: its figures mean nothing anyway)."""
         shapes = model_gemm_shapes(model)
         max_rows = {
             ROWS_TOKENS: max((tokens for tokens, _ in passes), default=1),
@@ -193,7 +203,9 @@ class GemmFloor:
         }
         measured = {
             shape: {
-                rows: fastest_linear(shape.out_features, shape.in_features, rows, dtype, repeats)
+                rows: fastest_linear(
+                    shape.out_features, shape.in_features, rows, dtype, repeats, cold_bytes
+                )
                 for rows in row_grid(max_rows[shape.rows])
             }
             for shape in shapes

@@ -60,6 +60,7 @@ QWEN2_05B_SHAPE = {
     "intermediate_size": 4864,
     "vocab_size": 32000,
 }
+QUICK_COLD_BYTES = 4 * 2**20
 QUICK_SHAPE = {
     "hidden_size": 128,
     "num_hidden_layers": 2,
@@ -174,6 +175,7 @@ def run_kvflow(
     engine_kwargs: dict[str, Any],
     name: str = "kvflow",
     measure_floor: bool = False,
+    floor_cold_bytes: int | None = None,
 ) -> tuple[Result, Result, Result | None]:
     """kvflow's engine run, the replay of its forward passes and (with `measure_floor`) their compute floor."""
     from kvflow import LLM, SamplingParams
@@ -220,7 +222,12 @@ def run_kvflow(
     floor_result = None
     if measure_floor:
         passes = [(batch.num_tokens, int(batch.logits_indices.numel())) for batch in recorded]
-        floor = GemmFloor.measure(runner.model, passes, dtype=runner.model.dtype)
+        floor = GemmFloor.measure(
+            runner.model,
+            passes,
+            dtype=runner.model.dtype,
+            **({} if floor_cold_bytes is None else {"cold_bytes": floor_cold_bytes}),
+        )
         floor_result = Result("compute floor", floor.seconds, produced)
         print(
             f"compute floor: {floor.flops / 1e12:.2f} TFLOP in linear layers over {floor.num_passes} passes, "
@@ -286,7 +293,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_model_len": 512}
     kvflow_result, forward_result, floor_result = run_kvflow(
-        path, workload, {**engine_kwargs, "async_scheduling": True}, measure_floor=True
+        path,
+        workload,
+        {**engine_kwargs, "async_scheduling": True},
+        measure_floor=True,
+        # A smoke run's tiny weights would need thousands of copies to fill the sweep; its floor means nothing.
+        floor_cold_bytes=QUICK_COLD_BYTES if args.quick else None,
     )
     assert floor_result is not None
     results += [kvflow_result, forward_result]
