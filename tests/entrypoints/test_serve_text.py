@@ -178,6 +178,24 @@ def test_completion_logprobs_match_llm_in_openai_shape(server: RemoteServer, llm
     ]
 
 
+def test_streamed_completion_logprobs_are_the_whole_responses(server: RemoteServer) -> None:
+    """Each streamed chunk carries its tokens' logprobs; concatenated they are the whole response's (a chunk once
+    left them out as `{}`: they were appended to defaults the chunk's serialisation skips as unset)."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logprobs": 3}
+    whole = server.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    chunks = [
+        payload["choices"][0]["logprobs"]
+        for payload in stream_lines(server, "/v1/completions", body)[:-1]
+        if payload["choices"]
+    ]
+    streamed = {
+        name: [value for chunk in chunks for value in chunk[name]]
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+    assert len(streamed["tokens"]) == 8
+    assert streamed == whole
+
+
 def test_chat_logprobs_match_llm_in_openai_shape(server: RemoteServer, llm: LLM) -> None:
     [reference] = llm.chat(MESSAGES, greedy(6, logprobs=2), use_tqdm=False)
     response = server.client().chat.completions.create(

@@ -62,25 +62,34 @@ def completion_logprobs(
 ) -> CompletionLogProbs:
     """The completions `logprobs` object of `token_ids` (`positions[i]` is token i's distribution or None);
     offsets start at `initial_text_offset` (the text already streamed for this choice)."""
-    result = CompletionLogProbs()
+    tokens: list[str] = []
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     offset = initial_text_offset
     for token_id, position in zip(token_ids, positions, strict=True):
         actual = position.get(token_id) if position is not None else None
         token = texts.text(token_id, actual)
-        result.tokens.append(token)
-        result.text_offset.append(offset)
+        tokens.append(token)
+        text_offset.append(offset)
         offset += len(token)
         if position is None or actual is None:
-            result.token_logprobs.append(None)
-            result.top_logprobs.append(None)
+            token_logprobs.append(None)
+            top_logprobs.append(None)
             continue
-        result.token_logprobs.append(clamp(actual.logprob))
+        token_logprobs.append(clamp(actual.logprob))
         top = {token: clamp(actual.logprob)}  # first, and never overwritten by a same-text token
         for other_id, other in position.items():
             if other_id != token_id and other.rank is not None and other.rank <= num_top:
                 top.setdefault(texts.text(other_id, other), clamp(other.logprob))
-        result.top_logprobs.append(top)
-    return result
+        top_logprobs.append(top)
+    # Passed to the constructor, not appended to its defaults: a streamed chunk leaves out unset fields.
+    return CompletionLogProbs(
+        text_offset=text_offset,
+        token_logprobs=token_logprobs,
+        tokens=tokens,
+        top_logprobs=top_logprobs,
+    )
 
 
 def chat_logprobs(
