@@ -264,7 +264,11 @@ def test_get_finished_reason(status, reason):
 
 @pytest.mark.parametrize("status", FINISHED_STATUSES)
 def test_every_finished_status_has_a_documented_reason(status):
-    assert RequestStatus.get_finished_reason(status) in ("stop", "length", "abort")
+    assert RequestStatus.get_finished_reason(status) in ("stop", "length", "abort", "error")
+
+
+def test_a_request_that_failed_in_a_step_finishes_with_error():
+    assert RequestStatus.get_finished_reason(RequestStatus.FINISHED_ERROR) == "error"
 
 
 @pytest.mark.parametrize("status", UNFINISHED_STATUSES)

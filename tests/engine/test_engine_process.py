@@ -259,7 +259,7 @@ def test_collective_rpc_runs_on_the_worker_through_every_front_end(
     for llm in (inproc, proc):
         assert run(llm.collective_rpc(blocks, kwargs={"scale": 2})) == [256 * 2 * factor]
         assert run(llm.collective_rpc("execute_method", args=(blocks,))) == [256 * factor]
-        with pytest.raises(AttributeError, match="no method 'warp_drive'"):
+        with pytest.raises(AttributeError, match="no public method 'warp_drive'"):
             run(llm.collective_rpc("warp_drive"))
     llm_offline = LLM("hash", **HASH_OPTIONS)
     assert llm_offline.collective_rpc(blocks, (5,)) == [256 * 5 * factor]

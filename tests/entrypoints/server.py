@@ -136,6 +136,25 @@ class RemoteServer:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def engine_pid(self) -> int:
+        """The engine-core process the server started: its spawned child that loaded torch (spawn may add a
+        resource tracker, and request chat templates a template sandbox, which do not)."""
+        for pid in child_pids(self.process.pid):
+            try:
+                command_line = Path(f"/proc/{pid}/cmdline").read_bytes()
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            if b"multiprocessing.spawn" in command_line and "libtorch" in maps:
+                return pid
+        raise AssertionError(f"no engine process among the children of {self.process.pid}")
+
+    def rss_bytes(self, pid: int | None = None) -> int:
+        """The resident memory of the server process (or of `pid`)."""
+        status = Path(f"/proc/{pid or self.process.pid}/status").read_text()
+        [line] = [line for line in status.splitlines() if line.startswith("VmRSS:")]
+        return int(line.split()[1]) * 1024
+
     # ------------------------------------------------------------------------------------------------ clients
     @property
     def headers(self) -> dict[str, str]:
@@ -209,6 +228,19 @@ def running_server(
     finally:
         server.stop()
         server.log_path.unlink(missing_ok=True)
+
+
+def child_pids(parent_pid: int) -> list[int]:
+    """The processes whose parent is `parent_pid` (from /proc)."""
+    children = []
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it ended while we looked
+        if int(fields[1]) == parent_pid:
+            children.append(int(stat_file.parent.name))
+    return children
 
 
 # ---------------------------------------------------------------------------------------------------- parsing

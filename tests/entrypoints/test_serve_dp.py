@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from kvflow.testing.hash_model import reference_tokens
-from tests.entrypoints.server import RemoteServer, running_server
-from tests.entrypoints.test_serve_engine_death import child_pids
+from tests.entrypoints.server import RemoteServer, child_pids, running_server
 from tests.entrypoints.test_serve_rl import Stream, prompt_ids
 
 TIMEOUT_S = 120.0

@@ -17,33 +17,10 @@ from tests.entrypoints.server import HASH_SERVER, running_server
 TIMEOUT_S = 60.0
 
 
-def child_pids(parent_pid: int) -> list[int]:
-    """The processes whose parent is `parent_pid` (from /proc)."""
-    children = []
-    for stat_file in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat_file.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # it ended while we looked
-        if int(fields[1]) == parent_pid:
-            children.append(int(stat_file.parent.name))
-    return children
-
-
-def engine_process_pid(server_pid: int) -> int:
-    """The engine-core process the server started (spawn may add a resource tracker: skip processes that are
-    not kvflow's engine)."""
-    for pid in child_pids(server_pid):
-        command_line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"multiprocessing.spawn" in command_line and b"resource_tracker" not in command_line:
-            return pid
-    raise AssertionError(f"no engine process among the children of {server_pid}")
-
-
 @pytest.mark.slow
 def test_a_dead_engine_fails_streams_and_health_and_the_server_still_stops_cleanly() -> None:
     with running_server(*HASH_SERVER) as server:
-        engine_pid = engine_process_pid(server.process.pid)
+        engine_pid = server.engine_pid()
         body = {
             "model": "hash",
             "prompt": [5, 6, 7, 8],

@@ -90,7 +90,9 @@ def test_collective_rpc_from_llm_returns_rank_order(hash_tp2: LLM) -> None:
         17,
     ]
     assert hash_tp2.collective_rpc("execute_method", kwargs={"method": "rank_info"})[1]["rank"] == 1
-    with pytest.raises(AttributeError, match="rank 0: the worker has no method 'warp_drive'"):
+    with pytest.raises(
+        AttributeError, match="rank 0: the worker has no public method 'warp_drive'"
+    ):
         hash_tp2.collective_rpc("warp_drive")
     # A failed call is the caller's error, not the executor's: it keeps serving.
     assert hash_tp2.collective_rpc(lambda worker: worker.rank) == [0, 1]

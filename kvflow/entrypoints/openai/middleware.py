@@ -100,7 +100,8 @@ class UnexpectedErrorMiddleware:
 class BodySizeLimitMiddleware:
     """413 for a request body of more than `max_bytes`: at once when its Content-Length says so, or as soon as a
     body sent without one grows past it while the route reads it (an HTTPException there, answered by the app's
-    handler). Either way with `Connection: close`: the rest of the body is never read."""
+    handler). The rest of the body is read and dropped by the HTTP server (never stored), so the client can finish
+    sending, read the 413, and go on using the connection."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -116,9 +117,7 @@ class BodySizeLimitMiddleware:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            response = error_response(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self.message, headers=_CLOSE
-            )
+            response = error_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self.message)
             await response(scope, receive, send)
             return
         received = 0
@@ -129,15 +128,10 @@ class BodySizeLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise HTTPException(
-                        HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self.message, headers=_CLOSE
-                    )
+                    raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self.message)
             return message
 
         await self.app(scope, counting_receive, send)
-
-
-_CLOSE = {"Connection": "close"}
 
 
 class APIKeyMiddleware:
