@@ -7,12 +7,14 @@
     POST /v1/completions       serving_completion.py
     POST /v1/chat/completions  serving_chat.py
     POST /tokenize, /detokenize  serving_tokenization.py
-    pause / resume and the admin endpoints: rl.py
+    GET  /is_paused, and with --enable-admin-endpoints pause / resume and the admin endpoints: rl.py
 
-Every error is OpenAI's body (errors.py). With an API key, every path except /health, /metrics and /version needs
+Every error is OpenAI's body (errors.py); an exception no route turned into a response is a 500 that keeps the
+connection usable (middleware.py). With an API key, every path except /health, /metrics and /version needs
 `Authorization: Bearer KEY` (401 otherwise). A request's `X-Request-Id` header is its id and is echoed on the
-response. SIGINT and SIGTERM stop the server: requests in flight end (finish_reason "abort"), the engine shuts
-down, and the process exits with status 0.
+response. The socket is bound and listening before the engine starts (`kvflow.entrypoints.cli.serve`); the address
+is announced once uvicorn serves it. SIGINT and SIGTERM stop the server: requests in flight end (finish_reason
+"abort"), the engine shuts down, and the process exits with status 0.
 """
 
 from __future__ import annotations
