@@ -81,23 +81,22 @@ def _wait_until_ready(process: subprocess.Popen[bytes], log: Path) -> str:
     raise TimeoutError("kvflow serve was not ready")
 
 
-async def load(url: str, num_requests: int, concurrency: int) -> tuple[int, float]:
-    """(client errors, seconds) for `num_requests` streamed requests through one keep-alive pool."""
-    errors = 0
+async def load(url: str, num_requests: int, concurrency: int) -> tuple[list[str], float]:
+    """(each client error, seconds) for `num_requests` streamed requests through one keep-alive pool."""
+    errors: list[str] = []
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
     async def one(http: httpx.AsyncClient, index: int) -> None:
-        nonlocal errors
         body = {"prompt": [index % 500 + 1, 2], "max_tokens": 2, "ignore_eos": True, "stream": True}
         async with gate:
             try:
                 async with http.stream("POST", "/v1/completions", json=body) as response:
                     lines = [line async for line in response.aiter_lines()]
                 if response.status_code != 200 or "data: [DONE]" not in lines:
-                    errors += 1
-            except httpx.HTTPError:
-                errors += 1
+                    errors.append(f"request {index}: {response.status_code} {lines[-2:]}")
+            except httpx.HTTPError as error:
+                errors.append(f"request {index}: {error!r}")
 
     start = time.monotonic()
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
@@ -124,10 +123,10 @@ def main(argv: list[str] | None = None) -> None:
         ) in settings.items():  # interleaved: same machine state for both
             with served(timeout_keep_alive) as url:
                 errors, seconds = asyncio.run(load(url, args.num_requests, args.concurrency))
-            totals[name][0] += errors
+            totals[name][0] += len(errors)
             totals[name][1] += args.num_requests
             print(
-                f"run {run}: {name:<22} {errors} client errors in {args.num_requests} requests "
+                f"run {run}: {name:<22} {len(errors)} client errors in {args.num_requests} requests "
                 f"({args.num_requests / seconds:.0f} req/s)",
                 flush=True,
             )
