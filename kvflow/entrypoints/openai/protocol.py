@@ -10,6 +10,7 @@ lone surrogate, which no tokenizer or encoder accepts), a 400 naming the field.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal
 
@@ -46,24 +47,42 @@ class OpenAIBaseModel(BaseModel):
 
 def check_unicode(value: Any) -> None:
     """ValueError if `value` (a JSON value) holds a string that is not valid Unicode: a lone surrogate, which
-    JSON's `\ud800`-style escapes can produce and UTF-8 cannot encode. ASCII strings are skipped at C speed."""
+    JSON's `\\ud800`-style escapes can produce and UTF-8 cannot encode. Containers are checked by encoding them
+    (C speed: a prompt of token ids costs microseconds), strings directly."""
+    if isinstance(value, str):
+        _check_text(value)
+    elif isinstance(value, list | dict):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            _check_strings_in(value)  # to say which text, and where
+        except (RecursionError, ValueError, TypeError):
+            _check_strings_in(value)
+
+
+def _check_strings_in(value: Any) -> None:
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError as error:
-                    raise ValueError(
-                        f"holds text that is not valid Unicode (the lone surrogate "
-                        f"{item[error.start]!r} at character {error.start}); send text as UTF-8"
-                    ) from None
+            _check_text(item)
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
+
+
+def _check_text(text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"holds text that is not valid Unicode (the lone surrogate {text[error.start]!r} at "
+            f"character {error.start}); send text as UTF-8"
+        ) from None
 
 
 class ErrorInfo(BaseModel):

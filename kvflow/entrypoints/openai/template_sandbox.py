@@ -25,6 +25,7 @@ import multiprocessing
 import resource
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -52,8 +53,9 @@ _STOP_TIMEOUT_S = 5.0
 class TemplateSandbox:
     """Renders untrusted chat templates in a child process with time, memory and output limits.
 
-    Invariants: at most one render runs at a time (`_lock`); the child, while it exists, has answered every render
-    it was sent or is killed; `close()` leaves no child behind.
+    Invariants: at most one render runs at a time (`_lock`), waited for on a thread of the sandbox's own, so renders
+    queued behind a slow one never hold threads other work needs; the child, while it exists, has answered every
+    render it was sent or is killed; `close()` leaves no child behind.
     """
 
     def __init__(
@@ -66,12 +68,14 @@ class TemplateSandbox:
         self.max_output_chars = max_output_chars
         self.memory_limit_bytes = memory_limit_bytes
         self._lock = threading.Lock()
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-template-sandbox")
         self._process: BaseProcess | None = None
         self._connection: Connection | None = None
 
     async def render(self, source: str, variables: dict[str, Any]) -> str:
         """Render `source` with `variables` (JSON values); ChatTemplateError (400) for anything that goes wrong."""
-        return await asyncio.to_thread(self.render_blocking, source, variables)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._waiter, self.render_blocking, source, variables)
 
     def render_blocking(self, source: str, variables: dict[str, Any]) -> str:
         with self._lock:
@@ -100,6 +104,7 @@ class TemplateSandbox:
         return text
 
     def close(self) -> None:
+        self._waiter.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._kill(None)
 
