@@ -239,7 +239,7 @@ class OpenAIServingChat(OpenAIServing):
                 )
                 yield sse_event(chunk)
         except Exception as error:
-            yield stream_error_event(error)
+            yield stream_error_event(error, request_id)
         yield SSE_DONE
 
     def _chunk(

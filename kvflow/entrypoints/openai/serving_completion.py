@@ -282,7 +282,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
                 yield sse_event(chunk)
         except Exception as error:
-            yield stream_error_event(error)
+            yield stream_error_event(error, request_id)
         yield SSE_DONE
 
     def _chunk(

@@ -505,7 +505,9 @@ async def bounded_stream(
                         request_id,
                         num_buffered,
                     )
-                    buffer.append(stream_error_event(StreamBufferFullError(max_buffered_bytes)))
+                    buffer.append(
+                        stream_error_event(StreamBufferFullError(max_buffered_bytes), request_id)
+                    )
                     buffer.append(SSE_DONE)
                     return
         finally:
@@ -540,8 +542,9 @@ class StreamBufferFullError(OpenAIServingError):
         )
 
 
-def stream_error_event(error: BaseException) -> str:
-    """The event that ends a stream that failed after it started: OpenAI's error body, then `[DONE]` follows."""
+def stream_error_event(error: BaseException, request_id: str) -> str:
+    """The event that ends a stream that failed after it started: OpenAI's error body, then `[DONE]` follows. An
+    unexpected error (a 500) is logged once, with the request id and traceback."""
     if isinstance(error, OpenAIServingError):
         body = error_body(error.status_code, error.message, error.param)
     elif isinstance(error, EngineDeadError):
@@ -549,6 +552,6 @@ def stream_error_event(error: BaseException) -> str:
     elif isinstance(error, ValueError):
         body = error_body(HTTPStatus.BAD_REQUEST, str(error))
     else:
-        logger.exception("a stream failed", exc_info=error)
+        logger.error("the stream of request %s failed", request_id, exc_info=error)
         body = error_body(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
     return f"data: {json.dumps(body.model_dump())}\n\n"

@@ -68,7 +68,9 @@ class TemplateSandbox:
         self.max_output_chars = max_output_chars
         self.memory_limit_bytes = memory_limit_bytes
         self._lock = threading.Lock()
-        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-template-sandbox")
+        self._waiter = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="kvflow-template-sandbox"
+        )
         self._process: BaseProcess | None = None
         self._connection: Connection | None = None
 
