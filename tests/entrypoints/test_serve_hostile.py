@@ -601,6 +601,34 @@ def test_two_servers_started_on_one_port_at_once_leave_exactly_one_serving(
     assert winner is not None and processes[winner].returncode == 0
 
 
+def test_every_limit_flag_sets_its_limit() -> None:
+    flags = {
+        "--max-n": "2",
+        "--max-prompts-per-request": "2",
+        "--max-stop-strings": "1",
+        "--max-stop-string-chars": "3",
+        "--max-logit-bias": "1",
+        "--max-request-body-bytes": "2000",
+        "--timeout-keep-alive": "30",
+    }
+    with running_server(*HASH_SERVER, *(part for item in flags.items() for part in item)) as server:
+        over = [
+            ({"n": 3}, "n"),
+            ({"prompt": [[1], [2], [3]]}, "prompt"),
+            ({"stop": ["a", "b"]}, "stop"),
+            ({"stop": ["abcd"]}, "stop"),
+            ({"logit_bias": {"1": 1, "2": 1}}, "logit_bias"),
+        ]
+        for fields, param in over:
+            body = {"prompt": [1, 2], "max_tokens": 1, **fields}
+            assert_error(server.post("/v1/completions", json=body), 400, param)
+        body = {"prompt": [1, 2], "max_tokens": 1, "user": "u" * 2000}
+        assert_error(server.post("/v1/completions", json=body), 413, None)
+        at_the_limits = {"prompt": [[1], [2]], "max_tokens": 1, "n": 2, "stop": ["abc"]}
+        response = server.post("/v1/completions", json=at_the_limits)
+        assert response.status_code == 200 and len(response.json()["choices"]) == 4
+
+
 def test_a_killed_engine_is_logged_reaped_and_shown_in_metrics() -> None:
     with running_server(*HASH_SERVER) as server:
         engine_pid = server.engine_pid()
