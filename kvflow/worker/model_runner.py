@@ -49,7 +49,6 @@ class _PromptLogprobRows:
 class _StepArrays:
     """Numpy views of one step's batch that the post-forward state update needs."""
 
-    req_ids: list[str]  # request of each batch row
     slot_indices: np.ndarray  # [num_reqs] slot of each batch row
     num_scheduled: np.ndarray  # [num_reqs]
     sampled_rows: np.ndarray  # [num_sampled] batch rows that sample
@@ -276,7 +275,6 @@ class ModelRunner:
         sampled_rows = np.flatnonzero(samples)
         logits_indices = query_start_loc[sampled_rows + 1] - 1
         arrays = _StepArrays(
-            req_ids,
             slot_indices,
             num_scheduled,
             sampled_rows,
@@ -387,7 +385,9 @@ class ModelRunner:
         try:
             return self._sample_rows(model_output, slot_indices)
         except Exception as error:
-            return self._sample_isolating_faults(model_output, slot_indices, arrays, error)
+            return self._sample_isolating_faults(
+                model_output, slot_indices, batch.req_ids, arrays, error
+            )
 
     def _sample_rows(self, logits: torch.Tensor, slot_indices: np.ndarray) -> SamplerOutput:
         """Sample one token per row of `logits`, row i for the request in slot `slot_indices[i]`."""
@@ -409,6 +409,7 @@ class ModelRunner:
         self,
         logits: torch.Tensor,
         slot_indices: np.ndarray,
+        batch_req_ids: list[str],
         arrays: _StepArrays,
         error: Exception,
     ) -> SamplerOutput:
@@ -416,7 +417,7 @@ class ModelRunner:
         `arrays.failed` (the scheduler ends them with finish_reason "error") and sample the others as a batch.
         A failed row gets token 0 so that every slot advances as scheduled (its request is finished before its
         next token is read). Re-raises `error` when no row fails alone: the fault is not a request's."""
-        req_ids = [arrays.req_ids[row] for row in arrays.sampled_rows.tolist()]
+        req_ids = [batch_req_ids[row] for row in arrays.sampled_rows.tolist()]
         good_rows: list[int] = []
         for row in range(len(req_ids)):
             try:

@@ -39,16 +39,21 @@ from tests.entrypoints.server import (
 )
 
 TIMEOUT_S = 120.0  # hang guard
-HOSTILE_HASH_SERVER = [
-    "hash",
-    "--max-model-len",
-    "1024",
-    "--num-kv-blocks",
-    "4096",
-    "--max-num-seqs",
-    "256",
-    "--enable-admin-endpoints",
-]
+
+
+def load_benchmark(name: str) -> Any:
+    """A script of benchmarks/, loaded by path like a plain script."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"kvflow_benchmark_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+KEEPALIVE_BENCHMARK = load_benchmark("serve_keepalive")
+# The keep-alive benchmark's hash server (256 slots), with the admin endpoints.
+HOSTILE_HASH_SERVER = [*KEEPALIVE_BENCHMARK.SERVER_ARGS, "--enable-admin-endpoints"]
 # The default model, every server option at its default but the engine's size and the stream buffer (small, so
 # that the unread-stream test overflows it soon after the kernel's socket buffers, ~3 MiB on loopback).
 TEXT_SERVER = [
@@ -87,12 +92,15 @@ def trusting_server() -> Iterator[RemoteServer]:
         yield remote
 
 
+_EXPECTED_TEXT: dict[str, list[int]] = {}  # server URL -> its good request's tokens
+
+
 def expected_text(server: RemoteServer) -> list[int]:
-    """The greedy tokens of the default model's good request (deterministic): asked once per server."""
-    cache = server.__dict__.setdefault("_expected", {})
-    if "tokens" not in cache:
-        cache["tokens"] = text_tokens(server)
-    return cache["tokens"]
+    """The greedy tokens of the default model's good request (deterministic): asked once per server, the first
+    time, before any hostile request reaches it."""
+    if server.url not in _EXPECTED_TEXT:
+        _EXPECTED_TEXT[server.url] = text_tokens(server)
+    return _EXPECTED_TEXT[server.url]
 
 
 def text_tokens(server: RemoteServer) -> list[int]:
@@ -455,20 +463,10 @@ def test_ten_thousand_streamed_requests_over_a_keep_alive_pool_see_no_error(
 ) -> None:
     """The load of benchmarks/serve_keepalive.py (two-token streams through one httpx pool), 10,000 requests at
     concurrency 256; uvicorn's 5 s keep-alive failed about one request in 3,000 under it."""
-    benchmark = load_benchmark("serve_keepalive")
-    errors, _ = asyncio.run(asyncio.wait_for(benchmark.load(hash_server.url, 10_000, 256), 900))
+    load = KEEPALIVE_BENCHMARK.load(hash_server.url, 10_000, 256)
+    errors, _ = asyncio.run(asyncio.wait_for(load, 900))
     assert errors == []
     hash_server.wait_for_metric("kvflow:num_requests_running", 0)
-
-
-def load_benchmark(name: str) -> Any:
-    """A script of benchmarks/, loaded by path like a plain script."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"kvflow_benchmark_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------------------------------------------ random JSON

@@ -54,10 +54,12 @@ def check_unicode(value: Any) -> None:
     elif isinstance(value, list | dict):
         try:
             json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            _check_strings_in(value)  # to say which text, and where
-        except (RecursionError, ValueError, TypeError):
-            _check_strings_in(value)
+        except (
+            RecursionError,
+            ValueError,
+            TypeError,
+        ):  # a bad text (UnicodeEncodeError), or too deep
+            _check_strings_in(value)  # says which text, and where
 
 
 def _check_strings_in(value: Any) -> None:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
     from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
     from kvflow.outputs import RequestOutput
+    from kvflow.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -229,12 +230,8 @@ class OpenAIServing:
             )
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text`; a long text is tokenized on a worker thread (the tokenizer lets the event loop run
-        meanwhile), so one large prompt does not stall every other request."""
         assert self.tokenizer is not None
-        if len(text) < LONG_TEXT_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        return await encode_text(self.tokenizer, text, add_special_tokens)
 
     def request_id(self, raw_request: Request, body_request_id: str | None) -> str:
         """The X-Request-Id header, else the body's `request_id` (vLLM), else a fresh one; 400 if it is live."""
@@ -375,6 +372,14 @@ def _engine_prompt(prompt: PromptInput) -> dict[str, Any]:
     if prompt.text is not None:
         engine_prompt["prompt"] = prompt.text
     return engine_prompt
+
+
+async def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text`; a long text is tokenized on a worker thread (the tokenizer lets the event loop run
+    meanwhile), so one large prompt does not stall every other request."""
+    if len(text) < LONG_TEXT_CHARS:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
 
 
 def raise_if_failed(output: RequestOutput) -> None:

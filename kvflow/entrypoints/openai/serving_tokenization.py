@@ -8,7 +8,6 @@ skipped, as the output text of a completion is.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING
 
 from kvflow.entrypoints.openai.errors import OpenAIServingError
@@ -19,7 +18,7 @@ from kvflow.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from kvflow.entrypoints.openai.serving_chat import render_chat
-from kvflow.entrypoints.openai.serving_engine import LONG_TEXT_CHARS
+from kvflow.entrypoints.openai.serving_engine import encode_text
 
 if TYPE_CHECKING:
     from kvflow.engine.async_llm import AsyncLLM
@@ -62,10 +61,7 @@ class OpenAIServingTokenization:
             assert request.prompt is not None
             text = request.prompt
             add_special_tokens = request.add_special_tokens is not False
-        if len(text) < LONG_TEXT_CHARS:
-            token_ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        else:  # off the event loop (the tokenizer lets it run meanwhile)
-            token_ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+        token_ids = await encode_text(tokenizer, text, add_special_tokens)
         return TokenizeResponse(
             count=len(token_ids),
             max_model_len=self.models.max_model_len,
