@@ -25,6 +25,7 @@ __all__ = [
     "add_rms_norm",
     "cpu_kernels_available",
     "cpu_kernels_requested",
+    "decode_layer_max_rows",
     "gemm_kernel_wins",
     "gemm_kernel_wins_here",
     "linear",
@@ -45,6 +46,13 @@ _ELEMENTWISE_DTYPES = (torch.bfloat16, torch.float32)
 def cpu_kernels_available() -> bool:
     """Whether the compiled kernels are in use in this process (built, loaded and not disabled)."""
     return load_cpu_kernels() is not None
+
+
+def decode_layer_max_rows() -> int:
+    """The most rows one `decode_layer` call takes: the extension's `kMaxDecodeLayerRows` (kernels.h, the one source
+    of truth), or 0 when the kernels are not in use (no fused decode at all)."""
+    ops = load_cpu_kernels()
+    return 0 if ops is None else int(ops.MAX_DECODE_LAYER_ROWS)
 
 
 def gemm_kernel_wins(flags: Collection[str]) -> bool:

@@ -298,6 +298,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
   m.def("store_kv", &store_kv, "write the step's K/V into the paged cache at slot_mapping");
   m.def("decode_layer", &decode_layer, "one decoder layer of a decode-only step (returns out, residual)");
+  // The most rows one decode_layer call takes: Python reads it here, so kernels.h stays the one source of truth.
+  m.attr("MAX_DECODE_LAYER_ROWS") = py::int_(kvflow::kMaxDecodeLayerRows);
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;
