@@ -9,10 +9,11 @@ import torch
 
 from kvflow.batch import BatchInputs
 from kvflow.models.attention import (
+    ATTENTION_BACKENDS,
     AttentionBackend,
     TorchPagedAttention,
+    available_attention_backends,
     get_attention_backend,
-    register_attention_backend,
 )
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 64
@@ -147,10 +148,17 @@ def test_uneven_prefills_are_split_into_groups() -> None:
 
 def test_registry() -> None:
     assert get_attention_backend("torch") is TorchPagedAttention
-    with pytest.raises(ValueError, match=r"'flash-nope'.*torch"):
+    assert available_attention_backends() == ["cpu", "torch"]
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash-nope'.*torch"):
         get_attention_backend("flash-nope")
     with pytest.raises(ValueError, match="already registered"):
-        register_attention_backend("torch")(type("Other", (TorchPagedAttention,), {}))
+        ATTENTION_BACKENDS.register("torch", "somewhere.else:Other")
     with pytest.raises(ValueError, match="multiple"):
         TorchPagedAttention(num_heads=6, num_kv_heads=4, head_dim=8, scale=1.0)
     assert issubclass(TorchPagedAttention, AttentionBackend)
+
+
+def test_every_registered_backend_carries_its_registered_name() -> None:
+    for name in available_attention_backends():
+        backend = get_attention_backend(name)
+        assert issubclass(backend, AttentionBackend) and backend.name == name

@@ -19,7 +19,7 @@ class AttentionBackend(ABC):
     and mask work, so `forward` only writes the step's K/V at `batch.slot_mapping` and attends.
     """
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # the name `ATTENTION_BACKENDS` registers it under
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         if num_heads % num_kv_heads:

@@ -11,12 +11,11 @@ both the fallback and the reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvflow.kernels import load_cpu_kernels
-from kvflow.models.attention.registry import register_attention_backend
 from kvflow.models.attention.torch_paged import (
     TorchPagedAttention,
     TorchPagedMetadata,
@@ -53,10 +52,21 @@ class CpuPagedMetadata:
     torch_plan: TorchPagedMetadata
     decode: CpuDecodeRows | None
 
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """Every scheduled token's KV slot (int64, in token order)."""
+        return self.torch_plan.slot_mapping
 
-@register_attention_backend("cpu")
+    def decode_only_rows(self) -> CpuDecodeRows | None:
+        """The decode rows when the kernel attends the whole step (no prefill rows), else None: what a fused
+        decode-only step (`kvflow.models.fused_decode`) reads its paging from."""
+        return self.decode if self.decode is not None and not self.torch_plan.prefills else None
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """Torch backend with decode rows attended in C++ (see module docstring); same cache layout and K/V writes."""
+
+    name: ClassVar[str] = "cpu"
 
     def build_metadata(
         self, batch: BatchInputs, sliding_window: int | None = None

@@ -1,57 +1,37 @@
-"""Named attention backends, so a model can be built with `attention_backend="<name>"`."""
+"""Named attention backends, so a model can be built with `attention_backend="<name>"`: one `LazyRegistry` table.
+
+Invariants: this module imports no backend (the table holds import paths, resolved on lookup), so the backends never
+import it back; each registered class's `name` is the name it is registered under.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
+
+from kvflow.registry import LazyRegistry
 
 if TYPE_CHECKING:
     import torch
 
     from kvflow.models.attention.base import AttentionBackend
 
-BackendT = TypeVar("BackendT", bound="type[AttentionBackend]")
-
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
-
-
-def register_attention_backend(name: str) -> Callable[[BackendT], BackendT]:
-    """Class decorator: make the backend available as `get_attention_backend(name)`; a name is registered once."""
-
-    def register(backend: BackendT) -> BackendT:
-        existing = _BACKENDS.get(name)
-        if existing is not None and existing is not backend:
-            raise ValueError(
-                f"attention backend {name!r} is already registered ({existing.__qualname__})"
-            )
-        backend.name = name
-        _BACKENDS[name] = backend
-        return backend
-
-    return register
+ATTENTION_BACKENDS: LazyRegistry[type[AttentionBackend]] = LazyRegistry(
+    "attention backend",
+    {
+        "torch": "kvflow.models.attention.torch_paged:TorchPagedAttention",
+        "cpu": "kvflow.models.attention.cpu_paged:CpuPagedAttention",
+    },
+)
 
 
 def get_attention_backend(name: str) -> type[AttentionBackend]:
     """The backend class registered as `name`; an unknown name is a ValueError listing the known ones."""
-    _register_builtin_backends()
-
-    backend = _BACKENDS.get(name)
-    if backend is None:
-        raise ValueError(
-            f"unknown attention backend {name!r}; available: {', '.join(sorted(_BACKENDS))}"
-        )
-    return backend
+    return ATTENTION_BACKENDS.get(name)
 
 
 def available_attention_backends() -> list[str]:
     """The registered backend names, sorted."""
-    _register_builtin_backends()
-    return sorted(_BACKENDS)
-
-
-def _register_builtin_backends() -> None:
-    import kvflow.models.attention.cpu_paged  # registers "cpu"
-    import kvflow.models.attention.torch_paged  # noqa: F401  (registers "torch")
+    return sorted(ATTENTION_BACKENDS.names())
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:

@@ -14,13 +14,12 @@ All indices and masks are built once per forward in `build_metadata`; `forward` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from kvflow.models.attention.base import AttentionBackend
-from kvflow.models.attention.registry import register_attention_backend
 
 if TYPE_CHECKING:
     from kvflow.batch import BatchInputs
@@ -85,7 +84,6 @@ class TorchPagedMetadata:
     prefills: list[PrefillGroup]
 
 
-@register_attention_backend("torch")
 class TorchPagedAttention(AttentionBackend):
     """The reference paged backend: `index_copy_` writes, block-table gathers, masked SDPA (see module docstring).
 
@@ -94,6 +92,8 @@ class TorchPagedAttention(AttentionBackend):
     and values, overwritten by every gather and never read after the attention call that consumes it (reusing
     it avoids allocating, and page-faulting, megabytes per layer on CPU).
     """
+
+    name: ClassVar[str] = "torch"
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(
