@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 HASH_MODEL_NAME = "hash"
+# The architecture key of the hash model (it has no checkpoint); `kvflow.models.registry` maps it to the model class.
+HASH_MODEL_ARCHITECTURE = "HashModel"
 _HASH_MODEL_MAX_MODEL_LEN = 4096
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json keys that become request defaults (vLLM's list), and the SamplingParams field each sets.
@@ -71,7 +73,6 @@ def resolve_model_info(model: str | None) -> ModelInfo:
     path = resolve_model_path(model)
     if path is None:
         from kvflow.models.hash_model import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE
-        from kvflow.models.registry import HASH_MODEL_ARCHITECTURE
 
         return ModelInfo(
             HASH_MODEL_NAME,

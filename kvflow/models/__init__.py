@@ -10,6 +10,7 @@ from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import iterate_safetensors_weights, load_model, resolve_dtype
 from kvflow.models.registry import (
     HASH_MODEL_ARCHITECTURE,
+    MODEL_REGISTRY,
     SUPPORTED_ARCHITECTURES,
     build_model,
     get_model_class,
@@ -17,6 +18,7 @@ from kvflow.models.registry import (
 
 __all__ = [
     "HASH_MODEL_ARCHITECTURE",
+    "MODEL_REGISTRY",
     "SUPPORTED_ARCHITECTURES",
     "HashModel",
     "LlamaForCausalLM",

@@ -18,6 +18,9 @@ import torch
 
 if TYPE_CHECKING:
     from kvflow.batch import BatchInputs
+    from kvflow.config import ModelConfig
+    from kvflow.distributed import TensorParallelGroup
+    from kvflow.model_info import ModelInfo
 
 MODULUS = 2**31 - 1
 BASE = 1_000_003
@@ -78,6 +81,18 @@ class HashModel:
     def __init__(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> None:
         self.vocab_size = vocab_size
         self._powers = torch.ones(1, dtype=torch.int64)
+
+    @classmethod
+    def build(
+        cls,
+        model_config: ModelConfig,
+        model_info: ModelInfo,
+        device: torch.device,
+        tp: TensorParallelGroup | None = None,
+    ) -> HashModel:
+        """The hash model over `model_info`'s vocabulary (it has no weights; the runner moves its cache to `device`).
+        Replicated under tensor parallelism: it needs no collective, and every rank samples the same tokens."""
+        return cls(model_info.vocab_size)
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """One int64 per KV slot, -1 for never written."""

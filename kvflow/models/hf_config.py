@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvflow.models.registry import SUPPORTED_ARCHITECTURES, unsupported_architecture_error
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
@@ -159,8 +161,6 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
 def _architecture(raw: dict[str, Any]) -> str:
     """The first architecture kvflow supports in `architectures`, checked before any other key is read, so an
     unsupported model fails with the supported list rather than with a key only supported models have."""
-    from kvflow.models.registry import SUPPORTED_ARCHITECTURES, unsupported_architecture_error
-
     architectures = raw.get("architectures")
     if not architectures:
         raise KeyError("architectures")

@@ -9,6 +9,9 @@ if TYPE_CHECKING:
     import torch
 
     from kvflow.batch import BatchInputs
+    from kvflow.config import ModelConfig
+    from kvflow.distributed import TensorParallelGroup
+    from kvflow.model_info import ModelInfo
 
 
 class RunnerModel(Protocol):
@@ -23,10 +26,21 @@ class RunnerModel(Protocol):
         `[len(logits_indices), vocab_size]`, of which the runner's `Sampler` turns the first `num_sampled` into tokens;
       * `kv_cache_bytes_per_block(block_size)` is what one block of `make_kv_cache(num_blocks, block_size)` takes;
       * `load_weights(weights, strict)` copies Hugging Face-named tensors in place and raises ValueError for
-        anything it cannot load (every parameter must be given when `strict`); the shapes never change.
+        anything it cannot load (every parameter must be given when `strict`); the shapes never change;
+      * the class's `build(model_config, model_info, device, tp)` makes a ready-to-run model (weights loaded), as
+        `kvflow.models.registry.build_model` calls it.
     """
 
     samples_own_tokens: bool
+
+    @classmethod
+    def build(
+        cls,
+        model_config: ModelConfig,
+        model_info: ModelInfo,
+        device: torch.device,
+        tp: TensorParallelGroup | None = None,
+    ) -> RunnerModel: ...
 
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor: ...
 

@@ -1,18 +1,21 @@
-"""Which model runs which architecture, and how the worker builds it.
+"""Which model class runs which architecture: one `LazyRegistry` table, architecture -> "module:Class".
 
-A checkpoint's architecture is the Hugging Face name its config.json lists; every supported one shares
+A checkpoint's architecture is the Hugging Face name its config.json lists; every supported one is
 `kvflow.models.llama.LlamaForCausalLM` (the differences, such as q/k/v bias, q/k norm and sliding windows, come from
-the parsed config) and is built by loading the checkpoint. `HASH_MODEL_ARCHITECTURE` names the hash model, which has
-no checkpoint and is built from its `ModelInfo` alone.
+the parsed config). `HASH_MODEL_ARCHITECTURE` names the hash model, which has no checkpoint.
 
-Under tensor parallelism (`tp` of several ranks) a checkpoint model holds and reads only its rank's shard of every
-tensor; the hash model has no weights and runs replicated: every rank computes the same tokens.
+Invariants: this module imports no model (the table holds import paths, resolved on lookup), so any module may
+import it without a cycle; every registered class has `build(model_config, model_info, device, tp)`, which makes a
+ready-to-run model (a checkpoint model loads its weights, this rank's shard of them under tensor parallelism; the
+hash model has none and runs replicated).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from kvflow.model_info import HASH_MODEL_ARCHITECTURE
+from kvflow.registry import LazyRegistry
 
 if TYPE_CHECKING:
     import torch
@@ -22,27 +25,39 @@ if TYPE_CHECKING:
     from kvflow.model_info import ModelInfo
     from kvflow.models.interface import RunnerModel
 
-    ModelBuilder = Callable[
-        [ModelConfig, ModelInfo, torch.device, TensorParallelGroup | None], RunnerModel
-    ]
+_LLAMA = "kvflow.models.llama:LlamaForCausalLM"
 
-HASH_MODEL_ARCHITECTURE = "HashModel"
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
+MODEL_REGISTRY: LazyRegistry[type[RunnerModel]] = LazyRegistry(
+    "model architecture",
+    {
+        "LlamaForCausalLM": _LLAMA,
+        "Qwen2ForCausalLM": _LLAMA,
+        "Qwen3ForCausalLM": _LLAMA,
+        "MistralForCausalLM": _LLAMA,
+        HASH_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashModel",
+    },
 )
 
+# The architectures a checkpoint may name (the hash model has no checkpoint).
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
+    name for name in MODEL_REGISTRY.names() if name != HASH_MODEL_ARCHITECTURE
+)
 
-def get_model_class(architectures: list[str]) -> type:
-    """The kvflow model class for the first supported checkpoint architecture in a config's `architectures` list."""
+__all__ = [
+    "HASH_MODEL_ARCHITECTURE",
+    "MODEL_REGISTRY",
+    "SUPPORTED_ARCHITECTURES",
+    "build_model",
+    "get_model_class",
+    "unsupported_architecture_error",
+]
+
+
+def get_model_class(architectures: list[str]) -> type[RunnerModel]:
+    """The model class for the first supported checkpoint architecture in a config's `architectures` list."""
     for architecture in architectures:
         if architecture in SUPPORTED_ARCHITECTURES:
-            from kvflow.models.llama import LlamaForCausalLM
-
-            return LlamaForCausalLM
+            return MODEL_REGISTRY.get(architecture)
     raise unsupported_architecture_error(architectures)
 
 
@@ -52,44 +67,12 @@ def build_model(
     device: torch.device,
     tp: TensorParallelGroup | None = None,
 ) -> RunnerModel:
-    """The model `model_info.architecture` names, built on `device` the way the registry says (this rank's shard
-    of it under tensor parallelism `tp`)."""
-    builder = _MODEL_BUILDERS.get(model_info.architecture)
-    if builder is None:
+    """The model `model_info.architecture` names, built on `device` by its class's `build` (this rank's shard of
+    it under tensor parallelism `tp`)."""
+    if model_info.architecture not in MODEL_REGISTRY:
         raise unsupported_architecture_error([model_info.architecture])
-    return builder(model_config, model_info, device, tp)
-
-
-def _build_hash_model(
-    model_config: ModelConfig,
-    model_info: ModelInfo,
-    device: torch.device,
-    tp: TensorParallelGroup | None,
-) -> RunnerModel:
-    """The hash model over `model_info`'s vocabulary (it has no weights; the runner moves its cache to `device`).
-    Replicated under tensor parallelism: it needs no collective, and every rank samples the same tokens."""
-    from kvflow.models.hash_model import HashModel
-
-    return HashModel(model_info.vocab_size)
-
-
-def _load_checkpoint(
-    model_config: ModelConfig,
-    model_info: ModelInfo,
-    device: torch.device,
-    tp: TensorParallelGroup | None,
-) -> RunnerModel:
-    """The checkpoint folder's model with its weights (this rank's shards), in `model_config.dtype`."""
-    from kvflow.models.loader import load_model
-
-    assert model_info.path is not None, f"model {model_info.name!r} has no checkpoint folder"
-    return load_model(model_info.path, dtype=model_config.dtype, device=device, tp=tp)
-
-
-_MODEL_BUILDERS: dict[str, ModelBuilder] = {
-    HASH_MODEL_ARCHITECTURE: _build_hash_model,
-    **dict.fromkeys(SUPPORTED_ARCHITECTURES, _load_checkpoint),
-}
+    model_class = MODEL_REGISTRY.get(model_info.architecture)
+    return model_class.build(model_config, model_info, device, tp)
 
 
 def unsupported_architecture_error(architectures: list[str]) -> ValueError:

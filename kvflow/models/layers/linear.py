@@ -1,5 +1,9 @@
 """Linear layers whose weight may stack several checkpoint projections (fused QKV, fused gate/up), and their
-tensor-parallel forms (column-parallel: output rows split; row-parallel: input columns split, then all-reduced)."""
+tensor-parallel forms (column-parallel: output rows split; row-parallel: input columns split, then all-reduced).
+
+Each layer's `weight` and `bias` carry its `weight_loader` (see `kvflow.models.layers.weights`): it cuts this rank's
+part out of a checkpoint tensor (`checkpoint_index`) and copies it into the rows of shard `shard_id`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow import kernels
+from kvflow.models.layers.weights import (
+    CheckpointTensor,
+    copy_checked,
+    narrow,
+    set_weight_loader,
+)
 
 if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
@@ -21,7 +31,8 @@ class Linear(nn.Module):
 
     Invariants: `weight` is `[sum(output_sizes), input_size]` (and `bias`, when present, `[sum(output_sizes)]`);
     shard `i` owns rows `shard_rows(i)`, so one matmul computes every fused projection and the checkpoint's separate
-    tensors load into their own row ranges.
+    tensors load into their own row ranges (`weight_loader` with `shard_id=i`; `shard_id=None` is the whole
+    parameter, for an unfused layer or a checkpoint that ships the fused tensor).
     """
 
     def __init__(
@@ -47,17 +58,29 @@ class Linear(nn.Module):
             if bias
             else None
         )
+        set_weight_loader(self.weight, self.weight_loader)
+        set_weight_loader(self.bias, self.weight_loader)
 
-    def shard_rows(self, shard: int) -> slice:
-        """The rows of `weight` (and entries of `bias`) that shard `shard` occupies."""
+    def shard_rows(self, shard: int | None) -> slice:
+        """The rows of `weight` (and entries of `bias`) that shard `shard` occupies (None: all of them)."""
+        if shard is None:
+            return slice(None)
         start = sum(self.output_sizes[:shard])
         return slice(start, start + self.output_sizes[shard])
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | None = None
+    ) -> None:
+        """Copy this rank's part of checkpoint shard `shard_id`'s tensor into that shard's rows of `param`."""
+        param_name = "bias" if param is self.bias else "weight"
+        part = narrow(loaded_weight, self.checkpoint_index(param_name, shard_id))
+        copy_checked(param.data[self.shard_rows(shard_id)], part)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = kernels.linear(hidden_states, self.weight, self.bias)  # CPU GEMV/GEMM, else None
         return out if out is not None else F.linear(hidden_states, self.weight, self.bias)
 
-    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
+    def checkpoint_index(self, param_name: str, shard: int | None) -> tuple[slice, ...]:
         """The part of checkpoint shard `shard`'s tensor for `param_name` ("weight" or "bias") this layer holds:
         `()`, all of it (the layer is not split across ranks)."""
         return ()
@@ -85,7 +108,9 @@ class ColumnParallelLinear(Linear):
         )
         self.row_ranges = tuple(row_ranges)
 
-    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
+    def checkpoint_index(self, param_name: str, shard: int | None) -> tuple[slice, ...]:
+        if shard is None:  # a fused checkpoint tensor: whole (its rows are not contiguous per rank)
+            return ()
         start, length = self.row_ranges[shard]
         return (slice(start, start + length),)
 
@@ -95,8 +120,8 @@ class RowParallelLinear(Linear):
     the input (the split output of a `ColumnParallelLinear`), then one all-reduce sums the partial products.
 
     Invariants: `weight` is `[output_size, column_range[1]]`, columns `column_range` of the checkpoint's weight; the
-    bias (when the checkpoint has one, `has_checkpoint_bias`) lives on the first rank only, so the sum adds it once.
-    `forward` is the local matmul (`Linear.forward`) followed by `tp.all_reduce`, a no-op for one rank.
+    bias (when the checkpoint has one) is held whole by every rank but added by the first rank only, so the sum adds
+    it once. `forward` is the local matmul followed by `tp.all_reduce`, a no-op for one rank.
     """
 
     def __init__(
@@ -109,18 +134,20 @@ class RowParallelLinear(Linear):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        super().__init__(
-            column_range[1], output_size, bias=bias and tp.is_first_rank, dtype=dtype, device=device
-        )
+        super().__init__(column_range[1], output_size, bias=bias, dtype=dtype, device=device)
         self.column_range = column_range
-        self.has_checkpoint_bias = bias
+        self.adds_bias = tp.is_first_rank
         self.tp = tp
 
-    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
+    def checkpoint_index(self, param_name: str, shard: int | None) -> tuple[slice, ...]:
         if param_name == "bias":
             return ()
         start, length = self.column_range
         return (slice(None), slice(start, start + length))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(hidden_states))
+        bias = self.bias if self.adds_bias else None
+        out = kernels.linear(hidden_states, self.weight, bias)  # CPU GEMV/GEMM, else None
+        if out is None:
+            out = F.linear(hidden_states, self.weight, bias)
+        return self.tp.all_reduce(out)

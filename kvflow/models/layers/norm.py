@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kvflow import kernels
+from kvflow.models.layers.weights import default_weight_loader, set_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -24,6 +25,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(
             torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype

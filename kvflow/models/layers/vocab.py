@@ -1,5 +1,6 @@
 """Token embedding and the language-model head (which may share the embedding's weight), both vocab-parallel: with
-several tensor-parallel ranks each rank holds a contiguous part of the vocabulary's rows."""
+several tensor-parallel ranks each rank holds a contiguous part of the vocabulary's rows, and each weight's
+`weight_loader` copies just those rows of the checkpoint tensor."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 
 from kvflow import kernels
 from kvflow.distributed.parallel_state import TensorParallelGroup, vocab_partition
+from kvflow.models.layers.weights import CheckpointTensor, copy_checked, narrow, set_weight_loader
 
 
 class _VocabShard(nn.Module):
@@ -35,17 +37,22 @@ class _VocabShard(nn.Module):
             if self.tp.size > 1
             else torch.empty(self.vocab_size, hidden_size, dtype=dtype, device=device)
         )
-        return nn.Parameter(data, requires_grad=False)
+        weight = nn.Parameter(data, requires_grad=False)
+        set_weight_loader(weight, self.weight_loader)
+        return weight
 
-    def checkpoint_index(self, param_name: str, shard: int) -> tuple[slice, ...]:
+    def checkpoint_index(self, param_name: str, shard: int | None) -> tuple[slice, ...]:
         """The checkpoint rows this rank holds (`()`: all of them, with one rank)."""
         if self.tp.size == 1:
             return ()
         return (slice(self.vocab_start, self.vocab_start + self.num_vocab_rows),)
 
-    def checkpoint_destination(self) -> torch.Tensor:
-        """Where the checkpoint rows this rank holds are copied: the weight's first `num_vocab_rows` rows."""
-        return self.weight.data[: self.num_vocab_rows]
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | None = None
+    ) -> None:
+        """Copy the checkpoint rows this rank holds into the weight's first `num_vocab_rows` rows."""
+        part = narrow(loaded_weight, self.checkpoint_index("weight", shard_id))
+        copy_checked(param.data[: self.num_vocab_rows], part)
 
 
 class VocabEmbedding(_VocabShard):
