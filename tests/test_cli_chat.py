@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.entrypoints.cli.chat import Conversation, Reply, run_interruptibly, stream_reply
-from kvflow.tokenizer import Tokenizer, load_tokenizer
+from kvflow.tokenizer import Tokenizer, load_tokenizer, render_chat
 from tests.test_cli import (
     HASH_MODEL,
     SMALL_CACHE,
@@ -137,7 +137,7 @@ def test_chat_template_file_for_a_checkpoint_without_one(tmp_path: Path) -> None
     assert given.returncode == 0, given.stderr
     assert len(given.stdout.splitlines()) == 1
     no_file = run_chat("Hi\n", *args, "--chat-template", str(tmp_path / "absent.jinja"))
-    assert_one_line_error(no_file, "absent.jinja': no such file", command="chat")
+    assert_one_line_error(no_file, "absent.jinja' looks like a file path", command="chat")
 
 
 def test_chat_needs_a_tokenizer() -> None:
@@ -176,6 +176,29 @@ def test_conversation_drops_the_oldest_turns_but_never_the_system_prompt_or_the_
         conversation.prompt()
     conversation.drop_pending_user()
     assert conversation.turns == [] or conversation.turns[-1]["role"] == "assistant"
+
+
+def test_conversation_prompts_come_from_the_one_chat_renderer(
+    tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    """`kvflow chat` renders with `render_chat`: the same prompt as LLM.chat and the server, for a template file, a
+    template's text, or the checkpoint's own."""
+    template = "{% for m in messages %}[{{ m['role'] }}: {{ m['content'] }}]{% endfor %}"
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(template)
+    for chat_template in (None, template, str(template_file)):
+        conversation = Conversation(tokenizer, "Be brief.", chat_template, 1024, 16)
+        conversation.check_template()
+        conversation.add_user("Hi there")
+        prompt, dropped = conversation.prompt()
+        expected = render_chat(
+            tokenizer,
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+            chat_template=chat_template,
+        )
+        assert (prompt, dropped) == (expected.as_prompt(), 0)
+        if chat_template is not None:
+            assert prompt["prompt"] == "[system: Be brief.][user: Hi there]"
 
 
 def test_interrupting_a_reply_cancels_it_and_aborts_its_request() -> None:

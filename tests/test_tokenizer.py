@@ -18,7 +18,7 @@ from kvflow.default_model import (
     IM_START_TOKEN,
 )
 from kvflow.default_model.random_weights import build_random_model, build_tokenizer
-from kvflow.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
+from kvflow.tokenizer import ChatInputError, ChatTemplateError, Tokenizer, load_tokenizer
 
 UNICODE_TEXTS = [
     "Hello, world!",
@@ -133,20 +133,13 @@ def test_chat_template_renders_chatml(tokenizer: Tokenizer) -> None:
     assert text == without_prompt + "<|im_start|>assistant\n"
 
 
-def test_chat_template_accepts_content_parts(tokenizer: Tokenizer) -> None:
-    messages = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "text", "text": "Hello "},
-                {"type": "image"},
-                {"type": "text", "text": "there"},
-            ],
-        }
-    ]
-    assert tokenizer.apply_chat_template(messages).endswith(
-        "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+def test_chat_text_parts_are_joined_and_other_parts_refused(tokenizer: Tokenizer) -> None:
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]
+    assert tokenizer.apply_chat_template([{"role": "user", "content": parts}]).endswith(
+        "<|im_start|>user\nHello\nthere<|im_end|>\n<|im_start|>assistant\n"
     )
+    with pytest.raises(ChatInputError, match=r"content\[1\] is a 'image' part"):
+        tokenizer.apply_chat_template([{"role": "user", "content": [parts[0], {"type": "image"}]}])
 
 
 def test_encode_chat_has_a_single_bos(tokenizer: Tokenizer) -> None:
@@ -223,9 +216,9 @@ def test_template_errors(tokenizer: Tokenizer, tmp_path: Path) -> None:
         tokenizer.apply_chat_template(MESSAGES, chat_template="{% if %}")
     with pytest.raises(ChatTemplateError, match="undefined"):
         tokenizer.apply_chat_template(MESSAGES, chat_template="{{ nothing.here }}")
-    with pytest.raises(ValueError, match="list of dicts"):
+    with pytest.raises(ChatInputError, match="messages must be a list"):
         tokenizer.apply_chat_template("Hi")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="JSON-schema"):
+    with pytest.raises(ChatInputError, match="JSON-schema"):
         tokenizer.apply_chat_template(MESSAGES, tools=[print])  # type: ignore[list-item]
     no_template = load_tokenizer(_write_folder(tmp_path / "bare", config={"bos_token": BOS_TOKEN}))
     assert no_template.chat_template is None

@@ -34,6 +34,8 @@ def test_serve_takes_the_server_flags_and_every_engine_option() -> None:
         "--served-model-name",
         "m",
         "--enable-admin-endpoints",
+        "--chat-template",
+        "served.jinja",
     ]
     engine_flags = [
         "--max-num-seqs",
@@ -45,6 +47,7 @@ def test_serve_takes_the_server_flags_and_every_engine_option() -> None:
     args = build_parser().parse_args(["serve", "hash", *server_flags, *engine_flags])
     assert (args.model_tag, args.host, args.port, args.api_key) == ("hash", "127.0.0.1", 0, "k")
     assert (args.served_model_name, args.enable_admin_endpoints) == ("m", True)
+    assert args.chat_template == "served.jinja"  # loaded once the checkpoint's tokenizer is known
     assert (args.max_num_seqs, args.enable_prefix_caching, args.scheduling_policy) == (
         4,
         False,
@@ -56,11 +59,13 @@ def test_serve_takes_the_server_flags_and_every_engine_option() -> None:
         defaults.port,
         defaults.api_key,
         defaults.enable_admin_endpoints,
+        defaults.chat_template,
     ) == (
         None,
         8000,
         None,
         False,
+        None,
     )
 
 
@@ -79,6 +84,7 @@ def test_help_lists_the_flags() -> None:
         "--api-key",
         "--served-model-name",
         "--enable-admin-endpoints",
+        "--chat-template",
         "--max-model-len",
     ):
         assert flag in result.stdout

@@ -25,8 +25,10 @@ from typing import Any
 import httpx
 import pytest
 
+from kvflow.default_model import ensure_default_model
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.testing.hash_model import reference_tokens
+from kvflow.tokenizer import load_tokenizer, render_chat
 from tests.entrypoints.server import (
     DEFAULT_SERVER,
     HASH_SERVER,
@@ -282,6 +284,55 @@ def test_a_trusted_request_template_renders_the_prompt(trusting_server: RemoteSe
     )
     assert response.status_code == plain.status_code == 200
     assert response.json()["tokens"] == plain.json()["tokens"]
+
+
+def test_a_sandboxed_template_renders_through_the_one_chat_renderer(
+    trusting_server: RemoteServer,
+) -> None:
+    """Content parts, tool calls and continue_final_message reach a request template in the sandbox exactly as
+    they reach a trusted one in-process (`prepare_chat`, the sandbox's render, `PreparedChat.finish`)."""
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% if m.tool_calls %}{{ m.tool_calls[0].function.arguments.city }}{% endif %}{% endfor %}<end>"
+    )
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "c",
+                    "type": "function",
+                    "function": {"name": "w", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c", "content": "22 C"},
+        {"role": "assistant", "content": "It is"},
+    ]
+    body = {
+        "messages": messages,
+        "chat_template": template,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    response = trusting_server.post("/tokenize", json=body)
+    assert response.status_code == 200, response.text
+    expected = render_chat(
+        load_tokenizer(ensure_default_model()),
+        messages,
+        chat_template=template,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    assert (
+        expected.prompt_text == "<user>Weather\nin Paris?<assistant>Paris<tool>22 C<assistant>It is"
+    )
+    assert response.json()["tokens"] == expected.prompt_token_ids
 
 
 def test_thousands_of_distinct_request_templates_do_not_grow_the_server(

@@ -15,7 +15,6 @@ import sys
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvflow.entrypoints.cli.args import (
@@ -78,7 +77,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 # ---------------------------------------------------------------------------------------------------- conversation
 class Conversation:
-    """The messages of one chat and the prompt they make.
+    """The messages of one chat and the prompt they make (rendered by `kvflow.tokenizer.chat.render_chat`, which
+    reads `chat_template` as `LLM.chat` and the server do: a file, a template, or one of the checkpoint's).
 
     Invariants: `turns` alternate user, assistant, user, ... (so it ends with a user message exactly while a reply
     is pending); the system prompt is never dropped; `prompt()` keeps the newest user message.
@@ -135,10 +135,10 @@ class Conversation:
         return {"prompt": text, "prompt_token_ids": token_ids}, dropped
 
     def _encode(self, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
-        text = self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, add_generation_prompt=True
-        )
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        from kvflow.tokenizer.chat import render_chat  # not at import: `kvflow --help` stays light
+
+        rendered = render_chat(self.tokenizer, messages, chat_template=self.chat_template)
+        return rendered.prompt_text, rendered.prompt_token_ids
 
 
 @dataclass
@@ -221,7 +221,7 @@ def _make_conversation(llm: AsyncLLM, args: argparse.Namespace) -> Conversation:
     conversation = Conversation(
         tokenizer,
         args.system,
-        resolve_chat_template(args.chat_template, tokenizer),
+        args.chat_template,
         llm.engine_config.model_config.max_model_len,
         args.max_tokens,
     )
@@ -231,22 +231,6 @@ def _make_conversation(llm: AsyncLLM, args: argparse.Namespace) -> Conversation:
         hint = "" if args.chat_template else " (--chat-template FILE gives one)"
         raise CommandError(f"{error}{hint}") from error
     return conversation
-
-
-def resolve_chat_template(value: str | None, tokenizer: Tokenizer) -> str | None:
-    """`--chat-template`: a file's contents, one of the checkpoint's named templates, or an inline template."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    if value in tokenizer.named_chat_templates or "{" in value:
-        return value
-    named = sorted(tokenizer.named_chat_templates)
-    raise CommandError(
-        f"--chat-template {value!r}: no such file"
-        + (f" (the checkpoint's named templates: {', '.join(named)})" if named else "")
-    )
 
 
 def _chat_loop(

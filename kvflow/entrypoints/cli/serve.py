@@ -8,8 +8,10 @@ The port is bound before the model loads, so a port in use fails at once; the se
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
+from typing import TYPE_CHECKING
 
 from kvflow.entrypoints.cli.args import LOGGING_EPILOG, HelpFormatter
 from kvflow.entrypoints.cli.engine import CommandError, make_async_llm
@@ -18,6 +20,9 @@ from kvflow.entrypoints.openai.server_config import (
     ServerConfig,
     ServingLimits,
 )
+
+if TYPE_CHECKING:
+    from kvflow.engine.async_llm import AsyncLLM
 
 API_KEY_ENV = "KVFLOW_API_KEY"
 LISTEN_BACKLOG = 2048  # uvicorn's default
@@ -84,6 +89,14 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="render chat templates sent in requests ('chat_template'), in a sandbox process with a "
         f"{REQUEST_TEMPLATE_TIMEOUT_S:g} s time limit; without it they are refused (400)",
+    )
+    server.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="the server's chat template: a Jinja file, the template itself, or the name of one of the "
+        "checkpoint's templates (a value that is none of these is an error at startup); default: the "
+        "checkpoint's. A request's own 'chat_template' still wins (see --trust-request-chat-template)",
     )
     server.add_argument(
         "--timeout-keep-alive",
@@ -195,11 +208,36 @@ def run_serve(args: argparse.Namespace) -> None:
         )
         engine = make_async_llm(args, stat_loggers=[stat_logger])
         try:
+            config = dataclasses.replace(
+                config, chat_template=load_server_chat_template(args.chat_template, engine)
+            )
             run_server(engine, config, stat_logger, sock)
         finally:
             engine.shutdown()
     finally:
         sock.close()
+
+
+def load_server_chat_template(value: str | None, engine: AsyncLLM) -> str | None:
+    """`--chat-template`, loaded by vLLM's rule (`load_chat_template`: a file is read, a template kept) once the
+    checkpoint's tokenizer is known (its named templates count too) and compiled; CommandError for a value that is
+    none of these, or a template that is not valid Jinja."""
+    if value is None:
+        return None
+    tokenizer = engine.get_tokenizer()
+    if tokenizer is None:
+        raise CommandError(
+            f"--chat-template: model {engine.model_info.name!r} has no tokenizer (--skip-tokenizer-init, or "
+            "the hash model), so no chat endpoint to template"
+        )
+    from kvflow.tokenizer import compile_chat_template, load_chat_template
+
+    try:
+        template = load_chat_template(value, named_templates=tokenizer.named_chat_templates)
+        compile_chat_template(tokenizer.chat_template_source(template))  # a syntax error fails now
+    except ValueError as error:
+        raise CommandError(f"--chat-template: {error}") from error
+    return template
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

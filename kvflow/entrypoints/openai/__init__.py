@@ -7,6 +7,7 @@ protocol.py              pydantic request and response bodies, in OpenAI's and v
 serving_engine.py        what the completion and chat handlers share: ids, limits, prompts, sampling params, streams
 serving_completion.py    POST /v1/completions
 serving_chat.py          POST /v1/chat/completions
+chat_prompt.py           a chat request's prompt text: the one chat renderer plus the server's template trust rules
 serving_tokenization.py  POST /tokenize, POST /detokenize
 template_sandbox.py      chat templates sent by clients, rendered in a child process with time/memory/output limits
 serving_models.py        the served model's name and GET /v1/models

@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.engine.async_llm import EngineDeadError
+from kvflow.entrypoints.openai.chat_prompt import ChatPromptRenderer
 from kvflow.entrypoints.openai.errors import (
     OpenAIServingError,
     error_response,
@@ -155,13 +156,14 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan)
     models = OpenAIServingModels(engine, config.served_model_name)
     live_requests = LiveRequests()
-    serving = (engine, models, live_requests, config.limits, template_sandbox)
+    chat_prompt = ChatPromptRenderer(engine.get_tokenizer(), config.chat_template, template_sandbox)
+    serving = (engine, models, live_requests, config.limits)
     app.state.engine = engine
     app.state.metrics = stat_logger
     app.state.serving_models = models
     app.state.serving_completion = OpenAIServingCompletion(*serving)
-    app.state.serving_chat = OpenAIServingChat(*serving)
-    app.state.serving_tokenization = OpenAIServingTokenization(engine, models, template_sandbox)
+    app.state.serving_chat = OpenAIServingChat(*serving, chat_prompt=chat_prompt)
+    app.state.serving_tokenization = OpenAIServingTokenization(engine, models, chat_prompt)
     app.state.rl_control = RLControl(engine, live_requests)
     app.include_router(router)
     app.include_router(control_router)

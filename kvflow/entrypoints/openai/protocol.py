@@ -227,7 +227,8 @@ class CompletionStreamResponse(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions. `messages` are checked by the tokenizer's chat-template rendering."""
+    """POST /v1/chat/completions. `messages` and the template fields are checked by the chat renderer
+    (`kvflow.tokenizer.chat`)."""
 
     messages: list[dict[str, Any]]
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -340,6 +341,7 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None

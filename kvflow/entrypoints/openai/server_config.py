@@ -45,7 +45,9 @@ class ServerConfig:
     at the moment the server closes it: with both at uvicorn's 5 s default, connections that went idle together
     were closed under requests just sent on them (a ReadError at the client, nothing in the server log).
     `trust_request_chat_template`: render chat templates sent with requests (in a sandbox process); refused
-    otherwise, as in vLLM.
+    otherwise, as in vLLM. `chat_template`: the server's default chat template (`--chat-template`), already loaded
+    (`kvflow.tokenizer.chat.load_chat_template`): the template's text or the name of one of the checkpoint's
+    templates; None, the checkpoint's default. Requests that send their own `chat_template` use theirs.
     """
 
     host: str = "127.0.0.1"
@@ -54,6 +56,7 @@ class ServerConfig:
     api_key: str | None = None
     enable_admin_endpoints: bool = False
     trust_request_chat_template: bool = False
+    chat_template: str | None = None
     limits: ServingLimits = field(default_factory=ServingLimits)
     timeout_keep_alive_s: float = 75.0
     uvicorn_log_level: str = "warning"

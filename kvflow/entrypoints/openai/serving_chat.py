@@ -1,8 +1,10 @@
-"""POST /v1/chat/completions: the conversation is rendered with the checkpoint's chat template (or the request's
-`chat_template`), tokenized without adding special tokens again (the template places them), and generated from.
+"""POST /v1/chat/completions: the conversation is rendered by the one chat renderer (`chat_prompt.py` over
+`kvflow.tokenizer.chat`: the request's `chat_template`, the server's `--chat-template`, or the checkpoint's),
+tokenized without adding special tokens again (the template places them), and generated from.
 
 Content given as a list of parts must be text parts; they are joined with newlines, as vLLM does for templates that
-expect string content. Tool calls are not parsed: `tools` reach the template, `tool_choice` must be "none".
+expect string content. `continue_final_message` continues the last message instead of starting a new one. Tool calls
+are not parsed: `tools` reach the template, `tool_choice` must be "none".
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvflow.entrypoints.openai.chat_prompt import ChatPromptRenderer
 from kvflow.entrypoints.openai.errors import OpenAIServingError
 from kvflow.entrypoints.openai.logprobs import (
     chat_logprobs,
@@ -41,27 +44,30 @@ from kvflow.entrypoints.openai.serving_engine import (
     sse_event,
     stream_error_event,
 )
-from kvflow.tokenizer import ChatTemplateError
 
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
     from kvflow.outputs import CompletionOutput
-    from kvflow.tokenizer import Tokenizer
 
 _FIELDS = frozenset(ChatCompletionRequest.model_fields)
 ASSISTANT = "assistant"
-# Template variables the request sets through its own fields.
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "tools", "add_generation_prompt", "chat_template"}
-)
 
 
 class OpenAIServingChat(OpenAIServing):
     """Serves /v1/chat/completions (streamed as server-sent events, or whole)."""
 
     aliases = {"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs"}
+
+    def __init__(
+        self, *args: Any, chat_prompt: ChatPromptRenderer | None = None, **kwargs: Any
+    ) -> None:
+        """`OpenAIServing`'s arguments, and `chat_prompt`: how conversations become prompt text (default: the
+        checkpoint's templates only, request templates refused)."""
+        super().__init__(*args, **kwargs)
+        self.chat_prompt = (
+            chat_prompt if chat_prompt is not None else ChatPromptRenderer(self.tokenizer)
+        )
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
@@ -90,19 +96,13 @@ class OpenAIServingChat(OpenAIServing):
 
     # ------------------------------------------------------------------------------------------------ prompt
     async def _prompt(self, request: ChatCompletionRequest) -> PromptInput:
-        if self.tokenizer is None:
-            raise OpenAIServingError(
-                "this model has no tokenizer, so no chat template: use /v1/completions with token ids",
-                param="messages",
-            )
-        text = await render_chat(
-            self.tokenizer,
+        text = await self.chat_prompt.render(
             request.messages,
-            add_generation_prompt=request.add_generation_prompt,
             chat_template=request.chat_template,
+            chat_template_kwargs=request.chat_template_kwargs,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
             tools=request.tools,
-            template_kwargs=request.chat_template_kwargs,
-            template_sandbox=self.template_sandbox,
         )
         token_ids = await self.encode(text, request.add_special_tokens)
         if request.max_completion_tokens is not None:
@@ -280,94 +280,10 @@ def _check_chat_fields(request: ChatCompletionRequest) -> None:
         raise OpenAIServingError(
             "kvflow does not parse tool calls: tool_choice must be 'none'", param="tool_choice"
         )
-    if request.continue_final_message:
-        raise OpenAIServingError(
-            "continue_final_message is not supported by kvflow", param="continue_final_message"
-        )
     if request.top_logprobs is not None and not request.logprobs:
         raise OpenAIServingError(
             "when using top_logprobs, logprobs must be set to true", param="top_logprobs"
         )
-
-
-async def render_chat(
-    tokenizer: Tokenizer,
-    messages: list[dict[str, Any]],
-    *,
-    add_generation_prompt: bool,
-    chat_template: str | None,
-    tools: list[dict[str, Any]] | None,
-    template_kwargs: dict[str, Any] | None,
-    template_sandbox: TemplateSandbox | None,
-) -> str:
-    """The prompt text of a conversation (what /v1/chat/completions and /tokenize both render); 400 naming
-    `messages`, `chat_template`, `chat_template_kwargs` or `tools` when it cannot be rendered.
-
-    The checkpoint's own templates (its default, or one of its named ones) render here. A template source sent by
-    the client renders in `template_sandbox` (time, memory and output limits), and is refused without one, as
-    vLLM refuses it without `--trust-request-chat-template`."""
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
-    if reserved:
-        raise OpenAIServingError(
-            f"chat_template_kwargs may not set {reserved}: use the request's own fields",
-            param="chat_template_kwargs",
-        )
-    trusted = tokenizer.is_named_chat_template(chat_template)
-    if not trusted and template_sandbox is None:
-        raise OpenAIServingError(
-            "chat_template was passed with the request, but this server does not render request chat "
-            "templates: start it with --trust-request-chat-template, or pass the name of one of the "
-            "checkpoint's templates",
-            param="chat_template",
-        )
-    try:
-        if trusted:
-            return tokenizer.apply_chat_template(
-                text_messages(messages),
-                add_generation_prompt=add_generation_prompt,
-                chat_template=chat_template,
-                tools=tools,
-                **(template_kwargs or {}),
-            )
-        source, variables = tokenizer.chat_template_inputs(
-            text_messages(messages),
-            add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template,
-            tools=tools,
-            **(template_kwargs or {}),
-        )
-        assert template_sandbox is not None
-        return await template_sandbox.render(source, variables)
-    except ChatTemplateError as error:
-        param = "chat_template" if chat_template is not None else "messages"
-        raise OpenAIServingError(str(error), param=param) from error
-    except ValueError as error:
-        raise OpenAIServingError(str(error), param="messages") from error
-    except TypeError as error:
-        raise OpenAIServingError(str(error), param="tools") from error
-
-
-def text_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages whose content is a list of text parts get those texts joined by newlines (other part types are a
-    400: kvflow serves text models); everything else passes through to the template's own checks."""
-    result = []
-    for index, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise OpenAIServingError(
-                        f"messages[{index}]: content parts of type {kind!r} are not supported "
-                        "(text only)",
-                        param="messages",
-                    )
-                texts.append(part.get("text"))
-            if all(isinstance(text, str) for text in texts):
-                message = {**message, "content": "\n".join(texts)}
-        result.append(message)
-    return result
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:

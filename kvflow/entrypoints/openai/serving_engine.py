@@ -48,7 +48,6 @@ if TYPE_CHECKING:
     from kvflow.engine.input_processor import ProcessedPrompt
     from kvflow.entrypoints.openai.protocol import SamplingFields
     from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
-    from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
     from kvflow.outputs import RequestOutput
     from kvflow.tokenizer import Tokenizer
 
@@ -140,15 +139,11 @@ class OpenAIServing:
         models: OpenAIServingModels,
         live_requests: LiveRequests,
         limits: ServingLimits | None = None,
-        template_sandbox: TemplateSandbox | None = None,
     ) -> None:
-        """`template_sandbox`: where chat templates sent by clients render (`--trust-request-chat-template`);
-        None refuses them."""
         self.engine = engine
         self.models = models
         self.live_requests = live_requests
         self.limits = limits if limits is not None else ServingLimits()
-        self.template_sandbox = template_sandbox
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = models.max_model_len
         self.default_sampling_params = engine.get_default_sampling_params()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvflow.entrypoints.openai.chat_prompt import ChatPromptRenderer
 from kvflow.entrypoints.openai.errors import OpenAIServingError
 from kvflow.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -17,13 +18,11 @@ from kvflow.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from kvflow.entrypoints.openai.serving_chat import render_chat
 from kvflow.entrypoints.openai.serving_engine import encode_text
 
 if TYPE_CHECKING:
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
-    from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
     from kvflow.tokenizer import Tokenizer
 
 
@@ -34,12 +33,16 @@ class OpenAIServingTokenization:
         self,
         engine: AsyncLLM,
         models: OpenAIServingModels,
-        template_sandbox: TemplateSandbox | None = None,
+        chat_prompt: ChatPromptRenderer | None = None,
     ) -> None:
+        """`chat_prompt`: how `messages` become prompt text, as /v1/chat/completions renders them (default: the
+        checkpoint's templates only)."""
         self.tokenizer = engine.get_tokenizer()
         self.vocab_size = engine.model_info.vocab_size
         self.models = models
-        self.template_sandbox = template_sandbox
+        self.chat_prompt = (
+            chat_prompt if chat_prompt is not None else ChatPromptRenderer(self.tokenizer)
+        )
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.models.check_model(request.model)
@@ -47,14 +50,13 @@ class OpenAIServingTokenization:
             raise OpenAIServingError("give either prompt or messages", param="prompt")
         tokenizer = self._tokenizer("prompt" if request.messages is None else "messages")
         if request.messages is not None:
-            text = await render_chat(
-                tokenizer,
+            text = await self.chat_prompt.render(
                 request.messages,
-                add_generation_prompt=request.add_generation_prompt,
                 chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
                 tools=request.tools,
-                template_kwargs=request.chat_template_kwargs,
-                template_sandbox=self.template_sandbox,
             )
             add_special_tokens = bool(request.add_special_tokens)
         else:

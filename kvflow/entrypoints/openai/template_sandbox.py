@@ -10,9 +10,9 @@ be stopped. So a request's template renders in a child process, one render at a 
   * an address-space limit (`memory_limit_bytes` above what the child holds after start-up): a huge allocation is a
     MemoryError there, a ChatTemplateError here;
   * an output limit (`max_output_chars`): rendering stops as soon as the text grows past it;
-  * compiled templates are cached in the child, least recently used out past `COMPILED_TEMPLATE_CACHE_SIZE`.
+  * compiled templates are cached in the child (`CompiledTemplates`, least recently used out).
 
-The child is started on the first render (a spawned interpreter importing jinja2 and kvflow's tokenizer module,
+The child is started on the first render (a spawned interpreter importing jinja2 and `kvflow.tokenizer.template`,
 not torch), is a daemon of the server process, and exits on its own when the server goes away (its end of the
 pipe closes). Templates the checkpoint ships are trusted and render in the server process.
 """
@@ -24,23 +24,15 @@ import logging
 import multiprocessing
 import resource
 import threading
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from kvflow.entrypoints.openai.server_config import REQUEST_TEMPLATE_TIMEOUT_S
-from kvflow.tokenizer import (
-    COMPILED_TEMPLATE_CACHE_SIZE,
-    ChatTemplateError,
-    compile_chat_template,
-    render_chat_template,
-)
+from kvflow.tokenizer.template import ChatTemplateError, CompiledTemplates, render_chat_template
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
-
-    import jinja2
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +143,7 @@ def serve_renders(connection: Connection, max_output_chars: int, memory_limit_by
     """The child's loop: answer `(source, variables)` with `(True, text)` or `(False, error message)` until the
     parent closes its end of the pipe."""
     _limit_address_space(memory_limit_bytes)
-    cache: OrderedDict[str, jinja2.Template] = OrderedDict()
+    templates = CompiledTemplates()
     connection.send("ready")
     while True:
         try:
@@ -161,7 +153,7 @@ def serve_renders(connection: Connection, max_output_chars: int, memory_limit_by
         try:
             answer = (
                 True,
-                render_chat_template(_compiled(cache, source), variables, max_output_chars),
+                render_chat_template(templates.get(source), variables, max_output_chars),
             )
         except MemoryError:
             answer = (False, "chat template used more memory than this server allows")
@@ -173,18 +165,6 @@ def serve_renders(connection: Connection, max_output_chars: int, memory_limit_by
             connection.send(answer)
         except (BrokenPipeError, OSError):
             return
-
-
-def _compiled(cache: OrderedDict[str, jinja2.Template], source: str) -> jinja2.Template:
-    template = cache.get(source)
-    if template is None:
-        template = compile_chat_template(source)
-        cache[source] = template
-        if len(cache) > COMPILED_TEMPLATE_CACHE_SIZE:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(source)
-    return template
 
 
 def _limit_address_space(extra_bytes: int) -> None:
