@@ -10,10 +10,10 @@ are not parsed: `tools` reach the template, `tool_choice` must be "none".
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvflow.entrypoints.openai.chat_prompt import ChatPromptRenderer
 from kvflow.entrypoints.openai.errors import OpenAIServingError
@@ -33,22 +33,19 @@ from kvflow.entrypoints.openai.protocol import (
 )
 from kvflow.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
-    SSE_DONE,
     OpenAIServing,
     PromptInput,
-    bounded_stream,
     cached_tokens,
     make_usage,
     raise_if_failed,
     run_until_disconnected,
-    sse_event,
-    stream_error_event,
 )
+from kvflow.entrypoints.openai.streaming import StreamChunk, StreamUsage, sse_response, sse_stream
 
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from kvflow.outputs import CompletionOutput
+    from kvflow.outputs import CompletionOutput, RequestOutput
 
 _FIELDS = frozenset(ChatCompletionRequest.model_fields)
 ASSISTANT = "assistant"
@@ -79,13 +76,10 @@ class OpenAIServingChat(OpenAIServing):
         response_id = f"chatcmpl-{request_id}"
         echo = _echo_text(request)
         if request.stream:
-            return StreamingResponse(
-                bounded_stream(
-                    self._stream(request, request_id, response_id, prompt, echo),
-                    self.limits.max_stream_buffer_bytes,
-                    request_id,
-                ),
-                media_type="text/event-stream",
+            return sse_response(
+                self._stream(request, request_id, response_id, prompt, echo),
+                self.limits.max_stream_buffer_bytes,
+                request_id,
             )
         response = await run_until_disconnected(
             raw_request, self._complete(request, request_id, response_id, prompt, echo)
@@ -138,7 +132,7 @@ class OpenAIServingChat(OpenAIServing):
             ChatCompletionResponseChoice(
                 index=output.index,
                 message=ChatMessage(role=ASSISTANT, content=echo + output.text),
-                logprobs=self._logprobs(request, output),
+                logprobs=self.logprobs(request, output),
                 finish_reason=output.finish_reason,
                 stop_reason=output.stop_reason,
                 token_ids=list(output.token_ids) if request.return_token_ids else None,
@@ -160,7 +154,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_token_ids=prompt.token_ids if request.return_token_ids else None,
         )
 
-    def _logprobs(self, request: ChatCompletionRequest, output: CompletionOutput) -> Any:
+    def logprobs(self, request: ChatCompletionRequest, output: CompletionOutput) -> Any:
         if not request.logprobs:
             return None
         return chat_logprobs(
@@ -171,7 +165,7 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     # ------------------------------------------------------------------------------------------------ stream
-    async def _stream(
+    def _stream(
         self,
         request: ChatCompletionRequest,
         request_id: str,
@@ -179,70 +173,25 @@ class OpenAIServingChat(OpenAIServing):
         prompt: PromptInput,
         echo: str,
     ) -> AsyncGenerator[str, None]:
-        """Server-sent events: per choice a first chunk with the role (and the echoed text), then one chunk per new
-        piece, the last carrying `finish_reason`; the usage chunk if asked for; `[DONE]`."""
+        """Server-sent events (`sse_stream`): per choice a first chunk with the role (and one with the echoed
+        text), then one chunk per new piece, the last carrying `finish_reason`."""
         created = int(time.time())
-        num_tokens = [0] * request.n
-        num_prompt_tokens = len(prompt.token_ids)
-        options = request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
-        num_cached = 0
-        started = False
-        try:
-            async for _, result in self.generate(request_id, [prompt], request.priority):
-                raise_if_failed(result)
-                num_cached = cached_tokens(result)
-                if not started:
-                    started = True
-                    for index in range(request.n):
-                        chunk = self._chunk(
-                            response_id, created, index, DeltaMessage(role=ASSISTANT, content="")
-                        )
-                        if request.return_token_ids:
-                            chunk.prompt_token_ids = prompt.token_ids
-                        if continuous_usage:
-                            chunk.usage = make_usage(num_prompt_tokens, 0, num_cached)
-                        yield sse_event(chunk)
-                        if echo:
-                            yield sse_event(
-                                self._chunk(response_id, created, index, DeltaMessage(content=echo))
-                            )
-                for output in result.outputs:
-                    if not output.text and not output.token_ids and output.finish_reason is None:
-                        continue
-                    num_tokens[output.index] += len(output.token_ids)
-                    chunk = self._chunk(
-                        response_id,
-                        created,
-                        output.index,
-                        DeltaMessage(content=output.text),
-                        logprobs=self._logprobs(request, output),
-                        finish_reason=output.finish_reason,
-                        stop_reason=output.stop_reason,
-                    )
-                    if request.return_token_ids:
-                        chunk.choices[0].token_ids = list(output.token_ids)
-                    if continuous_usage:
-                        chunk.usage = make_usage(
-                            num_prompt_tokens, num_tokens[output.index], num_cached
-                        )
-                    yield sse_event(chunk)
-            if include_usage:
-                chunk = ChatCompletionStreamResponse(
-                    id=response_id,
-                    object="chat.completion.chunk",
-                    created=created,
-                    model=self.models.served_model_name,
-                    choices=[],
-                    usage=make_usage(num_prompt_tokens, sum(num_tokens), num_cached),
-                )
-                yield sse_event(chunk)
-        except Exception as error:
-            yield stream_error_event(error, request_id)
-        yield SSE_DONE
+        return sse_stream(
+            self.generate(request_id, [prompt], request.priority),
+            request_id=request_id,
+            stream_options=request.stream_options,
+            usage=StreamUsage([len(prompt.token_ids)], request.n),
+            build_chunks=_ChatChunks(self, request, response_id, created, prompt, echo),
+            usage_chunk=lambda: ChatCompletionStreamResponse(
+                id=response_id,
+                object="chat.completion.chunk",
+                created=created,
+                model=self.models.served_model_name,
+                choices=[],
+            ),
+        )
 
-    def _chunk(
+    def stream_chunk(
         self,
         response_id: str,
         created: int,
@@ -284,6 +233,63 @@ def _check_chat_fields(request: ChatCompletionRequest) -> None:
         raise OpenAIServingError(
             "when using top_logprobs, logprobs must be set to true", param="top_logprobs"
         )
+
+
+class _ChatChunks:
+    """The chunk builder of one streamed chat completion (`sse_stream`'s `build_chunks`).
+
+    Invariant: the first output of the request opens every choice, each with a chunk holding the role (and, with
+    `echo`, one holding the echoed text) before any of its content.
+    """
+
+    def __init__(
+        self,
+        serving: OpenAIServingChat,
+        request: ChatCompletionRequest,
+        response_id: str,
+        created: int,
+        prompt: PromptInput,
+        echo: str,
+    ) -> None:
+        self.serving = serving
+        self.request = request
+        self.response_id = response_id
+        self.created = created
+        self.prompt = prompt
+        self.echo = echo
+        self.started = False
+
+    def __call__(self, _: int, result: RequestOutput) -> Iterator[StreamChunk]:
+        if not self.started:
+            self.started = True
+            yield from self._openings()
+        for output in result.outputs:
+            if not output.text and not output.token_ids and output.finish_reason is None:
+                continue
+            chunk = self._chunk(
+                output.index,
+                DeltaMessage(content=output.text),
+                logprobs=self.serving.logprobs(self.request, output),
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+            )
+            if self.request.return_token_ids:
+                chunk.choices[0].token_ids = list(output.token_ids)
+            yield StreamChunk(chunk, output.index, len(output.token_ids))
+
+    def _openings(self) -> Iterator[StreamChunk]:
+        for index in range(self.request.n):
+            chunk = self._chunk(index, DeltaMessage(role=ASSISTANT, content=""))
+            if self.request.return_token_ids:
+                chunk.prompt_token_ids = self.prompt.token_ids
+            yield StreamChunk(chunk, index)
+            if self.echo:  # no usage on this one, as before the skeleton was shared
+                yield StreamChunk(self._chunk(index, DeltaMessage(content=self.echo)), None)
+
+    def _chunk(
+        self, index: int, delta: DeltaMessage, **fields: Any
+    ) -> ChatCompletionStreamResponse:
+        return self.serving.stream_chunk(self.response_id, self.created, index, delta, **fields)
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:

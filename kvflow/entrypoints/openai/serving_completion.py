@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvflow.entrypoints.openai.errors import OpenAIServingError
 from kvflow.entrypoints.openai.logprobs import (
@@ -34,17 +34,14 @@ from kvflow.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
     LONG_TEXT_CHARS,
     MANY_PROMPTS,
-    SSE_DONE,
     OpenAIServing,
     PromptInput,
-    bounded_stream,
     cached_tokens,
     make_usage,
     raise_if_failed,
     run_until_disconnected,
-    sse_event,
-    stream_error_event,
 )
+from kvflow.entrypoints.openai.streaming import StreamChunk, StreamUsage, sse_response, sse_stream
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -70,13 +67,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompts = self._prompts(request)
         response_id = f"cmpl-{request_id}"
         if request.stream:
-            return StreamingResponse(
-                bounded_stream(
-                    self._stream(request, request_id, response_id, prompts),
-                    self.limits.max_stream_buffer_bytes,
-                    request_id,
-                ),
-                media_type="text/event-stream",
+            return sse_response(
+                self._stream(request, request_id, response_id, prompts),
+                self.limits.max_stream_buffer_bytes,
+                request_id,
             )
         response = await run_until_disconnected(
             raw_request, self._complete(request, request_id, response_id, prompts)
@@ -135,7 +129,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return ""
         return self.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
-    def _echoed(
+    def echoed(
         self,
         echo: bool,
         prompt: PromptInput,
@@ -192,7 +186,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs: Sequence[dict[int, Logprob] | None] | None,
         output: CompletionOutput,
     ) -> CompletionResponseChoice:
-        text, token_ids, positions = self._echoed(request.echo, prompt, prompt_logprobs, output)
+        text, token_ids, positions = self.echoed(request.echo, prompt, prompt_logprobs, output)
         return CompletionResponseChoice(
             index=prompt_index * request.n + output.index,
             text=text,
@@ -211,81 +205,25 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     # ------------------------------------------------------------------------------------------------ stream
-    async def _stream(
+    def _stream(
         self,
         request: CompletionRequest,
         request_id: str,
         response_id: str,
         prompts: list[PromptInput],
     ) -> AsyncGenerator[str, None]:
-        """Server-sent events: one chunk per new piece of a choice (never an empty one), the usage chunk if asked
-        for, then `[DONE]`; an error after the start is an error event before `[DONE]`."""
+        """Server-sent events (`sse_stream`): one chunk per new piece of a choice, never an empty one."""
         created = int(time.time())
-        num_choices = len(prompts) * request.n
-        streamed_text_len = [0] * num_choices
-        num_tokens = [0] * num_choices
-        started = [False] * num_choices
-        num_cached = [0] * len(prompts)
-        # Each prompt's logprobs, from whichever output carried them first (its samples share them).
-        prompt_logprobs: list[Sequence[dict[int, Logprob] | None] | None] = [None] * len(prompts)
-        options = request.stream_options
-        include_usage = bool(options and options.include_usage)
-        continuous_usage = include_usage and bool(options and options.continuous_usage_stats)
-        texts = self.token_texts(request)
-        try:
-            async for prompt_index, result in self.generate(request_id, prompts, request.priority):
-                raise_if_failed(result)
-                prompt = prompts[prompt_index]
-                num_cached[prompt_index] = cached_tokens(result)
-                if prompt_logprobs[prompt_index] is None:
-                    prompt_logprobs[prompt_index] = getattr(result, "prompt_logprobs", None)
-                for output in result.outputs:
-                    index = prompt_index * request.n + output.index
-                    first = not started[index]
-                    text, token_ids, positions = self._echoed(
-                        first and request.echo, prompt, prompt_logprobs[prompt_index], output
-                    )
-                    if not text and not token_ids and output.finish_reason is None:
-                        continue
-                    started[index] = True
-                    choice = CompletionResponseStreamChoice(
-                        index=index,
-                        text=text,
-                        logprobs=None
-                        if request.logprobs is None
-                        else completion_logprobs(
-                            token_ids, positions, request.logprobs, texts, streamed_text_len[index]
-                        ),
-                        finish_reason=output.finish_reason,
-                        stop_reason=output.stop_reason,
-                    )
-                    if request.return_token_ids:
-                        choice.token_ids = token_ids
-                        if first:
-                            choice.prompt_token_ids = prompt.token_ids
-                    if first and request.prompt_logprobs is not None:
-                        choice.prompt_logprobs = prompt_logprobs_body(prompt_logprobs[prompt_index])
-                    streamed_text_len[index] += len(text)
-                    num_tokens[index] += len(output.token_ids)
-                    chunk = self._chunk(response_id, created, [choice])
-                    if continuous_usage:
-                        chunk.usage = make_usage(
-                            len(prompt.token_ids), num_tokens[index], num_cached[prompt_index]
-                        )
-                    yield sse_event(chunk)
-            if include_usage:
-                chunk = self._chunk(response_id, created, [])
-                chunk.usage = make_usage(
-                    sum(len(prompt.token_ids) for prompt in prompts),
-                    sum(num_tokens),
-                    sum(num_cached),
-                )
-                yield sse_event(chunk)
-        except Exception as error:
-            yield stream_error_event(error, request_id)
-        yield SSE_DONE
+        return sse_stream(
+            self.generate(request_id, prompts, request.priority),
+            request_id=request_id,
+            stream_options=request.stream_options,
+            usage=StreamUsage([len(prompt.token_ids) for prompt in prompts], request.n),
+            build_chunks=_CompletionChunks(self, request, response_id, created, prompts),
+            usage_chunk=lambda: self.stream_chunk(response_id, created, []),
+        )
 
-    def _chunk(
+    def stream_chunk(
         self, response_id: str, created: int, choices: list[CompletionResponseStreamChoice]
     ) -> CompletionStreamResponse:
         return CompletionStreamResponse(
@@ -295,6 +233,75 @@ class OpenAIServingCompletion(OpenAIServing):
             model=self.models.served_model_name,
             choices=choices,
         )
+
+
+class _CompletionChunks:
+    """The chunk builder of one streamed completion (`sse_stream`'s `build_chunks`).
+
+    Invariants: a choice's first chunk carries what `echo` prepends and, when asked for, its prompt's token ids and
+    logprobs; `streamed_text_len[i]` is how much text choice `i` has sent (its logprobs' text offsets start there).
+    """
+
+    def __init__(
+        self,
+        serving: OpenAIServingCompletion,
+        request: CompletionRequest,
+        response_id: str,
+        created: int,
+        prompts: list[PromptInput],
+    ) -> None:
+        self.serving = serving
+        self.request = request
+        self.response_id = response_id
+        self.created = created
+        self.prompts = prompts
+        num_choices = len(prompts) * request.n
+        self.streamed_text_len = [0] * num_choices
+        self.started = [False] * num_choices
+        # Each prompt's logprobs, from whichever output carried them first (its samples share them).
+        self.prompt_logprobs: list[Sequence[dict[int, Logprob] | None] | None] = [None] * len(
+            prompts
+        )
+        self.texts = serving.token_texts(request)
+
+    def __call__(self, prompt_index: int, result: RequestOutput) -> Iterator[StreamChunk]:
+        request, prompt = self.request, self.prompts[prompt_index]
+        if self.prompt_logprobs[prompt_index] is None:
+            self.prompt_logprobs[prompt_index] = getattr(result, "prompt_logprobs", None)
+        prompt_logprobs = self.prompt_logprobs[prompt_index]
+        for output in result.outputs:
+            index = prompt_index * request.n + output.index
+            first = not self.started[index]
+            text, token_ids, positions = self.serving.echoed(
+                first and request.echo, prompt, prompt_logprobs, output
+            )
+            if not text and not token_ids and output.finish_reason is None:
+                continue
+            self.started[index] = True
+            choice = CompletionResponseStreamChoice(
+                index=index,
+                text=text,
+                logprobs=None
+                if request.logprobs is None
+                else completion_logprobs(
+                    token_ids,
+                    positions,
+                    request.logprobs,
+                    self.texts,
+                    self.streamed_text_len[index],
+                ),
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+            )
+            if request.return_token_ids:
+                choice.token_ids = token_ids
+                if first:
+                    choice.prompt_token_ids = prompt.token_ids
+            if first and request.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs_body(prompt_logprobs)
+            self.streamed_text_len[index] += len(text)
+            chunk = self.serving.stream_chunk(self.response_id, self.created, [choice])
+            yield StreamChunk(chunk, index, len(output.token_ids))
 
 
 def _is_heavy(prompt: str | list[str] | list[int] | list[list[int]]) -> bool:

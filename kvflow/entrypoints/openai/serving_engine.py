@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import uuid
-from collections import deque
 from collections.abc import (
-    AsyncGenerator,
     AsyncIterator,
     Awaitable,
     Iterable,
@@ -29,9 +26,8 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvflow.engine.async_llm import EngineDeadError
 from kvflow.engine.input_processor import check_priority
-from kvflow.entrypoints.openai.errors import OpenAIServingError, bad_request, error_body
+from kvflow.entrypoints.openai.errors import OpenAIServingError, bad_request
 from kvflow.entrypoints.openai.logprobs import TokenTexts
 from kvflow.entrypoints.openai.middleware import REQUEST_ID_HEADER
 from kvflow.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
@@ -42,7 +38,6 @@ from kvflow.utils import short_repr
 
 if TYPE_CHECKING:
     from fastapi import Request
-    from pydantic import BaseModel
 
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.engine.input_processor import ProcessedPrompt
@@ -465,93 +460,3 @@ async def run_until_disconnected(raw_request: Request, work: Awaitable[_T]) -> _
 async def _wait_for_disconnect(raw_request: Request) -> None:
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
-
-
-def sse_event(payload: BaseModel) -> str:
-    """One server-sent event; chunks leave out fields never set, as vLLM's do."""
-    return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-async def bounded_stream(
-    events: AsyncGenerator[str, None], max_buffered_bytes: int, request_id: str
-) -> AsyncIterator[str]:
-    """`events` as the response body, through a buffer of at most `max_buffered_bytes` (about: characters of
-    mostly-ASCII JSON) between the task that produces them and the writes to the client.
-
-    The writes wait for a client that does not read (TCP backpressure); the producer does not, so an unread stream
-    shows as a full buffer. Past the bound the request is aborted (closing `events` aborts its engine requests,
-    freeing their KV blocks and slots) and the stream ends with an error event and `[DONE]`, delivered if the
-    client ever reads again. A consumer that is merely slow (a busy event loop) keeps draining the buffer and is
-    never cut off: only writes that stall fill it.
-    """
-    buffer: deque[str] = deque()
-    num_buffered = 0
-    produced = asyncio.Event()
-    finished = False
-
-    async def produce() -> None:
-        nonlocal num_buffered, finished
-        try:
-            async for event in events:
-                buffer.append(event)
-                num_buffered += len(event)
-                produced.set()
-                if num_buffered > max_buffered_bytes:
-                    logger.warning(
-                        "request %s: its client has not read %d bytes of its stream; aborting it",
-                        request_id,
-                        num_buffered,
-                    )
-                    buffer.append(
-                        stream_error_event(StreamBufferFullError(max_buffered_bytes), request_id)
-                    )
-                    buffer.append(SSE_DONE)
-                    return
-        finally:
-            await events.aclose()  # aborts what still runs
-            finished = True
-            produced.set()
-
-    producer = asyncio.ensure_future(produce())
-    try:
-        while True:
-            await produced.wait()
-            produced.clear()
-            while buffer:
-                event = buffer.popleft()
-                num_buffered -= len(event)
-                yield event
-            if finished and not buffer:
-                break
-    finally:
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
-
-
-class StreamBufferFullError(OpenAIServingError):
-    """A stream's client stopped reading and its buffer filled up: the request was aborted."""
-
-    def __init__(self, max_buffered_bytes: int) -> None:
-        super().__init__(
-            f"the client did not read its stream: more than {max_buffered_bytes} bytes waited to be sent "
-            "(--max-stream-buffer-bytes), so the request was aborted",
-            status_code=HTTPStatus.REQUEST_TIMEOUT,
-        )
-
-
-def stream_error_event(error: BaseException, request_id: str) -> str:
-    """The event that ends a stream that failed after it started: OpenAI's error body, then `[DONE]` follows. An
-    unexpected error (a 500) is logged once, with the request id and traceback."""
-    if isinstance(error, OpenAIServingError):
-        body = error_body(error.status_code, error.message, error.param)
-    elif isinstance(error, EngineDeadError):
-        body = error_body(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine has died: {error}")
-    elif isinstance(error, ValueError):
-        body = error_body(HTTPStatus.BAD_REQUEST, str(error))
-    else:
-        logger.error("the stream of request %s failed", request_id, exc_info=error)
-        body = error_body(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
-    return f"data: {json.dumps(body.model_dump())}\n\n"

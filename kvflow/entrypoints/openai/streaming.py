@@ -1,0 +1,216 @@
+"""The server-sent-event skeleton both streaming endpoints share (/v1/completions, /v1/chat/completions).
+
+`sse_stream` owns everything about a stream except its chunks: running the engine requests, failing on an output
+the engine ended with an error, the token counts behind `usage` (`StreamUsage`), `stream_options` (`usage` on every
+chunk with `continuous_usage_stats`, a last chunk with only `usage` with `include_usage`), the error event that
+ends a stream that fails after it started, and `data: [DONE]`. An endpoint supplies only its chunk builder: for each
+engine output, the chunks to send (`StreamChunk`). `bounded_stream` then carries the events to the client through
+a bounded buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import StreamingResponse
+
+from kvflow.engine.async_llm import EngineDeadError
+from kvflow.entrypoints.openai.errors import OpenAIServingError, error_body
+from kvflow.entrypoints.openai.serving_engine import cached_tokens, make_usage, raise_if_failed
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from kvflow.entrypoints.openai.protocol import StreamOptions, UsageInfo
+    from kvflow.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One chunk to send: `payload` (a response chunk with a `usage` field), the choice whose token counts
+    `continuous_usage_stats` attaches to it (None: no usage on this chunk), and how many new tokens of that
+    choice it carries."""
+
+    payload: Any
+    choice_index: int | None
+    num_new_tokens: int = 0
+
+
+# (prompt index, engine output) -> the chunks that output makes, in order.
+ChunkBuilder = Callable[[int, "RequestOutput"], Iterable[StreamChunk]]
+
+
+@dataclass
+class StreamUsage:
+    """The token counts of one streamed response, for its `usage`.
+
+    Invariants: choice `i` belongs to prompt `i // n`; each prompt's tokens count once (not once per sample);
+    `cached_tokens[p]` is prompt `p`'s prefix-cache hits as last reported.
+    """
+
+    prompt_tokens: list[int]
+    n: int
+    completion_tokens: list[int] = field(init=False)
+    cached_tokens: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.completion_tokens = [0] * (len(self.prompt_tokens) * self.n)
+        self.cached_tokens = [0] * len(self.prompt_tokens)
+
+    def of_choice(self, choice_index: int) -> UsageInfo:
+        prompt_index = choice_index // self.n
+        return make_usage(
+            self.prompt_tokens[prompt_index],
+            self.completion_tokens[choice_index],
+            self.cached_tokens[prompt_index],
+        )
+
+    def total(self) -> UsageInfo:
+        return make_usage(
+            sum(self.prompt_tokens), sum(self.completion_tokens), sum(self.cached_tokens)
+        )
+
+
+async def sse_stream(
+    results: AsyncIterator[tuple[int, RequestOutput]],
+    *,
+    request_id: str,
+    stream_options: StreamOptions | None,
+    usage: StreamUsage,
+    build_chunks: ChunkBuilder,
+    usage_chunk: Callable[[], BaseModel],
+) -> AsyncGenerator[str, None]:
+    """The events of one streamed response: `build_chunks`'s chunks for each `(prompt index, output)` of
+    `results`, with `usage` per `stream_options`; then, with `include_usage`, `usage_chunk()` (a chunk without
+    choices) carrying the totals; an error event if anything fails after the start; always `[DONE]` last.
+    Closing this generator closes `results` (aborting the engine requests that still run)."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous_usage = include_usage and bool(
+        stream_options and stream_options.continuous_usage_stats
+    )
+    try:
+        async with contextlib.aclosing(results):  # type: ignore[type-var]
+            async for prompt_index, result in results:
+                raise_if_failed(result)
+                usage.cached_tokens[prompt_index] = cached_tokens(result)
+                for chunk in build_chunks(prompt_index, result):
+                    if chunk.choice_index is not None:
+                        usage.completion_tokens[chunk.choice_index] += chunk.num_new_tokens
+                        if continuous_usage:
+                            chunk.payload.usage = usage.of_choice(chunk.choice_index)
+                    yield sse_event(chunk.payload)
+        if include_usage:
+            final = usage_chunk()
+            final.usage = usage.total()  # type: ignore[attr-defined]
+            yield sse_event(final)
+    except Exception as error:
+        yield stream_error_event(error, request_id)
+    yield SSE_DONE
+
+
+def sse_response(
+    events: AsyncGenerator[str, None], max_buffered_bytes: int, request_id: str
+) -> StreamingResponse:
+    """The HTTP response that sends `events` (through `bounded_stream`)."""
+    return StreamingResponse(
+        bounded_stream(events, max_buffered_bytes, request_id), media_type="text/event-stream"
+    )
+
+
+def sse_event(payload: BaseModel) -> str:
+    """One server-sent event; chunks leave out fields never set, as vLLM's do."""
+    return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
+
+
+async def bounded_stream(
+    events: AsyncGenerator[str, None], max_buffered_bytes: int, request_id: str
+) -> AsyncIterator[str]:
+    """`events` as the response body, through a buffer of at most `max_buffered_bytes` (about: characters of
+    mostly-ASCII JSON) between the task that produces them and the writes to the client.
+
+    The writes wait for a client that does not read (TCP backpressure); the producer does not, so an unread stream
+    shows as a full buffer. Past the bound the request is aborted (closing `events` aborts its engine requests,
+    freeing their KV blocks and slots) and the stream ends with an error event and `[DONE]`, delivered if the
+    client ever reads again. A consumer that is merely slow (a busy event loop) keeps draining the buffer and is
+    never cut off: only writes that stall fill it.
+    """
+    buffer: deque[str] = deque()
+    num_buffered = 0
+    produced = asyncio.Event()
+    finished = False
+
+    async def produce() -> None:
+        nonlocal num_buffered, finished
+        try:
+            async for event in events:
+                buffer.append(event)
+                num_buffered += len(event)
+                produced.set()
+                if num_buffered > max_buffered_bytes:
+                    logger.warning(
+                        "request %s: its client has not read %d bytes of its stream; aborting it",
+                        request_id,
+                        num_buffered,
+                    )
+                    buffer.append(
+                        stream_error_event(StreamBufferFullError(max_buffered_bytes), request_id)
+                    )
+                    buffer.append(SSE_DONE)
+                    return
+        finally:
+            await events.aclose()  # aborts what still runs
+            finished = True
+            produced.set()
+
+    producer = asyncio.ensure_future(produce())
+    try:
+        while True:
+            await produced.wait()
+            produced.clear()
+            while buffer:
+                event = buffer.popleft()
+                num_buffered -= len(event)
+                yield event
+            if finished and not buffer:
+                break
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+
+
+class StreamBufferFullError(OpenAIServingError):
+    """A stream's client stopped reading and its buffer filled up: the request was aborted."""
+
+    def __init__(self, max_buffered_bytes: int) -> None:
+        super().__init__(
+            f"the client did not read its stream: more than {max_buffered_bytes} bytes waited to be sent "
+            "(--max-stream-buffer-bytes), so the request was aborted",
+            status_code=HTTPStatus.REQUEST_TIMEOUT,
+        )
+
+
+def stream_error_event(error: BaseException, request_id: str) -> str:
+    """The event that ends a stream that failed after it started: OpenAI's error body, then `[DONE]` follows. An
+    unexpected error (a 500) is logged once, with the request id and traceback."""
+    if isinstance(error, OpenAIServingError):
+        body = error_body(error.status_code, error.message, error.param)
+    elif isinstance(error, EngineDeadError):
+        body = error_body(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine has died: {error}")
+    elif isinstance(error, ValueError):
+        body = error_body(HTTPStatus.BAD_REQUEST, str(error))
+    else:
+        logger.error("the stream of request %s failed", request_id, exc_info=error)
+        body = error_body(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
+    return f"data: {json.dumps(body.model_dump())}\n\n"
