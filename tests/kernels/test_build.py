@@ -49,6 +49,22 @@ def test_extension_name_tracks_cpu_and_sources(monkeypatch: pytest.MonkeyPatch) 
     assert len({name, build.extension_name()}) == 2
 
 
+def test_a_source_edit_gets_its_own_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every .cpp and .h is hashed into the name: changing a constant in kernels.h (say kMaxDecodeLayerRows,
+    which the bindings export) builds anew instead of importing the stale binary."""
+    import shutil
+
+    sources = tmp_path / "csrc"
+    shutil.copytree(build.SOURCE_DIR, sources)
+    monkeypatch.setattr(build, "SOURCE_DIR", sources)
+    name = build.extension_name()
+    header = sources / "kernels.h"
+    header.write_text(
+        header.read_text().replace("kMaxDecodeLayerRows = ", "kMaxDecodeLayerRows = 1 + ")
+    )
+    assert build.extension_name() != name
+
+
 def test_setting_values(monkeypatch: pytest.MonkeyPatch) -> None:
     for value in ("0", "false", "OFF", "no"):
         monkeypatch.setenv(build.CPU_KERNELS_ENV, value)

@@ -208,6 +208,35 @@ def test_strided_query_and_prefill_only_batches(ops: object) -> None:
     assert metadata.decode is None and len(metadata.torch_plan.prefills) >= 1
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_decode_only_rows_are_the_whole_step_or_none(ops: object, window: int | None) -> None:
+    """What the fused decode path reads: the decode rows exactly when the kernel attends every row of the step,
+    and the step's KV slots in token order."""
+    backend = CpuPagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+    for requests, decode_only in (
+        ([(5, 1), (12, 1), (0, 1)], True),
+        ([(5, 1), (0, 3)], False),  # decode and prefill rows
+        ([(0, 5), (3, 4)], False),  # prefill rows only
+    ):
+        step = _make_step(
+            requests,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            block_size=4,
+            dtype=torch.bfloat16,
+            seed=6,
+        )
+        metadata = backend.build_metadata(step.batch, window)
+        rows = metadata.decode_only_rows()
+        assert (rows is not None) == decode_only
+        if rows is not None:
+            assert rows is metadata.decode and rows.window == (window or 0)
+            assert torch.equal(rows.seq_lens, step.batch.seq_lens)
+        assert metadata.slot_mapping.dtype == torch.int64
+        assert torch.equal(metadata.slot_mapping, step.batch.slot_mapping)
+
+
 def test_kernels_off_means_torch_path(ops: object, kernels_off: None) -> None:
     step = _make_step(
         [(5, 1), (0, 3)],

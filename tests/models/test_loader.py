@@ -196,3 +196,47 @@ def test_auto_dtype_follows_the_checkpoint(tmp_path: Path) -> None:
     model = load_model(path)
     assert model.dtype == torch.bfloat16
     assert {param.dtype for param in model.parameters()} == {torch.bfloat16}
+
+
+def test_packed_modules_load_from_separate_checkpoint_tensors(llama_path: Path) -> None:
+    """Through `packed_modules_mapping`, q/k/v fill the shards of `qkv_proj` and gate/up those of `gate_up_proj`,
+    in mapping order."""
+    mapping = LlamaForCausalLM.packed_modules_mapping
+    assert mapping == {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    state = dict(iterate_safetensors_weights(llama_path))
+    model = _fresh(llama_path)
+    model.load_weights(state.items())
+    layer = model.model.layers[0]
+    for module_name, module, packed in (
+        ("self_attn", layer.self_attn, "qkv_proj"),
+        ("mlp", layer.mlp, "gate_up_proj"),
+    ):
+        parts = [state[f"model.layers.0.{module_name}.{part}.weight"] for part in mapping[packed]]
+        assert torch.equal(getattr(module, packed).weight, torch.cat(parts))
+
+
+def test_a_checkpoint_that_ships_the_packed_tensor_loads_it_whole(llama_path: Path) -> None:
+    state = dict(iterate_safetensors_weights(llama_path))
+    prefix = "model.layers.1.self_attn."
+    qkv = torch.cat(
+        [state.pop(f"{prefix}{part}.weight") for part in ("q_proj", "k_proj", "v_proj")]
+    )
+    model = _fresh(llama_path)
+    model.load_weights([*state.items(), (f"{prefix}qkv_proj.weight", qkv)])
+    assert torch.equal(model.model.layers[1].self_attn.qkv_proj.weight, qkv)
+
+
+def test_a_weight_update_goes_through_the_same_weight_loaders(llama_path: Path) -> None:
+    model = load_model(llama_path)
+    gate_rows = model.config.intermediate_size
+    gate = torch.full_like(model.model.layers[0].mlp.gate_up_proj.weight[:gate_rows], 0.5)
+    model.load_weights([("model.layers.0.mlp.gate_proj.weight", gate)], strict=False)
+    fused = model.model.layers[0].mlp.gate_up_proj.weight
+    assert torch.equal(fused[:gate_rows], gate)
+    with pytest.raises(
+        ValueError, match=r"shape mismatches: model\.layers\.0\.mlp\.gate_proj\.weight"
+    ):
+        model.load_weights([("model.layers.0.mlp.gate_proj.weight", gate[:-1])], strict=False)

@@ -1,8 +1,12 @@
-"""The registry builds every model, the hash model included, from its `ModelInfo.architecture`."""
+"""The registry builds every model, the hash model included, from its `ModelInfo.architecture`: one `LazyRegistry`
+table of import paths, so the registries import no model and nothing imports them back."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,13 @@ from kvflow.config import ModelConfig
 from kvflow.model_info import resolve_model_info
 from kvflow.models.hash_model import HashModel
 from kvflow.models.llama import LlamaForCausalLM
-from kvflow.models.registry import HASH_MODEL_ARCHITECTURE, build_model
+from kvflow.models.registry import (
+    HASH_MODEL_ARCHITECTURE,
+    MODEL_REGISTRY,
+    SUPPORTED_ARCHITECTURES,
+    build_model,
+    get_model_class,
+)
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 
 CPU = torch.device("cpu")
@@ -45,3 +55,50 @@ def test_an_unknown_architecture_is_refused_by_name() -> None:
 def test_the_hash_model_has_no_weights_to_load() -> None:
     with pytest.raises(ValueError, match="the hash test model has no weights to update"):
         HashModel().load_weights([], strict=False)
+
+
+def test_every_architecture_names_its_class() -> None:
+    assert SUPPORTED_ARCHITECTURES == (
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MistralForCausalLM",
+    )
+    for architecture in SUPPORTED_ARCHITECTURES:
+        assert MODEL_REGISTRY.get(architecture) is LlamaForCausalLM
+        assert get_model_class([architecture]) is LlamaForCausalLM
+    assert MODEL_REGISTRY.get(HASH_MODEL_ARCHITECTURE) is HashModel
+    assert HASH_MODEL_ARCHITECTURE not in SUPPORTED_ARCHITECTURES
+    with pytest.raises(ValueError, match="unknown model architecture 'GPT2LMHeadModel'"):
+        MODEL_REGISTRY.get("GPT2LMHeadModel")
+
+
+def test_a_checkpoint_cannot_name_the_hash_model() -> None:
+    with pytest.raises(
+        ValueError, match=r"unsupported model architecture 'HashModel'; supported: Llama"
+    ):
+        get_model_class([HASH_MODEL_ARCHITECTURE])
+
+
+@pytest.mark.parametrize("module", ["registry.py", "attention/registry.py"])
+def test_registries_import_no_model(module: str) -> None:
+    """A registry holds names and import paths only (what a backend or model imports can never cycle back)."""
+    import kvflow.models
+
+    tree = ast.parse((Path(kvflow.models.__file__).parent / module).read_text())
+    imported = [
+        node.module or ""
+        for node in tree.body  # module level; TYPE_CHECKING blocks are `if` nodes, not in this list
+        if isinstance(node, ast.ImportFrom)
+    ]
+    assert imported and not [name for name in imported if name.startswith("kvflow.models")]
+
+
+def test_model_info_imports_no_model() -> None:
+    """`kvflow.model_info` (what the engine knows of a model before it starts) imports no model module, the
+    registry included: the hash model's architecture key lives with `ModelInfo`."""
+    probe = "import sys, kvflow.model_info; print([n for n in sys.modules if n.startswith('kvflow.models')])"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert result.stdout.strip() == "[]"
