@@ -1,5 +1,7 @@
 """What each request field does, through the official `openai` client against a real server on the built-in
-default model: the server's `--chat-template FILE` and `continue_final_message`."""
+default model: the server's `--chat-template FILE`, `continue_final_message`, and no silent fields (every field of
+OpenAI's or vLLM's schema that kvflow does not implement yet is a 400 naming it unless sent "off"; an unknown field is
+ignored and logged once)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,40 @@ SERVER_TEMPLATE = (
     "{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+
+# field -> (a value kvflow refuses until it is implemented, the value that means "off"), per endpoint.
+SHARED_FIELDS: dict[str, tuple[Any, Any]] = {
+    "guided_json": ({"type": "object"}, None),
+    "guided_regex": ("[a-z]+", None),
+    "guided_choice": (["yes", "no"], None),
+    "guided_grammar": ('root ::= "a"', None),
+    "guided_decoding_backend": ("xgrammar", None),
+    "guided_whitespace_pattern": (r"\s*", None),
+    "structural_tag": ("{}", None),
+    "structured_outputs": ({"choice": ["yes", "no"]}, None),
+    "response_format": ({"type": "json_object"}, {"type": "text"}),
+    "bad_words": (["cache"], []),
+    "allowed_token_ids": ([1, 2, 3], None),
+    "logit_bias": ({"5": 10.0}, {}),
+    "logits_processors": (["my.module:Processor"], None),
+    "truncate_prompt_tokens": (8, None),
+    "use_beam_search": (True, False),
+    "length_penalty": (0.5, 1.0),
+}
+CHAT_FIELDS: dict[str, tuple[Any, Any]] = {
+    **SHARED_FIELDS,
+    "tool_choice": ("auto", "none"),
+    "functions": ([{"name": "get_weather", "parameters": {}}], None),
+    "function_call": ("auto", None),
+}
+COMPLETION_FIELDS: dict[str, tuple[Any, Any]] = {
+    **SHARED_FIELDS,
+    "prompt_embeds": ("AAAA", None),
+}
+CASES = [("chat", field, *values) for field, values in CHAT_FIELDS.items()] + [
+    ("completions", field, *values) for field, values in COMPLETION_FIELDS.items()
+]
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +161,50 @@ def test_continue_final_message_continues_the_last_message(
             extra_body={"continue_final_message": True},
         )
     assert caught.value.param == "continue_final_message"
+
+
+# ---------------------------------------------------------------------------------------------------- fields
+@pytest.mark.parametrize(
+    ("endpoint", "field", "value", "off"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES]
+)
+def test_an_unimplemented_field_is_a_400_naming_it_unless_it_is_off(
+    client: openai.OpenAI, endpoint: str, field: str, value: Any, off: Any
+) -> None:
+    extra = {"tools": TOOLS} if field == "tool_choice" else {}
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, endpoint, **extra, **{field: value})
+    assert caught.value.status_code == 400
+    assert caught.value.param == field
+    assert "not supported by kvflow yet" in caught.value.message
+    served = create(client, endpoint, **extra, **{field: off})
+    assert served.choices and served.usage.completion_tokens == 1
+
+
+def test_tools_without_tool_choice_mean_auto_a_400_and_with_none_reach_the_template(
+    client: openai.OpenAI,
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, tools=TOOLS)
+    assert caught.value.param == "tools"
+    assert "tool_choice 'none'" in caught.value.message
+    served = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, tools=TOOLS, tool_choice="none"
+    )
+    assert served.choices[0].message.role == "assistant"
+
+
+def test_an_empty_conversation_is_a_400_naming_messages(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=1)
+    assert caught.value.param == "messages"
+    assert "must not be empty" in caught.value.message
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_an_unknown_field_is_ignored_and_logged_once(
+    server: RemoteServer, client: openai.OpenAI, endpoint: str
+) -> None:
+    name = f"kvflow_test_unknown_{endpoint}"
+    for _ in range(3):
+        assert create(client, endpoint, **{name: {"any": "value"}}).usage.completion_tokens == 1
+    assert server.log.count(name) == 1

@@ -4,6 +4,7 @@ api_server.py            the app: routes, error handlers, uvicorn
 server_config.py         the server's options and per-request limits (plain data, light for the CLI)
 middleware.py            request ids, unexpected errors (500s that keep the connection), body size, API key
 protocol.py              pydantic request and response bodies, in OpenAI's and vLLM's shapes
+unsupported.py           fields declared but not implemented yet (a 400 naming them unless off); unknown fields
 serving_engine.py        what the completion and chat handlers share: ids, limits, prompts, sampling params
 streaming.py             the server-sent-event skeleton of both streaming endpoints (usage, errors, [DONE])
 serving_completion.py    POST /v1/completions

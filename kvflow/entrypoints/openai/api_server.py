@@ -70,6 +70,7 @@ from kvflow.entrypoints.openai.serving_engine import LiveRequests
 from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
 from kvflow.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
+from kvflow.entrypoints.openai.unsupported import UnknownFields
 from kvflow.version import __version__
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     models = OpenAIServingModels(engine, config.served_model_name)
     live_requests = LiveRequests()
     chat_prompt = ChatPromptRenderer(engine.get_tokenizer(), config.chat_template, template_sandbox)
-    serving = (engine, models, live_requests, config.limits)
+    serving = (engine, models, live_requests, config.limits, UnknownFields())
     app.state.engine = engine
     app.state.metrics = stat_logger
     app.state.serving_models = models

@@ -1,11 +1,14 @@
 """Request and response bodies of the OpenAI-compatible server, in OpenAI's shapes plus vLLM's extra fields.
 
-Requests accept unknown fields (clients send `user`, `metadata` and the like); the handlers log and ignore them, as
-vLLM does. Fields kvflow cannot honour (`suffix`, `logit_bias`, ...) are refused by the handlers, never ignored,
-because ignoring them would change what the client gets. Value checks (ranges, lengths) are left to
-`SamplingParams`, the input processor and the server's limits (`limits.ServingLimits`), whose errors name the field;
-these models check types, and that every string in a request is valid Unicode (JSON's `\ud800` escape decodes to a
-lone surrogate, which no tokenizer or encoder accepts), a 400 naming the field.
+Requests accept unknown fields (clients send `metadata` and the like); the handlers log each such name once and
+ignore it, as vLLM does. Every field declared here either works or is refused: the fields of OpenAI's and vLLM's
+schemas that kvflow does not implement yet (structured outputs, tool calling, beam search, logits controls, ...) are
+declared so that they are typed and documented, and `unsupported.py` refuses any of them sent with a value other
+than its "off" one (a 400 naming it), because ignoring them would change what the client gets. Value checks
+(ranges, lengths) are left to `SamplingParams`, the input processor and the server's limits
+(`limits.ServingLimits`), whose errors name the field; these models check types, and that every string in a request
+is valid Unicode (JSON's `\ud800` escape decodes to a lone surrogate, which no tokenizer or encoder accepts), a 400
+naming the field.
 """
 
 from __future__ import annotations
@@ -162,6 +165,23 @@ class SamplingFields(OpenAIBaseModel):
     return_tokens_as_token_ids: bool = False
     priority: int = 0
     request_id: str | None = None
+    # Declared, refused until implemented unless "off" (unsupported.py): structured outputs, ...
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    # ... logits controls, prompt truncation and beam search
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logits_processors: list[Any] | None = None
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 # ---------------------------------------------------------------------------------------------------- completions
@@ -178,6 +198,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     add_special_tokens: bool = True
+    prompt_embeds: str | list[str] | None = None  # refused (unsupported.py)
 
 
 class CompletionLogProbs(BaseModel):
@@ -235,9 +256,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    # Tools reach the template; tool calls are not parsed yet, so only tool_choice "none" is taken (unsupported.py).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated tools: refused
+    function_call: str | dict[str, Any] | None = None
     # vLLM's extra chat fields
     echo: bool = False
     add_generation_prompt: bool = True

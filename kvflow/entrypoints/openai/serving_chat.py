@@ -4,7 +4,7 @@ tokenized without adding special tokens again (the template places them), and ge
 
 Content given as a list of parts must be text parts; they are joined with newlines, as vLLM does for templates that
 expect string content. `continue_final_message` continues the last message instead of starting a new one. Tool calls
-are not parsed: `tools` reach the template, `tool_choice` must be "none".
+are not parsed yet: `tools` reach the template with `tool_choice` "none" only (`unsupported.py`).
 """
 
 from __future__ import annotations
@@ -219,16 +219,7 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def _check_chat_fields(request: ChatCompletionRequest) -> None:
-    """Refuse what kvflow cannot honour rather than ignore it."""
-    if request.response_format is not None and request.response_format.get("type") != "text":
-        raise OpenAIServingError(
-            "response_format other than {'type': 'text'} is not supported by kvflow",
-            param="response_format",
-        )
-    if request.tools and request.tool_choice not in (None, "none"):
-        raise OpenAIServingError(
-            "kvflow does not parse tool calls: tool_choice must be 'none'", param="tool_choice"
-        )
+    """The chat-only field combinations that are errors (the unimplemented fields: `unsupported.py`)."""
     if request.top_logprobs is not None and not request.logprobs:
         raise OpenAIServingError(
             "when using top_logprobs, logprobs must be set to true", param="top_logprobs"

@@ -1,6 +1,6 @@
 """What the completion and chat handlers share: request ids, prompt checks, sampling params and running requests.
 
-A request is checked completely before anything reaches the engine (model name, fields kvflow cannot honour,
+A request is checked completely before anything reaches the engine (model name, fields kvflow does not implement yet,
 prompt length against `max_model_len`, every sampling field, the prompt's token ids), so a bad request is a 400
 naming its field and never a half-started stream. Requests then run through `AsyncLLM.generate`, one engine request
 per prompt; a client that goes away (a closed stream, or a disconnect while waiting for a whole response) cancels
@@ -32,6 +32,7 @@ from kvflow.entrypoints.openai.logprobs import TokenTexts
 from kvflow.entrypoints.openai.middleware import REQUEST_ID_HEADER
 from kvflow.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from kvflow.entrypoints.openai.server_config import ServingLimits
+from kvflow.entrypoints.openai.unsupported import UnknownFields, refuse_unsupported_fields
 from kvflow.model_info import load_sampling_defaults
 from kvflow.sampling_params import SamplingParams
 from kvflow.utils import short_repr
@@ -134,11 +135,14 @@ class OpenAIServing:
         models: OpenAIServingModels,
         live_requests: LiveRequests,
         limits: ServingLimits | None = None,
+        unknown_fields: UnknownFields | None = None,
     ) -> None:
+        """`unknown_fields`: where the names of ignored request fields are logged, once each (one per app)."""
         self.engine = engine
         self.models = models
         self.live_requests = live_requests
         self.limits = limits if limits is not None else ServingLimits()
+        self.unknown_fields = unknown_fields if unknown_fields is not None else UnknownFields()
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len = models.max_model_len
         self.default_sampling_params = engine.get_default_sampling_params()
@@ -154,14 +158,9 @@ class OpenAIServing:
         """What every generation request must pass before its prompt is looked at."""
         self.check_engine_alive()
         self.models.check_model(request.model)
-        if request.model_extra:
-            logger.warning(
-                "The following fields were present in the request but ignored: %s",
-                sorted(request.model_extra),
-            )
+        self.unknown_fields.report(request.model_extra)
         self.check_limits(request)
-        if request.logit_bias:
-            raise OpenAIServingError("logit_bias is not supported by kvflow", param="logit_bias")
+        refuse_unsupported_fields(request)
         if request.stream_options is not None and not request.stream:
             raise OpenAIServingError(
                 "stream_options can only be set when stream is true", param="stream_options"

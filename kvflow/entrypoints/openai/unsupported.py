@@ -1,0 +1,169 @@
+"""No silent fields: the request fields kvflow declares but does not implement yet, refused in one place.
+
+A field of OpenAI's or vLLM's schema that kvflow ignored would change what the client gets without a sign (code
+ported from vLLM would get unconstrained output where it asked for JSON). So each such field is declared in
+`protocol.py` and listed here with its "off" value: sent off (absent, null, `false`, `[]`, `{"type": "text"}`, ...)
+it is fine; sent with any other value it is a 400 naming it, saying it is not supported yet and, where there is
+one, what to use instead. A field in neither schema is unknown: `UnknownFields` logs its name once per server
+process and the request goes on without it, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvflow.entrypoints.openai.errors import OpenAIServingError
+
+if TYPE_CHECKING:
+    from kvflow.entrypoints.openai.protocol import SamplingFields
+
+logger = logging.getLogger(__name__)
+
+_STRUCTURED = (
+    "kvflow does not constrain output yet (structured outputs come in a later version); drop the field and "
+    "check the output yourself"
+)
+_TOOLS = (
+    "kvflow does not parse tool calls yet; send tool_choice 'none' to render the tools into the prompt without "
+    "parsing calls from the reply"
+)
+
+
+@dataclass(frozen=True)
+class UnsupportedField:
+    """A declared field that is refused unless `is_off(value, request)`; `why` ends the error message."""
+
+    name: str
+    is_off: Callable[[Any, Any], bool]
+    why: str
+
+
+def _is_none(value: Any, _: Any) -> bool:
+    return value is None
+
+
+def _is_empty(value: Any, _: Any) -> bool:
+    return not value
+
+
+def _is_false(value: Any, _: Any) -> bool:
+    return value is False
+
+
+def _is_text_format(value: Any, _: Any) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+def _is_no_tool_choice(value: Any, _: Any) -> bool:
+    return value in (None, "none")
+
+
+def _tools_are_off(value: Any, request: Any) -> bool:
+    """Tools are rendered but never parsed, so they need tool_choice "none" (without it, OpenAI's default for a
+    request with tools is "auto")."""
+    return not value or getattr(request, "tool_choice", None) == "none"
+
+
+UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
+    UnsupportedField(
+        "response_format",
+        _is_text_format,
+        "only {'type': 'text'} is taken; " + _STRUCTURED,
+    ),
+    UnsupportedField("structured_outputs", _is_none, _STRUCTURED),
+    UnsupportedField("guided_json", _is_none, _STRUCTURED),
+    UnsupportedField("guided_regex", _is_none, _STRUCTURED),
+    UnsupportedField("guided_choice", _is_none, _STRUCTURED),
+    UnsupportedField("guided_grammar", _is_none, _STRUCTURED),
+    UnsupportedField("guided_decoding_backend", _is_none, _STRUCTURED),
+    UnsupportedField("guided_whitespace_pattern", _is_none, _STRUCTURED),
+    UnsupportedField("structural_tag", _is_none, _STRUCTURED),
+    UnsupportedField("tool_choice", _is_no_tool_choice, _TOOLS),
+    UnsupportedField("tools", _tools_are_off, "tools without tool_choice mean 'auto'; " + _TOOLS),
+    UnsupportedField("functions", _is_empty, "use tools with tool_choice 'none'; " + _TOOLS),
+    UnsupportedField("function_call", _is_no_tool_choice, _TOOLS),
+    UnsupportedField(
+        "logit_bias", _is_empty, "kvflow does not bias logits yet; drop the field or send {}"
+    ),
+    UnsupportedField(
+        "bad_words", _is_empty, "kvflow does not ban words yet; drop the field or send []"
+    ),
+    UnsupportedField(
+        "allowed_token_ids",
+        _is_none,
+        "kvflow does not restrict the vocabulary yet; drop the field",
+    ),
+    UnsupportedField(
+        "logits_processors", _is_empty, "kvflow does not run logits processors; drop the field"
+    ),
+    UnsupportedField(
+        "truncate_prompt_tokens",
+        _is_none,
+        "kvflow does not truncate prompts yet; shorten the prompt yourself (POST /tokenize counts its tokens)",
+    ),
+    UnsupportedField(
+        "use_beam_search",
+        _is_false,
+        "kvflow has no beam search yet; sample n choices, or decode greedily with temperature 0",
+    ),
+    UnsupportedField(
+        "length_penalty",
+        lambda value, _: value == 1.0,
+        "length_penalty applies to beam search, which kvflow does not have yet",
+    ),
+    UnsupportedField(
+        "prompt_embeds",
+        _is_none,
+        "kvflow takes prompts as text or token ids only",
+    ),
+)
+
+
+def refuse_unsupported_fields(request: SamplingFields) -> None:
+    """400 naming the first field of `request` that kvflow declares but does not implement yet, sent with a value
+    other than its off one (the table above, in its order)."""
+    declared = type(request).model_fields
+    for field in UNSUPPORTED_FIELDS:
+        if field.name not in declared:
+            continue
+        value = getattr(request, field.name)
+        if not field.is_off(value, request):
+            raise OpenAIServingError(
+                f"{field.name} is not supported by kvflow yet: {field.why}", param=field.name
+            )
+
+
+class UnknownFields:
+    """Logs the names of request fields in neither OpenAI's nor vLLM's schema, each once per server process (one
+    instance per app), and nothing else: such fields are ignored, as in vLLM.
+
+    Invariant: remembers at most `max_names` names, so a client sending ever new names cannot grow the server or
+    flood its log; past that, one warning says further names are not logged.
+    """
+
+    def __init__(self, max_names: int = 1024) -> None:
+        self.max_names = max_names
+        self._logged: set[str] = set()
+        self._full = False
+
+    def report(self, names: set[str] | dict[str, Any] | None) -> None:
+        """Log each of `names` not logged before."""
+        new = sorted(set(names or ()) - self._logged)
+        if not new or self._full:
+            return
+        room = self.max_names - len(self._logged)
+        logged, dropped = new[:room], new[room:]
+        self._logged.update(logged)
+        if logged:
+            logger.warning(
+                "Request fields ignored (not in OpenAI's or vLLM's schema; logged once each): %s",
+                logged,
+            )
+        if dropped or len(self._logged) >= self.max_names:
+            self._full = True
+            logger.warning(
+                "%d names of ignored request fields logged: further ones are not", self.max_names
+            )

@@ -1,0 +1,76 @@
+"""`unsupported.py` without a server: every refused field is declared in the protocol models, refusals name the
+field, the off values pass, and unknown field names are logged once each, boundedly."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvflow.entrypoints.openai.errors import OpenAIServingError
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.entrypoints.openai.unsupported import (
+    UNSUPPORTED_FIELDS,
+    UnknownFields,
+    refuse_unsupported_fields,
+)
+
+MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+def test_every_refused_field_is_declared_so_it_is_typed_and_documented() -> None:
+    declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
+    assert {field.name for field in UNSUPPORTED_FIELDS} <= declared
+
+
+def test_defaults_are_off_and_a_refusal_names_its_field() -> None:
+    refuse_unsupported_fields(ChatCompletionRequest(messages=MESSAGES))
+    refuse_unsupported_fields(CompletionRequest(prompt="Hi"))
+    with pytest.raises(OpenAIServingError) as caught:
+        refuse_unsupported_fields(
+            ChatCompletionRequest(messages=MESSAGES, guided_choice=["a"], use_beam_search=True)
+        )
+    assert caught.value.param == "guided_choice"  # the first in the table's order
+    assert "not supported by kvflow yet" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice", "param"),
+    [
+        (None, None, None),
+        ([], None, None),
+        ([{"type": "function"}], "none", None),
+        ([{"type": "function"}], None, "tools"),  # OpenAI's default with tools is "auto"
+        ([{"type": "function"}], "auto", "tool_choice"),
+        ([{"type": "function"}], "required", "tool_choice"),
+        ([{"type": "function"}], {"type": "function", "function": {"name": "f"}}, "tool_choice"),
+    ],
+)
+def test_tools_are_taken_with_tool_choice_none_only(
+    tools: list[dict[str, str]] | None, tool_choice: object, param: str | None
+) -> None:
+    request = ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice=tool_choice)
+    if param is None:
+        refuse_unsupported_fields(request)
+        return
+    with pytest.raises(OpenAIServingError) as caught:
+        refuse_unsupported_fields(request)
+    assert caught.value.param == param
+
+
+def test_unknown_fields_are_logged_once_each_and_boundedly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    unknown = UnknownFields(max_names=3)
+    with caplog.at_level(logging.WARNING, logger="kvflow.entrypoints.openai.unsupported"):
+        unknown.report({"metadata": 1})
+        unknown.report({"metadata": 2, "store": True})
+        unknown.report(None)
+        unknown.report({"a": 1, "b": 2, "c": 3})
+        unknown.report({"d": 4})
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0].endswith("['metadata']")
+    assert messages[1].endswith("['store']")
+    assert messages[2].endswith("['a']")  # the third name fills the bound ...
+    assert "further ones are not" in messages[3]  # ... said once, then nothing more
+    assert len(messages) == 4
