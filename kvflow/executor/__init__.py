@@ -9,22 +9,24 @@ Backends are imported only when built, so `ray` is needed only by the `ray` exec
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 from kvflow.config import EXECUTOR_BACKENDS
+from kvflow.registry import LazyRegistry
 
 if TYPE_CHECKING:
     from kvflow.config import ParallelConfig
     from kvflow.executor.base import Executor
 
-# Backend name -> "module:class", imported on first use.
-_EXECUTORS: dict[str, str] = {
-    "uni": "kvflow.executor.uniproc:UniProcExecutor",
-    "mp": "kvflow.executor.multiproc:MultiprocExecutor",
-    "ray": "kvflow.executor.ray_executor:RayExecutor",
-}
-assert tuple(_EXECUTORS) == EXECUTOR_BACKENDS, (
+EXECUTORS: LazyRegistry[type[Executor]] = LazyRegistry(
+    "distributed_executor_backend",
+    {
+        "uni": "kvflow.executor.uniproc:UniProcExecutor",
+        "mp": "kvflow.executor.multiproc:MultiprocExecutor",
+        "ray": "kvflow.executor.ray_executor:RayExecutor",
+    },
+)
+assert EXECUTORS.names() == EXECUTOR_BACKENDS, (
     "config.EXECUTOR_BACKENDS lists the registered backends"
 )
 
@@ -38,13 +40,7 @@ def resolve_executor_backend(parallel_config: ParallelConfig) -> str:
 
 def get_executor_class(name: str) -> type[Executor]:
     """The executor class registered as `name`; an unknown name is a ValueError listing the known ones."""
-    target = _EXECUTORS.get(name)
-    if target is None:
-        raise ValueError(
-            f"unknown distributed_executor_backend {name!r}; available: {', '.join(_EXECUTORS)}"
-        )
-    module_name, _, class_name = target.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return EXECUTORS.get(name)
 
 
-__all__ = ["get_executor_class", "resolve_executor_backend"]
+__all__ = ["EXECUTORS", "get_executor_class", "resolve_executor_backend"]
