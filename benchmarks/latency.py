@@ -244,7 +244,7 @@ def weight_bytes(worker: Any) -> int:
 
 def _worker(llm: Any) -> Any:
     """The in-process worker (the default "uni" executor), as throughput.py reaches it."""
-    return llm.engine_core.executor.worker
+    return llm.run_in_engine(lambda core: core.executor.worker)
 
 
 def _random_prompt(rng: random.Random, length: int, vocab_size: int) -> dict[str, list[int]]:
@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         decode = measure_decode(llm, shape.vocab_size, prompt_len, output_len, repeats)
         ttft = measure_ttft(llm, shape.vocab_size, ttft_prompt_len, repeats)
         (kv,) = llm.collective_rpc(kv_cache_facts)
-        llm.engine_core.shutdown()
+        llm.shutdown()
     kv_formula = shape.kv_bytes_per_token_formula(dtype)
 
     with _stage("peak RSS while loading, in a fresh interpreter"):

@@ -86,7 +86,7 @@ def _run_tp(
         max_model_len=prompt_len + max_tokens + 16,
         num_kv_blocks=num_requests * ((prompt_len + max_tokens) // 16 + 2),
     )
-    executor = llm.engine_core.executor
+    executor = llm.run_in_engine(lambda core: core.executor)
     execute_model = executor.execute_model
     step_s: list[float] = []
     step_bytes: list[int] = []

@@ -181,7 +181,7 @@ def run_kvflow(
     from kvflow import LLM, SamplingParams
 
     llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, **engine_kwargs)
-    runner = llm.engine_core.executor.worker.model_runner
+    runner = llm.run_in_engine(lambda core: core.executor.worker.model_runner)
     llm.generate(
         [{"prompt_token_ids": workload.prompts[0]}],
         SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0),
@@ -236,7 +236,7 @@ def run_kvflow(
         )
         for line in floor.sources():
             print(line, file=sys.stderr)
-    llm.engine_core.shutdown()
+    llm.shutdown()
     return (
         Result(name, elapsed, produced),
         Result(f"{name} forward only", forward_elapsed, produced),

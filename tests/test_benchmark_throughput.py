@@ -83,10 +83,10 @@ def test_floor_counts_every_linear_layer_on_the_rows_kvflow_runs_it_on(tmp_path:
     path = benchmark.ensure_checkpoint(tmp_path / "ckpt", benchmark.QUICK_SHAPE)
     llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64)
     try:
-        model = llm.engine_core.executor.worker.model_runner.model
+        model = llm.run_in_engine(lambda core: core.executor.worker.model_runner.model)
         floor = compute_floor.GemmFloor.measure(model, [(10, 2)], dtype=torch.float32, repeats=1)
     finally:
-        llm.engine_core.shutdown()
+        llm.shutdown()
     hidden, inter, vocab = 128, 256, 1000
     qkv = hidden * (hidden + 2 * (hidden // 4) * 2)
     others = hidden * hidden + hidden * 2 * inter + inter * hidden

@@ -22,17 +22,10 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvflow.engine.arg_utils import EngineArgs
-from kvflow.engine.builder import build_engine_core, build_frontend, resolve_engine_config
+from kvflow.engine.builder import build_frontend, resolve_engine_config, start_engine_core_client
 from kvflow.engine.core import PAUSE_MODES
-from kvflow.engine.core_client import (
-    EngineCoreClient,
-    EngineDeadError,
-    InprocEngineCoreClient,
-    fresh_dead_error,
-)
-from kvflow.engine.dp_client import DPEngineCoreClient
+from kvflow.engine.death import EngineDeadError, fresh_dead_error
 from kvflow.engine.input_processor import check_priority
-from kvflow.engine.mp_client import MPEngineCoreClient
 from kvflow.engine.output_stream import OutputStream
 from kvflow.engine.sessions import SessionFeeder, StreamingInput
 from kvflow.engine.stat_logger import LoggingStatLogger
@@ -98,38 +91,16 @@ class AsyncLLM:
         if not engine_args.disable_log_stats:
             self._stat_loggers.append(LoggingStatLogger())
         self.data_parallel_size = engine_args.data_parallel_size
-        self.engine_core_client = self._start_engine_core(engine_args.engine_process)
+        self.engine_core_client, self.num_kv_blocks = start_engine_core_client(
+            parts,
+            self._process_engine_outputs,
+            self._fail_all,
+            engine_args.engine_process,
+            engine_args.data_parallel_size,
+        )
         self._sessions = SessionFeeder(
             self.engine_core_client, self.input_processor, self.output_processor, self._lock
         )
-
-    def _start_engine_core(self, engine_process: bool) -> EngineCoreClient:
-        """The core behind its client: in its own process (`engine_process`; this process then runs no torch
-        compute), else on a thread of this one; with `data_parallel_size > 1`, that many cores, each in its own
-        process whatever `engine_process` says. `num_kv_blocks` is the KV cache a core allocated (the smallest,
-        with several: what any request can count on)."""
-        client: InprocEngineCoreClient | MPEngineCoreClient | DPEngineCoreClient
-        if self.data_parallel_size > 1:
-            client = DPEngineCoreClient(
-                self.engine_config,
-                self.model_info,
-                self._process_engine_outputs,
-                self._fail_all,
-                self.data_parallel_size,
-            )
-            self.num_kv_blocks = min(client.num_kv_blocks_per_engine)
-        elif engine_process:
-            client = MPEngineCoreClient(
-                self.engine_config, self.model_info, self._process_engine_outputs, self._fail_all
-            )
-            self.num_kv_blocks = client.num_kv_blocks
-        else:
-            engine_core = build_engine_core(self.engine_config, self.model_info)
-            self.num_kv_blocks = engine_core.executor.num_kv_blocks
-            client = InprocEngineCoreClient(
-                engine_core, self._process_engine_outputs, self._fail_all
-            )
-        return client
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:

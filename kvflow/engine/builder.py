@@ -5,7 +5,8 @@
 * `build_engine_core`: the core (scheduler + executor + worker + model), in the engine-core process when
   `EngineArgs.engine_process` is on, else in this one.
 
-`build_engine` builds both here, for `LLM` and the in-process `AsyncLLM`.
+`start_engine_core_client` starts the core behind the client both front ends (`LLM`, `AsyncLLM`) drive it through:
+on a thread of this process, in an engine-core process of its own, or several of them (data parallelism).
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from kvflow.config import EngineConfig
     from kvflow.engine.arg_utils import EngineArgs
     from kvflow.engine.core import EngineCore
+    from kvflow.engine.core_client import EngineCoreClient
+    from kvflow.engine.death import DeadHandler
+    from kvflow.engine.loop import OutputHandler
     from kvflow.tokenizer import Tokenizer
 
 
@@ -33,13 +37,6 @@ class FrontendParts:
     tokenizer: Tokenizer | None
     input_processor: InputProcessor
     output_processor: OutputProcessor
-
-
-@dataclass
-class EngineParts(FrontendParts):
-    """Everything an in-process front end needs: its half plus the core itself."""
-
-    engine_core: EngineCore
 
 
 def resolve_engine_config(engine_args: EngineArgs) -> tuple[ModelInfo, EngineConfig]:
@@ -83,20 +80,35 @@ def build_engine_core(engine_config: EngineConfig, model_info: ModelInfo | None)
     return engine_core
 
 
-def build_engine(engine_args: EngineArgs) -> EngineParts:
-    """Both halves in this process: resolve the model, validate the options, start the core, build the
-    processors around it."""
-    model_info, engine_config = resolve_engine_config(engine_args)
-    frontend = build_frontend(engine_args, model_info, engine_config)
-    engine_core = build_engine_core(engine_config, model_info)
-    return EngineParts(
-        frontend.engine_config,
-        frontend.model_info,
-        frontend.tokenizer,
-        frontend.input_processor,
-        frontend.output_processor,
-        engine_core,
-    )
+def start_engine_core_client(
+    frontend: FrontendParts,
+    output_handler: OutputHandler,
+    dead_handler: DeadHandler,
+    engine_process: bool = False,
+    data_parallel_size: int = 1,
+) -> tuple[EngineCoreClient, int]:
+    """The engine core behind its client, and the KV blocks a request can count on (with several cores, the
+    smallest core's). With `data_parallel_size > 1`, that many cores, each in its own process; else with
+    `engine_process`, one core in its own process (this process then runs no torch compute); else one core on a
+    thread of this process. `output_handler` and `dead_handler` are the front end's (see `EngineCoreClient`)."""
+    config, model_info = frontend.engine_config, frontend.model_info
+    if data_parallel_size > 1:
+        from kvflow.engine.dp_client import DPEngineCoreClient
+
+        dp_client = DPEngineCoreClient(
+            config, model_info, output_handler, dead_handler, data_parallel_size
+        )
+        return dp_client, min(dp_client.num_kv_blocks_per_engine)
+    if engine_process:
+        from kvflow.engine.mp_client import MPEngineCoreClient
+
+        mp_client = MPEngineCoreClient(config, model_info, output_handler, dead_handler)
+        return mp_client, mp_client.num_kv_blocks
+    from kvflow.engine.core_client import InprocEngineCoreClient
+
+    engine_core = build_engine_core(config, model_info)
+    client = InprocEngineCoreClient(engine_core, output_handler, dead_handler)
+    return client, engine_core.executor.num_kv_blocks
 
 
 def _load_tokenizer(

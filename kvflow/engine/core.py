@@ -141,6 +141,11 @@ class EngineCore:
             or self.scheduler.has_pending_reports()
         )
 
+    def has_in_flight(self) -> bool:
+        """A batch in flight, or reports (finished or preempted requests) the worker has not heard of yet: while
+        True, some worker slot may still be held by a request the scheduler already let go."""
+        return bool(self.batch_queue) or self.scheduler.has_pending_reports()
+
     def can_make_progress(self) -> bool:
         """True when `step()` would do something: False when the only work left is held by a pause (or there is
         none), so a caller should wait for input instead of spinning."""

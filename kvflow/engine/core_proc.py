@@ -40,15 +40,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
-from kvflow.engine.core_client import (
-    EngineDeadError,
+from kvflow.engine.death import EngineDeadError, EngineDeath
+from kvflow.engine.loop import (
     EngineLoop,
     LoopBatch,
     LoopCall,
     LoopMessage,
     LoopPause,
     LoopShutdown,
-    dead_error_for,
 )
 from kvflow.engine.messages import (
     AbortRequests,
@@ -178,10 +177,10 @@ class EngineCoreProc:
         return engine_core
 
     def _serve(self, engine_core: EngineCore) -> None:
-        loop = EngineLoop(engine_core, self._send_outputs, self._on_dead, self._inbox)
+        loop = EngineLoop(engine_core, self._send_outputs, EngineDeath(self._on_dead), self._inbox)
         self._loop_started = True
         logger.info("engine core process %d serving", os.getpid())
-        loop.run(dead_error_for)
+        loop.run()
 
     def _send_outputs(self, outputs: list[EngineCoreOutput], stats: SchedulerStats) -> None:
         self._outbox.put(EngineCoreOutputs(outputs, stats))

@@ -33,14 +33,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvflow.engine.core_client import (
-    EngineCoreClient,
-    EngineDeadError,
-    OutputHandler,
-    dead_error_for,
-    fresh_dead_error,
-    gather,
-)
+from kvflow.engine.core_client import EngineCoreClient
+from kvflow.engine.death import DeadHandler, EngineDeadError, EngineDeath, fresh_dead_error
+from kvflow.engine.futures import gather
+from kvflow.engine.loop import OutputHandler
 from kvflow.engine.mp_client import STARTUP_TIMEOUT_S, MPEngineCoreClient
 
 if TYPE_CHECKING:
@@ -76,30 +72,28 @@ class DPEngineCoreClient(EngineCoreClient):
         engine_config: EngineConfig,
         model_info: ModelInfo | None,
         output_handler: OutputHandler,
-        dead_handler: Callable[[EngineDeadError], None],
+        dead_handler: DeadHandler,
         data_parallel_size: int,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
     ) -> None:
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self._output_handler = output_handler
-        self._dead_handler = dead_handler
         self._lock = (
             threading.RLock()
         )  # Future callbacks may run at once, on the thread that holds it
+        self._death = EngineDeath(self._forget_all_then(dead_handler), self._lock)
         self._handler_lock = threading.Lock()
         self._owner: dict[str, int] = {}
         self._load = [0] * data_parallel_size
         self._next_on_tie = 0
-        self._dead_error: EngineDeadError | None = None
-        self._dead_reported = False
         self._stopper: threading.Thread | None = None
         self._clients: list[MPEngineCoreClient] = self._start_cores(
             engine_config, model_info, data_parallel_size, startup_timeout_s
         )
-        if self._dead_error is not None:  # a core died while the others were starting
+        if self._death.is_dead:  # a core died while the others were starting
             self._stop_cores()
-            raise fresh_dead_error(self._dead_error)
+            self._death.raise_if_dead()
         self.pids = [client.pid for client in self._clients]
         self.num_kv_blocks_per_engine = [client.num_kv_blocks for client in self._clients]
         logger.info(
@@ -136,9 +130,8 @@ class DPEngineCoreClient(EngineCoreClient):
             starting = [pool.submit(start, index) for index in range(data_parallel_size)]
         errors = [error for each in starting if (error := each.exception()) is not None]
         if errors:
-            with self._lock:
-                self._dead_error = dead_error_for(None)  # stopping what started is no failure
-                self._dead_reported = True  # the front end never had an engine to lose
+            self._death.publish()  # stopping what started is no failure
+            self._death.mark_reported()  # the front end never had an engine to lose
             for each in starting:
                 if each.exception() is None:
                     each.result().shutdown()
@@ -154,11 +147,6 @@ class DPEngineCoreClient(EngineCoreClient):
         """Live requests per core, in core order (what routing compares)."""
         with self._lock:
             return list(self._load)
-
-    def engine_of(self, request_id: str) -> int | None:
-        """The core a live request was sent to (None when it is not live)."""
-        with self._lock:
-            return self._owner.get(request_id)
 
     def _pick_core(self) -> int:
         """The least-loaded core; ties go round the cores in turn (caller holds `_lock`)."""
@@ -317,52 +305,49 @@ class DPEngineCoreClient(EngineCoreClient):
     # ------------------------------------------------------------------------------------------------ death
     @property
     def dead_error(self) -> EngineDeadError | None:
-        return self._dead_error
+        return self._death.error
 
     def is_alive(self) -> bool:
         """Whether every engine-core process runs."""
         return all(client.is_alive() for client in self._clients)
 
     def _check_alive(self) -> None:
-        if self._dead_error is not None:
-            raise fresh_dead_error(self._dead_error)
+        self._death.raise_if_dead()
 
     def _translate(self, error: BaseException) -> BaseException:
         """A core's `EngineDeadError` becomes the engine's (which names the core that died first)."""
-        if isinstance(error, EngineDeadError) and self._dead_error is not None:
-            return fresh_dead_error(self._dead_error)
+        dead_error = self._death.error
+        if isinstance(error, EngineDeadError) and dead_error is not None:
+            return fresh_dead_error(dead_error)
         return error
 
     def _on_core_dead(self, index: int, error: EngineDeadError) -> None:
         """Core `index` stopped: unless we are shutting down, the engine dies of it and the other cores stop."""
         with self._lock:
-            if self._dead_error is None:
-                num_engines = len(self._load)
+            if not self._death.is_dead:
                 dead = EngineDeadError(
-                    f"data-parallel engine core {index} of {num_engines}: {error}"
+                    f"data-parallel engine core {index} of {len(self._load)}: {error}"
                 )
                 dead.__cause__ = error.__cause__ or RuntimeError(
                     f"engine core {index} stopped unasked"
                 )
-                self._dead_error = dead
+                self._death.publish_locked(dead)
                 self._stopper = threading.Thread(
                     target=self._stop_cores, name="kvflow-dp-stop", daemon=True
                 )
                 self._stopper.start()
-        self._report_dead()
+        self._death.report()
 
-    def _report_dead(self) -> None:
-        with self._lock:
-            if self._dead_reported or self._dead_error is None:
-                return
-            self._dead_reported = True
-            dead_error = self._dead_error
-            self._owner.clear()
-            self._load = [0] * len(self._load)
-        try:
-            self._dead_handler(dead_error)
-        except Exception:
-            logger.exception("the front end's dead handler failed")
+    def _forget_all_then(self, dead_handler: DeadHandler) -> DeadHandler:
+        """The dead handler: forget every live request (a dead engine owns none), then the front end's."""
+
+        def on_dead(error: EngineDeadError) -> None:
+            with self._lock:
+                self._owner.clear()
+                self._load = [0] * len(self._load)
+            dead_handler(error)
+
+        return on_dead
 
     def _stop_cores(self) -> None:
         """Shut every core down at once; returns when all processes are gone."""
@@ -380,13 +365,12 @@ class DPEngineCoreClient(EngineCoreClient):
         """Stop every core (idempotent; returns once every engine-core process is gone). Calls still pending fail
         with EngineDeadError."""
         with self._lock:
-            if self._dead_error is None:
-                self._dead_error = dead_error_for(None)
+            self._death.publish_locked()
             stopper = self._stopper
         if stopper is not None and stopper is not threading.current_thread():
             stopper.join()
         self._stop_cores()  # each client's shutdown is idempotent and waits for its process
-        self._report_dead()
+        self._death.report()
 
 
 def core_devices(engine_config: EngineConfig, data_parallel_size: int) -> list[str | None]:

@@ -41,20 +41,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import msgspec
 import zmq
 
-from kvflow.engine.core_client import (
-    EngineCoreClient,
-    EngineDeadError,
-    OutputHandler,
-    complete,
-    dead_error_for,
-    fresh_dead_error,
-)
+from kvflow.engine.core_client import EngineCoreClient
 from kvflow.engine.core_proc import (
     ENGINE_CORE_PROCESS_NAME,
     IPC_FOLDER_PREFIX,
     EngineCoreProcConfig,
     run_engine_core,
 )
+from kvflow.engine.death import DeadHandler, EngineDeadError, EngineDeath, dead_error_for
+from kvflow.engine.futures import complete
+from kvflow.engine.loop import OutputHandler
 from kvflow.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -123,7 +119,7 @@ class MPEngineCoreClient(EngineCoreClient):
         engine_config: EngineConfig,
         model_info: ModelInfo | None,
         output_handler: OutputHandler,
-        dead_handler: Callable[[EngineDeadError], None],
+        dead_handler: DeadHandler,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
@@ -133,12 +129,10 @@ class MPEngineCoreClient(EngineCoreClient):
         (`kvflow.engine.dp_client`); the core takes its share of the CPU threads. `visible_devices`: the
         process's `CUDA_VISIBLE_DEVICES` (None: this process's)."""
         self._output_handler = output_handler
-        self._dead_handler = dead_handler
-        self._lock = threading.Lock()
+        self._death = EngineDeath(dead_handler)
+        self._lock = self._death.lock
         self._pending: dict[int, Future[Any]] = {}
         self._call_ids = itertools.count()
-        self._dead_error: EngineDeadError | None = None
-        self._dead_reported = False
         self._handler_calls: list[bytes] | None = None  # calls made by the running output handler
         self._output_thread: threading.Thread | None = None
         self._encoder = msgspec.msgpack.Encoder()
@@ -198,7 +192,7 @@ class MPEngineCoreClient(EngineCoreClient):
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        return self._dead_error
+        return self._death.error
 
     def is_alive(self) -> bool:
         """Whether the engine-core process runs."""
@@ -207,9 +201,7 @@ class MPEngineCoreClient(EngineCoreClient):
     def shutdown(self) -> None:
         """Stop the engine process and release everything (idempotent; returns once the process is gone). Calls
         still pending fail with EngineDeadError ("shut down")."""
-        with self._lock:
-            if self._dead_error is None:
-                self._dead_error = dead_error_for(None)
+        self._death.publish()
         self._finalizer()
         self._report_dead()  # when the output thread could not (it never ran, or this is it)
 
@@ -218,8 +210,7 @@ class MPEngineCoreClient(EngineCoreClient):
         done: Future[Any] = Future()
         in_handler = threading.current_thread() is self._output_thread
         with self._lock:
-            if self._dead_error is not None:
-                raise fresh_dead_error(self._dead_error)
+            self._death.raise_if_dead()
             frame = self._encoder.encode(make_message(call_id))
             self._pending[call_id] = done
             if in_handler and self._handler_calls is not None:
@@ -252,7 +243,7 @@ class MPEngineCoreClient(EngineCoreClient):
                 if cause is None and sentinel in events:  # what it sent before it exited, then why
                     while (
                         cause is None
-                        and self._dead_error is None  # not shutting down: its last words matter
+                        and self._death.error is None  # not shutting down: its last words matter
                         and socket.poll(_DRAIN_POLL_MS, zmq.POLLIN)
                     ):
                         cause = self._handle_available(socket, decoder)
@@ -294,7 +285,7 @@ class MPEngineCoreClient(EngineCoreClient):
         finally:
             with self._lock:
                 frames, self._handler_calls = self._handler_calls, None
-                if frames and self._dead_error is None:
+                if frames and self._death.error is None:
                     self._send(frames)
 
     def _complete(self, result: UtilityResult) -> None:
@@ -314,7 +305,7 @@ class MPEngineCoreClient(EngineCoreClient):
         """Why the process exited: None when we asked it to (shutdown), else an error naming it."""
         process = self._resources.process
         process.join(_STOP_TIMEOUT_S)  # the sentinel fired: reaping is immediate
-        if self._dead_error is not None:
+        if self._death.error is not None:
             return None
         return EngineProcessExitedError(
             f"{_describe(process)} exited unexpectedly ({_exit_status(process)})"
@@ -323,35 +314,20 @@ class MPEngineCoreClient(EngineCoreClient):
     def _die(self, cause: BaseException | None) -> None:
         """The engine is dead: publish the error, stop a process that still runs, fail pending calls, tell the
         front end."""
-        with self._lock:
-            if cause is not None:
-                message = (
-                    str(cause)
-                    if isinstance(cause, EngineProcessExitedError)
-                    else f"the engine core failed: {cause!r}"
-                )
-                dead = EngineDeadError(message)
-                dead.__cause__ = cause
-                self._dead_error = dead
-            elif self._dead_error is None:
-                self._dead_error = dead_error_for(None)
+        message = str(cause) if isinstance(cause, EngineProcessExitedError) else None
+        self._death.publish(
+            dead_error_for(cause, message) if cause is not None else None, replace_clean=True
+        )
         if cause is not None:
             self._resources.request_stop()
         self._report_dead()
 
     def _report_dead(self) -> None:
-        with self._lock:
-            if self._dead_reported or self._dead_error is None:
-                return
-            self._dead_reported = True
-            dead_error = self._dead_error
+        def take_pending() -> list[Future[Any]]:
             pending, self._pending = list(self._pending.values()), {}
-        for done in pending:
-            complete(done, error=fresh_dead_error(dead_error))
-        try:
-            self._dead_handler(dead_error)
-        except Exception:
-            logger.exception("the front end's dead handler failed")
+            return pending
+
+        self._death.report(take_pending)
 
 
 class _ProcessResources:

@@ -1,30 +1,46 @@
-"""LLM: the offline API. `LLM().generate("Hello", SamplingParams(max_tokens=32))`."""
+"""LLM: the offline API. `LLM().generate("Hello", SamplingParams(max_tokens=32))`.
+
+`LLM` is the synchronous face of the same engine that `AsyncLLM` drives: the engine core runs behind an
+`EngineCoreClient` (its `EngineLoop` on a thread of this process by default; in an engine-core process of its own
+with `engine_process=True`; several with `data_parallel_size > 1`), and `generate` waits for its requests' final
+outputs, which the client's output handler files as they finish.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from tqdm.auto import tqdm
 
 from kvflow.engine.arg_utils import EngineArgs
-from kvflow.engine.builder import build_engine
+from kvflow.engine.builder import build_frontend, resolve_engine_config, start_engine_core_client
+from kvflow.engine.death import EngineDeadError, fresh_dead_error
 from kvflow.engine.input_processor import ProcessedPrompt, PromptType, check_priority
 from kvflow.engine.stat_logger import LoggingStatLogger
 from kvflow.entrypoints.interrupts import DeferredInterrupt
 from kvflow.sampling_params import SamplingParams
+from kvflow.tokenizer.chat import render_chat
 
 if TYPE_CHECKING:
-    from kvflow.core.sched.output import EngineCoreOutput
+    from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
+    from kvflow.engine.core import EngineCore
+    from kvflow.engine.core_client import EngineCoreClient
+    from kvflow.engine.output_processor import OutputProcessor
     from kvflow.outputs import RequestOutput
     from kvflow.tokenizer import Tokenizer
 
 ChatMessages = list[dict[str, Any]]
-_PAUSED_POLL_S = 0.05
+_T = TypeVar("_T")
+# How often a waiting `generate` wakes to redraw its progress bar and to take a held Ctrl-C.
+_WAKE_S = 0.1
 
 
 class LLM:
@@ -33,44 +49,42 @@ class LLM:
     `model=None` is the built-in default model (created on first use, no download), a path is a Hugging Face
     checkpoint folder, `"hash"` the deterministic test model. Requests are validated whole before any is queued,
     so a bad prompt or parameter raises `ValueError` and leaves the engine untouched. Outputs come back in input
-    order.
+    order. `engine_process=True` runs the engine core in a process of its own and `data_parallel_size=N` runs N of
+    them (both spawn processes: a script that uses them needs the `if __name__ == "__main__":` guard).
 
-    Thread safety: one lock guards the engine; `generate` releases it between steps, so another thread may call
-    `pause_generation`, `resume_generation`, `is_paused`, `reset_prefix_cache` or `update_weights` while a
-    generation runs. Whichever thread steps the engine files finished outputs where their `generate` call finds
-    them.
+    Thread safety: any thread may call any method, at the same time as others; `generate` calls share the engine
+    (their requests are batched together) and each gets its own outputs. `pause_generation`, `resume_generation`,
+    `is_paused`, `reset_prefix_cache`, `update_weights` and `collective_rpc` apply between engine steps.
+
+    Invariants: the engine core is touched only by its client's loop (never by this object); the client's handlers
+    hold no reference to the `LLM`, so an `LLM` that is garbage-collected (or alive at interpreter exit) stops its
+    engine; once the engine has died every call raises `EngineDeadError`.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         """`kwargs` are the `EngineArgs` options (unknown names are a TypeError, bad values a ValueError)."""
         engine_args = EngineArgs(model=model, **kwargs)
-        if engine_args.engine_process:
-            raise ValueError(
-                "engine_process=True is for AsyncLLM and `kvflow serve`, whose engine core runs in its own "
-                "process; LLM steps its engine core itself, in this process"
-            )
-        if engine_args.data_parallel_size != 1:
-            raise ValueError(
-                f"data_parallel_size={engine_args.data_parallel_size}: LLM steps one engine core in this "
-                "process; data parallelism (several engine cores behind one front end) is for AsyncLLM and "
-                "`kvflow serve --data-parallel-size N`"
-            )
-        parts = build_engine(engine_args)
+        model_info, engine_config = resolve_engine_config(engine_args)
+        parts = build_frontend(engine_args, model_info, engine_config)
         self.engine_config = parts.engine_config
         self.model_info = parts.model_info
         self.tokenizer = parts.tokenizer
-        self.engine_core = parts.engine_core
         self.input_processor = parts.input_processor
         self.output_processor = parts.output_processor
         self.vocab_size = self.input_processor.vocab_size
         self.eos_token_id = self.input_processor.eos_token_id
         self._request_counter = itertools.count()
-        self._lock = threading.RLock()
-        # Notified after every step and every pause/resume.
-        self._changed = threading.Condition(self._lock)
-        self._finished: dict[str, RequestOutput] = {}
-        self._num_generating = 0
-        self._stat_logger = None if engine_args.disable_log_stats else LoggingStatLogger()
+        stat_logger = None if engine_args.disable_log_stats else LoggingStatLogger()
+        self._outputs = _FinishedOutputs(parts.output_processor, stat_logger)
+        self.engine_core_client, self.num_kv_blocks = start_engine_core_client(
+            parts,
+            self._outputs.on_outputs,
+            self._outputs.on_dead,
+            engine_args.engine_process,
+            engine_args.data_parallel_size,
+        )
+        self._outputs.client = self.engine_core_client
+        self._finalizer = weakref.finalize(self, self.engine_core_client.shutdown)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
@@ -101,11 +115,11 @@ class LLM:
         `resume_generation`; a pause in mode "abort" finishes them with finish_reason "abort".
 
         Any exception or interrupt (Ctrl-C) that leaves the call aborts its requests, so their KV blocks and worker
-        slots are freed and the LLM stays usable. In the main thread a Ctrl-C is held back until the running engine
-        step is over, so it never interrupts a step half-way.
+        slots are freed and the LLM stays usable. The engine steps on its own thread (or process), so a Ctrl-C
+        never interrupts a step; in the main thread it is taken while the call waits.
         """
         prompt_list = self.input_processor.normalize_prompts(prompts)
-        params_list = self._expand_sampling_params(sampling_params, len(prompt_list))
+        params_list = self.input_processor.expand_sampling_params(sampling_params, len(prompt_list))
         priorities = self._expand_priority(priority, len(prompt_list))
         processed = [
             self.input_processor.process(prompt, params)
@@ -113,36 +127,40 @@ class LLM:
         ]
         request_ids: list[str] = []
         with DeferredInterrupt() as interrupt:
+            call = _Call(use_tqdm)
             try:
-                with self._lock:
-                    self._num_generating += 1
-                    for item, item_priority in zip(processed, priorities, strict=True):
-                        request_ids.append(self._add_request(item, item_priority))
-                prompt_lens = {
-                    request_id: len(item.prompt_token_ids)
-                    for request_id, item in zip(request_ids, processed, strict=True)
-                }
-                finished = self._run_to_completion(prompt_lens, use_tqdm, interrupt)
+                added = [
+                    self._add_request(call, item, item_priority, request_ids)
+                    for item, item_priority in zip(processed, priorities, strict=True)
+                ]
+                for each in added:
+                    each.result()  # a request the core refused fails the whole call
+                self._outputs.wait(call, interrupt)
             except BaseException:
-                self._abandon(request_ids)
+                self._abandon(call, request_ids)
                 raise
             finally:
-                with self._lock:
-                    self._num_generating -= 1
-        return [finished[request_id] for request_id in request_ids]
+                call.close()
+        return [call.finished[request_id] for request_id in request_ids]
 
     def chat(
         self,
         messages: ChatMessages | Sequence[ChatMessages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        chat_template: str | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        chat_template: str | os.PathLike[str] | None = None,
         add_generation_prompt: bool = True,
-        **chat_template_kwargs: Any,
+        continue_final_message: bool = False,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template (or `chat_template`) and generate.
+        """Render each conversation with the one chat renderer (`kvflow.tokenizer.chat.render_chat`, the same as
+        `kvflow chat` and `/v1/chat/completions`) and generate; vLLM's signature.
 
-        `messages` is one conversation (a list of `{"role", "content"}` dicts) or a list of them.
+        `messages` is one conversation (a list of `{"role", "content"}` dicts; content may be OpenAI content
+        parts) or a list of them. `chat_template` is a template file, the template's text, or the name of one of
+        the checkpoint's templates (None: its default); `chat_template_kwargs` reach the template;
+        `continue_final_message` continues the last (assistant) message instead of opening a new turn.
         """
         if self.tokenizer is None:
             raise ValueError(
@@ -153,58 +171,54 @@ class LLM:
                 "messages must be a non-empty list of {'role', 'content'} dicts (or a list of them)"
             )
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        prompts: list[PromptType] = []
-        for conversation in conversations:
-            _check_conversation(conversation)
-            text = self.tokenizer.apply_chat_template(
-                list(conversation),
+        prompts: list[PromptType] = [
+            render_chat(
+                self.tokenizer,
+                conversation,
                 chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
                 add_generation_prompt=add_generation_prompt,
-                **chat_template_kwargs,
-            )
-            prompts.append(
-                {
-                    "prompt": text,
-                    "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
-                }
-            )
+                continue_final_message=continue_final_message,
+                tools=tools,
+            ).as_prompt()
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        """Fraction of prompt tokens served from the prefix cache since the engine started."""
-        return self.engine_core.scheduler.prefix_cache_stats.hit_rate
+        """Fraction of prompt tokens served from the prefix cache since the engine started (over every core)."""
+        snapshots = self.scheduler_stats()
+        query = sum(stats.prefix_cache_query_tokens for stats in snapshots)
+        hits = sum(stats.prefix_cache_hit_tokens for stats in snapshots)
+        return hits / query if query else 0.0
+
+    def scheduler_stats(self) -> list[SchedulerStats]:
+        """A snapshot of every core's scheduler now, in core order (each with its `engine_index`)."""
+        snapshots = self.run_in_each_engine(_make_stats)
+        for index, stats in enumerate(snapshots):
+            stats.engine_index = index
+        return snapshots
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        with self._lock:
-            return self.engine_core.reset_prefix_cache(reset_running_requests)
+        return self.engine_core_client.reset_prefix_cache(reset_running_requests).result()
 
     # ------------------------------------------------------------------------------------------------ pause
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause (semantics: `kvflow.engine.core.Pause`). Returns once the pause has taken effect, or once a
         concurrent `resume_generation` released it."""
-        with self._lock:
-            self._apply(self.engine_core.pause_generation(mode, clear_cache))
-            while self.engine_core.is_paused() and not self.engine_core.pause_effective():
-                if self._num_generating:
-                    self._changed.wait(_PAUSED_POLL_S)  # a generate() call is stepping the engine
-                else:
-                    self._step_locked()
+        self.engine_core_client.pause_generation(mode, bool(clear_cache)).result()
 
     def resume_generation(self) -> None:
-        with self._lock:
-            self.engine_core.resume_generation()
-            self._changed.notify_all()
+        self.engine_core_client.resume_generation().result()
 
     def is_paused(self) -> bool:
-        with self._lock:
-            return self.engine_core.is_paused()
+        return self.engine_core_client.is_paused().result()
 
     def update_weights(self, weights: Any) -> int:
-        """Reload weights (a checkpoint folder or a state dict) between `pause_generation` and resume; returns the
-        new weight version, which outputs record (`CompletionOutput.weight_versions`)."""
-        with self._lock:
-            return self.engine_core.update_weights(weights)
+        """Reload weights (a checkpoint folder, or in-process a state dict) between `pause_generation` and resume;
+        returns the new weight version, which outputs record (`CompletionOutput.weight_versions`)."""
+        return self.engine_core_client.update_weights(weights).result()
 
     def collective_rpc(
         self,
@@ -214,23 +228,23 @@ class LLM:
     ) -> list[Any]:
         """Run a worker method (by name, or a callable taking the worker as its first argument) on every rank,
         between engine steps; returns the results in rank order (`EngineCore.collective_rpc`)."""
-        with self._lock:
-            return self.engine_core.collective_rpc(method, args, kwargs)
+        return self.engine_core_client.collective_rpc(method, args, kwargs).result()
+
+    def run_in_engine(self, fn: Callable[[EngineCore], _T]) -> _T:
+        """Run `fn(engine_core)` where the core runs, between steps, and return its result (for inspection,
+        administration and tests; with `engine_process`, `fn` and its result travel with cloudpickle)."""
+        return self.engine_core_client.run(fn).result()
+
+    def run_in_each_engine(self, fn: Callable[[EngineCore], _T]) -> list[_T]:
+        """`run_in_engine` on every engine core; their results in core order."""
+        return self.engine_core_client.run_each(fn).result()
 
     def shutdown(self) -> None:
-        """Stop the engine's workers (tensor-parallel worker processes or Ray actors); the LLM is unusable after.
-        Idempotent; an LLM that is garbage-collected or outlives the interpreter stops them too."""
-        with self._lock:
-            self.engine_core.shutdown()
+        """Stop the engine (its loop, workers and processes); every later call raises `EngineDeadError`.
+        Idempotent; an LLM that is garbage-collected or outlives the interpreter stops it too."""
+        self._finalizer()
 
     # ------------------------------------------------------------------------------------------------ internals
-    def _expand_sampling_params(
-        self,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        num_prompts: int,
-    ) -> list[SamplingParams]:
-        return self.input_processor.expand_sampling_params(sampling_params, num_prompts)
-
     def _expand_priority(self, priority: int | Sequence[int] | None, num_prompts: int) -> list[int]:
         if priority is None:
             return [0] * num_prompts
@@ -240,143 +254,221 @@ class LLM:
         policy = self.engine_config.scheduler_config.policy
         return [check_priority(value, policy) for value in priorities]
 
-    def _add_request(self, processed: ProcessedPrompt, priority: int = 0) -> str:
-        """Queue one prompt (n child requests when `n > 1`). Caller holds the lock."""
+    def _add_request(
+        self, call: _Call, processed: ProcessedPrompt, priority: int, request_ids: list[str]
+    ) -> Future[None]:
+        """Queue one prompt (n child requests when `n > 1`) for `call`; its id joins `request_ids` first, so an
+        abandoned call aborts it whatever happens next."""
         request_id = str(next(self._request_counter))
         requests = self.input_processor.make_requests(
             request_id, processed, time.monotonic(), priority=priority
         )
-        self.output_processor.add_prompt(request_id, processed, requests)
+        request_ids.append(request_id)
+        self._outputs.register(call, request_id, processed, requests)
+        return self.engine_core_client.add_requests(requests)
+
+    def _abandon(self, call: _Call, request_ids: list[str]) -> None:
+        """Abort a failed or interrupted call's requests, and wait until the core has applied the aborts. When no
+        other call is waiting, also wait until nothing is in flight, so their worker slots are free too."""
+        core_request_ids = self._outputs.forget(call, request_ids)
+        if self.engine_core_client.dead_error is not None:
+            return
         try:
-            self.engine_core.add_requests(requests)
-        except ValueError:
-            self.output_processor.abort_requests([request_id])
-            raise
-        return request_id
+            self.engine_core_client.abort_requests(core_request_ids).result()
+            if self._outputs.num_calls() == 0:
+                while any(self.run_in_each_engine(_has_in_flight)):
+                    pass
+        except EngineDeadError:
+            pass
 
-    def _step_locked(self) -> list[EngineCoreOutput]:
-        """One engine step and its outputs filed; caller holds the lock."""
-        engine_outputs = self.engine_core.step()
-        self._apply(engine_outputs)
-        return engine_outputs
 
-    def _apply(self, engine_outputs: list[EngineCoreOutput]) -> None:
-        processed = self.output_processor.process_outputs(engine_outputs, finished_only=True)
-        if self._stat_logger is not None:
-            self._stat_logger.record(self.engine_core.make_stats(), processed.iteration_stats)
-        if processed.reqs_to_abort:
-            self.engine_core.abort_requests(processed.reqs_to_abort)
-        for request_output in processed.request_outputs:
-            if request_output.finished:
-                self._finished[request_output.request_id] = request_output
-        self._changed.notify_all()
+def _make_stats(engine_core: EngineCore) -> SchedulerStats:
+    return engine_core.make_stats()
 
-    def _abandon(self, request_ids: list[str]) -> None:
-        """Abort a failed or interrupted call's requests. When no other `generate` is stepping the engine, also
-        step until the worker has heard of the aborts and nothing is in flight, so their slots are free too."""
-        with self._lock:
+
+def _has_in_flight(engine_core: EngineCore) -> bool:
+    return engine_core.has_in_flight()
+
+
+class _Call:
+    """One `generate` call's requests: the ids it waits for, the finished outputs it got, its progress bar."""
+
+    def __init__(self, use_tqdm: bool | Callable[..., tqdm]) -> None:
+        self.pending: set[str] = set()
+        self.finished: dict[str, RequestOutput] = {}
+        self.progress: _Progress | None = None if use_tqdm is False else _Progress(use_tqdm)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+
+
+class _FinishedOutputs:
+    """The LLM's side of the client: files each request's final output with the call that waits for it.
+
+    Invariants: `lock` guards the output processor and every call's state; the handlers run on the client's thread
+    and hold no reference to the `LLM`; only finished requests get a RequestOutput (`finished_only`), so a step
+    costs O(new tokens); a dead engine wakes every waiting call, which raises its error.
+    """
+
+    def __init__(
+        self, output_processor: OutputProcessor, stat_logger: LoggingStatLogger | None
+    ) -> None:
+        self.output_processor = output_processor
+        self.stat_logger = stat_logger
+        self.client: EngineCoreClient | None = None
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.call_of: dict[str, _Call] = {}  # user request id -> the call waiting for it
+        # core request id -> (its call's progress bar, its user request id)
+        self.progress_of: dict[str, tuple[_Progress, str]] = {}
+        self.dead_error: EngineDeadError | None = None
+        self.num_waiting_calls = 0
+
+    def register(
+        self, call: _Call, request_id: str, processed: ProcessedPrompt, requests: list[Any]
+    ) -> None:
+        with self.lock:
+            self.output_processor.add_prompt(request_id, processed, requests)
+            self.call_of[request_id] = call
+            call.pending.add(request_id)
+            if call.progress is not None:
+                call.progress.add_prompt(request_id, len(processed.prompt_token_ids))
+                for request in requests:
+                    self.progress_of[request.request_id] = (call.progress, request_id)
+
+    def forget(self, call: _Call, request_ids: list[str]) -> list[str]:
+        """Drop a call's requests on this side; returns their core request ids (to abort in the core)."""
+        with self.lock:
             core_request_ids = [
                 core_request_id
                 for request_id in request_ids
                 for core_request_id in self.output_processor.core_request_ids(request_id)
             ]
-            self.engine_core.abort_requests(core_request_ids)
             self.output_processor.abort_requests(request_ids)
             for request_id in request_ids:
-                self._finished.pop(request_id, None)
-            if self._num_generating == 1:
-                core = self.engine_core
-                while core.batch_queue or core.scheduler.has_pending_reports():
-                    self._step_locked()
+                self.call_of.pop(request_id, None)
+            for core_request_id in core_request_ids:
+                self.progress_of.pop(core_request_id, None)
+            call.pending.clear()
+            return core_request_ids
 
-    def _run_to_completion(
-        self,
-        prompt_lens: dict[str, int],
-        use_tqdm: bool | Callable[..., tqdm],
-        interrupt: DeferredInterrupt,
-    ) -> dict[str, RequestOutput]:
-        """Step (or wait while another thread steps) until every request of `prompt_lens` has finished."""
-        pending = set(prompt_lens)
-        finished: dict[str, RequestOutput] = {}
-        progress = _Progress(
-            use_tqdm,
-            {
-                core_request_id: (request_id, num_prompt_tokens)
-                for request_id, num_prompt_tokens in prompt_lens.items()
-                for core_request_id in self.output_processor.core_request_ids(request_id)
-            },
-        )
-        while pending:
-            with self._lock:
-                if self.engine_core.can_make_progress():
-                    progress.record_step(self._step_locked())
-                elif self.engine_core.is_paused():
-                    self._changed.wait(_PAUSED_POLL_S)  # held by a pause: wait for resume
-                elif not any(request_id in self._finished for request_id in pending):
-                    raise RuntimeError("engine went idle with requests unfinished")
-                for request_id in [
-                    request_id for request_id in self._finished if request_id in pending
-                ]:
-                    finished[request_id] = self._finished.pop(request_id)
-                    pending.discard(request_id)
-                    progress.record_finished()
-            progress.refresh()
-            interrupt.check()
-        progress.close()
-        return finished
+    def num_calls(self) -> int:
+        with self.lock:
+            return self.num_waiting_calls
+
+    def wait(self, call: _Call, interrupt: DeferredInterrupt) -> None:
+        """Until every request of `call` has finished; raises a held Ctrl-C, or the engine's death."""
+        with self.lock:
+            self.num_waiting_calls += 1
+            try:
+                while call.pending:
+                    if self.dead_error is not None:
+                        raise fresh_dead_error(self.dead_error)
+                    self.changed.wait(_WAKE_S)
+                    if call.progress is not None:
+                        call.progress.refresh()
+                    interrupt.check()
+                if call.progress is not None:
+                    call.progress.refresh()
+            finally:
+                self.num_waiting_calls -= 1
+
+    # ------------------------------------------------------------------------------------------------ handlers
+    def on_outputs(self, engine_outputs: list[EngineCoreOutput], stats: SchedulerStats) -> None:
+        """The client's output handler (one step's outputs, on the client's thread)."""
+        with self.lock:
+            processed = self.output_processor.process_outputs(engine_outputs, finished_only=True)
+            if self.stat_logger is not None:
+                self.stat_logger.record(stats, processed.iteration_stats)
+            if processed.reqs_to_abort and self.client is not None:
+                self.client.abort_requests(processed.reqs_to_abort)
+            if self.progress_of:
+                for output in engine_outputs:
+                    entry = self.progress_of.get(output.request_id)
+                    if entry is not None:
+                        entry[0].record_output(entry[1], output)
+            woke = False
+            for request_output in processed.request_outputs:
+                if not request_output.finished:
+                    continue  # a parallel-sampling parent as one of its samples finishes
+                call = self.call_of.pop(request_output.request_id, None)
+                if call is None:
+                    continue
+                call.finished[request_output.request_id] = request_output
+                call.pending.discard(request_output.request_id)
+                if call.progress is not None:
+                    call.progress.record_finished()
+                    for core_request_id in self.output_processor.core_request_ids(
+                        request_output.request_id
+                    ):
+                        self.progress_of.pop(core_request_id, None)
+                woke = True
+            if woke:
+                self.changed.notify_all()
+
+    def on_dead(self, error: EngineDeadError) -> None:
+        """The client's dead handler: every waiting call raises the engine's error."""
+        with self.lock:
+            self.dead_error = error
+            self.changed.notify_all()
 
 
 class _Progress:
     """The progress bar of one `generate` call: finished requests, and input / output tokens per second, where a
-    prompt's tokens count once its first output token arrives (it has been prefilled by then)."""
+    prompt's tokens count once its first output token arrives (it has been prefilled by then).
 
-    def __init__(
-        self, use_tqdm: bool | Callable[..., tqdm], prompt_of: dict[str, tuple[str, int]]
-    ) -> None:
-        """`prompt_of` maps each core request id to its user request id and prompt length."""
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        self.bar = make_bar(
-            total=len({request_id for request_id, _ in prompt_of.values()}),
-            desc="Processed prompts",
-            unit="req",
-            disable=use_tqdm is False,
-            dynamic_ncols=True,
-        )
-        self._not_prefilled = dict(prompt_of)
-        self._prefilled: set[str] = set()
+    Invariant: the client's thread only counts (under the outputs lock); the bar is drawn by the waiting call's
+    thread alone (`refresh`, `close`)."""
+
+    def __init__(self, use_tqdm: bool | Callable[..., tqdm]) -> None:
+        self._make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        self._bar: tqdm | None = None
+        self._prompt_len: dict[
+            str, int
+        ] = {}  # user request id -> prompt tokens, until its first output token
         self._start = time.monotonic()
+        self.num_prompts = 0
+        self.num_finished = 0
+        self._num_shown = 0
         self.num_input_tokens = 0
         self.num_output_tokens = 0
 
-    def record_step(self, engine_outputs: list[EngineCoreOutput]) -> None:
-        for output in engine_outputs:
-            if not output.new_token_ids:
-                continue
+    def add_prompt(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.num_prompts += 1
+        self._prompt_len[request_id] = num_prompt_tokens
+
+    def record_output(self, request_id: str, output: EngineCoreOutput) -> None:
+        """One core output of user request `request_id` (the `n` samples of a prompt share its prompt: it counts
+        once)."""
+        if output.new_token_ids:
             self.num_output_tokens += len(output.new_token_ids)
-            prompt = self._not_prefilled.pop(output.request_id, None)
-            # The `n` samples of a prompt share it: count it once.
-            if prompt is not None and prompt[0] not in self._prefilled:
-                self._prefilled.add(prompt[0])
-                self.num_input_tokens += prompt[1]
+            self.num_input_tokens += self._prompt_len.pop(request_id, 0)
+
+    def record_finished(self) -> None:
+        self.num_finished += 1
 
     def refresh(self) -> None:
-        """Show the rates; called once per loop iteration of `generate`, outside the engine lock."""
+        """Draw the bar: called by the waiting call's thread."""
+        if self._bar is None:
+            self._bar = self._make_bar(
+                total=self.num_prompts,
+                desc="Processed prompts",
+                unit="req",
+                dynamic_ncols=True,
+            )
         elapsed = max(time.monotonic() - self._start, 1e-9)
-        self.bar.set_postfix_str(
+        self._bar.set_postfix_str(
             f"input {self.num_input_tokens / elapsed:.0f} tok/s, "
             f"output {self.num_output_tokens / elapsed:.0f} tok/s",
             refresh=False,
         )
-
-    def record_finished(self) -> None:
-        self.bar.update(1)
+        while (
+            self._num_shown < self.num_finished
+        ):  # one update per request, as a user's bar may expect
+            self._num_shown += 1
+            self._bar.update(1)
 
     def close(self) -> None:
-        self.bar.close()
-
-
-def _check_conversation(conversation: object) -> None:
-    """A conversation is a non-empty list; its messages are checked where every chat path renders them
-    (`Tokenizer.apply_chat_template`)."""
-    if not isinstance(conversation, list | tuple) or not conversation:
-        raise ValueError("each conversation must be a non-empty list of {'role', 'content'} dicts")
+        if self._bar is not None:
+            self._bar.close()

@@ -1,6 +1,6 @@
 """`AsyncLLM(data_parallel_size=2)`: two engine-core processes behind one front end, on the hash model (exact
 oracle). Requests go to the core with the fewest live requests (aborts count at once), a request's abort reaches
-its core, pause / reset_prefix_cache / collective_rpc reach both, and `LLM` refuses data parallelism clearly."""
+its core, pause / reset_prefix_cache / collective_rpc reach both, and `LLM` runs over the same client."""
 
 from __future__ import annotations
 
@@ -164,9 +164,21 @@ def test_collective_rpc_and_run_reach_every_core_in_order(llm: AsyncLLM) -> None
         assert threads == [max(1, (num_cores - 1) // 2)] * 2
 
 
-def test_llm_refuses_data_parallelism_naming_asyncllm_and_serve() -> None:
-    with pytest.raises(ValueError, match=r"data_parallel_size=2: .*AsyncLLM.*--data-parallel-size"):
-        LLM("hash", data_parallel_size=2)
+def test_llm_with_data_parallelism_spreads_requests_and_stays_exact() -> None:
+    """`LLM(data_parallel_size=2)`: the same front end over the data-parallel client; every prompt's output is the
+    hash model's reference, and both cores ran requests."""
+    llm = LLM("hash", data_parallel_size=2, max_model_len=256, num_kv_blocks=128, max_num_seqs=8)
+    try:
+        prompts = [{"prompt_token_ids": prompt(index)} for index in range(8)]
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [output.outputs[0].token_ids for output in outputs] == [
+            reference_tokens(prompt(index), MAX_TOKENS) for index in range(8)
+        ]
+        prefix_queries = [stats.prefix_cache_query_tokens for stats in llm.scheduler_stats()]
+        assert len(prefix_queries) == 2 and all(prefix_queries), prefix_queries
+    finally:
+        llm.shutdown()
 
 
 def test_each_core_gets_its_own_slice_of_the_visible_gpus(monkeypatch: pytest.MonkeyPatch) -> None:

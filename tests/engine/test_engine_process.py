@@ -333,9 +333,35 @@ def test_startup_value_errors_reach_the_caller_unchanged(options: dict[str, Any]
     assert engine_children() == children  # the failed engine process is gone
 
 
-def test_llm_refuses_an_engine_process() -> None:
-    with pytest.raises(ValueError, match="AsyncLLM"):
-        LLM("hash", engine_process=True)
+def test_llm_over_an_engine_process_matches_the_in_process_llm_and_leaves_no_process() -> None:
+    """`LLM(engine_process=True)` is the same front end over the multiprocess client: the same exact outputs (with
+    `n`, and with a stop token), inspection and pause across the boundary, and nothing left once shut down."""
+    children = engine_children()
+    prompts = [prompt(seed, 5 + seed) for seed in range(6)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(n=3, temperature=0.0, max_tokens=10, ignore_eos=True),
+    ] * 3
+    in_process = LLM("hash", **HASH_OPTIONS).generate(prompts, params, use_tqdm=False)
+    llm = LLM("hash", engine_process=True, **HASH_OPTIONS)
+    try:
+        assert llm.run_in_engine(lambda core: os.getpid()) != os.getpid()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outputs] == [
+            [c.token_ids for c in o.outputs] for o in in_process
+        ]
+        assert outputs[0].outputs[0].token_ids == reference_tokens(
+            prompts[0]["prompt_token_ids"], 24
+        )
+        llm.pause_generation(mode="keep")
+        assert llm.is_paused()
+        llm.resume_generation()
+        assert llm.scheduler_stats()[0].num_running_reqs == 0
+    finally:
+        llm.shutdown()
+    assert engine_children() == children
+    with pytest.raises(EngineDeadError):
+        llm.generate(prompts[:1], params[0], use_tqdm=False)
 
 
 class ExitsWhenUnpickled:

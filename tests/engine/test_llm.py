@@ -78,7 +78,7 @@ def test_kv_pressure_preempts_yet_outputs_stay_exact() -> None:
     llm = small_llm(num_kv_blocks=40, max_model_len=120)
     prompts = prompts_of([30] * 8)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=40), use_tqdm=False)
-    scheduler = llm.engine_core.scheduler
+    scheduler = llm.run_in_engine(lambda core: core.scheduler)
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 40
     for output, prompt in zip(outputs, prompts, strict=True):
         assert output.outputs[0].token_ids == reference_tokens(prompt["prompt_token_ids"], 40)
@@ -97,7 +97,7 @@ def test_bad_prompt_raises_and_leaves_engine_usable() -> None:
         llm.generate("hello", use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params has 2 entries"):
         llm.generate([good], [SamplingParams(), SamplingParams()], use_tqdm=False)
-    assert not llm.engine_core.scheduler.requests
+    assert not llm.run_in_engine(lambda core: core.scheduler.requests)
     output = llm.generate(good, SamplingParams(max_tokens=3), use_tqdm=False)[0]
     assert output.outputs[0].token_ids == reference_tokens(good["prompt_token_ids"], 3)
 

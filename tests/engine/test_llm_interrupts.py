@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from kvflow import LLM, AsyncLLM, SamplingParams
+from kvflow.engine.core import EngineCore
 from kvflow.testing.hash_model import reference_tokens
 
 PROTOCOLS = {"slot": True, "persistent": False}
@@ -46,7 +47,11 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def assert_nothing_held(llm: LLM) -> None:
     """No request, KV block, worker slot, parked state or batch is left behind."""
-    core = llm.engine_core
+    llm.run_in_engine(assert_core_holds_nothing)
+    assert not llm.output_processor.request_states and not llm.output_processor.parent_requests
+
+
+def assert_core_holds_nothing(core: EngineCore) -> None:
     scheduler = core.scheduler
     assert not scheduler.requests and not scheduler.running and not scheduler.waiting
     assert not core.batch_queue and not scheduler.has_pending_reports()
@@ -55,7 +60,6 @@ def assert_nothing_held(llm: LLM) -> None:
     runner = core.executor.worker.model_runner
     assert runner.slots.num_free == runner.slots.max_num_reqs, "worker slots still held"
     assert not getattr(runner, "parked", {}), "parked requests left on the worker"
-    assert not llm.output_processor.request_states and not llm.output_processor.parent_requests
 
 
 def assert_still_exact(llm: LLM) -> None:
@@ -64,12 +68,16 @@ def assert_still_exact(llm: LLM) -> None:
     assert [output.outputs[0].token_ids for output in outputs] == [
         reference_tokens(prompt, 20) for prompt in PROMPTS[:3]
     ]
-    assert not llm.engine_core.scheduler.requests  # (the worker hears of finished ones next step)
+    # (the worker hears of finished ones next step)
+    assert not llm.run_in_engine(lambda core: core.scheduler.requests)
 
 
 def interrupt_at_step(llm: LLM, step_number: int) -> None:
     """Deliver SIGINT to this (the main) thread in the middle of the engine's `step_number`-th step."""
-    core = llm.engine_core
+    llm.run_in_engine(lambda core: interrupt_core_at_step(core, step_number))
+
+
+def interrupt_core_at_step(core: EngineCore, step_number: int) -> None:
     run_step = core.step
     count = 0
 

@@ -4,10 +4,9 @@ result is exact (or, when an abort pause ended it, a prefix of the exact output)
 pause(keep, clear_cache=True) + resume in the middle leaves greedy outputs unchanged, and weight updates show in
 the outputs (`CompletionOutput.weight_versions`) and, for changed weights, in the tokens.
 
-To land a pause at a chosen point of a generation, `LoopGate` stands in for the progress bar that
-`LLM.generate` updates once per loop iteration outside the engine lock: after a given number of iterations it
-signals the controlling thread and holds the generating thread until that thread's pause has begun (further
-`Hold`s stop it at other points, e.g. right after the step that told the worker about a pause's preemptions).
+To land a pause at a chosen point of a generation, `StepGate` wraps the engine core's `step` (installed where the
+core runs, through `LLM.run_in_engine`): after a given number of steps it signals the controlling thread and holds
+the engine loop until the controller has queued its pause, so the pause is applied right after that step.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -23,80 +23,64 @@ import pytest
 import torch
 
 from kvflow import LLM, RequestOutput, SamplingParams
+from kvflow.engine.core import EngineCore
 from kvflow.testing.hash_model import reference_tokens
 
 JOIN_TIMEOUT_S = 60.0
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
-class Hold:
-    """One point where the generating thread stops: when `predicate()` first holds after a loop iteration, it
-    signals `reached` and waits until the controller calls `open()` (or, with `release_on_pause`, until a pause
-    has begun: a pause on the async engine needs the generating thread to keep stepping)."""
+class StepGate:
+    """Holds the engine loop after its `after_steps`-th step until the controller `open()`s it (or a deadline
+    passes: a loop held forever would strand every caller)."""
 
-    def __init__(
-        self, predicate: Callable[[], bool], release_on_pause: Callable[[], bool] | None = None
-    ) -> None:
-        self.predicate = predicate
-        self.release_on_pause = release_on_pause
+    def __init__(self, after_steps: int) -> None:
+        self.after_steps = after_steps
+        self.num_steps = 0
         self.reached = threading.Event()
         self.opened = threading.Event()
 
-    def hold(self) -> None:
-        self.reached.set()
-        deadline = time.monotonic() + 10
-        while not (
-            self.opened.is_set() or (self.release_on_pause is not None and self.release_on_pause())
-        ):
-            assert time.monotonic() < deadline, (
-                "the controller never released the generating thread"
-            )
-            time.sleep(0.001)
+    def install(self, core: EngineCore) -> None:
+        run_step = core.step
+
+        def step_then_hold() -> Any:
+            outputs = run_step()
+            self.num_steps += 1
+            if self.num_steps == self.after_steps:
+                self.reached.set()
+                self.opened.wait(JOIN_TIMEOUT_S)
+            return outputs
+
+        core.step = step_then_hold  # type: ignore[method-assign]
 
     def wait(self) -> None:
-        """Controller side: block until the generating thread is held here."""
-        assert self.reached.wait(JOIN_TIMEOUT_S), "the generation never reached the hold"
+        """Controller side: block until the engine loop is held after the chosen step."""
+        assert self.reached.wait(JOIN_TIMEOUT_S), "the generation never reached the gate"
 
     def open(self) -> None:
         self.opened.set()
 
 
-class LoopGate(Hold):
-    """Replaces `tqdm` in kvflow.entrypoints.llm (see the module docstring); is itself the first hold (after
-    `after_iterations` iterations, released once the controller's pause has begun), and takes more holds."""
-
-    def __init__(self, after_iterations: int, is_paused: Callable[[], bool]) -> None:
-        super().__init__(
-            lambda: self.num_iterations == after_iterations, release_on_pause=is_paused
-        )
-        self.num_iterations = 0
-        self.holds: list[Hold] = [self]
-
-    def add_hold(self, predicate: Callable[[], bool]) -> Hold:
-        hold = Hold(predicate)
-        self.holds.append(hold)
-        return hold
-
-    def __call__(self, *args: Any, **kwargs: Any) -> LoopGate:
-        return self
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
-        self.num_iterations += 1
-        for hold in self.holds:
-            if not hold.reached.is_set() and hold.predicate():
-                hold.hold()
-
-
-def install_gate(monkeypatch: pytest.MonkeyPatch, llm: LLM, after_iterations: int) -> LoopGate:
-    gate = LoopGate(after_iterations, llm.engine_core.is_paused)
-    monkeypatch.setattr("kvflow.entrypoints.llm.tqdm", gate)
+def install_gate(llm: LLM, after_steps: int) -> StepGate:
+    gate = StepGate(after_steps)
+    llm.run_in_engine(gate.install)
     return gate
+
+
+def pause_at_gate(llm: LLM, gate: StepGate, mode: str, clear_cache: bool = True) -> None:
+    """Controller side: once the loop is held at the gate, queue a pause (applied before the next step), let the
+    loop go and return once the pause is in effect."""
+    gate.wait()
+    paused: Future[None] = llm.engine_core_client.pause_generation(mode, clear_cache)
+    gate.open()
+    paused.result(JOIN_TIMEOUT_S)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.002)
 
 
 def run_threads(*targets: Callable[[], Any]) -> list[Any]:
@@ -149,7 +133,7 @@ def generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Reques
 
 def progress(llm: LLM) -> dict[str, int]:
     """Tokens so far of every request the LLM still tracks (finished ones are gone), read under its lock."""
-    with llm._lock:
+    with llm._outputs.lock:
         return {
             request_id: len(state.output_token_ids)
             for request_id, state in llm.output_processor.request_states.items()
@@ -173,21 +157,22 @@ def check_exact_or_aborted_prefix(
 
 
 def check_engine_clean(llm: LLM) -> None:
-    """Once the worker has heard the last finishes (one more step), nothing is left anywhere."""
-    core = llm.engine_core
-    scheduler = core.scheduler
-    assert (
-        not core.is_paused() and not scheduler.requests and not scheduler.has_unfinished_requests()
-    )
-    with llm._lock:
-        for _ in range(3):
-            if core.has_work():
-                llm._step_locked()
-    assert not core.has_work()
-    pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_blocks
-    slots = core.executor.worker.model_runner.slots
-    assert len(slots.free_indices) == slots.max_num_reqs
+    """Once the worker has heard the last finishes (the loop steps until it has), nothing is left anywhere."""
+    assert not llm.is_paused()
+    wait_until(lambda: not llm.run_in_engine(EngineCore.has_work), "the engine has no work left")
+
+    def held(core: EngineCore) -> tuple[int, int, int, int]:
+        pool = core.scheduler.kv_cache_manager.block_pool
+        slots = core.executor.worker.model_runner.slots
+        return (
+            pool.get_num_free_blocks(),
+            pool.num_blocks,
+            len(slots.free_indices),
+            slots.max_num_reqs,
+        )
+
+    free_blocks, num_blocks, free_slots, num_slots = llm.run_in_engine(held)
+    assert free_blocks == num_blocks and free_slots == num_slots
 
 
 SCHEDULING = {"sync": False, "async": True}
@@ -197,20 +182,18 @@ SCHEDULING = {"sync": False, "async": True}
 @pytest.mark.parametrize("clear_cache", [False, True])
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 def test_keep_from_another_thread_freezes_generation_until_resume(
-    monkeypatch: pytest.MonkeyPatch, scheduling: str, clear_cache: bool
+    scheduling: str, clear_cache: bool
 ) -> None:
     llm = hash_llm(async_scheduling=SCHEDULING[scheduling])
     prompts = prompts_of(6)
-    gate = install_gate(monkeypatch, llm, after_iterations=6)
+    gate = install_gate(llm, after_steps=6)
     seen: dict[str, Any] = {}
 
     def controller() -> None:
-        gate.wait()
-        llm.pause_generation(mode="keep", clear_cache=clear_cache)
-        gate.open()
-        assert llm.is_paused() and llm.engine_core.pause_effective()
+        pause_at_gate(llm, gate, "keep", clear_cache)
+        assert llm.is_paused() and llm.run_in_engine(EngineCore.pause_effective)
         seen["at_pause"] = frozen = progress(llm)
-        time.sleep(0.1)  # the generating thread keeps looping: nothing may move
+        time.sleep(0.1)  # the engine loop keeps looking for work: nothing may move
         assert progress(llm) == frozen
         llm.pause_generation(mode="keep", clear_cache=clear_cache)  # repeated: harmless
         assert progress(llm) == frozen
@@ -226,24 +209,24 @@ def test_keep_from_another_thread_freezes_generation_until_resume(
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 def test_wait_from_another_thread_finishes_started_requests_and_holds_the_rest(
-    monkeypatch: pytest.MonkeyPatch, scheduling: str
+    scheduling: str,
 ) -> None:
     llm = hash_llm(async_scheduling=SCHEDULING[scheduling], max_num_seqs=3)
     prompts = prompts_of(7, seed=1)
-    gate = install_gate(monkeypatch, llm, after_iterations=4)
+    gate = install_gate(llm, after_steps=4)
     seen: dict[str, Any] = {}
 
+    def held_requests(core: EngineCore) -> list[tuple[int, int]]:
+        return [
+            (request.num_output_tokens, request.num_computed_tokens)
+            for request in core.scheduler.requests.values()
+        ]
+
     def controller() -> None:
-        gate.wait()
-        llm.pause_generation(mode="wait", clear_cache=False)
-        gate.open()
-        with llm._lock:
-            requests = list(llm.engine_core.scheduler.requests.values())
-            seen["held"] = len(requests)
-            assert all(
-                request.num_output_tokens == 0 and request.num_computed_tokens == 0
-                for request in requests
-            )
+        pause_at_gate(llm, gate, "wait", clear_cache=False)
+        requests = llm.run_in_engine(held_requests)
+        seen["held"] = len(requests)
+        assert all(counts == (0, 0) for counts in requests)
         frozen = progress(llm)
         assert set(frozen.values()) == {0}
         time.sleep(0.1)
@@ -258,24 +241,25 @@ def test_wait_from_another_thread_finishes_started_requests_and_holds_the_rest(
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 def test_abort_from_another_thread_and_a_generate_that_arrives_while_paused(
-    monkeypatch: pytest.MonkeyPatch, scheduling: str
+    scheduling: str,
 ) -> None:
     llm = hash_llm(async_scheduling=SCHEDULING[scheduling])
     prompts, late_prompts = prompts_of(6, seed=2), prompts_of(3, seed=3)
-    gate = install_gate(monkeypatch, llm, after_iterations=5)
+    gate = install_gate(llm, after_steps=5)
     queued = threading.Event()
     late_started = threading.Event()
 
+    def num_unfinished(core: EngineCore) -> int:
+        return core.scheduler.get_num_unfinished_requests()
+
     def controller() -> None:
-        gate.wait()
-        llm.pause_generation(mode="abort")
-        gate.open()
-        assert llm.engine_core.pause_effective()
+        pause_at_gate(llm, gate, "abort")
+        assert llm.run_in_engine(EngineCore.pause_effective)
         late_started.set()
-        deadline = time.monotonic() + 10
-        while llm.engine_core.scheduler.get_num_unfinished_requests() < len(late_prompts):
-            assert time.monotonic() < deadline, "the late requests were never queued"
-            time.sleep(0.005)
+        wait_until(
+            lambda: llm.run_in_engine(num_unfinished) >= len(late_prompts),
+            "the late requests are queued",
+        )
         queued.set()
         time.sleep(0.05)
         assert set(progress(llm).values()) == {0}  # queued, not served
@@ -389,57 +373,46 @@ def token_ids(outputs: list[RequestOutput]) -> list[list[int]]:
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 def test_real_model_pause_keep_with_clear_cache_keeps_greedy_outputs(
-    monkeypatch: pytest.MonkeyPatch, checkpoint: Path, scheduling: str
+    checkpoint: Path, scheduling: str
 ) -> None:
     expected = token_ids(
         real_generate(real_llm(checkpoint, async_scheduling=SCHEDULING[scheduling]))
     )
     llm = real_llm(checkpoint, async_scheduling=SCHEDULING[scheduling])
-    gate = install_gate(monkeypatch, llm, after_iterations=6)
+    gate = install_gate(llm, after_steps=6)
     seen: dict[str, Any] = {}
 
     def controller() -> None:
-        gate.wait()
-        llm.pause_generation(mode="keep", clear_cache=True)
-        gate.open()
+        pause_at_gate(llm, gate, "keep", clear_cache=True)
         seen["at_pause"] = progress(llm)
-        with llm._lock:
-            assert not llm.engine_core.scheduler.running  # preempted: they recompute after resume
+        # preempted: they recompute after resume
+        assert not llm.run_in_engine(lambda core: core.scheduler.running)
         llm.resume_generation()
 
     outputs, _ = run_threads(lambda: real_generate(llm), controller)
     assert token_ids(outputs) == expected
     assert any(0 < count < REAL_MAX_TOKENS for count in seen["at_pause"].values()), seen
-    assert llm.engine_core.scheduler.num_preemptions_total > 0
+    assert llm.scheduler_stats()[0].num_preemptions_total > 0
     check_engine_clean(llm)
 
 
 @pytest.mark.parametrize("clear_cache", [False, True])
 def test_real_model_update_weights_with_the_same_checkpoint_keeps_outputs(
-    monkeypatch: pytest.MonkeyPatch, checkpoint: Path, clear_cache: bool
+    checkpoint: Path, clear_cache: bool
 ) -> None:
     expected = token_ids(real_generate(real_llm(checkpoint)))
     llm = real_llm(checkpoint)
     with pytest.raises(RuntimeError, match="paused"):
         llm.update_weights(str(checkpoint))
-    gate = install_gate(monkeypatch, llm, after_iterations=6)
-    core = llm.engine_core
-    # With clear_cache the pause preempts every request, which the worker hears in the generating thread's next
-    # step: update the weights right after that step (no batch may be in flight then).
-    reported = gate.add_hold(
-        lambda: core.pause_effective() and not core.scheduler.has_pending_reports()
-    )
+    gate = install_gate(llm, after_steps=6)
     seen: dict[str, Any] = {}
 
     def controller() -> None:
-        gate.wait()
-        llm.pause_generation(mode="keep", clear_cache=clear_cache)
-        gate.open()
+        pause_at_gate(llm, gate, "keep", clear_cache)
         seen["at_pause"] = progress(llm)
-        if clear_cache:
-            reported.wait()
+        # Between engine steps of an effective pause nothing is in flight, even right after the pause preempted
+        # every request (clear_cache): the weights can change at once.
         seen["version"] = llm.update_weights(str(checkpoint))
-        reported.open()
         assert llm.reset_prefix_cache(reset_running_requests=True)
         llm.resume_generation()
 
@@ -458,7 +431,7 @@ def test_real_model_update_weights_with_the_same_checkpoint_keeps_outputs(
 
 
 def test_real_model_update_weights_with_changed_tensors_changes_later_tokens(
-    monkeypatch: pytest.MonkeyPatch, checkpoint: Path
+    checkpoint: Path,
 ) -> None:
     from safetensors.torch import load_file
 
@@ -470,13 +443,11 @@ def test_real_model_update_weights_with_changed_tensors_changes_later_tokens(
     prompts = REAL_PROMPTS[:3]
     expected = token_ids(real_generate(real_llm(checkpoint), prompts))
     llm = real_llm(checkpoint)
-    gate = install_gate(monkeypatch, llm, after_iterations=5)
+    gate = install_gate(llm, after_steps=5)
     seen: dict[str, Any] = {}
 
     def controller() -> None:
-        gate.wait()
-        llm.pause_generation(mode="keep", clear_cache=False)
-        gate.open()
+        pause_at_gate(llm, gate, "keep", clear_cache=False)
         seen["at_pause"] = progress(llm)
         llm.update_weights(changed)
         assert llm.reset_prefix_cache(

@@ -103,7 +103,7 @@ def test_preemption_under_kv_pressure_matches_transformers(checkpoint: Path) -> 
         enable_prefix_caching=False,
     )
     assert run(llm, prompts, max_tokens=24) == expected
-    assert llm.engine_core.scheduler.num_preemptions_total > 0
+    assert llm.scheduler_stats()[0].num_preemptions_total > 0
 
 
 @pytest.mark.parametrize("use_v2_model_runner", [True, False])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import pathlib
 
 import pytest
 
@@ -47,8 +48,8 @@ def test_stop_string_truncates_text_and_stops_generation(llm: LLM) -> None:
         PROMPT, greedy(max_tokens=40, stop=[stop], include_stop_str_in_output=True), use_tqdm=False
     )[0].outputs[0]
     assert kept.text == full.text[: first_match + len(stop)]
-    assert (
-        not llm.engine_core.scheduler.has_unfinished_requests()
+    assert not llm.run_in_engine(
+        lambda core: core.scheduler.has_unfinished_requests()
     )  # stopped requests were aborted in the core
 
 
@@ -115,6 +116,39 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert len(two) == 2
 
 
+def test_chat_reads_a_template_file_and_continues_a_final_message(
+    llm: LLM, tmp_path: pathlib.Path
+) -> None:
+    """`chat_template` naming a file renders that file (it once rendered the path itself as the prompt), with
+    `chat_template_kwargs`; `continue_final_message` continues the assistant's text with no new turn."""
+    template = tmp_path / "real.jinja"
+    template.write_text(
+        "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{{ flavour }}{% endif %}"
+    )
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi!"}]}]
+    [output] = llm.chat(
+        messages,
+        greedy(max_tokens=2),
+        use_tqdm=False,
+        chat_template=str(template),
+        chat_template_kwargs={"flavour": " mint"},
+    )
+    assert output.prompt == "[user] Hi!\n[assistant] mint"
+    continued = [*messages, {"role": "assistant", "content": "Once upon"}]
+    [output] = llm.chat(
+        continued,
+        greedy(max_tokens=2),
+        use_tqdm=False,
+        chat_template=template,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    assert output.prompt == "[user] Hi!\n[assistant] Once upon"
+    with pytest.raises(ValueError, match="chat_template"):
+        llm.chat(messages, use_tqdm=False, chat_template="missing.jinja")
+
+
 def test_token_id_prompts_and_bad_inputs(llm: LLM) -> None:
     token_ids = llm.get_tokenizer().encode(PROMPT)
     by_ids = llm.generate({"prompt_token_ids": token_ids}, greedy(max_tokens=5), use_tqdm=False)[0]
@@ -126,7 +160,7 @@ def test_token_id_prompts_and_bad_inputs(llm: LLM) -> None:
         llm.generate({"prompt_token_ids": [5] * 512}, use_tqdm=False)
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], use_tqdm=False)
-    assert not llm.engine_core.scheduler.has_unfinished_requests()
+    assert not llm.run_in_engine(lambda core: core.scheduler.has_unfinished_requests())
 
 
 def test_skip_tokenizer_init_is_token_ids_only() -> None:

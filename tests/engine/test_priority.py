@@ -47,7 +47,9 @@ def test_priority_mistakes_are_value_errors() -> None:
         priority.generate([prompt], greedy(2), use_tqdm=False, priority=["high"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['priority'\]"):
         priority.generate([{"prompt_token_ids": PROMPTS[0], "priority": 1}], use_tqdm=False)
-    assert not priority.engine_core.scheduler.requests  # nothing was queued by the failed calls
+    assert not priority.run_in_engine(
+        lambda core: core.scheduler.requests
+    )  # nothing was queued by the failed calls
 
 
 def test_async_llm_generate_takes_a_priority() -> None:

@@ -130,7 +130,7 @@ def test_llm_logs_stats_while_busy_and_warns_when_the_cache_forces_preemption(
     lines = records.messages(logging.INFO)
     assert lines and all(line.startswith("Avg prompt throughput: ") for line in lines)
     assert any("Running: " in line and "KV cache usage: " in line for line in lines)
-    assert llm.engine_core.scheduler.num_preemptions_total > 0
+    assert llm.scheduler_stats()[0].num_preemptions_total > 0
     assert any("requests were preempted" in line for line in records.messages(logging.WARNING))
     quiet = LLM(
         "hash",

@@ -22,6 +22,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.engine.async_llm import AsyncLLM
+from kvflow.engine.death import EngineDeadError
 from kvflow.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from kvflow.testing.hash_model import reference_tokens
 from tests.entrypoints.server import HASH_SERVER, running_server
@@ -59,7 +60,7 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = TIME
 @pytest.fixture(scope="module")
 def hash_tp2() -> Iterator[LLM]:
     llm = LLM("hash", tensor_parallel_size=2, **HASH_OPTIONS)
-    executor = llm.engine_core.executor
+    executor = llm.run_in_engine(lambda core: core.executor)
     assert isinstance(executor, MultiprocExecutor)
     yield llm
     llm.shutdown()  # also after the last test killed a rank
@@ -67,7 +68,7 @@ def hash_tp2() -> Iterator[LLM]:
 
 
 def test_tp2_defaults_to_mp_and_runs_the_hash_model_replicated(hash_tp2: LLM) -> None:
-    assert isinstance(hash_tp2.engine_core.executor, MultiprocExecutor)
+    assert isinstance(hash_tp2.run_in_engine(lambda core: core.executor), MultiprocExecutor)
     prompts = [prompt(seed, 5 + seed * 7) for seed in range(6)]
     outputs = hash_tp2.generate(
         [{"prompt_token_ids": p} for p in prompts], greedy(20), use_tqdm=False
@@ -100,7 +101,7 @@ def test_collective_rpc_from_llm_returns_rank_order(hash_tp2: LLM) -> None:
 
 def test_each_step_is_one_broadcast_whose_size_does_not_grow_with_history(hash_tp2: LLM) -> None:
     """One frame per step for both ranks; a decode step's frame stays the same size as the sequence grows."""
-    executor = hash_tp2.engine_core.executor
+    executor = hash_tp2.run_in_engine(lambda core: core.executor)
     assert isinstance(executor, MultiprocExecutor)
     sizes: list[int] = []
     call = executor._call
@@ -192,7 +193,7 @@ def test_server_at_tp2_rpc_endpoint_and_workers_end_with_their_engine_process() 
 def test_killed_rank_fails_the_engine_naming_it_without_a_hang(hash_tp2: LLM) -> None:
     """Runs last in this module: it kills the shared engine's rank 1 mid-generation."""
     llm = hash_tp2
-    executor = llm.engine_core.executor
+    executor = llm.run_in_engine(lambda core: core.executor)
     assert isinstance(executor, MultiprocExecutor)
     pids = list(executor.pids)
     started = executor.num_broadcasts
@@ -204,12 +205,16 @@ def test_killed_rank_fails_the_engine_naming_it_without_a_hang(hash_tp2: LLM) ->
     killer = threading.Thread(target=kill_rank_1_mid_generation)
     killer.start()
     began = time.monotonic()
-    with pytest.raises(WorkerDiedError, match=r"rank 1 \(pid \d+\) died \(killed by SIGKILL\)"):
+    # The engine dies of the rank's death: the call raises EngineDeadError naming the rank, caused by it.
+    with pytest.raises(
+        EngineDeadError, match=r"rank 1 \(pid \d+\) died \(killed by SIGKILL\)"
+    ) as died:
         llm.generate(
             [{"prompt_token_ids": prompt(seed)} for seed in range(8)], greedy(450), use_tqdm=False
         )
+    assert isinstance(died.value.__cause__, WorkerDiedError)
     assert time.monotonic() - began < 20  # hang guard: well before any collective timeout
     killer.join()
-    with pytest.raises(WorkerDiedError, match="rank 1"):
+    with pytest.raises(EngineDeadError, match="rank 1"):
         llm.collective_rpc("rank_info")  # later calls fail at once, with the same error
     wait_until(lambda: not any(is_running(pid) for pid in pids), "no worker left", 10)

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from kvflow import LLM, SamplingParams
+from kvflow.engine.death import EngineDeadError
 from kvflow.executor.multiproc import WorkerDiedError
 from kvflow.testing.hf_checkpoints import hf_greedy, load_hf_model, make_tiny_checkpoint
 
@@ -80,12 +81,13 @@ def test_tp2_on_ray_matches_one_rank_and_transformers_and_leaves_no_actor(
         assert [info["kv_cache_shape"][2] for info in infos] == [1, 1]  # 2 KV heads, 1 per rank
         assert sorted(_live_actor_pids(ray_instance)) == sorted(info["pid"] for info in infos)
         # A rank's actor dies: the next step fails naming that rank (no hang), and so does every later call.
-        ray_instance.kill(llm.engine_core.executor.actors[1], no_restart=True)
+        ray_instance.kill(llm.run_in_engine(lambda core: core.executor.actors[1]), no_restart=True)
         with pytest.raises(
-            WorkerDiedError, match=r"tensor-parallel rank 1 \(Ray actor\) died or failed"
-        ):
+            EngineDeadError, match=r"tensor-parallel rank 1 \(Ray actor\) died or failed"
+        ) as died:
             llm.generate(batch[:2], params, use_tqdm=False)
-        with pytest.raises(WorkerDiedError, match="rank 1"):
+        assert isinstance(died.value.__cause__, WorkerDiedError)
+        with pytest.raises(EngineDeadError, match="rank 1"):
             llm.collective_rpc("rank_info")
     finally:
         llm.shutdown()

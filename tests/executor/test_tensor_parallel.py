@@ -108,7 +108,7 @@ def _case(
         llm.collective_rpc(take_logits),
         reference_outputs,
         reference_logits,
-        llm.engine_core.scheduler.num_preemptions_total,
+        llm.scheduler_stats()[0].num_preemptions_total,
         llm.prefix_cache_hit_rate,
     )
 

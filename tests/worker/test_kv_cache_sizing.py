@@ -34,7 +34,7 @@ def engine_config(
 
 
 def kv_cache_bytes(llm: LLM) -> int:
-    return llm.engine_core.executor.worker.kv_cache_plan.num_bytes
+    return llm.run_in_engine(lambda core: core.executor.worker.kv_cache_plan).num_bytes
 
 
 # ------------------------------------------------------------------------------------------------ arithmetic
@@ -108,7 +108,7 @@ def test_default_model_default_cache_is_bounded(caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.INFO, logger="kvflow.worker.worker"):
         llm = LLM(device="cpu")
     scheduler_config = llm.engine_config.scheduler_config
-    plan = llm.engine_core.executor.worker.kv_cache_plan
+    plan = llm.run_in_engine(lambda core: core.executor.worker.kv_cache_plan)
     need_blocks = scheduler_config.max_num_seqs * cdiv(
         scheduler_config.max_model_len, llm.engine_config.cache_config.block_size
     )
