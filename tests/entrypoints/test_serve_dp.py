@@ -52,6 +52,18 @@ def per_engine(server: RemoteServer, name: str, **labels: str) -> dict[str, floa
     return values
 
 
+def wait_for_per_engine(
+    server: RemoteServer, name: str, expected: dict[str, float], what: str
+) -> None:
+    """Poll /metrics until `name` per `engine` label equals `expected` (AssertionError naming `what`)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    values = per_engine(server, name)
+    while values != expected:
+        assert time.monotonic() < deadline, f"timed out waiting until {what}: {name} is {values}"
+        time.sleep(0.05)
+        values = per_engine(server, name)
+
+
 def engine_pids(server_pid: int) -> list[int]:
     """The engine-core processes of the server (spawned children, not the resource tracker)."""
     pids = []
@@ -112,6 +124,14 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
             streams = [Stream(prompt_ids(700 + i), LONG).start(http) for i in range(6)]
             for each in streams:
                 await each.first_token.wait()
+            # Every core reports its streams running before the pause (a core's gauge is its last step's).
+            await asyncio.to_thread(
+                wait_for_per_engine,
+                server,
+                "kvflow:num_requests_running",
+                {"0": 3.0, "1": 3.0},
+                "both cores report 3 streams running",
+            )
             response = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             assert response.status_code == 200
             assert (await http.get("/is_paused")).json() == {"is_paused": True}
