@@ -358,20 +358,25 @@ class _FinishedOutputs:
             return self.num_waiting_calls
 
     def wait(self, call: _Call, interrupt: DeferredInterrupt) -> None:
-        """Until every request of `call` has finished; raises a held Ctrl-C, or the engine's death."""
+        """Until every request of `call` has finished; raises a held Ctrl-C, or the engine's death. The progress
+        bar is drawn outside the lock (it reads counters only), so a slow bar never holds up the engine."""
         with self.lock:
             self.num_waiting_calls += 1
-            try:
-                while call.pending:
+        try:
+            while True:
+                with self.lock:
+                    if not call.pending:
+                        break
                     if self.dead_error is not None:
                         raise fresh_dead_error(self.dead_error)
                     self.changed.wait(_WAKE_S)
-                    if call.progress is not None:
-                        call.progress.refresh()
-                    interrupt.check()
                 if call.progress is not None:
                     call.progress.refresh()
-            finally:
+                interrupt.check()
+            if call.progress is not None:
+                call.progress.refresh()
+        finally:
+            with self.lock:
                 self.num_waiting_calls -= 1
 
     # ------------------------------------------------------------------------------------------------ handlers

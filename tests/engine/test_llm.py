@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
+
 import pytest
 
 from kvflow import LLM, RequestOutput, SamplingParams
+from kvflow.engine.death import EngineDeadError
 from kvflow.testing.hash_model import reference_tokens
 
 
@@ -128,3 +133,26 @@ def test_progress_bar_reports_requests(capsys: pytest.CaptureFixture[str]) -> No
     llm = small_llm()
     llm.generate(prompts_of([3, 4]), SamplingParams(max_tokens=2), use_tqdm=True)
     assert "2/2" in capsys.readouterr().err
+
+
+def engine_loop_threads() -> int:
+    return sum(thread.name == "kvflow-engine-core" for thread in threading.enumerate())
+
+
+def test_an_llm_that_is_garbage_collected_stops_its_engine_loop() -> None:
+    """The client's handlers hold no reference to the LLM: dropping the last one stops the loop and frees the
+    core (its model and KV cache), and `shutdown` makes every later call fail with EngineDeadError."""
+    before = engine_loop_threads()
+    llm = small_llm()
+    assert engine_loop_threads() == before + 1
+    llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while engine_loop_threads() != before:
+        assert time.monotonic() < deadline, "the collected LLM's engine loop still runs"
+        time.sleep(0.01)
+    stopped = small_llm()
+    stopped.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        stopped.generate({"prompt_token_ids": [1, 2, 3]}, use_tqdm=False)
