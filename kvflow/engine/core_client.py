@@ -1,11 +1,12 @@
 """Engine-core clients: how a front end drives an `EngineCore` that it does not step itself.
 
-`EngineCoreClient` is the interface `AsyncLLM` is written against. `InprocEngineCoreClient` runs the core's
-`EngineLoop` on a thread of this process; `kvflow.engine.mp_client.MPEngineCoreClient` talks (ZMQ + msgspec) to an
+`EngineCoreClient` is the interface both front ends (`LLM` and `AsyncLLM`) are written against; neither touches an
+`EngineCore` or its scheduler. `InprocEngineCoreClient` runs the core's `EngineLoop` (`kvflow.engine.loop`) on a
+thread of this process; `kvflow.engine.mp_client.MPEngineCoreClient` talks (ZMQ + msgspec) to an
 engine-core process that runs the same `EngineLoop` on its main thread; `kvflow.engine.dp_client.DPEngineCoreClient`
 drives several such processes as one (data parallelism). Every call is a message carrying plain data, so nothing
 here assumes the core shares this memory, except `run`, which ships a callable (for inspection and tests; across
-processes it travels with cloudpickle).
+processes it travels with cloudpickle). Engine death is `kvflow.engine.death.EngineDeath`'s, the same for all.
 """
 
 from __future__ import annotations
