@@ -10,7 +10,8 @@
 # $LLAMA_CPP_DIR (default .cache/llama.cpp, gitignored); the binaries end up in $LLAMA_CPP_DIR/bin and their
 # paths are printed on stdout, one a line (the build's log goes to stderr).
 #
-# Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36), LLAMA_CPP_DIR, JOBS, PYTHON (default: the venv's).
+# Environment: LLAMA_CPP_PYTHON_VERSION (default 0.3.36), LLAMA_CPP_DIR, JOBS, PYTHON (default: the repository's
+# .venv, else python3 from PATH).
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,8 +19,7 @@ version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 out_dir="${LLAMA_CPP_DIR:-$repo_root/.cache/llama.cpp}"
 jobs="${JOBS:-2}"
 python="${PYTHON:-$repo_root/.venv/bin/python}"
-[[ -x "$python" ]] || python="/work/main/.venv/bin/python"
-[[ -x "$python" ]] || python="$(command -v python3)"
+[[ -x "$python" ]] || python="$(command -v python3)" || { echo "no python3 on PATH: set PYTHON" >&2; exit 1; }
 targets=("$@")
 [[ ${#targets[@]} -gt 0 ]] || targets=(llama-bench)
 
