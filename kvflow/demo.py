@@ -1,7 +1,9 @@
-"""`make demo`: a few hundred requests through the whole engine on the hash model.
+"""The hash-model demo behind `kvflow demo` (and `make demo-hash`): a few hundred requests through the whole engine
+on the hash model, which needs no weights or tokenizer.
 
 Prompts share a handful of long "system prompt" prefixes, so the prefix cache matters; every output is checked
-against the hash model's reference, so the demo also proves nothing was lost, duplicated or misplaced.
+against the hash model's reference, so the demo also proves nothing was lost, duplicated or misplaced. It exits
+with status 1 if any output differs. (`make demo` is something else: `kvflow generate` on the default model.)
 """
 
 from __future__ import annotations
