@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import uuid
 from collections.abc import (
@@ -55,10 +54,6 @@ LONG_TEXT_CHARS = 16384
 MANY_PROMPTS = 16
 # The status of a response whose client went away (it is never sent; nginx logs such requests as 499).
 CLIENT_CLOSED_REQUEST = 499
-# Whether this engine build computes prompt logprobs (SamplingParams.prompt_logprobs).
-SUPPORTS_PROMPT_LOGPROBS = "prompt_logprobs" in {
-    field.name for field in dataclasses.fields(SamplingParams)
-}
 
 
 @dataclass(frozen=True)
@@ -165,8 +160,6 @@ class OpenAIServing:
             raise OpenAIServingError(
                 "stream_options can only be set when stream is true", param="stream_options"
             )
-        if request.prompt_logprobs is not None:
-            self.check_prompt_logprobs("prompt_logprobs")
         try:
             check_priority(request.priority, self.scheduling_policy)
         except ValueError as error:
@@ -204,12 +197,8 @@ class OpenAIServing:
 
     @staticmethod
     def check_prompt_logprobs(param: str) -> None:
-        if not SUPPORTS_PROMPT_LOGPROBS:
-            raise OpenAIServingError(
-                "prompt logprobs are not available in this kvflow build",
-                status_code=HTTPStatus.NOT_IMPLEMENTED,
-                param=param,
-            )
+        """Nothing to check: every engine computes prompt logprobs. Kept only for serving_completion.py's call
+        (`echo` with `logprobs`); the two go together."""
 
     def check_engine_alive(self) -> None:
         if self.engine.errored:
