@@ -26,7 +26,7 @@ ratios within one run compare (machines differ in ISA and load):
    it constructs `LLM(checkpoint)` with a fixed 64-block KV cache, minus that interpreter's RSS after
    `import torch` and `from kvflow import LLM`, against the loaded weights' bytes plus the KV cache's (VmHWM counts
    resident pages of a memory-mapped checkpoint file too).
-The goals table at the end prints each goal of issue 11 as a ratio measured in this run, its target and PASS / MISS
+The goals table at the end prints each latency goal as a ratio measured in this run, its target and PASS / MISS
 (SKIP when not measured; "info" rows have no target).
 """
 

@@ -15,7 +15,7 @@ What is measured
    to the smallest size's next to the ratio of N.
    *Aim*: the cost of a step grows no faster than the number of scheduled requests, i.e. the per-request cost
    stays roughly flat from 64 to 1024 requests (step ratio <= N ratio).
-   *Goal* (issue 11): at most 4.3 us per running request (median step / N) at N = 256 and N = 1024; the `goal`
+   *Goal*: at most 4.3 us per running request (median step / N) at N = 256 and N = 1024; the `goal`
    column and the line under the table say whether each of those sizes meets it ("not measured" when a run
    leaves the size out). CPU time still grows when another process shares the core (caches, a busy sibling
    hyperthread), so check the goal on an otherwise idle machine.
@@ -62,7 +62,7 @@ VOCAB_SIZE = 32000
 TIMING_PROMPT_LEN = 32
 NUM_EXTRA_STEADY_STEPS = 2  # steps after the last prefill finishes, before measuring
 MAX_WARMUP_STEPS = 100_000
-GOAL_US_PER_REQUEST = 4.3  # issue 11: scheduler CPU per running request per decode step
+GOAL_US_PER_REQUEST = 4.3  # goal: scheduler CPU per running request per decode step
 GOAL_SIZES = (256, 1024)  # the numbers of running requests the goal is checked at
 
 

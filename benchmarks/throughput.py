@@ -24,11 +24,11 @@ Systems, run one after the other in this process:
    not from the cache). Attention, norms, RoPE, sampling and scheduling are all above it.
 Each system gets an untimed warm-up generation first. Output tokens/s = useful output tokens / wall time.
 
-Goals (issue 11), printed as ratios measured in the same run: kvflow's throughput >= 0.8 of the compute floor's
+Goals, printed as ratios measured in the same run: kvflow's throughput >= 0.8 of the compute floor's
 (floor seconds / kvflow seconds), and >= 3x HF static.
 
 `--model default --skip-hf --num-requests 256` runs the kvflow systems on the built-in default model instead (a
-3.4M-parameter Llama), where per-step CPU work is large next to the forward pass, so the async/sync ratio shows
+small trained Llama), where per-step CPU work is large next to the forward pass, so the async/sync ratio shows
 what overlapping costs or buys when the "device" is the same CPU.
 """
 

@@ -158,6 +158,19 @@ def test_token_id_prompts_print_token_ids_and_stop_token_ids_and_min_tokens_appl
     held = run_kvflow(*base, "--stop-token-ids", str(expected[0]), "--min-tokens", "3")
     assert expected[0] not in expected[1:]
     assert held.stdout == plain.stdout
+    # The same front end over an engine-core process, and over two data-parallel cores.
+    in_process = run_kvflow(*base, "--engine-process")
+    assert in_process.returncode == 0, in_process.stderr
+    assert in_process.stdout == plain.stdout and "engine core process" in in_process.stderr
+    two = ",".join(map(str, [44, 55]))
+    parallel = run_kvflow(*base[:3], two, *base[3:], "--data-parallel-size", "2")
+    assert parallel.returncode == 0, parallel.stderr
+    assert parallel.stdout.splitlines() == [
+        "[prompt 0, sample 0]",
+        ",".join(map(str, expected)),
+        "[prompt 1, sample 0]",
+        ",".join(map(str, reference_tokens([44, 55], 8))),
+    ]
 
 
 def test_skip_tokenizer_init_with_token_ids_matches_the_text_run() -> None:

@@ -32,8 +32,8 @@ from kvflow.utils import resolve_device
 if TYPE_CHECKING:
     from kvflow.model_info import ModelInfo
 
-# Tokens per step when not given: on CPU, steps of ~2k tokens keep activations cache-resident (README has the
-# measurements); GPUs want bigger steps.
+# Tokens per step when not given: on CPU, steps of ~2k tokens keep activations cache-resident; GPUs want bigger
+# steps.
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 # The CPU KV cache budget in GiB (vLLM CPU's VLLM_CPU_KVCACHE_SPACE); unset, empty or 0: 4 GiB.
 CPU_KVCACHE_SPACE_ENV = "KVFLOW_CPU_KVCACHE_SPACE"
@@ -104,7 +104,7 @@ class EngineArgs:
     data_parallel_size: int = _option(
         1,
         "engine cores behind one front end, each in its own process with its own scheduler, KV cache (each "
-        "sized as for one core) and workers; requests go to the least loaded (AsyncLLM and `kvflow serve`)",
+        "sized as for one core) and workers; requests go to the least loaded",
     )
     long_prefill_token_threshold: int = _option(
         0, "cap on one request's prefill tokens per step (0: no cap)"
@@ -122,8 +122,8 @@ class EngineArgs:
     max_logprobs: int = _option(20, "most logprobs a request may ask for (-1: no cap)")
     engine_process: bool = _option(
         False,
-        "run the engine core in its own process, behind ZMQ (AsyncLLM; `kvflow serve` turns it on); LLM steps "
-        "its core itself and refuses it",
+        "run the engine core in its own process, behind ZMQ (`kvflow serve` turns it on; LLM and AsyncLLM run "
+        "it on a thread of their own process without it)",
     )
     disable_log_stats: bool = _option(
         False,

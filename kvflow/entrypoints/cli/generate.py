@@ -62,7 +62,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--show-stats", action="store_true", help="print token counts and throughput to stderr"
     )
-    add_engine_arguments(parser, exclude=("engine_process",))  # LLM steps its core itself
+    add_engine_arguments(parser)
     add_sampling_arguments(parser, max_tokens=64)
     parser.set_defaults(handler=run_generate)
 

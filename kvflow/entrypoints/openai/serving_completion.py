@@ -94,7 +94,6 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_num_prompts(len(items))
         prompt_logprobs = request.prompt_logprobs
         if request.echo and request.logprobs is not None and prompt_logprobs is None:
-            self.check_prompt_logprobs("echo")
             prompt_logprobs = request.logprobs
         prompts = []
         for item in items:

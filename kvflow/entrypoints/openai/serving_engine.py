@@ -195,11 +195,6 @@ class OpenAIServing:
             "prompt", num_prompts, self.limits.max_prompts, "--max-prompts-per-request", "prompts"
         )
 
-    @staticmethod
-    def check_prompt_logprobs(param: str) -> None:
-        """Nothing to check: every engine computes prompt logprobs. Kept only for serving_completion.py's call
-        (`echo` with `logprobs`); the two go together."""
-
     def check_engine_alive(self) -> None:
         if self.engine.errored:
             raise OpenAIServingError(
