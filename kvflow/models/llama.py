@@ -15,11 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from kvflow.distributed.parallel_state import (
-    TensorParallelGroup,
-    kv_head_partition,
-    split_evenly,
-)
+from kvflow.distributed.parallel_state import TensorParallelGroup, kv_head_partition, split_evenly
 from kvflow.models.attention import AttentionBackend, get_attention_backend
 from kvflow.models.fused_decode import FusedDecodeLayers
 from kvflow.models.layers import (

@@ -9,10 +9,9 @@ weights plug in at that seam.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -20,10 +19,16 @@ import torch
 from torch import nn
 
 from kvflow.models.attention import resolve_attention_backend
+from kvflow.models.checkpoint_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    TensorSelector,
+    iterate_safetensors_weights,
+    safetensors_files,
+)
 from kvflow.models.hf_config import load_hf_config
 from kvflow.models.layers.weights import RankPart, WeightShapeError, default_weight_loader
 from kvflow.models.registry import get_model_class
-from kvflow.models.safetensors_io import SafetensorsFile, SafetensorsFormatError
 
 if TYPE_CHECKING:
     from kvflow.config import ModelConfig
@@ -33,13 +38,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+__all__ = [  # the checkpoint folder's reading lives in checkpoint_files; its names stay importable here
+    "INDEX_FILE",
+    "SINGLE_FILE",
+    "CheckpointModel",
+    "PackedNames",
+    "TensorSelector",
+    "checkpoint_index",
+    "iterate_safetensors_weights",
+    "load_model",
+    "load_weights",
+    "resolve_dtype",
+    "safetensors_files",
+]
+
 # Checkpoint tensors no parameter holds: RoPE frequencies (kvflow computes them from the config).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # The Hugging Face names of the LM head and the token embedding it falls back to when a checkpoint has no head.
 LM_HEAD = "lm_head.weight"
 EMBEDDING = "model.embed_tokens.weight"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_ALIASES = {
     "float": "float32",
@@ -65,59 +82,6 @@ def resolve_dtype(dtype: str, config: TransformerConfig) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
     return _DTYPES[name]
-
-
-def safetensors_files(model_path: str | Path) -> list[Path]:
-    """The checkpoint's weight files: the shards named by the index, else the single `model.safetensors`."""
-    path = Path(model_path)
-    index_file = path / INDEX_FILE
-    if index_file.is_file():
-        try:
-            weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
-            raise ValueError(
-                f"{str(index_file)!r} is not a safetensors index with a 'weight_map': {error}"
-            ) from error
-        files = [path / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise FileNotFoundError(
-                    f"shard {str(file)!r} named by {str(index_file)!r} does not exist"
-                )
-        return files
-    single = path / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in {str(path)!r}")
-
-
-# Which part of a named checkpoint tensor to read: `()` all of it, slices of it, or None for none of it.
-TensorSelector = Callable[[str], "tuple[slice, ...] | None"]
-
-
-def iterate_safetensors_weights(
-    model_path: str | Path, select: TensorSelector | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for every tensor of the checkpoint, file by file, on the CPU.
-
-    Each tensor is read into memory of its own (`SafetensorsFile`: positioned reads, no memory map), so a consumer
-    that copies it into a parameter and drops it holds one tensor beyond the model at any time, never a second copy
-    of the checkpoint. With `select` (a tensor-parallel rank's `model.checkpoint_index`) only the part
-    `select(name)` names is read (`SafetensorsFile.read(name, index)`), so a rank never materializes a whole
-    sharded tensor; tensors it maps to None are skipped. A missing file raises FileNotFoundError naming it; an
-    unreadable one ValueError naming it.
-    """
-    for file in safetensors_files(model_path):
-        try:
-            with SafetensorsFile(file) as handle:
-                for name in handle.names():
-                    index = () if select is None else select(name)
-                    if index is not None:
-                        yield name, handle.read(name, index)
-        except SafetensorsFormatError:
-            raise
-        except OSError as error:
-            raise ValueError(f"cannot read safetensors file {str(file)!r}: {error}") from error
 
 
 def load_model(
