@@ -6,11 +6,11 @@ still leaves no process behind. The death test runs last: it ends the module's s
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -18,11 +18,12 @@ import pytest
 
 from kvflow.testing.hash_model import reference_tokens
 from tests.entrypoints.server import RemoteServer, child_pids, running_server
-from tests.entrypoints.test_serve_rl import Stream, prompt_ids
+from tests.entrypoints.test_serve_rl import prompt_ids
 
 TIMEOUT_S = 120.0
 MAX_TOKENS = 40
-LONG = 1000  # still running when the test acts on it (max_model_len 1024, prompts of 16)
+# A stream with ~2 s of work at idle speed (max_model_len 4096, the hash model's limit).
+ENDLESS = 4000
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,9 @@ def server() -> Iterator[RemoteServer]:
         "--data-parallel-size",
         "2",
         "--max-model-len",
-        "1024",
+        "4096",
         "--num-kv-blocks",
-        "256",
+        "1024",
         "--max-num-seqs",
         "32",
         "--enable-admin-endpoints",
@@ -64,6 +65,13 @@ def wait_for_per_engine(
         values = per_engine(server, name)
 
 
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.02)
+
+
 def engine_pids(server_pid: int) -> list[int]:
     """The engine-core processes of the server (spawned children, not the resource tracker)."""
     pids = []
@@ -80,7 +88,7 @@ def run(coroutine: object) -> object:
 
 def test_32_concurrent_streams_match_the_oracle_and_both_cores_serve(server: RemoteServer) -> None:
     assert len(engine_pids(server.process.pid)) == 2
-    assert server.get("/v1/models").json()["data"][0]["max_model_len"] == 1024
+    assert server.get("/v1/models").json()["data"][0]["max_model_len"] == 4096
     before = per_engine(server, "kvflow:request_success_total", finished_reason="length")
     prompts = [prompt_ids(500 + i, 4 + i % 13) for i in range(32)]
 
@@ -117,20 +125,37 @@ def test_32_concurrent_streams_match_the_oracle_and_both_cores_serve(server: Rem
 
 def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteServer) -> None:
     """`/pause` returns once both cores are paused: from then on neither produces a token; after `/resume` every
-    stream equals the unpaused oracle."""
+    request equals the oracle.
+
+    The setup needs each core still running its 3 requests when the pause lands, so the test follows the server's
+    state, not a reader's: it waits until `/metrics` shows both cores running 3, then pauses. The requests are not
+    streamed, so the API process keeps up with the engine (a streamed hash-model token costs it far more than the
+    engine, and on a busy machine a reader can lag seconds behind), and each has ~2 s of engine work left."""
+
+    async def complete(http: httpx.AsyncClient, prompt: list[int]) -> list[int]:
+        body = {
+            "prompt": prompt,
+            "max_tokens": ENDLESS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        [choice] = response.json()["choices"]
+        assert choice["finish_reason"] == "length"
+        return choice["token_ids"]
 
     async def scenario() -> None:
+        prompts = [prompt_ids(700 + i) for i in range(6)]
         async with server.async_http(limits=httpx.Limits(max_connections=16)) as http:
-            streams = [Stream(prompt_ids(700 + i), LONG).start(http) for i in range(6)]
-            for each in streams:
-                await each.first_token.wait()
-            # Every core reports its streams running before the pause (a core's gauge is its last step's).
+            requests = [asyncio.ensure_future(complete(http, prompt)) for prompt in prompts]
             await asyncio.to_thread(
                 wait_for_per_engine,
                 server,
                 "kvflow:num_requests_running",
                 {"0": 3.0, "1": 3.0},
-                "both cores report 3 streams running",
+                "both cores report 3 requests running",
             )
             response = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             assert response.status_code == 200
@@ -138,18 +163,17 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
             running = await asyncio.to_thread(per_engine, server, "kvflow:num_requests_running")
             assert running == {"0": 3.0, "1": 3.0}  # both cores hold (frozen) work
             frozen = await asyncio.to_thread(per_engine, server, "kvflow:generation_tokens_total")
-            counts = [len(each.tokens) for each in streams]
-            await asyncio.sleep(0.4)
+            await asyncio.sleep(
+                0.4
+            )  # nothing may move while paused (a check over a span, not a wait)
             assert await asyncio.to_thread(
                 per_engine, server, "kvflow:generation_tokens_total"
             ) == (frozen)
-            assert [len(each.tokens) for each in streams] == counts
-            assert not any(each.done for each in streams)
+            assert not any(request.done() for request in requests)
             assert (await http.post("/resume")).status_code == 200
             assert (await http.get("/is_paused")).json() == {"is_paused": False}
-            for each in streams:
-                await each.finished()
-                assert each.tokens == each.reference
+            outputs = await asyncio.gather(*requests)
+        assert outputs == [reference_tokens(prompt, ENDLESS) for prompt in prompts]
 
     run(scenario())
 
@@ -194,21 +218,22 @@ def test_metrics_count_each_engines_running_totals_once_and_keep_its_gauges() ->
 
 @pytest.mark.slow
 def test_a_dead_core_turns_health_503_and_sigterm_leaves_no_process(server: RemoteServer) -> None:
+    """A core killed under a running request: that request fails naming the core, `/health` and new requests get
+    503, the surviving core is stopped too. The kill follows the server's state (`/metrics` shows the request
+    running, with ~2 s of engine work left), and the request is not streamed, so the API process keeps up."""
     pids = engine_pids(server.process.pid)
     assert len(pids) == 2
-    body = {"model": "hash", "prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True}
-    events: list[str] = []
-    with httpx.Client(timeout=TIMEOUT_S) as client:
-        with client.stream(
-            "POST", f"{server.url}/v1/completions", json={**body, "stream": True}
-        ) as response:
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    events.append(line.removeprefix("data:").strip())
-                    if len(events) == 3:  # tokens flow: kill one core under the stream
-                        os.kill(pids[1], signal.SIGKILL)
-        payloads = [json.loads(event) for event in events if event != "[DONE]"]
-        message = payloads[-1]["error"]["message"]
+    body = {"model": "hash", "prompt": [5, 6, 7], "max_tokens": ENDLESS, "ignore_eos": True}
+    with httpx.Client(timeout=TIMEOUT_S) as client, ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.post, f"{server.url}/v1/completions", json=body)
+        wait_until(
+            lambda: sum(per_engine(server, "kvflow:num_requests_running").values()) == 1,
+            "the request is running",
+        )
+        os.kill(pids[1], signal.SIGKILL)
+        failed = pending.result(TIMEOUT_S)
+        assert failed.status_code >= 500, failed.text
+        message = failed.json()["error"]["message"]
         assert "data-parallel engine core" in message and "exited unexpectedly" in message
         assert client.get(f"{server.url}/health").status_code == 503
         rejected = client.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2})
