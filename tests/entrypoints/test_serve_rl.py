@@ -20,7 +20,10 @@ from kvflow.engine.stats import FinishedRequestStats
 from kvflow.testing.hash_model import reference_tokens
 from tests.entrypoints.server import RemoteServer, running_server, sse_payloads
 
-LONG = 600  # max_tokens of a stream that is still running when the test acts on it (max_model_len 1024)
+# max_tokens of a request that is still running when a test acts on it: ~2 s of hash-model work at idle speed
+# (`long_server`: max_model_len 4096, the hash model's limit). Tests act once the *server* reports it running
+# (`/metrics`), never on what a reader has seen: on a busy machine a reader can lag seconds behind the engine.
+LONG = 4000
 TIMEOUT_S = 120
 
 
@@ -39,11 +42,28 @@ def server() -> Iterator[RemoteServer]:
         yield remote
 
 
+@pytest.fixture(scope="module")
+def long_server() -> Iterator[RemoteServer]:
+    """Room for requests of `LONG` tokens (the pause and admin tests hold them mid-generation)."""
+    with running_server(
+        "hash",
+        "--max-model-len",
+        "4096",
+        "--num-kv-blocks",
+        "1024",
+        "--max-num-seqs",
+        "32",
+        "--enable-admin-endpoints",
+    ) as remote:
+        yield remote
+
+
 @pytest.fixture(autouse=True)
-def unpaused(server: RemoteServer) -> Iterator[None]:
-    """Every test starts and ends with a running engine, also when it fails mid-pause."""
+def unpaused(server: RemoteServer, long_server: RemoteServer) -> Iterator[None]:
+    """Every test starts and ends with running engines, also when it fails mid-pause."""
     yield
     server.post("/resume")
+    long_server.post("/resume")
 
 
 def prompt_ids(seed: int, length: int = 16) -> list[int]:
@@ -109,9 +129,9 @@ async def metric(http: httpx.AsyncClient, name: str) -> float:
 
 
 async def wait_for_metric(http: httpx.AsyncClient, name: str, expected: float) -> None:
-    while (value := await metric(http, name)) != expected:
+    """Poll the server's /metrics until `name` equals `expected` (the scenario's `TIMEOUT_S` bounds it)."""
+    while await metric(http, name) != expected:
         await asyncio.sleep(0.02)
-    assert value == expected
 
 
 def run(coroutine: Any) -> Any:
@@ -121,16 +141,15 @@ def run(coroutine: Any) -> Any:
 # ------------------------------------------------------------------------------------------------ pause
 @pytest.mark.parametrize("clear_cache", ["false", "true"])
 def test_keep_pause_freezes_streams_and_resume_loses_nothing(
-    server: RemoteServer, clear_cache: str
+    long_server: RemoteServer, clear_cache: str
 ) -> None:
     """Streams in flight go quiet during a keep pause and continue after resume with exactly the unpaused tokens
     (vLLM #42043 dropped the first token after resume); with clear_cache they are recomputed, same tokens."""
 
     async def scenario() -> None:
-        async with server.async_http() as http:
+        async with long_server.async_http() as http:
             streams = [Stream(prompt_ids(i), LONG).start(http) for i in range(3)]
-            for stream in streams:
-                await stream.first_token.wait()
+            await wait_for_metric(http, "kvflow:num_requests_running", 3)
             response = await http.post(
                 "/pause", params={"mode": "keep", "clear_cache": clear_cache}
             )
@@ -156,12 +175,13 @@ def test_keep_pause_freezes_streams_and_resume_loses_nothing(
     run(scenario())
 
 
-def test_abort_pause_ends_streams_and_holds_new_requests_until_resume(server: RemoteServer) -> None:
+def test_abort_pause_ends_streams_and_holds_new_requests_until_resume(
+    long_server: RemoteServer,
+) -> None:
     async def scenario() -> None:
-        async with server.async_http() as http:
+        async with long_server.async_http() as http:
             streams = [Stream(prompt_ids(10 + i), LONG).start(http) for i in range(3)]
-            for stream in streams:
-                await stream.first_token.wait()
+            await wait_for_metric(http, "kvflow:num_requests_running", 3)
             assert (await http.post("/pause")).status_code == 200  # mode "abort" by default
             for stream in streams:
                 await stream.finished()
@@ -241,16 +261,16 @@ def test_bad_pause_mode_is_a_400_naming_mode(server: RemoteServer) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ admin
-def test_reset_prefix_cache_is_409_while_blocks_are_in_use(server: RemoteServer) -> None:
+def test_reset_prefix_cache_is_409_while_blocks_are_in_use(long_server: RemoteServer) -> None:
     async def scenario() -> None:
-        async with server.async_http() as http:
+        async with long_server.async_http() as http:
             body = {"prompt": prompt_ids(40, 40), "max_tokens": 3}
             await http.post("/v1/completions", json=body)
             assert (await http.post("/reset_prefix_cache")).json() == {"status": "reset"}
             after = (await http.post("/v1/completions", json=body)).json()
             assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             stream = Stream(prompt_ids(41), LONG).start(http)
-            await stream.first_token.wait()
+            await wait_for_metric(http, "kvflow:num_requests_running", 1)
             await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             refused = await http.post("/reset_prefix_cache")
             assert refused.status_code == 409
@@ -303,19 +323,20 @@ def test_update_weights_needs_a_pause(server: RemoteServer) -> None:
 
 # ------------------------------------------------------------------------------------------------ disconnects
 @pytest.mark.parametrize("stream", [True, False])
-def test_a_client_that_disconnects_aborts_and_frees(server: RemoteServer, stream: bool) -> None:
+def test_a_client_that_disconnects_aborts_and_frees(
+    long_server: RemoteServer, stream: bool
+) -> None:
     """Held by a keep pause, the request can only leave by being aborted, and its KV blocks with it."""
 
     async def scenario() -> None:
-        async with server.async_http() as http:
+        async with long_server.async_http() as http:
             body = {"prompt": prompt_ids(60), "max_tokens": LONG, "stream": stream}
             if stream:
                 reader = Stream(prompt_ids(60), LONG).start(http)
-                await reader.first_token.wait()
                 task = reader.task
             else:
                 task = asyncio.ensure_future(http.post("/v1/completions", json=body))
-                await wait_for_metric(http, "kvflow:num_requests_running", 1)
+            await wait_for_metric(http, "kvflow:num_requests_running", 1)
             await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             assert await metric(http, "kvflow:kv_cache_usage_perc") > 0
             assert task is not None
@@ -348,7 +369,12 @@ def test_48_concurrent_streams_match_the_oracle_and_leave_nothing_behind(
 
     async def scenario() -> list[list[int]]:
         async with server.async_http(limits=httpx.Limits(max_connections=64)) as http:
+            # All 48 wait behind a pause and start together, so 32 of them run at once and outgrow the KV cache
+            # (requests that trickled in on a busy machine could each finish before the next arrived).
+            await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             streams = [Stream(prompt, 200).start(http) for prompt in prompts]
+            await wait_for_metric(http, "kvflow:num_requests_waiting", 48)
+            await http.post("/resume")
             return [(await stream.finished()).tokens for stream in streams]
 
     assert run(scenario()) == [reference_tokens(prompt, 200) for prompt in prompts]
