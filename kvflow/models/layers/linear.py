@@ -15,12 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow import kernels
-from kvflow.models.layers.weights import (
-    CheckpointTensor,
-    copy_checked,
-    narrow,
-    set_weight_loader,
-)
+from kvflow.models.layers.weights import CheckpointTensor, copy_checked, narrow, set_weight_loader
 
 if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
