@@ -5,11 +5,13 @@ Reproduce with, e.g. (B = this checkout, A = the commit before a change):
     git worktree add /tmp/kvflow-a <commit>
     python benchmarks/throughput_ab.py --a /tmp/kvflow-a --rounds 3
 
-Each round runs `throughput.run_kvflow` (LLM over the Qwen2-0.5B-shaped checkpoint, 64 requests, async
-scheduling, no compute floor) once for A and once for B, each in a fresh interpreter whose `kvflow` and
-`benchmarks` come from that checkout; the order alternates between rounds so that a machine that slows down or
-speeds up during the run favours neither. Reported: each run's seconds and output tokens/s, the median per
-checkout, and B's median tokens/s over A's (the same-run ratio RESULTS.md quotes).
+Each round generates `throughput.py`'s workload (seed 0: prompts of 32-256 random tokens, 32-128 output tokens,
+greedy, `ignore_eos`) with `LLM(model, dtype="bfloat16", max_num_seqs=64, max_model_len=512,
+async_scheduling=True)` after an untimed warm-up, once for A and once for B, each in a fresh interpreter whose
+`kvflow` and `benchmarks` come from that checkout; the order alternates between rounds so that a machine that
+slows down or speeds up during the run favours neither. The default model is the built-in one, where the engine's
+per-step CPU work weighs most against the forward pass. Reported: each run's seconds and output tokens/s, the
+median per checkout, and B's median tokens/s over A's (the same-run ratio RESULTS.md quotes).
 """
 
 from __future__ import annotations
@@ -24,21 +26,33 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 _RUN_ONE = """
-import json, os, sys
+import json, sys, time
 from pathlib import Path
 from benchmarks import throughput as t
-path = t.ensure_checkpoint(Path(sys.argv[1]), t.QWEN2_05B_SHAPE)
-workload = t.make_workload(64, (32, 256), (32, 128), t.QWEN2_05B_SHAPE["vocab_size"], seed=0)
-kwargs = {"max_num_seqs": 64, "max_model_len": 512, "async_scheduling": True, "disable_log_stats": True}
-result, _, _ = t.run_kvflow(path, workload, kwargs)
-print(json.dumps({"elapsed_s": result.elapsed_s, "tokens": result.output_tokens}))
+from kvflow import LLM, SamplingParams
+model, num_requests = sys.argv[1], int(sys.argv[2])
+path = t._model_path(model) if model == "default" else t.ensure_checkpoint(Path(model), t.QWEN2_05B_SHAPE)
+vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
+workload = t.make_workload(num_requests, (32, 256), (32, 128), vocab_size, seed=0)
+llm = LLM(str(path), dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=64, max_model_len=512,
+          async_scheduling=True, disable_log_stats=True)
+greedy = dict(ignore_eos=True, temperature=0.0)
+llm.generate([{"prompt_token_ids": workload.prompts[0]}], SamplingParams(max_tokens=4, **greedy), use_tqdm=False)
+llm.reset_prefix_cache()
+params = [SamplingParams(max_tokens=n, **greedy) for n in workload.output_lens]
+start = time.perf_counter()
+outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
+elapsed = time.perf_counter() - start
+tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
+assert tokens == workload.num_output_tokens
+print(json.dumps({"elapsed_s": elapsed, "tokens": tokens}))
 """
 
 
-def run_one(tree: Path, checkpoint: Path) -> dict[str, float]:
+def run_one(tree: Path, model: str, num_requests: int) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     completed = subprocess.run(
-        [sys.executable, "-c", _RUN_ONE, str(checkpoint)],
+        [sys.executable, "-c", _RUN_ONE, model, str(num_requests)],
         cwd=tree,
         env=env,
         capture_output=True,
@@ -55,15 +69,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--a", type=Path, required=True, help="checkout A (the baseline)")
     parser.add_argument("--b", type=Path, default=REPO, help="checkout B (default: this one)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--checkpoint-dir", type=Path, default=None)
+    parser.add_argument(
+        "--model",
+        default="default",
+        help="'default' (the built-in model: per-step engine overhead shows most) or a folder for the "
+        "Qwen2-0.5B-shaped checkpoint (created there if missing)",
+    )
+    parser.add_argument("--num-requests", type=int, default=128)
     args = parser.parse_args(argv)
-    cache_root = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
-    checkpoint = args.checkpoint_dir or cache_root / "bench-qwen2-0.5b-shape"
     rates: dict[str, list[float]] = {"A": [], "B": []}
     for round_index in range(args.rounds):
         order = [("A", args.a), ("B", args.b)]
         for name, tree in order if round_index % 2 == 0 else order[::-1]:
-            result = run_one(tree, checkpoint)
+            result = run_one(tree, args.model, args.num_requests)
             rate = result["tokens"] / result["elapsed_s"]
             rates[name].append(rate)
             print(
@@ -71,7 +89,10 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     median_a, median_b = statistics.median(rates["A"]), statistics.median(rates["B"])
-    print(f"# python benchmarks/throughput_ab.py --a {args.a} --rounds {args.rounds}")
+    print(
+        f"# python benchmarks/throughput_ab.py --a {args.a} --rounds {args.rounds} --model {args.model} "
+        f"--num-requests {args.num_requests}"
+    )
     print(
         f"median A {median_a:.1f} tok/s, median B {median_b:.1f} tok/s, B/A {median_b / median_a:.3f}"
     )
