@@ -1,8 +1,9 @@
 """Hostile requests against a real `kvflow serve` (loopback): none may kill the engine, stall the event loop or
-exhaust memory. One test per way a single request once took the server down (the hardening review's table), each
-checking the 4xx it now gets, that a good request running alongside finishes with exactly its expected tokens, that `/health`
-stays 200 and that the engine process is the same one afterwards. Then random JSON at every field of both
-endpoints (only 2xx/4xx, never 5xx), and 10,000 streamed requests over a keep-alive pool without one client error.
+exhaust memory. One test per way a single request once took the server down (the hardening review's table),
+each checking the 4xx it now gets, that a good request running alongside finishes with exactly its expected
+tokens, that `/health` stays 200 and that the engine process is the same one afterwards. Then random JSON at
+every field of both endpoints (only 2xx/4xx, never 5xx), and 10,000 streamed requests over a keep-alive pool
+without one client error.
 """
 
 from __future__ import annotations
