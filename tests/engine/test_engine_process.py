@@ -33,6 +33,7 @@ from kvflow.entrypoints.llm import LLM
 from kvflow.model_info import ModelInfo, resolve_model_info
 from kvflow.request import Request
 from kvflow.testing.hash_model import reference_tokens
+from kvflow.testing.waiting import wait_until
 
 T = TypeVar("T")
 TIMEOUT_S = 60.0  # hang guard
@@ -47,13 +48,6 @@ TEXT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 # ------------------------------------------------------------------------------------------------ helpers
 def run(coroutine: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.01)
 
 
 def prompt(seed: int, length: int = 6) -> dict[str, list[int]]:

@@ -25,6 +25,7 @@ import torch
 from kvflow import LLM, RequestOutput, SamplingParams
 from kvflow.engine.core import EngineCore
 from kvflow.testing.hash_model import reference_tokens
+from kvflow.testing.waiting import wait_until
 
 JOIN_TIMEOUT_S = 60.0
 
@@ -74,13 +75,6 @@ def pause_at_gate(llm: LLM, gate: StepGate, mode: str, clear_cache: bool = True)
     paused: Future[None] = llm.engine_core_client.pause_generation(mode, clear_cache)
     gate.open()
     paused.result(JOIN_TIMEOUT_S)
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.002)
 
 
 def run_threads(*targets: Callable[[], Any]) -> list[Any]:

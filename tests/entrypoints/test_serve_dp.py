@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from kvflow.testing.hash_model import reference_tokens
+from kvflow.testing.waiting import wait_until
 from tests.entrypoints.server import RemoteServer, child_pids, running_server
 from tests.entrypoints.test_serve_rl import prompt_ids
 
@@ -57,19 +57,7 @@ def wait_for_per_engine(
     server: RemoteServer, name: str, expected: dict[str, float], what: str
 ) -> None:
     """Poll /metrics until `name` per `engine` label equals `expected` (AssertionError naming `what`)."""
-    deadline = time.monotonic() + TIMEOUT_S
-    values = per_engine(server, name)
-    while values != expected:
-        assert time.monotonic() < deadline, f"timed out waiting until {what}: {name} is {values}"
-        time.sleep(0.05)
-        values = per_engine(server, name)
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
+    wait_until(lambda: per_engine(server, name) == expected, f"{what} ({name})", interval_s=0.05)
 
 
 def engine_pids(server_pid: int) -> list[int]:
@@ -238,10 +226,10 @@ def test_a_dead_core_turns_health_503_and_sigterm_leaves_no_process(server: Remo
         assert client.get(f"{server.url}/health").status_code == 503
         rejected = client.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2})
         assert rejected.status_code == 503
-    deadline = time.monotonic() + TIMEOUT_S
-    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)  # the surviving core is stopped too, and both are reaped
-    assert not any(Path(f"/proc/{pid}").exists() for pid in pids)
+    wait_until(
+        lambda: not any(Path(f"/proc/{pid}").exists() for pid in pids),
+        "the surviving core is stopped too, and both are reaped",
+    )
     assert server.stop(signal.SIGTERM) == 0, server.log[-2000:]
     assert "Traceback" not in server.log
     assert not server.leftover_processes()

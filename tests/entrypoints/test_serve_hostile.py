@@ -19,7 +19,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import pytest
 from kvflow.default_model import ensure_default_model
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.testing.hash_model import reference_tokens
+from kvflow.testing.waiting import wait_until
 from kvflow.tokenizer import load_tokenizer, render_chat
 from tests.entrypoints.server import (
     DEFAULT_SERVER,
@@ -699,10 +700,3 @@ def test_a_killed_engine_is_logged_reaped_and_shown_in_metrics() -> None:
             "kvflow:kv_cache_usage_perc",
         }
         assert server.stop(signal.SIGTERM) == 0
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.05)

@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.death import EngineDeadError
 from kvflow.executor.multiproc import MultiprocExecutor, WorkerDiedError
 from kvflow.testing.hash_model import reference_tokens
+from kvflow.testing.waiting import wait_until
 from tests.entrypoints.server import HASH_SERVER, running_server
 
 TIMEOUT_S = 60.0  # hang guard
@@ -48,13 +49,6 @@ def is_running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
