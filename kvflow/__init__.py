@@ -2,7 +2,7 @@
 
 from kvflow.logger import configure_logging as _configure_logging
 from kvflow.outputs import CompletionOutput, RequestOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.version import __version__
 
 _configure_logging()  # the `kvflow` logger prints INFO to stderr (kvflow/logger.py; KVFLOW_LOGGING_LEVEL)
@@ -14,6 +14,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StreamingInput",
+    "StructuredOutputsParams",
     "__version__",
 ]
 

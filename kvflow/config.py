@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -184,9 +185,48 @@ class ParallelConfig:
         )
 
 
+# `StructuredOutputsConfig.backend` values: the registered backends plus "auto".
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Which backend compiles `SamplingParams.structured_outputs` constraints (vLLM's engine option):
+    "xgrammar" (the default, the `xgrammar` package), "guidance" (`llguidance`), or "auto": xgrammar, and
+    guidance for a constraint xgrammar cannot compile."""
+
+    backend: str = "xgrammar"
+
+    def __post_init__(self) -> None:
+        _require(
+            self.backend in STRUCTURED_OUTPUT_BACKENDS,
+            f"structured_outputs_config backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, "
+            f"got {self.backend!r}",
+        )
+
+    @classmethod
+    def from_option(cls, option: Mapping[str, object] | None) -> StructuredOutputsConfig:
+        """From the engine option's dict (None: the defaults); an unknown key is a ValueError naming it."""
+        option = dict(option or {})
+        unknown = sorted(set(option) - {"backend"})
+        _require(
+            not unknown,
+            f"structured_outputs_config has unknown keys {unknown}; it takes 'backend'",
+        )
+        backend = option.get("backend", cls.backend)
+        _require(
+            isinstance(backend, str),
+            f"structured_outputs_config backend must be a string, got {backend!r}",
+        )
+        return cls(backend=backend)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )

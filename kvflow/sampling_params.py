@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Any, Literal
 
 from kvflow.utils import short_repr
 
@@ -23,6 +23,111 @@ _POSITIVE_FLOAT32 = f"a number > 0 and at most {FLOAT32_MAX:.4g}"
 _TOP_K_RULE = f"an int in [-1, {INT32_MAX}] (0 or -1: the whole vocabulary)"
 _TOKEN_IDS_RULE = "a list of ints in [0, 2**63)"
 _NUM_LOGPROBS_RULE = "None or an int in [0, 2**63)"
+# OpenAI's logit_bias range.
+LOGIT_BIAS_LIMIT = 100.0
+# The constraint fields of StructuredOutputsParams; a request sets exactly one.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One decoding constraint (vLLM's names): the output must match it, token by token.
+
+    Exactly one of the constraint fields is set (`STRUCTURED_OUTPUT_KINDS`), else ValueError naming the fields:
+      * `json`: a JSON schema (a dict or its JSON text); the output is a JSON value valid under it;
+      * `regex`: the whole output matches the regular expression;
+      * `choice`: the output is exactly one of these strings;
+      * `grammar`: an EBNF grammar (GBNF / xgrammar's EBNF, or a Lark grammar for the guidance backend);
+      * `json_object=True`: any JSON object;
+      * `structural_tag`: xgrammar's structural tag (a JSON text).
+    `disable_any_whitespace` forbids whitespace between JSON tokens (compact JSON); `disable_additional_properties`
+    adds `"additionalProperties": false` to every object of a `json` schema that does not say otherwise.
+    Which backend compiles it is the engine's `structured_outputs_config`. The constraint covers the whole output:
+    EOS is allowed only where the constraint is complete, and a request whose constraint is complete stops.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        self.validate()
+
+    def validate(self) -> None:
+        """Exactly one constraint, each of its type (ValueError naming the field). Whether a schema, regex or
+        grammar compiles is the backend's check (`kvflow.structured_output.validate_structured_outputs`)."""
+        kinds = self.constraint_kinds()
+        if len(kinds) != 1:
+            found = ", ".join(kinds) if kinds else "none"
+            raise ValueError(
+                "StructuredOutputsParams needs exactly one of "
+                f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {found}"
+            )
+        checks = (
+            ("json", self.json is None or isinstance(self.json, str | dict), "a dict or a JSON string"),
+            ("regex", self.regex is None or isinstance(self.regex, str), "a string"),
+            (
+                "choice",
+                self.choice is None
+                or (
+                    isinstance(self.choice, list)
+                    and bool(self.choice)
+                    and all(isinstance(c, str) and c for c in self.choice)
+                ),
+                "a non-empty list of non-empty strings",
+            ),
+            ("grammar", self.grammar is None or isinstance(self.grammar, str), "a string"),
+            ("json_object", self.json_object in (None, True, False), "a bool"),
+            (
+                "structural_tag",
+                self.structural_tag is None or isinstance(self.structural_tag, str),
+                "a JSON string",
+            ),
+            ("disable_any_whitespace", isinstance(self.disable_any_whitespace, bool), "a bool"),
+            (
+                "disable_additional_properties",
+                isinstance(self.disable_additional_properties, bool),
+                "a bool",
+            ),
+        )
+        for field_name, ok, rule in checks:
+            if not ok:
+                raise ValueError(
+                    f"StructuredOutputsParams.{field_name} must be {rule}, "
+                    f"got {short_repr(getattr(self, field_name))}"
+                )
+
+    def constraint_kinds(self) -> list[str]:
+        """The constraint fields that are set (`json_object=False` counts as unset)."""
+        return [
+            kind
+            for kind in STRUCTURED_OUTPUT_KINDS
+            if getattr(self, kind) is not None and getattr(self, kind) is not False
+        ]
+
+    @property
+    def kind(self) -> str:
+        """The one constraint field that is set."""
+        return self.constraint_kinds()[0]
+
+    def cache_key(self) -> tuple[Any, ...]:
+        """A hashable identity of the constraint (compiled grammars are cached by it and the backend)."""
+        import json as json_module
+
+        values = []
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if isinstance(value, dict | list):
+                value = json_module.dumps(value, sort_keys=True)
+            values.append(value)
+        return tuple(values)
 
 
 @dataclass
@@ -34,6 +139,16 @@ class SamplingParams:
     inside an engine step; `stop` is a list of non-empty strings and `stop_token_ids` a list of non-negative ints.
     Invalid values raise `ValueError` naming the field. `temperature == 0` means greedy decoding; a `top_k` at or
     above the vocabulary size means the whole vocabulary (as 0 or -1 do).
+
+    Logits controls (vLLM's semantics), applied before penalties and temperature:
+      * `allowed_token_ids`: only these ids may be sampled;
+      * `bad_words`: no listed word's token sequence is completed (both the word and its leading-space variant;
+        the engine's input processor tokenizes them into `bad_words_token_ids`, which a caller never sets);
+      * `logit_bias`: `{token_id: bias}` with bias in [-100, 100], added to the logits;
+      * `truncate_prompt_tokens`: keep only the last k prompt tokens (-1: the last `max_model_len`).
+    Ids must be inside the model's vocabulary (the engine checks; ValueError naming the field).
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
+    (`StructuredOutputsParams`); the sampled row's logits are masked to what the constraint allows.
 
     `logprobs` (per output token) and `prompt_logprobs` (per prompt token, vLLM's field) are None (off) or k >= 0:
     the logprob of the actual token plus the k most likely alternatives, from the model's raw distribution. A
@@ -61,6 +176,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: OutputKind = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
+    # Set by the engine's input processor from `bad_words`: each word's token sequences.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +193,12 @@ class SamplingParams:
             _fail("stop_token_ids", "a list of ints", self.stop_token_ids)
         self.stop = list(self.stop) if self.stop else []
         self.stop_token_ids = list(self.stop_token_ids) if self.stop_token_ids else []
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -111,10 +239,57 @@ class SamplingParams:
                 _POSITIVE_FLOAT32,
             ),
             ("output_kind", self.output_kind in _OUTPUT_KINDS, f"one of {_OUTPUT_KINDS}"),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids is None
+                or (
+                    isinstance(self.allowed_token_ids, list)
+                    and bool(self.allowed_token_ids)
+                    and all(_is_int(t, 0) for t in self.allowed_token_ids)
+                ),
+                "None or a non-empty list of ints in [0, 2**63)",
+            ),
+            (
+                "bad_words",
+                self.bad_words is None
+                or (
+                    isinstance(self.bad_words, list)
+                    and all(isinstance(w, str) and w.strip() for w in self.bad_words)
+                ),
+                "None or a list of non-blank strings",
+            ),
+            (
+                "logit_bias",
+                self.logit_bias is None
+                or (
+                    isinstance(self.logit_bias, dict)
+                    and all(
+                        _is_int(t, 0)
+                        and _is_real(b, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+                        for t, b in self.logit_bias.items()
+                    )
+                ),
+                "None or a dict of token ids (ints >= 0) to biases in [-100, 100]",
+            ),
+            (
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens is None
+                or self.truncate_prompt_tokens == -1
+                or _is_int(self.truncate_prompt_tokens, 1),
+                "None, -1 (max_model_len) or an int >= 1",
+            ),
+            (
+                "structured_outputs",
+                self.structured_outputs is None
+                or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "None or a StructuredOutputsParams",
+            ),
         )
         for field_name, ok, rule in checks:
             if not ok:
                 _fail(field_name, rule, getattr(self, field_name))
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     @property
     def is_greedy(self) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import types
@@ -26,6 +27,7 @@ from kvflow.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from kvflow.utils import resolve_device
 
@@ -125,6 +127,11 @@ class EngineArgs:
         "run the engine core in its own process, behind ZMQ (`kvflow serve` turns it on; LLM and AsyncLLM run "
         "it on a thread of their own process without it)",
     )
+    structured_outputs_config: dict | None = _option(
+        None,
+        'structured outputs, as JSON: {"backend": "xgrammar" | "guidance" | "auto"} (default xgrammar; auto: '
+        "xgrammar, and guidance for what xgrammar cannot compile)",
+    )
     disable_log_stats: bool = _option(
         False,
         "no periodic throughput / scheduler stats in the log (every $KVFLOW_LOG_STATS_INTERVAL s)",
@@ -153,6 +160,7 @@ class EngineArgs:
             )
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        StructuredOutputsConfig.from_option(self.structured_outputs_config)  # checked now
 
     # ------------------------------------------------------------------------------------------------ config
     def create_engine_config(self, model_info: ModelInfo) -> EngineConfig:
@@ -200,6 +208,9 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
+            structured_outputs_config=StructuredOutputsConfig.from_option(
+                self.structured_outputs_config
+            ),
         )
 
     def _max_num_batched_tokens(self, max_model_len: int) -> int:
@@ -224,6 +235,8 @@ class EngineArgs:
             if option.default is not None:
                 help_text += f" (default: {option.default})"
             value_type = _value_type(hints[option.name])
+            if value_type is dict:
+                value_type = _json_object  # type: ignore[assignment]
             if value_type is bool:
                 group.add_argument(
                     flag,
@@ -266,6 +279,17 @@ def cpu_kv_cache_space_bytes(environ: Mapping[str, str] = os.environ) -> int:
     if space_gib == 0:
         return DEFAULT_CPU_KV_CACHE_SPACE_BYTES
     return max(1, int(space_gib * GIB))
+
+
+def _json_object(text: str) -> dict:
+    """A CLI value that is a JSON object (argparse reports the ValueError as a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+_json_object.__name__ = "JSON object"
 
 
 def _value_type(annotation: Any) -> type:

@@ -1,0 +1,135 @@
+"""The guidance backend: constraints compiled by `llguidance` (Lark grammars, GBNF, JSON schema, regex), one
+`LLMatcher` per request."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from kvflow.structured_output.backend import (
+    GrammarVocab,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    json_schema_text,
+)
+
+if TYPE_CHECKING:
+    from kvflow.sampling_params import StructuredOutputsParams
+
+
+class GuidanceGrammar(StructuredOutputGrammar):
+    """An `llguidance.LLMatcher` (see `StructuredOutputGrammar` for the invariant)."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self.num_processed_tokens = 0
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        if self.matcher.is_error():
+            return False
+        if self.matcher.validate_tokens(list(token_ids)) != len(token_ids):
+            return False
+        if not self.matcher.consume_tokens(list(token_ids)):
+            return False
+        self.num_processed_tokens += len(token_ids)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+        self.num_processed_tokens -= num_tokens
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+class GuidanceBackend(StructuredOutputBackend):
+    """Compiles with llguidance over the engine's vocabulary (its tokenizer.json, or a synthetic vocabulary)."""
+
+    name = "guidance"
+
+    def __init__(self, vocab: GrammarVocab) -> None:
+        super().__init__(vocab)
+        self.tokenizer = _ll_tokenizer(vocab)
+
+    def compile(self, params: StructuredOutputsParams) -> Callable[[], StructuredOutputGrammar]:
+        grammar = _grammar_text(params)
+        tokenizer = self.tokenizer
+        # Compiling a matcher checks the grammar against the vocabulary; its error names what is wrong.
+        probe = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if probe.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {probe.get_error()}")
+        return lambda: GuidanceGrammar(tokenizer, grammar)
+
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        grammar = _grammar_text(params)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if is_error:
+            raise ValueError(
+                f"structured_outputs.{params.kind} is invalid: {'; '.join(messages) or 'rejected'}"
+            )
+
+
+def _grammar_text(params: StructuredOutputsParams) -> str:
+    """The constraint as an llguidance grammar definition (ValueError naming the field if it cannot be one)."""
+    kind = params.kind
+    try:
+        if kind == "json":
+            return _json_grammar(json.loads(json_schema_text(params)), params)
+        if kind == "json_object":
+            return _json_grammar({"type": "object"}, params)
+        if kind == "regex":
+            return llguidance.grammar_from("regex", params.regex)
+        if kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(params.choice))
+        if kind == "grammar":
+            return llguidance.grammar_from("grammar", params.grammar)
+    except ValueError as error:
+        if str(error).startswith("structured_outputs."):
+            raise
+        raise ValueError(f"structured_outputs.{kind} is invalid: {error}") from error
+    raise ValueError(
+        f"structured_outputs.{kind} is not supported by the guidance backend (use xgrammar)"
+    )
+
+
+def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
+    """llguidance's JSON grammar, whitespace as the request asks (compact with `disable_any_whitespace`)."""
+    options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
+    if params.disable_any_whitespace:
+        options["item_separator"] = ","
+        options["key_separator"] = ":"
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+
+
+def _ll_tokenizer(vocab: GrammarVocab) -> llguidance.LLTokenizer:
+    eos = [t for t in vocab.eos_token_ids if t < vocab.vocab_size]
+    if vocab.tokenizer is not None:
+        return llguidance.LLTokenizer(
+            vocab.tokenizer.backend.to_str(), n_vocab=vocab.vocab_size, eos_token=eos or None
+        )
+    assert vocab.token_bytes is not None and vocab.encode is not None
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_SyntheticTokenizer(vocab, eos)))
+
+
+class _SyntheticTokenizer:
+    """What `llguidance.TokenizerWrapper` reads from a tokenizer, for a synthetic vocabulary."""
+
+    def __init__(self, vocab: GrammarVocab, eos: list[int]) -> None:
+        self.tokens = list(vocab.token_bytes or ())
+        self.eos_token_id = eos[0] if eos else len(self.tokens) - 1
+        self.bos_token_id = None
+        self.special_token_ids = [self.eos_token_id]
+        self._encode = vocab.encode
+
+    def __call__(self, text: bytes) -> list[int]:
+        assert self._encode is not None
+        return self._encode(text)

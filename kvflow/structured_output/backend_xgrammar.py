@@ -1,0 +1,135 @@
+"""The xgrammar backend (the default): constraints compiled by `xgrammar.GrammarCompiler`, one `GrammarMatcher` per
+request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xgrammar as xgr
+
+from kvflow.structured_output.backend import (
+    GrammarVocab,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    choice_ebnf,
+    json_schema_text,
+)
+
+if TYPE_CHECKING:
+    from kvflow.sampling_params import StructuredOutputsParams
+
+# Tokens a matcher can roll back (async scheduling never needs more than the steps in flight; kept generous).
+_MAX_ROLLBACK_TOKENS = 64
+
+
+class XgrammarGrammar(StructuredOutputGrammar):
+    """An `xgrammar.GrammarMatcher` (see `StructuredOutputGrammar` for the invariant)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK_TOKENS)
+        self.num_processed_tokens = 0
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        for accepted, token_id in enumerate(token_ids):
+            if not self.matcher.accept_token(token_id):
+                self.matcher.rollback(accepted)
+                return False
+        self.num_processed_tokens += len(token_ids)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+        self.num_processed_tokens -= num_tokens
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    """Compiles with one `GrammarCompiler` (its own cache plus the manager's) over the engine's vocabulary."""
+
+    name = "xgrammar"
+
+    def __init__(self, vocab: GrammarVocab) -> None:
+        super().__init__(vocab)
+        self.compiler = xgr.GrammarCompiler(_tokenizer_info(vocab), max_threads=2)
+
+    def compile(self, params: StructuredOutputsParams) -> Callable[[], StructuredOutputGrammar]:
+        compiled = _compile_checked(self.compiler, params)
+        return lambda: XgrammarGrammar(compiled)
+
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        _compile_checked(None, params)
+
+
+def _compile_checked(
+    compiler: xgr.GrammarCompiler | None, params: StructuredOutputsParams
+) -> xgr.CompiledGrammar | xgr.Grammar:
+    """Compile (or, without a compiler, only parse) `params`' constraint; ValueError naming the field."""
+    kind = params.kind
+    try:
+        if kind == "json":
+            schema = json_schema_text(params)
+            any_whitespace = not params.disable_any_whitespace
+            if compiler is None:
+                return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+            return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+        if kind == "json_object":
+            if compiler is None:
+                return xgr.Grammar.builtin_json_grammar()
+            return compiler.compile_builtin_json_grammar()
+        if kind == "regex":
+            if compiler is None:
+                return xgr.Grammar.from_regex(params.regex)
+            return compiler.compile_regex(params.regex)
+        if kind in ("grammar", "choice"):
+            ebnf = params.grammar if kind == "grammar" else choice_ebnf(params.choice or [])
+            grammar = xgr.Grammar.from_ebnf(ebnf)
+            return grammar if compiler is None else compiler.compile_grammar(grammar)
+        if kind == "structural_tag":
+            if compiler is None:
+                return xgr.Grammar.from_structural_tag(params.structural_tag)
+            return compiler.compile_structural_tag(params.structural_tag)
+    except ValueError as error:
+        if str(error).startswith("structured_outputs."):
+            raise
+        raise ValueError(f"structured_outputs.{kind} is invalid: {_first_line(error)}") from error
+    except RuntimeError as error:
+        raise ValueError(f"structured_outputs.{kind} is invalid: {_first_line(error)}") from error
+    raise ValueError(f"structured_outputs.{kind} is not supported by the xgrammar backend")
+
+
+def _first_line(error: BaseException) -> str:
+    """xgrammar's message without its `[time] file:line:` prefix."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if text.startswith("[") and ": " in text:
+        text = text.split(": ", 1)[1]
+        if ".cc:" in text.split(" ")[0]:
+            text = text.split(": ", 1)[-1]
+    return text
+
+
+def _tokenizer_info(vocab: GrammarVocab) -> xgr.TokenizerInfo:
+    """The vocabulary as xgrammar sees it: a real tokenizer through transformers' fast-tokenizer wrapper (which
+    xgrammar reads the vocabulary type and prefix-space handling from), a synthetic one as raw byte strings."""
+    stop_token_ids = [t for t in vocab.eos_token_ids if t < vocab.vocab_size] or None
+    if vocab.tokenizer is not None:
+        from transformers import PreTrainedTokenizerFast
+
+        hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocab.tokenizer.backend)
+        return xgr.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab.vocab_size, stop_token_ids=stop_token_ids
+        )
+    assert vocab.token_bytes is not None, "a GrammarVocab needs a tokenizer or token_bytes"
+    return xgr.TokenizerInfo(
+        list(vocab.token_bytes),
+        xgr.VocabType.RAW,
+        vocab_size=vocab.vocab_size,
+        stop_token_ids=stop_token_ids,
+    )

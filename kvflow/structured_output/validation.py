@@ -1,0 +1,36 @@
+"""The check the API server (and `LLM`) runs on a constraint before a request is queued: does it parse for the
+backend that will compile it? Compiling against the vocabulary happens later, in the engine core."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvflow.structured_output import STRUCTURED_OUTPUT_BACKENDS
+
+if TYPE_CHECKING:
+    from kvflow.sampling_params import StructuredOutputsParams
+
+
+def backends_to_try(backend: str) -> tuple[str, ...]:
+    """The backends a `structured_outputs_config` backend compiles with, in order: "auto" is xgrammar, then
+    guidance for what xgrammar cannot compile (vLLM's fallback)."""
+    if backend == "auto":
+        return ("xgrammar", "guidance")
+    if backend not in STRUCTURED_OUTPUT_BACKENDS:
+        raise ValueError(STRUCTURED_OUTPUT_BACKENDS.unknown_message(backend))
+    return (backend,)
+
+
+def validate_structured_outputs(params: StructuredOutputsParams, backend: str) -> None:
+    """ValueError naming the field (`structured_outputs.json`, `.regex`, `.grammar`, ...) when `params`' constraint
+    is not valid for `backend` ("auto": valid for xgrammar or guidance; the first backend's error otherwise)."""
+    params.validate()
+    first_error: ValueError | None = None
+    for name in backends_to_try(backend):
+        try:
+            STRUCTURED_OUTPUT_BACKENDS.get(name).validate(params)
+            return
+        except ValueError as error:
+            first_error = first_error or error
+    assert first_error is not None
+    raise first_error
