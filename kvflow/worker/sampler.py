@@ -3,9 +3,12 @@
 Order of operations, per row, all as batched tensor ops:
   1. raw logprobs (when any row asks): `log_softmax` of the logits as given, in float32;
   2. min_tokens: while a row has fewer than `min_tokens` outputs, its EOS and stop token ids are set to -inf;
-  3. penalties: repetition (prompt and outputs), frequency and presence (outputs only);
-  4. greedy rows (temperature ~ 0) take the argmax here;
-  5. random rows: divide by temperature, then min-p, top-k, top-p, and sample with the exponential race
+  3. logits controls, only on the rows that set them: `allowed_token_ids` (every other id -> -inf), bad words
+     (a bad word's last token -> -inf where the row's outputs end with the rest of the word) and `logit_bias`
+     (added to the listed ids);
+  4. penalties: repetition (prompt and outputs), frequency and presence (outputs only);
+  5. greedy rows (temperature ~ 0) take the argmax here;
+  6. random rows: divide by temperature, then min-p, top-k, top-p, and sample with the exponential race
      `argmax(probs / q)`, `q ~ Exp(1)`, each row's `q` drawn from its own seeded generator or the sampler's.
 """
 
@@ -58,6 +61,12 @@ class SamplingMetadata:
         the neutral value (`top_k = vocab_size`, `top_p = 1.0`, `min_p = 0.0`);
       * `penalties` is None when no row uses a penalty; `min_tokens_mask` is None when no row is below its
         `min_tokens`, else `(rows, token_ids)` int64 index pairs to set to -inf;
+      * `allowed_token_mask` is None when no row sets `allowed_token_ids`, else `(rows, mask)`: int64 rows `[a]`
+        and a bool `[a, vocab]` mask, True where the row may not sample the token;
+      * `bad_words_mask` is None when no row's outputs end with a bad word's prefix, else `(rows, token_ids)`
+        int64 index pairs (each pair once) to set to -inf; `logit_bias` is None when no row sets one, else
+        `(rows, token_ids, biases)`, int64, int64 and float32, each (row, token id) pair once;
+      * the three controls hold only in-vocabulary ids and only the rows that set them;
       * `generators` maps each random row with a seed to a generator seeded from (seed, output position) alone,
         created for this step only, so no random state survives a step (or a preemption);
       * `num_logprobs[i]` is row `i`'s `SamplingParams.logprobs`; `logprob_rows` the rows where it is not None and
@@ -74,20 +83,29 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # float32 [n]
     penalties: PenaltyMetadata | None = None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed_token_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    bad_words_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     num_logprobs: list[int | None] = field(default_factory=list)
     logprob_rows: list[int] = field(default_factory=list)
     max_num_logprobs: int | None = None
 
     @property
+    def has_logits_processing(self) -> bool:
+        """Some row has something to apply to its logits before temperature (min_tokens, controls, penalties)."""
+        return not (
+            self.min_tokens_mask is None
+            and self.allowed_token_mask is None
+            and self.bad_words_mask is None
+            and self.logit_bias is None
+            and self.penalties is None
+        )
+
+    @property
     def is_plain_greedy(self) -> bool:
         """All rows greedy with nothing to apply before the argmax and no logprobs: the argmax-only fast path."""
-        return (
-            self.all_greedy
-            and self.penalties is None
-            and self.min_tokens_mask is None
-            and self.max_num_logprobs is None
-        )
+        return self.all_greedy and not self.has_logits_processing and self.max_num_logprobs is None
 
 
 @dataclass
@@ -112,8 +130,9 @@ def build_sampling_metadata(
 ) -> SamplingMetadata:
     """Collect the sampled rows' settings into tensors on `device`.
 
-    `token_ids` is the runner's whole token array; only the penalty rows' histories are read from it.
-    The cost is O(rows) plus O(history of the rows that use penalties).
+    `token_ids` is the runner's whole token array; only the penalty rows' histories and the bad-word rows' last
+    outputs are read from it. The cost is O(rows) plus O(history of the rows that use penalties) plus O(size of
+    the controls) for the rows that set `allowed_token_ids`, `bad_words_token_ids` or `logit_bias`.
     """
     num_rows = len(params)
     positions = np.asarray(num_tokens, dtype=np.int64) - np.asarray(
@@ -142,6 +161,9 @@ def build_sampling_metadata(
     )
     metadata.min_tokens_mask = _build_min_tokens_mask(
         params, positions, vocab_size, eos_token_id, device
+    )
+    _fill_logits_controls(
+        metadata, params, token_ids, slot_indices, num_tokens, positions, vocab_size, device
     )
     for row in np.flatnonzero(random_rows).tolist():
         seed = params[row].seed
@@ -274,6 +296,102 @@ def _build_min_tokens_mask(
     )
 
 
+def _fill_logits_controls(
+    metadata: SamplingMetadata,
+    params: Sequence[SamplingParams],
+    token_ids: np.ndarray,
+    slot_indices: np.ndarray,
+    num_tokens: np.ndarray,
+    positions: np.ndarray,
+    vocab_size: int,
+    device: torch.device,
+) -> None:
+    """Set the allowed-token mask, the bad-word bans and the logit biases of the rows that use them.
+
+    Ids outside the vocabulary are dropped (the engine refuses them before a request is queued). A bad word
+    bans its last token where the row's outputs (never its prompt) end with the word's other tokens; a one-token
+    word is banned at every step. E.g., outputs [.., 7, 8] and bad words [[8, 9], [5, 8, 9], [4]] ban 9 and 4.
+    """
+    allowed_rows: list[int] = []
+    allowed_ids: list[list[int]] = []
+    banned_rows: list[int] = []
+    banned_ids: list[int] = []
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    for row, p in enumerate(params):
+        if p.allowed_token_ids:
+            allowed_rows.append(row)
+            allowed_ids.append([t for t in p.allowed_token_ids if 0 <= t < vocab_size])
+        if p.bad_words_token_ids:
+            for token_id in _bad_word_bans(
+                p.bad_words_token_ids,
+                token_ids[int(slot_indices[row])],
+                int(num_tokens[row]),
+                int(positions[row]),
+                vocab_size,
+            ):
+                banned_rows.append(row)
+                banned_ids.append(token_id)
+        if p.logit_bias:
+            for token_id, bias in p.logit_bias.items():
+                if 0 <= token_id < vocab_size:
+                    bias_rows.append(row)
+                    bias_ids.append(token_id)
+                    bias_values.append(bias)
+    if allowed_rows:
+        # Column `vocab_size` absorbs the padding of rows with fewer allowed ids and is sliced off.
+        width = max(len(ids) for ids in allowed_ids)
+        padded = np.full((len(allowed_rows), width), vocab_size, dtype=np.int64)
+        for i, ids in enumerate(allowed_ids):
+            padded[i, : len(ids)] = ids
+        mask = torch.ones(len(allowed_rows), vocab_size + 1, dtype=torch.bool, device=device)
+        mask.scatter_(1, to_device(padded, device), False)
+        metadata.allowed_token_mask = (
+            torch.tensor(allowed_rows, dtype=torch.int64, device=device),
+            mask[:, :vocab_size],
+        )
+    if banned_rows:
+        metadata.bad_words_mask = (
+            torch.tensor(banned_rows, dtype=torch.int64, device=device),
+            torch.tensor(banned_ids, dtype=torch.int64, device=device),
+        )
+    if bias_rows:
+        metadata.logit_bias = (
+            torch.tensor(bias_rows, dtype=torch.int64, device=device),
+            torch.tensor(bias_ids, dtype=torch.int64, device=device),
+            torch.tensor(bias_values, dtype=torch.float32, device=device),
+        )
+
+
+def _bad_word_bans(
+    bad_words_token_ids: Sequence[Sequence[int]],
+    history: np.ndarray,
+    num_tokens: int,
+    num_outputs: int,
+    vocab_size: int,
+) -> list[int]:
+    """The sorted last tokens of the bad words whose other tokens end the row's outputs.
+
+    `history` is the row's token buffer: `num_tokens` tokens, the last `num_outputs` of them outputs. Only the
+    last `longest prefix` outputs are read.
+    """
+    longest_prefix = max((len(word) - 1 for word in bad_words_token_ids), default=0)
+    tail_len = min(longest_prefix, num_outputs)
+    tail = history[num_tokens - tail_len : num_tokens].tolist() if tail_len > 0 else []
+    banned: set[int] = set()
+    for word in bad_words_token_ids:
+        if not word:
+            continue
+        prefix_len = len(word) - 1
+        last = word[-1]
+        if not 0 <= last < vocab_size or prefix_len > tail_len:
+            continue
+        if prefix_len == 0 or tail[tail_len - prefix_len :] == list(word[:-1]):
+            banned.add(last)
+    return sorted(banned)
+
+
 def _seeded_generator(seed: int, position: int, device: torch.device) -> torch.Generator:
     """A fresh generator whose state is a function of (seed, output position) only."""
     generator = torch.Generator(device=device)
@@ -303,6 +421,33 @@ def apply_min_tokens(
     """Set each (row, token id) pair of `min_tokens_mask` to -inf, in place; returns `logits`."""
     rows, token_ids = min_tokens_mask
     logits[rows, token_ids] = float("-inf")
+    return logits
+
+
+def apply_allowed_token_ids(
+    logits: torch.Tensor, allowed_token_mask: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Set every token a row may not sample (mask True) to -inf, on the mask's rows only, in place."""
+    rows, mask = allowed_token_mask
+    logits[rows] = logits[rows].masked_fill_(mask, float("-inf"))
+    return logits
+
+
+def apply_bad_words(
+    logits: torch.Tensor, bad_words_mask: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Set each banned (row, token id) pair to -inf, in place; returns `logits`."""
+    rows, token_ids = bad_words_mask
+    logits[rows, token_ids] = float("-inf")
+    return logits
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Add each (row, token id)'s bias, in place (pairs are distinct, so no update is lost); returns `logits`."""
+    rows, token_ids, biases = logit_bias
+    logits[rows, token_ids] += biases
     return logits
 
 
@@ -401,12 +546,19 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """min_tokens masking then penalties, on a copy: the logits greedy rows take the argmax of."""
-        if metadata.min_tokens_mask is None and metadata.penalties is None:
+        """min_tokens masking, allowed_token_ids, bad words, logit_bias, then penalties, on a copy: the logits
+        greedy rows take the argmax of. Rows that use none of them keep their logits bit for bit."""
+        if not metadata.has_logits_processing:
             return logits
         processed = logits.clone()
         if metadata.min_tokens_mask is not None:
             apply_min_tokens(processed, metadata.min_tokens_mask)
+        if metadata.allowed_token_mask is not None:
+            apply_allowed_token_ids(processed, metadata.allowed_token_mask)
+        if metadata.bad_words_mask is not None:
+            apply_bad_words(processed, metadata.bad_words_mask)
+        if metadata.logit_bias is not None:
+            apply_logit_bias(processed, metadata.logit_bias)
         if metadata.penalties is not None:
             apply_penalties(processed, metadata.penalties)
         return processed
