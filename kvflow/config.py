@@ -69,7 +69,7 @@ class ModelConfig:
 
     @property
     def is_hash_model(self) -> bool:
-        return self.model == "hash"
+        return self.model in ("hash", "hash-logits")
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,15 @@ from pathlib import Path
 from typing import Any
 
 HASH_MODEL_NAME = "hash"
-# The architecture key of the hash model (it has no checkpoint); `kvflow.models.registry` maps it to the model class.
+# The hash model with logits (structured outputs and logits controls apply to it): `HashLogitsModel`.
+HASH_LOGITS_MODEL_NAME = "hash-logits"
+# The architecture keys of the hash models (no checkpoint); `kvflow.models.registry` maps them to model classes.
 HASH_MODEL_ARCHITECTURE = "HashModel"
+HASH_LOGITS_MODEL_ARCHITECTURE = "HashLogitsModel"
+_HASH_ARCHITECTURES = {
+    HASH_MODEL_NAME: HASH_MODEL_ARCHITECTURE,
+    HASH_LOGITS_MODEL_NAME: HASH_LOGITS_MODEL_ARCHITECTURE,
+}
 _HASH_MODEL_MAX_MODEL_LEN = 4096
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json keys that become request defaults (vLLM's list), and the SamplingParams field each sets.
@@ -50,10 +57,15 @@ class ModelInfo:
     def is_hash_model(self) -> bool:
         return self.path is None
 
+    @property
+    def has_logits(self) -> bool:
+        """False only for the hash model that samples its own tokens ("hash"; "hash-logits" has logits)."""
+        return self.architecture != HASH_MODEL_ARCHITECTURE
+
 
 def resolve_model_path(model: str | None) -> Path | None:
     """`None` -> the built-in default model (created on first use), "hash" -> None, else an existing folder."""
-    if model == HASH_MODEL_NAME:
+    if model in _HASH_ARCHITECTURES:
         return None
     if model is None:
         from kvflow.default_model import ensure_default_model
@@ -74,13 +86,14 @@ def resolve_model_info(model: str | None) -> ModelInfo:
     if path is None:
         from kvflow.models.hash_model import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE
 
+        assert model is not None
         return ModelInfo(
-            HASH_MODEL_NAME,
+            model,
             None,
             DEFAULT_VOCAB_SIZE,
             _HASH_MODEL_MAX_MODEL_LEN,
             (DEFAULT_EOS_TOKEN_ID,),
-            HASH_MODEL_ARCHITECTURE,
+            _HASH_ARCHITECTURES[model],
         )
     from kvflow.models.hf_config import load_hf_config
 

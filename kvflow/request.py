@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreEvent, LogprobsLists
     from kvflow.sampling_params import SamplingParams
+    from kvflow.structured_output.request import StructuredOutputRequest
 
 BlockHasher = Callable[["Request"], list[Any]]
 
@@ -25,6 +26,8 @@ class RequestStatus(enum.IntEnum):
     """
 
     WAITING = enum.auto()
+    # Waiting for its structured-output grammar to compile; the scheduler passes over it meanwhile.
+    WAITING_FOR_FSM = enum.auto()
     WAITING_FOR_STREAMING_REQ = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
@@ -155,6 +158,9 @@ class Request:
         self.cache_salt = cache_salt
 
         self.status = RequestStatus.WAITING
+        # Set by the engine core for a request with `sampling_params.structured_outputs`; it then waits in
+        # WAITING_FOR_FSM until its grammar has compiled (see `StructuredOutputManager`).
+        self.structured_output_request: StructuredOutputRequest | None = None
         self.stop_reason: int | str | None = None
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

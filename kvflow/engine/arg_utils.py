@@ -127,7 +127,7 @@ class EngineArgs:
         "run the engine core in its own process, behind ZMQ (`kvflow serve` turns it on; LLM and AsyncLLM run "
         "it on a thread of their own process without it)",
     )
-    structured_outputs_config: dict | None = _option(
+    structured_outputs_config: dict | None = _option(  # noqa: RUF009 (None default)
         None,
         'structured outputs, as JSON: {"backend": "xgrammar" | "guidance" | "auto"} (default xgrammar; auto: '
         "xgrammar, and guidance for what xgrammar cannot compile)",

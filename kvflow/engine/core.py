@@ -17,10 +17,16 @@ from kvflow.engine.request_limits import RequestLimits
 from kvflow.executor import get_executor_class, resolve_executor_backend
 from kvflow.model_info import resolve_model_info
 from kvflow.request import RequestStatus
+from kvflow.structured_output.setup import make_structured_output_manager
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
-    from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput, SchedulerStats
+    from kvflow.core.sched.output import (
+        GrammarOutput,
+        ModelRunnerOutput,
+        SchedulerOutput,
+        SchedulerStats,
+    )
     from kvflow.model_info import ModelInfo
     from kvflow.request import Request
 
@@ -32,6 +38,32 @@ PAUSE_MODES = ("abort", "wait", "keep")
 
 class EngineNotPausedError(RuntimeError):
     """A weight update was asked for while no pause is in effect (batches may be in flight)."""
+
+
+# How long an idle engine waits for a compiling grammar before it looks at its inputs again.
+_COMPILE_WAIT_S = 0.02
+
+
+@dataclass
+class InFlightBatch:
+    """A launched step: its plan, the Future of its output, and the weight version that computes it.
+
+    A step with structured-output requests is launched as a forward pass whose sampling waits for the step's
+    `GrammarOutput` (`awaiting_grammar`); the engine sends it once every earlier batch has been applied, and
+    `future` then becomes the sampling's (`forward_future` keeps the forward pass's, for its errors).
+    """
+
+    scheduler_output: SchedulerOutput
+    future: Future[ModelRunnerOutput]
+    weight_version: int
+    awaiting_grammar: bool = False
+    forward_future: Future[Any] | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        assert not self.awaiting_grammar, "a batch's output was read before its grammar was sent"
+        if self.forward_future is not None:
+            self.forward_future.result()
+        return self.future.result()
 
 
 @dataclass
@@ -73,7 +105,10 @@ class EngineCore:
       * the scheduler's `pause_state` is always `pause.scheduler_state` (UNPAUSED without a pause); a pause is in
         effect only when no batch is in flight (see `Pause` for the semantics), so no placeholder can be lost;
       * the weight version only changes while no batch is in flight; every output carries the version that
-        computed its tokens.
+        computed its tokens;
+      * structured outputs: a step's grammar bitmask is computed only after every earlier step's output has been
+        applied (its forward pass runs meanwhile), so each matcher stands exactly after its request's kept tokens
+        (see `StructuredOutputManager`); a grammar that fails to compile ends its request with "error".
     """
 
     def __init__(self, engine_config: EngineConfig, model_info: ModelInfo | None = None) -> None:
@@ -82,6 +117,9 @@ class EngineCore:
             model_info = resolve_model_info(engine_config.model_config.model)
         self.request_limits = RequestLimits.of(
             model_info, engine_config.model_config, engine_config.scheduler_config.max_model_len
+        )
+        self.structured_output_manager, self.no_structured_outputs_reason = (
+            make_structured_output_manager(engine_config, model_info)
         )
         executor_class = get_executor_class(resolve_executor_backend(engine_config.parallel_config))
         self.executor = executor_class(engine_config, model_info)
@@ -92,12 +130,13 @@ class EngineCore:
                 scheduler_config,
                 engine_config.cache_config,
                 num_kv_blocks=self.executor.num_kv_blocks,
+                has_structured_outputs=self.structured_output_manager is not None,
             )
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a core that failed to start
             raise
         self.batch_queue_size = 2 if scheduler_config.async_scheduling else 1
-        self.batch_queue: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], int]] = deque()
+        self.batch_queue: deque[InFlightBatch] = deque()
         self.weight_version = 0
         self.pause: Pause | None = None
 
@@ -106,7 +145,16 @@ class EngineCore:
         """Queue a request (or a streaming session's next chunk) once it passes `request_limits`; ValueError if
         it or the scheduler rejects it."""
         self.request_limits.check_request(request)
+        structured_outputs = request.sampling_params.structured_outputs
+        if structured_outputs is not None and self.structured_output_manager is None:
+            raise ValueError(
+                f"SamplingParams.structured_outputs: {self.no_structured_outputs_reason}"
+            )
+        is_new = request.request_id not in self.scheduler.requests
         self.scheduler.add_request(request)
+        if structured_outputs is not None and is_new:
+            assert self.structured_output_manager is not None
+            self.structured_output_manager.grammar_init(request)
 
     def add_requests(self, requests: list[Request]) -> None:
         """Queue a prompt's requests (its `n` samples) all or nothing: if one is rejected (any exception, a
@@ -155,14 +203,25 @@ class EngineCore:
     # ------------------------------------------------------------------------------------------------ stepping
     def step(self) -> list[EngineCoreOutput]:
         """Run one engine step; returns the per-request outputs it produced (empty when idle)."""
+        failed = self._poll_grammars()
         if self.batch_queue_size > 1:
-            return self.step_with_batch_queue()
+            return failed + self.step_with_batch_queue()
         if not self._has_schedulable_work():
-            return self._settle_pause()
+            return failed + self._settle_pause()
         scheduler_output = self.scheduler.schedule()
-        model_runner_output = self.executor.execute_model(scheduler_output)
+        if not scheduler_output.total_num_scheduled_tokens:
+            self._wait_for_compile()
+        if scheduler_output.has_structured_output_requests:
+            self.executor.execute_model(
+                scheduler_output
+            )  # the forward pass; sampling waits for the bitmask
+            model_runner_output = self.executor.sample_tokens(
+                self._grammar_output(scheduler_output)
+            )
+        else:
+            model_runner_output = self.executor.execute_model(scheduler_output)
         outputs = self._update(scheduler_output, model_runner_output, self.weight_version)
-        return outputs + self._settle_pause()
+        return failed + outputs + self._settle_pause()
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Overlapped step: launch the next batch if the queue has room, and apply the oldest batch's output once
@@ -175,10 +234,61 @@ class EngineCore:
         # ever in flight while paused (update_weights and a repeated pause rely on it).
         queue_has_room = len(self.batch_queue) < self.batch_queue_size
         if not self.batch_queue or (launched and queue_has_room and not self.pause_effective()):
+            if not launched:
+                self._wait_for_compile()
             return self._settle_pause()
-        scheduler_output, future, weight_version = self.batch_queue.popleft()
-        outputs = self._update(scheduler_output, future.result(), weight_version)
+        outputs = self._apply_oldest_batch()
         return outputs + self._settle_pause()
+
+    def _apply_oldest_batch(self) -> list[EngineCoreOutput]:
+        """Apply the oldest in-flight batch's output; then the next batch, now the oldest, gets its bitmask."""
+        batch = self.batch_queue.popleft()
+        outputs = self._update(batch.scheduler_output, batch.result(), batch.weight_version)
+        self._send_grammar_if_due()
+        return outputs
+
+    def _send_grammar_if_due(self) -> None:
+        """Send the oldest batch its bitmask if it waits for one: every batch before it is applied, so the
+        matchers stand after exactly the tokens their requests keep."""
+        if not self.batch_queue or not self.batch_queue[0].awaiting_grammar:
+            return
+        batch = self.batch_queue[0]
+        batch.forward_future = batch.future
+        batch.future = self.executor.sample_tokens(
+            self._grammar_output(batch.scheduler_output), non_block=True
+        )
+        batch.awaiting_grammar = False
+
+    def _grammar_output(self, scheduler_output: SchedulerOutput) -> GrammarOutput:
+        assert self.structured_output_manager is not None
+        return self.structured_output_manager.grammar_bitmask(
+            self.scheduler.requests, scheduler_output
+        )
+
+    def _poll_grammars(self) -> list[EngineCoreOutput]:
+        """Admit requests whose grammar compiled; finish those whose grammar failed, with "error"."""
+        manager = self.structured_output_manager
+        if manager is None or not manager.has_compiling():
+            return []
+        outputs: list[EngineCoreOutput] = []
+        for request, message in manager.poll():
+            self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+            outputs.append(
+                EngineCoreOutput(
+                    request.request_id,
+                    [],
+                    finish_reason="error",
+                    stop_reason=f"structured outputs: {message}",
+                    weight_version=self.weight_version,
+                )
+            )
+        return outputs
+
+    def _wait_for_compile(self) -> None:
+        """Nothing could be scheduled: if grammars are compiling, wait a moment for one instead of spinning."""
+        manager = self.structured_output_manager
+        if manager is not None and manager.has_compiling():
+            manager.wait_for_compile(_COMPILE_WAIT_S)
 
     def _launch_batch(self) -> bool:
         """Schedule a step and hand it to the executor; False (nothing sent) when it carries nothing."""
@@ -193,7 +303,15 @@ class EngineCore:
             self.scheduler.prev_step_scheduled_req_ids = prev_step_scheduled_req_ids
             return False
         future = self.executor.execute_model(scheduler_output, non_block=True)
-        self.batch_queue.append((scheduler_output, future, self.weight_version))
+        self.batch_queue.append(
+            InFlightBatch(
+                scheduler_output,
+                future,
+                self.weight_version,
+                awaiting_grammar=scheduler_output.has_structured_output_requests,
+            )
+        )
+        self._send_grammar_if_due()
         return True
 
     def _has_schedulable_work(self) -> bool:
@@ -288,8 +406,7 @@ class EngineCore:
         """Apply every in-flight batch's output (nothing new is launched)."""
         outputs: list[EngineCoreOutput] = []
         while self.batch_queue:
-            scheduler_output, future, weight_version = self.batch_queue.popleft()
-            outputs += self._update(scheduler_output, future.result(), weight_version)
+            outputs += self._apply_oldest_batch()
         return outputs
 
     def update_weights(self, weights: str | Any) -> int:
@@ -341,3 +458,5 @@ class EngineCore:
             self.batch_queue.clear()
         finally:
             self.executor.shutdown()
+            if self.structured_output_manager is not None:
+                self.structured_output_manager.shutdown()

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from kvflow.config import EngineConfig
-    from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
+    from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
 
 
@@ -49,7 +49,16 @@ class Executor(ABC):
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        """Run one step on every rank; rank 0's output (or a Future of it)."""
+        """Run one step on every rank; rank 0's output (or a Future of it). A step with structured-output
+        requests (`scheduler_output.has_structured_output_requests`) runs its forward pass only and returns None:
+        `sample_tokens` finishes it."""
+
+    @abstractmethod
+    def sample_tokens(
+        self, grammar_output: GrammarOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """Sample the step whose forward pass ran last, under `grammar_output`'s bitmask, on every rank (in
+        submission order with the steps); rank 0's output (or a Future of it)."""
 
     @abstractmethod
     def collective_rpc(

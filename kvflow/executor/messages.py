@@ -1,12 +1,13 @@
 """Every message between a distributed executor (in the engine-core process) and its rank workers.
 
-    executor -> every rank (one broadcast)   (call_id, ExecuteModel | RunMethod | StopWorker)
+    executor -> every rank (one broadcast)   (call_id, ExecuteModel | SampleTokens | RunMethod | StopWorker)
     rank -> executor                          WorkerReady (startup), WorkerReply (answers)
 
 A broadcast is serialized once for all ranks (pickle; a `RunMethod`, which may carry a callable, with cloudpickle)
 and only ever travels over ipc sockets in a private folder or Ray's object store, between an engine and the workers
-it started: unpickling runs code. Only rank 0 answers `ExecuteModel` (its `ModelRunnerOutput` stands for all
-ranks); every rank answers `RunMethod`; any rank answers a failure.
+it started: unpickling runs code. Only rank 0 answers `ExecuteModel` and `SampleTokens` (its
+`ModelRunnerOutput` stands for all ranks; None for a forward pass whose sampling waits for `SampleTokens`);
+every rank answers `RunMethod`; any rank answers a failure.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from kvflow.config import EngineConfig
-    from kvflow.core.sched.output import SchedulerOutput
+    from kvflow.core.sched.output import GrammarOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
 
 # The call id of a rank's startup answer (`WorkerReady`, or a `WorkerReply` with the startup error).
@@ -47,6 +48,14 @@ class RankStartup:
 @dataclass(frozen=True)
 class ExecuteModel:
     scheduler_output: SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SampleTokens:
+    """Sample the step whose forward pass ran last (its `ExecuteModel` had structured-output requests), with the
+    step's grammar bitmask. Answered like a step: by rank 0, or by any rank that failed."""
+
+    grammar_output: GrammarOutput
 
 
 @dataclass(frozen=True)
@@ -113,7 +122,9 @@ class WorkerReply:
     failure: RemoteFailure | None = None
 
 
-def encode_broadcast(call_id: int, message: ExecuteModel | RunMethod | StopWorker) -> bytes:
+def encode_broadcast(
+    call_id: int, message: ExecuteModel | SampleTokens | RunMethod | StopWorker
+) -> bytes:
     """One frame for every rank: pickle, except that a `RunMethod` (callables, closures) goes through cloudpickle."""
     if isinstance(message, RunMethod):
         return cloudpickle.dumps((call_id, message))

@@ -41,6 +41,7 @@ from kvflow.executor.messages import (
     ExecuteModel,
     RankStartup,
     RunMethod,
+    SampleTokens,
     StopWorker,
     WorkerReady,
     WorkerReply,
@@ -50,7 +51,7 @@ from kvflow.executor.mp_worker import MultiprocWorkerArgs
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
-    from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
+    from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -226,6 +227,14 @@ class MultiprocExecutor(Executor):
             return _first_result(future)
         return future.result()[0]
 
+    def sample_tokens(
+        self, grammar_output: GrammarOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        future = self._call(SampleTokens(grammar_output), frozenset({0}))
+        if non_block:
+            return _first_result(future)
+        return future.result()[0]
+
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
@@ -236,7 +245,9 @@ class MultiprocExecutor(Executor):
         message = RunMethod(method, tuple(args), dict(kwargs or {}))
         return self._call(message, frozenset(range(self.world_size))).result()
 
-    def _call(self, message: ExecuteModel | RunMethod, ranks: frozenset[int]) -> Future[list[Any]]:
+    def _call(
+        self, message: ExecuteModel | SampleTokens | RunMethod, ranks: frozenset[int]
+    ) -> Future[list[Any]]:
         """Publish `message` once to every rank; a Future of the answering `ranks`' results in rank order."""
         call_id = next(self._call_ids)
         frame = encode_broadcast(call_id, message)
@@ -246,7 +257,9 @@ class MultiprocExecutor(Executor):
                 raise self._dead_error
             if self._stop_event.is_set():
                 raise RuntimeError("the mp executor is shut down")
-            self._pending[call_id] = _PendingCall(future, ranks, isinstance(message, ExecuteModel))
+            self._pending[call_id] = _PendingCall(
+                future, ranks, isinstance(message, ExecuteModel | SampleTokens)
+            )
             self._broadcast.send(frame, copy=False)
         self.num_broadcasts += 1
         self.last_broadcast_bytes = len(frame)

@@ -12,6 +12,7 @@ from kvflow.executor.messages import (
     RankStartup,
     RemoteFailure,
     RunMethod,
+    SampleTokens,
     WorkerReady,
     WorkerReply,
 )
@@ -60,17 +61,20 @@ def ready_message(worker: Worker) -> WorkerReady:
 
 
 def handle_message(
-    worker: Worker, call_id: int, message: ExecuteModel | RunMethod
+    worker: Worker, call_id: int, message: ExecuteModel | SampleTokens | RunMethod
 ) -> WorkerReply | None:
     """Run one broadcast message on this rank. Returns the reply to send, or None: only rank 0 answers a step,
     unless the step failed (a failure always answers, so the executor learns which rank broke)."""
     try:
-        if isinstance(message, ExecuteModel):
-            output = worker.execute_model(message.scheduler_output)
+        if isinstance(message, ExecuteModel | SampleTokens):
+            if isinstance(message, ExecuteModel):
+                output = worker.execute_model(message.scheduler_output)
+            else:
+                output = worker.sample_tokens(message.grammar_output)
             return WorkerReply(worker.rank, call_id, output) if worker.rank == 0 else None
         result = worker.execute_method(message.method, message.args, message.kwargs)
         return WorkerReply(worker.rank, call_id, result)
     except Exception as error:
-        if isinstance(message, ExecuteModel):
+        if isinstance(message, ExecuteModel | SampleTokens):
             logger.exception("tensor-parallel rank %d failed in a step", worker.rank)
         return WorkerReply(worker.rank, call_id, failure=RemoteFailure.from_exception(error))

@@ -28,6 +28,7 @@ from kvflow.executor.messages import (
     ExecuteModel,
     RankStartup,
     RunMethod,
+    SampleTokens,
     WorkerReady,
     WorkerReply,
 )
@@ -35,7 +36,7 @@ from kvflow.executor.multiproc import WorkerDiedError, available_cpus, free_tcp_
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
-    from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
+    from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
     from kvflow.worker.worker import Worker
 
@@ -80,7 +81,9 @@ class RayRankWorker:
             return WorkerReply(startup.rank, STARTUP_CALL_ID, failure=failure)
         return ready_message(self.worker)
 
-    def run(self, call_id: int, message: ExecuteModel | RunMethod) -> WorkerReply | None:
+    def run(
+        self, call_id: int, message: ExecuteModel | SampleTokens | RunMethod
+    ) -> WorkerReply | None:
         from kvflow.executor.rank_worker import handle_message
 
         assert self.worker is not None, "start() first"
@@ -176,7 +179,17 @@ class RayExecutor(Executor):
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        refs = self._submit(ExecuteModel(scheduler_output))
+        return self._step(ExecuteModel(scheduler_output), non_block)
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        return self._step(SampleTokens(grammar_output), non_block)
+
+    def _step(
+        self, message: ExecuteModel | SampleTokens, non_block: bool
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        refs = self._submit(message)
         future: Future[ModelRunnerOutput] = Future()
         for rank, ref in enumerate(refs):
             ref.future().add_done_callback(partial(self._on_step_answer, future, rank))
@@ -219,7 +232,7 @@ class RayExecutor(Executor):
                 raise reply.failure.to_exception(reply.rank)
         return [reply.result for reply in replies]
 
-    def _submit(self, message: ExecuteModel | RunMethod) -> list[Any]:
+    def _submit(self, message: ExecuteModel | SampleTokens | RunMethod) -> list[Any]:
         """Put `message` in the object store once and hand the one reference to every actor."""
         with self._lock:
             if self._dead_error is not None:

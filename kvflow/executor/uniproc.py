@@ -11,7 +11,7 @@ from kvflow.worker.worker import Worker
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
-    from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
+    from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
 
 
@@ -59,6 +59,17 @@ class UniProcExecutor(Executor):
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-worker")
         return self._thread.submit(self.worker.execute_model, scheduler_output)
+
+    def sample_tokens(
+        self, grammar_output: GrammarOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        if not non_block:
+            return self.worker.sample_tokens(grammar_output)
+        if self._thread is None:
+            done: Future[ModelRunnerOutput] = Future()
+            done.set_result(self.worker.sample_tokens(grammar_output))
+            return done
+        return self._thread.submit(self.worker.sample_tokens, grammar_output)
 
     def update_weights(self, weights: str | Any) -> None:
         self.worker.update_weights(weights)

@@ -160,3 +160,50 @@ class HashModel:
         if self._powers.device != exponents.device:
             self._powers = self._powers.to(exponents.device)
         return self._powers[exponents]
+
+
+# ---------------------------------------------------------------------------------------------- with logits
+# The synthetic vocabulary grammars see on the hash-logits model: token i is "a<i>" for even i and "b<i>" for odd
+# i, except `HASH_GRAMMAR_STOP_TOKEN_ID` (the last id), its end-of-output token, which no pattern matches.
+def hash_grammar_stop_token_id(vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
+    return vocab_size - 1
+
+
+def hash_grammar_token_bytes(vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[bytes]:
+    """Token i's text in the synthetic vocabulary (see above)."""
+    tokens = [(b"a%d" if i % 2 == 0 else b"b%d") % i for i in range(vocab_size)]
+    tokens[hash_grammar_stop_token_id(vocab_size)] = b"</s>"
+    return tokens
+
+
+def hash_grammar_encode(text: bytes, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
+    """Greedy encoding of `text` in the synthetic vocabulary: each "a<even>" / "b<odd>" run is one token; any other
+    byte is spelled with the smallest token whose text starts with it (there is none: such bytes are dropped)."""
+    import re
+
+    token_ids: list[int] = []
+    for match in re.finditer(rb"([ab])(\d+)", text):
+        token_id = int(match.group(2))
+        if token_id < vocab_size and (token_id % 2 == 0) == (match.group(1) == b"a"):
+            token_ids.append(token_id)
+    return token_ids
+
+
+class HashLogitsModel(HashModel):
+    """The hash model with logits, so the runner's sampler, logits controls and grammar masks apply to it.
+
+    Row r's logits rank every token by how far after the hash's token `next_r` it comes, cyclically:
+    `logits[r, v] = -((v - next_r) mod vocab_size)`. Greedy sampling without a mask takes `next_r` (the hash
+    model's token, so `reference_tokens` still holds); under a mask it takes the first allowed token at or after
+    `next_r`, which a test computes without the engine. It has no prompt logprobs.
+    """
+
+    samples_own_tokens = False
+
+    def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        if batch.logits_indices.shape[0] != batch.sampled_req_indices.shape[0]:
+            raise ValueError("the hash-logits model has no prompt logprobs")
+        next_tokens = super().forward(batch, kv_cache)
+        vocab = torch.arange(self.vocab_size, device=next_tokens.device)
+        distance = (vocab[None, :] - next_tokens[:, None]).remainder(self.vocab_size)
+        return -distance.to(torch.float32)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvflow.model_info import HASH_MODEL_ARCHITECTURE
+from kvflow.model_info import HASH_LOGITS_MODEL_ARCHITECTURE, HASH_MODEL_ARCHITECTURE
 from kvflow.registry import LazyRegistry
 
 if TYPE_CHECKING:
@@ -35,12 +35,15 @@ MODEL_REGISTRY: LazyRegistry[type[RunnerModel]] = LazyRegistry(
         "Qwen3ForCausalLM": _LLAMA,
         "MistralForCausalLM": _LLAMA,
         HASH_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashModel",
+        HASH_LOGITS_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashLogitsModel",
     },
 )
 
 # The architectures a checkpoint may name (the hash model has no checkpoint).
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(
-    name for name in MODEL_REGISTRY.names() if name != HASH_MODEL_ARCHITECTURE
+    name
+    for name in MODEL_REGISTRY.names()
+    if name not in (HASH_MODEL_ARCHITECTURE, HASH_LOGITS_MODEL_ARCHITECTURE)
 )
 
 __all__ = [

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     from kvflow.tokenizer import Tokenizer
 
 
+# Whitespace characters allowed between two JSON tokens (unless `disable_any_whitespace` allows none): enough for
+# JSON pretty-printed a few levels deep, and a bound on a model that would otherwise write whitespace forever.
+MAX_JSON_WHITESPACE = 8
+
+
 def bitmask_words(vocab_size: int) -> int:
     """int32 words per bitmask row."""
     return (vocab_size + 31) // 32

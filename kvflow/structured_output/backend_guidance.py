@@ -12,6 +12,7 @@ import llguidance.numpy
 import numpy as np
 
 from kvflow.structured_output.backend import (
+    MAX_JSON_WHITESPACE,
     GrammarVocab,
     StructuredOutputBackend,
     StructuredOutputGrammar,
@@ -25,29 +26,55 @@ if TYPE_CHECKING:
 class GuidanceGrammar(StructuredOutputGrammar):
     """An `llguidance.LLMatcher` (see `StructuredOutputGrammar` for the invariant)."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str) -> None:
+    def __init__(
+        self, tokenizer: llguidance.LLTokenizer, grammar: str, eos_token_ids: frozenset[int]
+    ) -> None:
         self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        self.eos_token_ids = eos_token_ids
         self.num_processed_tokens = 0
+        # llguidance stops as soon as nothing can extend the output (e.g. after the last choice's last token);
+        # the request ends only with the EOS that follows, which the stopped matcher allows but cannot consume.
+        self._eos_after_stop = False
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
-        if self.matcher.is_error():
+        accepted = 0
+        for token_id in token_ids:
+            if self._eos_after_stop or self.matcher.is_error():
+                break
+            if self.matcher.is_stopped():
+                if token_id not in self.eos_token_ids:
+                    break
+                self._eos_after_stop = True
+            elif not (
+                self.matcher.validate_tokens([token_id]) == 1
+                and self.matcher.consume_tokens([token_id])
+            ):
+                break
+            accepted += 1
+        if accepted < len(token_ids):
+            self.rollback(accepted)
+            self.num_processed_tokens += accepted
             return False
-        if self.matcher.validate_tokens(list(token_ids)) != len(token_ids):
-            return False
-        if not self.matcher.consume_tokens(list(token_ids)):
-            return False
-        self.num_processed_tokens += len(token_ids)
+        self.num_processed_tokens += accepted
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
+        if num_tokens and self._eos_after_stop:
+            self._eos_after_stop = False
+            num_tokens -= 1
+            self.num_processed_tokens -= 1
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
         self.num_processed_tokens -= num_tokens
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_stopped()
+        """Ended by an accepted EOS (a stop without it still lets EOS through, and only it)."""
+        return self._eos_after_stop or (
+            self.matcher.is_stopped() and self.matcher.stop_reason() == "EndOfSentence"
+        )
 
 
 class GuidanceBackend(StructuredOutputBackend):
@@ -62,11 +89,12 @@ class GuidanceBackend(StructuredOutputBackend):
     def compile(self, params: StructuredOutputsParams) -> Callable[[], StructuredOutputGrammar]:
         grammar = _grammar_text(params)
         tokenizer = self.tokenizer
+        eos = frozenset(t for t in self.vocab.eos_token_ids if t < self.vocab.vocab_size)
         # Compiling a matcher checks the grammar against the vocabulary; its error names what is wrong.
         probe = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if probe.is_error():
             raise ValueError(f"structured_outputs.{params.kind} is invalid: {probe.get_error()}")
-        return lambda: GuidanceGrammar(tokenizer, grammar)
+        return lambda: GuidanceGrammar(tokenizer, grammar, eos)
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:
@@ -104,7 +132,9 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
 def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
     """llguidance's JSON grammar, whitespace as the request asks (compact with `disable_any_whitespace`)."""
     options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
-    if params.disable_any_whitespace:
+    if not params.disable_any_whitespace:
+        options["whitespace_pattern"] = f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_JSON_WHITESPACE}}}"
+    else:
         options["item_separator"] = ","
         options["key_separator"] = ":"
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)

@@ -10,6 +10,7 @@ import numpy as np
 import xgrammar as xgr
 
 from kvflow.structured_output.backend import (
+    MAX_JSON_WHITESPACE,
     GrammarVocab,
     StructuredOutputBackend,
     StructuredOutputGrammar,
@@ -76,14 +77,17 @@ def _compile_checked(
     try:
         if kind == "json":
             schema = json_schema_text(params)
-            any_whitespace = not params.disable_any_whitespace
+            options = _json_options(params)
             if compiler is None:
-                return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
-            return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+                return xgr.Grammar.from_json_schema(schema, **options)
+            return compiler.compile_json_schema(schema, **options)
         if kind == "json_object":
+            # Any JSON object, with the same whitespace rule as a schema's.
+            schema = '{"type": "object"}'
+            options = _json_options(params)
             if compiler is None:
-                return xgr.Grammar.builtin_json_grammar()
-            return compiler.compile_builtin_json_grammar()
+                return xgr.Grammar.from_json_schema(schema, **options)
+            return compiler.compile_json_schema(schema, **options)
         if kind == "regex":
             if compiler is None:
                 return xgr.Grammar.from_regex(params.regex)
@@ -103,6 +107,13 @@ def _compile_checked(
     except RuntimeError as error:
         raise ValueError(f"structured_outputs.{kind} is invalid: {_first_line(error)}") from error
     raise ValueError(f"structured_outputs.{kind} is not supported by the xgrammar backend")
+
+
+def _json_options(params: StructuredOutputsParams) -> dict[str, object]:
+    """Compact JSON with `disable_any_whitespace`, else at most MAX_JSON_WHITESPACE characters per gap."""
+    if params.disable_any_whitespace:
+        return {"any_whitespace": False}
+    return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 
 def _first_line(error: BaseException) -> str:

@@ -21,7 +21,12 @@ from kvflow.worker.sampler import (
 from kvflow.worker.states import RequestSlots
 
 if TYPE_CHECKING:
-    from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from kvflow.core.sched.output import (
+        CachedRequestData,
+        GrammarOutput,
+        NewRequestData,
+        SchedulerOutput,
+    )
     from kvflow.models.interface import RunnerModel
 
 
@@ -101,10 +106,16 @@ class ModelRunner:
         self.kv_cache = model.make_kv_cache(num_blocks, block_size).to(self.device)
         # Held requests still computing prompt logprobs -> their SamplingParams.prompt_logprobs.
         self.prompt_logprob_reqs: dict[str, int] = {}
+        # A forward pass whose sampling waits for `sample_tokens` (structured outputs): logits, batch, arrays.
+        self._deferred_step: tuple[torch.Tensor, BatchInputs, _StepArrays] | None = None
 
     # ------------------------------------------------------------------------------------------ step
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply one step's plan (release, add, update), run the scheduled tokens and return what was sampled."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply one step's plan (release, add, update), run the scheduled tokens and return what was sampled.
+
+        A step with structured-output requests stops after the forward pass and returns None: `sample_tokens`,
+        the next call, samples it under the step's grammar bitmask (computed meanwhile by the engine)."""
+        assert self._deferred_step is None, "a step's sampling is still waiting for its grammar"
         self._release(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
         self._add_new_requests(scheduler_output.scheduled_new_reqs)
         self._update_cached_requests(scheduler_output.scheduled_cached_reqs)
@@ -113,7 +124,27 @@ class ModelRunner:
         batch, arrays = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
         with torch.inference_mode():
             model_output = self.model.forward(batch, self.kv_cache)
-            sampled = self._sample(model_output, batch, arrays)
+        if scheduler_output.has_structured_output_requests:
+            self._deferred_step = (model_output, batch, arrays)
+            return None
+        return self._sample_and_update(model_output, batch, arrays, None)
+
+    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+        """Sample the step whose forward pass `execute_model` deferred, masking its structured requests' rows."""
+        assert self._deferred_step is not None, "sample_tokens without a deferred forward pass"
+        model_output, batch, arrays = self._deferred_step
+        self._deferred_step = None
+        return self._sample_and_update(model_output, batch, arrays, grammar_output)
+
+    def _sample_and_update(
+        self,
+        model_output: torch.Tensor,
+        batch: BatchInputs,
+        arrays: _StepArrays,
+        grammar_output: GrammarOutput | None,
+    ) -> ModelRunnerOutput:
+        with torch.inference_mode():
+            sampled = self._sample(model_output, batch, arrays, grammar_output)
             prompt_logprobs = None
             if arrays.prompt_rows is not None:
                 prompt_logits = model_output[batch.num_sampled :]
@@ -370,9 +401,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ e. sample
     def _sample(
-        self, model_output: torch.Tensor, batch: BatchInputs, arrays: _StepArrays
+        self,
+        model_output: torch.Tensor,
+        batch: BatchInputs,
+        arrays: _StepArrays,
+        grammar_output: GrammarOutput | None = None,
     ) -> SamplerOutput:
-        """Token ids from a self-sampling model pass through; logits go through the batched `Sampler`."""
+        """Token ids from a self-sampling model pass through; logits go through the batched `Sampler`, after the
+        grammar bitmask (if any) masked its requests' rows."""
         num_sampled = batch.num_sampled
         if self.model.samples_own_tokens:
             assert model_output.shape[0] == num_sampled, "one sampled token per sampled row"
@@ -381,6 +417,10 @@ class ModelRunner:
             "one row of logits per logits index"
         )
         model_output = model_output[:num_sampled]  # prompt-logprob rows, if any, follow
+        if grammar_output is not None and grammar_output.structured_output_request_ids:
+            model_output = _apply_grammar_bitmask(
+                model_output, batch.req_ids, arrays, grammar_output
+            )
         slot_indices = arrays.slot_indices[arrays.sampled_rows]
         try:
             return self._sample_rows(model_output, slot_indices)
@@ -466,6 +506,40 @@ class ModelRunner:
         fits = positions < self.slots.max_model_len
         self.slots.token_ids[slot_indices[fits], positions[fits]] = token_ids[fits]
         self.slots.num_tokens[slot_indices[fits]] += 1
+
+
+def _apply_grammar_bitmask(
+    logits: torch.Tensor, req_ids: list[str], arrays: _StepArrays, grammar_output: GrammarOutput
+) -> torch.Tensor:
+    """`logits` (the sampled rows) with every token a structured request's grammar forbids set to -inf.
+
+    Only the sampled rows of the grammar's requests change (a copy; other rows stay bit-identical). A row whose
+    bitmask allows nothing is left as it is: the scheduler then rejects whatever it samples, and ends that request.
+    """
+    sampled_index = {req_ids[row]: i for i, row in enumerate(arrays.sampled_rows.tolist())}
+    logits_rows: list[int] = []
+    mask_rows: list[int] = []
+    for mask_row, req_id in enumerate(grammar_output.structured_output_request_ids):
+        row = sampled_index.get(req_id)
+        if row is not None:  # a partial prefill samples nothing
+            logits_rows.append(row)
+            mask_rows.append(mask_row)
+    if not logits_rows:
+        return logits
+    words = torch.from_numpy(grammar_output.grammar_bitmask[mask_rows]).to(logits.device)
+    # Bit j of word w allows token 32 * w + j. E.g., word 5 (0b101) allows tokens 0 and 2 of its 32.
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(mask_rows), -1)
+    vocab_size = logits.shape[1]
+    if allowed.shape[1] < vocab_size:  # logits past the grammar's vocabulary are never allowed
+        padding = allowed.new_zeros(len(mask_rows), vocab_size - allowed.shape[1])
+        allowed = torch.cat([allowed, padding], dim=1)
+    allowed = allowed[:, :vocab_size]
+    allowed |= ~allowed.any(dim=1, keepdim=True)  # nothing allowed: leave the row unmasked
+    index = torch.tensor(logits_rows, dtype=torch.int64, device=logits.device)
+    masked = logits.clone()
+    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return masked
 
 
 def _spread_rows(

@@ -22,7 +22,7 @@ from kvflow.worker.persistent_batch import PersistentBatchModelRunner
 
 if TYPE_CHECKING:
     from kvflow.config import CacheConfig, EngineConfig
-    from kvflow.core.sched.output import ModelRunnerOutput, SchedulerOutput
+    from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -319,9 +319,13 @@ class Worker:
             "kv_cache_shape": list(self.model_runner.kv_cache.shape),
         }
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one scheduled step."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one scheduled step (None: its sampling waits for `sample_tokens`)."""
         return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
+        """Sample the step whose forward pass ran last, under the step's grammar bitmask."""
+        return self.model_runner.sample_tokens(grammar_output)
 
     def execute_method(
         self,

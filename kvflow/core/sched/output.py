@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
+import numpy as np
 
 if TYPE_CHECKING:
     from kvflow.request import Request
@@ -98,10 +99,26 @@ class SchedulerOutput:
     num_common_prefix_blocks: list[int] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # A scheduled request has a structured-output grammar: the worker runs the forward pass and waits for the
+    # step's `GrammarOutput` (`sample_tokens`) before it samples.
+    has_structured_output_requests: bool = False
 
     @classmethod
     def make_empty(cls) -> SchedulerOutput:
         return cls([], CachedRequestData.make_empty(), {}, 0)
+
+
+@dataclass
+class GrammarOutput:
+    """The token bitmask of one step's structured-output requests, sent to the worker after the forward pass.
+
+    Row i of `grammar_bitmask` (int32 `[len(structured_output_request_ids), ceil(vocab_size / 32)]`; bit `t % 32`
+    of word `t // 32` set iff token `t` is allowed) belongs to `structured_output_request_ids[i]`. The worker masks
+    exactly the sampled rows of these requests; every other row is untouched.
+    """
+
+    structured_output_request_ids: list[str]
+    grammar_bitmask: np.ndarray
 
 
 @dataclass

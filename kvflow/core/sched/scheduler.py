@@ -39,6 +39,10 @@ class RequestFailedInStep(RuntimeError):
     """The worker could not run a request's part of a step (e.g. its sampling failed); the text says why."""
 
 
+class StructuredOutputRejected(RuntimeError):
+    """A sampled token that the request's grammar does not allow (only a bug can cause it): the request ends."""
+
+
 class PauseState(enum.Enum):
     """What `schedule()` may do while the engine is paused. Requests that arrive meanwhile still queue."""
 
@@ -120,12 +124,16 @@ class Scheduler:
         num_kv_blocks: int | None = None,
         use_v2_model_runner: bool | None = None,
         compute_common_prefix_blocks: bool = False,
+        has_structured_outputs: bool = False,
     ) -> None:
         num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
         if num_blocks is None:
             raise ValueError("the scheduler needs cache_config.num_kv_blocks (or num_kv_blocks=)")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        # Requests with `structured_outputs` are accepted only beside a StructuredOutputManager (the engine core's).
+        self.has_structured_outputs = has_structured_outputs
+        self._num_structured_requests_seen = 0
         # The runner protocol is the config's unless overridden here (the config defaults to the slot runner).
         self.use_v2_model_runner = (
             scheduler_config.use_v2_model_runner
@@ -171,6 +179,9 @@ class Scheduler:
         a non-resumable one adds the last chunk, and one without tokens just closes the session (`close_session`).
         """
         session = self.requests.get(request.request_id)
+        structured_outputs = request.sampling_params.structured_outputs
+        if structured_outputs is not None:
+            self._check_structured_outputs(request, session)
         if session is not None:
             if session.streaming_queue is None:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
@@ -184,6 +195,24 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
         _record_queued(request)
+
+    def _check_structured_outputs(self, request: Request, session: Request | None) -> None:
+        """A constrained request needs the engine's manager; a session's chunk may only repeat the session's
+        constraint (which restarts it) or ask for none."""
+        if not self.has_structured_outputs:
+            raise ValueError(
+                "SamplingParams.structured_outputs needs an engine with a structured outputs manager"
+            )
+        self._num_structured_requests_seen += 1
+        if session is None:
+            return
+        params = request.sampling_params.structured_outputs
+        so_request = session.structured_output_request
+        if so_request is None or so_request.params.cache_key() != params.cache_key():
+            raise ValueError(
+                f"request {request.request_id!r}: SamplingParams.structured_outputs of a streaming session's "
+                "chunk must be the session's first chunk's (or None for an unconstrained continuation)"
+            )
 
     def close_session(self, request_id: str) -> bool:
         """End streaming session `request_id` once its current chunk stops.
@@ -415,6 +444,10 @@ class Scheduler:
         head_blocked = False
         while self.waiting and plan.token_budget > 0:
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                # Its grammar is still compiling: pass over it, in order, without blocking the others.
+                skipped.add_request(self.waiting.pop_request())
+                continue
             holds_slot = self.sessions.holds_slot(request.request_id)
             if only_started and not holds_slot and request.status != RequestStatus.PREEMPTED:
                 # PAUSED_NEW: a request that never ran is held, in order, until resume.
@@ -512,6 +545,12 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_req_ids,
         )
+        if self._num_structured_requests_seen:
+            output.has_structured_output_requests = any(
+                request.structured_output_request is not None
+                and request.structured_output_request.grammar is not None
+                for request in itertools.chain(plan.cached, plan.new, plan.resumed)
+            )
         if self.compute_common_prefix_blocks:
             output.num_common_prefix_blocks = self._num_common_prefix_blocks()
         return output
@@ -732,10 +771,21 @@ class Scheduler:
         `new_token_ids` is never modified (it is the runner's list): a stop that drops tokens returns a new list.
         """
         max_model_len = self.max_model_len
+        so_request = request.structured_output_request
+        grammar = None if so_request is None else so_request.grammar
         for num_appended, token_id in enumerate(new_token_ids, 1):
+            if grammar is not None and not grammar.accept_tokens((token_id,)):
+                raise StructuredOutputRejected(
+                    f"token {token_id} is not allowed by the request's structured output grammar "
+                    f"after {grammar.num_processed_tokens} tokens"
+                )
             request.append_output_token_id(token_id)
             if check_stop(request, max_model_len):
                 # E.g., [5, EOS, 9]: stops at EOS (num_appended 2), so 9 is dropped -> [5, EOS].
+                return new_token_ids[:num_appended], True
+            if grammar is not None and grammar.is_terminated():
+                # The constraint is complete (its end accepted): the request stops, as with EOS.
+                request.status = RequestStatus.FINISHED_STOPPED
                 return new_token_ids[:num_appended], True
         return new_token_ids, False
 

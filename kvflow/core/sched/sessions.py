@@ -139,6 +139,10 @@ class StreamingSessions:
         num_kept = session.num_tokens - len(chunk.prompt_token_ids)
         session.num_computed_tokens = min(session.num_computed_tokens, num_kept)
         session.sampling_params = chunk.sampling_params
+        if session.structured_output_request is not None:
+            session.structured_output_request.restart_for_chunk(
+                chunk.sampling_params.structured_outputs
+            )
         session.arrival_time = chunk.arrival_time
         session.stop_reason = None
         # A session that kept its slot continues on the worker; one that lost it resumes like a preempted one.

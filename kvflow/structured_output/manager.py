@@ -1,0 +1,191 @@
+"""StructuredOutputManager: compiles constraints off the engine loop and builds each step's token bitmask."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from kvflow.core.sched.output import GrammarOutput
+from kvflow.request import RequestStatus
+from kvflow.structured_output import STRUCTURED_OUTPUT_BACKENDS
+from kvflow.structured_output.backend import allocate_bitmask
+from kvflow.structured_output.request import GrammarFactory, StructuredOutputRequest
+from kvflow.structured_output.validation import backends_to_try
+
+if TYPE_CHECKING:
+    from kvflow.config import StructuredOutputsConfig
+    from kvflow.core.sched.output import SchedulerOutput
+    from kvflow.request import Request
+    from kvflow.sampling_params import StructuredOutputsParams
+    from kvflow.structured_output.backend import GrammarVocab, StructuredOutputBackend
+
+logger = logging.getLogger(__name__)
+
+# Compiled constraints kept (least recently used dropped first); each is a few KB to a few MB.
+_COMPILE_CACHE_SIZE = 256
+
+
+class StructuredOutputManager:
+    """Beside the scheduler in the engine core (vLLM V1's design).
+
+    * `grammar_init(request)` queues the request's constraint for compilation on a thread pool (never on the engine
+      loop); a cache keyed by (backend, constraint) makes a repeated constraint compile once. The request waits
+      in WAITING_FOR_FSM; `poll()` (each engine step) moves it to WAITING once compiled, or reports the compile
+      error, which finishes that request with finish_reason "error" and never the engine.
+    * `grammar_bitmask(requests, scheduler_output)` builds one bitmask for the step's scheduled structured requests,
+      from their matchers' current state. The engine calls it only once every earlier step's output has been
+      applied, so each matcher stands exactly after the tokens its request keeps.
+    * Matchers advance in `Scheduler.update_from_output`, one accepted token at a time, only with tokens that are
+      appended to the request.
+
+    Invariant (async scheduling, preemption, pause, forced reset, abort): a request's matcher has accepted exactly
+    its kept output tokens (of its current streaming chunk). In-flight tokens that the scheduler discards
+    (`async_tokens_to_discard`) and tokens cut by a stop never reach a matcher, so nothing is ever rolled back;
+    a preempted request keeps its outputs and its matcher, and resumes where both stand.
+    """
+
+    def __init__(
+        self,
+        config: StructuredOutputsConfig,
+        vocab_factory: Callable[[], GrammarVocab],
+        vocab_size: int,
+    ) -> None:
+        self.backend_names = backends_to_try(config.backend)
+        self.vocab_size = vocab_size
+        self._vocab_factory = vocab_factory
+        self._vocab: GrammarVocab | None = None
+        self._backends: dict[str, StructuredOutputBackend] = {}
+        self._backend_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiled: OrderedDict[tuple[object, ...], Future[GrammarFactory]] = OrderedDict()
+        self._compiling: dict[str, Request] = {}
+        self.num_compiles = 0
+
+    # ------------------------------------------------------------------------------------------------ compile
+    def grammar_init(self, request: Request) -> None:
+        """Start compiling `request`'s constraint (or reuse a compiled one); the request waits in WAITING_FOR_FSM."""
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        request.structured_output_request = StructuredOutputRequest(params, self._compile(params))
+        request.status = RequestStatus.WAITING_FOR_FSM
+        self._compiling[request.request_id] = request
+
+    def _compile(self, params: StructuredOutputsParams) -> Future[GrammarFactory]:
+        key = params.cache_key()
+        future = self._compiled.get(key)
+        if future is not None:
+            self._compiled.move_to_end(key)
+            return future
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-grammar")
+        future = self._pool.submit(self._compile_now, params)
+        self._compiled[key] = future
+        if len(self._compiled) > _COMPILE_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+        return future
+
+    def _compile_now(self, params: StructuredOutputsParams) -> GrammarFactory:
+        """On the pool: compile with each backend in turn ("auto": xgrammar, then guidance)."""
+        self.num_compiles += 1
+        first_error: ValueError | None = None
+        for name in self.backend_names:
+            try:
+                return self._backend(name).compile(params)
+            except ValueError as error:
+                first_error = first_error or error
+        assert first_error is not None
+        raise first_error
+
+    def _backend(self, name: str) -> StructuredOutputBackend:
+        with self._backend_lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                if self._vocab is None:
+                    self._vocab = self._vocab_factory()
+                backend = STRUCTURED_OUTPUT_BACKENDS.get(name)(self._vocab)
+                self._backends[name] = backend
+            return backend
+
+    def poll(self) -> list[tuple[Request, str]]:
+        """Start the matcher of every request whose constraint has compiled (WAITING_FOR_FSM -> WAITING).
+        Returns the requests whose compilation failed, with the error text, for the caller to finish."""
+        if not self._compiling:
+            return []
+        failed: list[tuple[Request, str]] = []
+        for request_id, request in list(self._compiling.items()):
+            so_request = request.structured_output_request
+            if request.is_finished() or so_request is None:
+                del self._compiling[request_id]
+                continue
+            if not so_request.compiled.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                so_request.start()
+            except Exception as error:  # the request's constraint alone is at fault
+                logger.warning(
+                    "request %s: structured output failed to compile: %s", request_id, error
+                )
+                failed.append((request, str(error) or type(error).__name__))
+                continue
+            if request.status == RequestStatus.WAITING_FOR_FSM:
+                request.status = RequestStatus.WAITING
+        return failed
+
+    def has_compiling(self) -> bool:
+        return bool(self._compiling)
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        """Block until some pending compilation finishes (or `timeout_s`): the engine has nothing else to do."""
+        futures = [
+            request.structured_output_request.compiled
+            for request in self._compiling.values()
+            if request.structured_output_request is not None
+        ]
+        if futures:
+            concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+
+    # ------------------------------------------------------------------------------------------------ bitmask
+    def grammar_bitmask(
+        self, requests: Mapping[str, Request], scheduler_output: SchedulerOutput
+    ) -> GrammarOutput:
+        """The bitmask of the step's scheduled requests that have a matcher, in schedule order.
+
+        A request that finished or whose matcher terminated since the step was planned gets an all-allowed row:
+        its token is discarded on arrival, so no constraint applies to it.
+        """
+        request_ids: list[str] = []
+        grammars = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = requests.get(request_id)
+            if request is None or request.structured_output_request is None:
+                continue
+            grammar = request.structured_output_request.grammar
+            if grammar is None:
+                continue
+            request_ids.append(request_id)
+            grammars.append(None if request.is_finished() or grammar.is_terminated() else grammar)
+        bitmask = allocate_bitmask(len(request_ids), self.vocab_size)
+        for row, grammar in enumerate(grammars):
+            if grammar is not None:
+                grammar.fill_bitmask(bitmask, row)
+        return GrammarOutput(request_ids, bitmask)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def uses_structured_outputs(requests: Iterable[Request]) -> bool:
+    """True when any of `requests` has a matcher (its steps sample only after their bitmask)."""
+    return any(
+        request.structured_output_request is not None
+        and request.structured_output_request.grammar is not None
+        for request in requests
+    )
