@@ -2,9 +2,11 @@
 
 Requests accept unknown fields (clients send `metadata` and the like); the handlers log each such name once and
 ignore it, as vLLM does. Every field declared here either works or is refused: the fields of OpenAI's and vLLM's
-schemas that kvflow does not implement yet (structured outputs, tool calling, beam search, logits controls, ...) are
-declared so that they are typed and documented, and `unsupported.py` refuses any of them sent with a value other
-than its "off" one (a 400 naming it), because ignoring them would change what the client gets. Value checks
+schemas that kvflow does not implement yet (tool calling, beam search, logits processors, ...) are declared so that
+they are typed and documented, and `unsupported.py` refuses any of them sent with a value other than its "off" one
+(a 400 naming it), because ignoring them would change what the client gets. The structured-output fields
+(`response_format`, `structured_outputs`, `guided_*`, `structural_tag`) become one `StructuredOutputsParams` in
+`serving_engine.request_controls`, which also checks the logits controls against the vocabulary. Value checks
 (ranges, lengths) are left to `SamplingParams`, the input processor and the server's limits
 (`limits.ServingLimits`), whose errors name the field; these models check types, and that every string in a request
 is valid Unicode (JSON's `\ud800` escape decodes to a lone surrogate, which no tokenizer or encoder accepts), a 400
@@ -136,6 +138,27 @@ class Logprob(BaseModel):
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    """`response_format.json_schema`, OpenAI's shape: the schema is under `schema`; `strict` is taken and needs no
+    action (a constrained output always follows the schema)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (any JSON object), `json_schema` (a JSON
+    value valid under `json_schema.schema`), or vLLM's `structural_tag` (the whole object is xgrammar's structural
+    tag, e.g. `{"type": "structural_tag", "format": {...}}`; its other keys are kept in `model_extra`)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
 class SamplingFields(OpenAIBaseModel):
     """The sampling fields /v1/completions and /v1/chat/completions share (None: the model's default)."""
 
@@ -165,21 +188,23 @@ class SamplingFields(OpenAIBaseModel):
     return_tokens_as_token_ids: bool = False
     priority: int = 0
     request_id: str | None = None
-    # Declared, refused until implemented unless "off" (unsupported.py): structured outputs, ...
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    # Structured outputs: at most one of these sets a constraint (`serving_engine.request_controls`).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputsParams' keys
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
-    guided_whitespace_pattern: str | None = None
     structural_tag: str | dict[str, Any] | None = None
-    # ... logits controls, prompt truncation and beam search
+    # Taken when it names the server's backend (or "auto"); there are no per-request backends.
+    guided_decoding_backend: str | None = None
+    # Logits controls and prompt truncation (vLLM's extra fields).
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    logits_processors: list[Any] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     truncate_prompt_tokens: int | None = None
+    # Declared, refused until implemented unless "off" (unsupported.py).
+    guided_whitespace_pattern: str | None = None
+    logits_processors: list[Any] | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
 

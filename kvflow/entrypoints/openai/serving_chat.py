@@ -35,6 +35,7 @@ from kvflow.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
     OpenAIServing,
     PromptInput,
+    RequestControls,
     cached_tokens,
     make_usage,
     raise_if_failed,
@@ -71,8 +72,9 @@ class OpenAIServingChat(OpenAIServing):
     ) -> Response:
         self.check_request(request)
         _check_chat_fields(request)
+        controls = self.request_controls(request)
         request_id = self.request_id(raw_request, request.request_id)
-        prompt = await self._prompt(request)
+        prompt = await self._prompt(request, controls)
         response_id = f"chatcmpl-{request_id}"
         echo = _echo_text(request)
         if request.stream:
@@ -89,7 +91,9 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     # ------------------------------------------------------------------------------------------------ prompt
-    async def _prompt(self, request: ChatCompletionRequest) -> PromptInput:
+    async def _prompt(
+        self, request: ChatCompletionRequest, controls: RequestControls
+    ) -> PromptInput:
         text = await self.chat_prompt.render(
             request.messages,
             chat_template=request.chat_template,
@@ -99,6 +103,7 @@ class OpenAIServingChat(OpenAIServing):
             tools=request.tools,
         )
         token_ids = await self.encode(text, request.add_special_tokens)
+        prompt_text, token_ids = self.truncate_prompt(text, token_ids, controls)
         if request.max_completion_tokens is not None:
             max_tokens_param, requested = "max_completion_tokens", request.max_completion_tokens
         else:
@@ -111,8 +116,9 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=request.prompt_logprobs,
             fields=_FIELDS,
             aliases=aliases,
+            controls=controls,
         )
-        return self.process(text, token_ids, params, _FIELDS, aliases)
+        return self.process(prompt_text, token_ids, params, _FIELDS, aliases)
 
     # ------------------------------------------------------------------------------------------------ whole
     async def _complete(

@@ -36,6 +36,7 @@ from kvflow.entrypoints.openai.serving_engine import (
     MANY_PROMPTS,
     OpenAIServing,
     PromptInput,
+    RequestControls,
     cached_tokens,
     make_usage,
     raise_if_failed,
@@ -60,11 +61,12 @@ class OpenAIServingCompletion(OpenAIServing):
             raise OpenAIServingError("suffix is not supported by kvflow", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise OpenAIServingError("best_of must equal n in kvflow", param="best_of")
+        controls = self.request_controls(request)
         request_id = self.request_id(raw_request, request.request_id)
         if _is_heavy(request.prompt):  # many prompts or long texts: prepared off the event loop
-            prompts = await asyncio.to_thread(self._prompts, request)
+            prompts = await asyncio.to_thread(self._prompts, request, controls)
         else:
-            prompts = self._prompts(request)
+            prompts = self._prompts(request, controls)
         response_id = f"cmpl-{request_id}"
         if request.stream:
             return sse_response(
@@ -80,8 +82,9 @@ class OpenAIServingCompletion(OpenAIServing):
         return JSONResponse(response.model_dump())
 
     # ------------------------------------------------------------------------------------------------ prompts
-    def _prompts(self, request: CompletionRequest) -> list[PromptInput]:
-        """Every prompt of the request, checked and tokenized (400 naming the field otherwise)."""
+    def _prompts(self, request: CompletionRequest, controls: RequestControls) -> list[PromptInput]:
+        """Every prompt of the request, checked, tokenized and truncated as the request asks (400 naming the field
+        otherwise)."""
         raw = request.prompt
         if isinstance(raw, str):
             items: Sequence[str | list[int]] = [raw]
@@ -108,6 +111,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
             else:
                 text, token_ids = None, list(item)
+            text, token_ids = self.truncate_prompt(text, token_ids, controls)
             max_tokens = self.max_tokens(request.max_tokens, len(token_ids), "max_tokens", "prompt")
             params = self.sampling_params(
                 request,
@@ -116,6 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_logprobs=prompt_logprobs,
                 fields=_FIELDS,
                 aliases=self.aliases,
+                controls=controls,
             )
             prompts.append(self.process(text, token_ids, params, _FIELDS, self.aliases))
         return prompts

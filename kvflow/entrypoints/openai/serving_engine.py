@@ -1,17 +1,22 @@
 """What the completion and chat handlers share: request ids, prompt checks, sampling params and running requests.
 
 A request is checked completely before anything reaches the engine (model name, fields kvflow does not implement yet,
-prompt length against `max_model_len`, every sampling field, the prompt's token ids), so a bad request is a 400
-naming its field and never a half-started stream. Requests then run through `AsyncLLM.generate`, one engine request
-per prompt; a client that goes away (a closed stream, or a disconnect while waiting for a whole response) cancels
-the consumer, which aborts the engine requests and frees their KV blocks and slots.
+its structured-output constraint and logits controls, prompt length against `max_model_len`, every sampling field,
+the prompt's token ids), so a bad request is a 400 naming its field and never a half-started stream. Requests then
+run through `AsyncLLM.generate`, one engine request per prompt; a client that goes away (a closed stream, or a
+disconnect while waiting for a whole response) cancels the consumer, which aborts the engine requests and frees
+their KV blocks and slots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
+import math
+import re
 import uuid
 from collections.abc import (
     AsyncIterator,
@@ -25,7 +30,9 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvflow.config import STRUCTURED_OUTPUT_BACKENDS
 from kvflow.engine.input_processor import check_priority
+from kvflow.engine.request_limits import short_list
 from kvflow.entrypoints.openai.errors import OpenAIServingError, bad_request
 from kvflow.entrypoints.openai.logprobs import TokenTexts
 from kvflow.entrypoints.openai.middleware import REQUEST_ID_HEADER
@@ -33,7 +40,8 @@ from kvflow.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from kvflow.entrypoints.openai.server_config import ServingLimits
 from kvflow.entrypoints.openai.unsupported import UnknownFields, refuse_unsupported_fields
 from kvflow.model_info import load_sampling_defaults
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams, StructuredOutputsParams
+from kvflow.structured_output.validation import validate_structured_outputs
 from kvflow.utils import short_repr
 
 if TYPE_CHECKING:
@@ -41,7 +49,8 @@ if TYPE_CHECKING:
 
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.engine.input_processor import ProcessedPrompt
-    from kvflow.entrypoints.openai.protocol import SamplingFields
+    from kvflow.engine.request_limits import RequestLimits
+    from kvflow.entrypoints.openai.protocol import ResponseFormat, SamplingFields
     from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
     from kvflow.outputs import RequestOutput
     from kvflow.tokenizer import Tokenizer
@@ -54,6 +63,31 @@ LONG_TEXT_CHARS = 16384
 MANY_PROMPTS = 16
 # The status of a response whose client went away (it is never sent; nginx logs such requests as 499).
 CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(frozen=True)
+class RequestControls:
+    """What one request asks of the logits, checked once for all its prompts and in SamplingParams' terms: its
+    structured-output constraint and its logits controls.
+
+    Invariants: `structured_outputs` is the request's one constraint, and it parses for the server's backend;
+    every token id in `allowed_token_ids` and `logit_bias` is in the vocabulary, every bias in [-100, 100]; none
+    of them is set for a model without logits (the hash model).
+    """
+
+    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The SamplingParams keyword arguments of the fields that are set."""
+        return {
+            spec.name: getattr(self, spec.name)
+            for spec in dataclasses.fields(self)
+            if getattr(self, spec.name) is not None
+        }
 
 
 @dataclass(frozen=True)
@@ -147,6 +181,7 @@ class OpenAIServing:
             engine.model_info.path, model_config.generation_config
         ).get("max_tokens")
         self.scheduling_policy = engine.engine_config.scheduler_config.policy
+        self.structured_outputs_backend = engine.engine_config.structured_outputs_config.backend
 
     # ------------------------------------------------------------------------------------------------ checks
     def check_request(self, request: SamplingFields) -> None:
@@ -189,6 +224,35 @@ class OpenAIServing:
                 "--max-logit-bias",
                 "entries",
             )
+
+    def request_controls(self, request: SamplingFields) -> RequestControls:
+        """The request's constraint and logits controls, checked before anything is queued (400 naming the field:
+        two constraints, a schema, regex or grammar the server's backend cannot parse, a token id outside the
+        vocabulary, a bias outside [-100, 100], any of them for a model without logits)."""
+        limits: RequestLimits = self.engine.input_processor.limits
+        _check_backend(request.guided_decoding_backend, self.structured_outputs_backend)
+        controls = RequestControls(
+            structured_outputs=structured_outputs_of(request, self.structured_outputs_backend),
+            allowed_token_ids=_allowed_token_ids(request.allowed_token_ids, limits.vocab_size),
+            bad_words=request.bad_words or None,
+            logit_bias=_logit_bias(request.logit_bias, limits.vocab_size),
+            truncate_prompt_tokens=_truncate_prompt_tokens(request.truncate_prompt_tokens),
+        )
+        if not limits.has_logits:
+            _refuse_logits_fields(request, controls)
+        return controls
+
+    def truncate_prompt(
+        self, text: str | None, token_ids: list[int], controls: RequestControls
+    ) -> tuple[str | None, list[int]]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: the last `max_model_len`), as vLLM keeps them;
+        a prompt that was cut loses its text (echo then shows the kept tokens, decoded)."""
+        keep = controls.truncate_prompt_tokens
+        if keep == -1:
+            keep = self.max_model_len
+        if keep is None or len(token_ids) <= keep:
+            return text, token_ids
+        return None, token_ids[-keep:]
 
     def check_num_prompts(self, num_prompts: int) -> None:
         _check_count(
@@ -255,8 +319,10 @@ class OpenAIServing:
         prompt_logprobs: int | None,
         fields: Iterable[str],
         aliases: Mapping[str, str],
+        controls: RequestControls | None = None,
     ) -> SamplingParams:
-        """The request's SamplingParams (unset fields: the model's defaults); 400 naming a bad field."""
+        """The request's SamplingParams (unset fields: the model's defaults) with its `controls`; 400 naming a bad
+        field."""
         defaults = self.default_sampling_params
 
         def pick(name: str) -> Any:
@@ -285,6 +351,8 @@ class OpenAIServing:
         )
         if prompt_logprobs is not None:
             options["prompt_logprobs"] = prompt_logprobs
+        if controls is not None:
+            options.update(controls.options())
         try:
             return SamplingParams(**options)
         except ValueError as error:
@@ -338,6 +406,192 @@ def _check_count(name: str, value: int, limit: int, flag: str, unit: str = "") -
     if value > limit:
         shown = f"{name} holds {value} {unit}" if unit else f"{name}={short_repr(value)}"
         raise OpenAIServingError(f"{shown}; this server takes at most {limit} ({flag})", param=name)
+
+
+# ---------------------------------------------------------------------------------------------------- controls
+# The request fields that each set one structured-output constraint, and the StructuredOutputsParams field each is.
+_CONSTRAINT_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "structural_tag": "structural_tag",
+}
+_STRUCTURED_OUTPUTS_KEYS = frozenset(
+    spec.name for spec in dataclasses.fields(StructuredOutputsParams)
+)
+# `StructuredOutputsParams.choice must be ...`, `structured_outputs.json is invalid: ...`: the leading name of a
+# constraint's ValueError, and the StructuredOutputsParams field it is about.
+_CONSTRAINT_ERROR = re.compile(r"^(?:StructuredOutputsParams|structured_outputs)(?:\.(\w+))?")
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
+
+
+def structured_outputs_of(request: SamplingFields, backend: str) -> StructuredOutputsParams | None:
+    """The request's one constraint, from whichever field sets it (`response_format`, `structured_outputs`,
+    `guided_json|regex|choice|grammar`, `structural_tag`), checked to parse for `backend`. 400 naming the
+    field(s): two fields setting a constraint, or one that is not valid."""
+    found = _constraint_fields(request)
+    if not found:
+        return None
+    if len(found) > 1:
+        names = [name for name, _ in found]
+        raise OpenAIServingError(
+            f"{' and '.join(names)} each set a structured-output constraint; send exactly one of them",
+            param=names[0],
+        )
+    [(name, options)] = found
+    try:
+        params = StructuredOutputsParams(**options)
+        validate_structured_outputs(params, backend)
+    except ValueError as error:
+        raise OpenAIServingError(_constraint_message(name, str(error)), param=name) from error
+    return params
+
+
+def _constraint_fields(request: SamplingFields) -> list[tuple[str, dict[str, Any]]]:
+    """`(field, StructuredOutputsParams keyword arguments)` for each request field that sets a constraint."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if request.response_format is not None and request.response_format.type != "text":
+        found.append(("response_format", _response_format_options(request.response_format)))
+    if request.structured_outputs is not None:
+        found.append(
+            ("structured_outputs", _structured_outputs_options(request.structured_outputs))
+        )
+    for name, kind in _CONSTRAINT_FIELDS.items():
+        value = getattr(request, name)
+        if value is None:
+            continue
+        if kind == "structural_tag" and isinstance(value, dict):
+            value = json.dumps(value)
+        found.append((name, {kind: value}))
+    return found
+
+
+def _response_format_options(response_format: ResponseFormat) -> dict[str, Any]:
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    if response_format.type == "structural_tag":
+        return {"structural_tag": json.dumps(response_format.model_dump(exclude_none=True))}
+    json_schema = response_format.json_schema
+    if json_schema is None or json_schema.json_schema is None:
+        raise OpenAIServingError(
+            "response_format of type json_schema needs its schema in json_schema.schema",
+            param="response_format",
+        )
+    return {"json": json_schema.json_schema}
+
+
+def _structured_outputs_options(structured_outputs: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(structured_outputs) - _STRUCTURED_OUTPUTS_KEYS)
+    if unknown:
+        raise OpenAIServingError(
+            f"structured_outputs has unknown keys {unknown}; it takes "
+            f"{', '.join(sorted(_STRUCTURED_OUTPUTS_KEYS))}",
+            param="structured_outputs",
+        )
+    return dict(structured_outputs)
+
+
+def _constraint_message(field: str, message: str) -> str:
+    """A constraint's ValueError as the client knows the field: `StructuredOutputsParams.choice must be ...` sent as
+    `guided_choice` reads `guided_choice must be ...`, `structured_outputs.json is invalid` sent as
+    `response_format` reads `response_format.json_schema.schema is invalid`."""
+    match = _CONSTRAINT_ERROR.match(message)
+    if match is None:
+        return f"{field}: {message}"
+    kind = match.group(1)
+    if field == "structured_outputs":
+        where = f"structured_outputs.{kind}" if kind else "structured_outputs"
+    elif field == "response_format" and kind == "json":
+        where = "response_format.json_schema.schema"
+    else:
+        where = field
+    return where + message[match.end() :]
+
+
+def _check_backend(requested: str | None, backend: str) -> None:
+    """vLLM's `guided_decoding_backend`, taken when it is "auto" or the server's own backend: kvflow compiles every
+    constraint with the backend the server was started with (`--structured-outputs-config`)."""
+    if requested is None or requested in ("auto", backend):
+        return
+    if requested not in STRUCTURED_OUTPUT_BACKENDS:
+        raise OpenAIServingError(
+            f"guided_decoding_backend must be one of {list(STRUCTURED_OUTPUT_BACKENDS)}, got "
+            f"{short_repr(requested)}",
+            param="guided_decoding_backend",
+        )
+    raise OpenAIServingError(
+        f"guided_decoding_backend={requested!r}: kvflow has no per-request backends, and this server compiles "
+        f"constraints with {backend!r}; drop the field, or start the server with "
+        f'--structured-outputs-config \'{{"backend": "{requested}"}}\'',
+        param="guided_decoding_backend",
+    )
+
+
+def _allowed_token_ids(token_ids: list[int] | None, vocab_size: int) -> list[int] | None:
+    if token_ids is None:
+        return None
+    outside = [t for t in token_ids if not 0 <= t < vocab_size]
+    if outside:
+        raise OpenAIServingError(
+            f"allowed_token_ids holds {short_list(outside)}, not token ids in [0, {vocab_size})",
+            param="allowed_token_ids",
+        )
+    return list(token_ids)
+
+
+def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's `{"50256": -100}` as `{50256: -100.0}`: keys token ids in [0, vocab_size), biases in [-100, 100]."""
+    if not logit_bias:
+        return None
+    biases: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        if _TOKEN_ID_KEY.fullmatch(key.strip()) is None:
+            raise OpenAIServingError(
+                f"logit_bias keys must be token ids (integers, as strings), got {short_repr(key)}",
+                param="logit_bias",
+            )
+        token_id = int(key)
+        if not 0 <= token_id < vocab_size:
+            raise OpenAIServingError(
+                f"logit_bias holds {short_repr(token_id)}, not a token id in [0, {vocab_size})",
+                param="logit_bias",
+            )
+        if not (math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+            raise OpenAIServingError(
+                f"logit_bias[{key!r}]={short_repr(bias)} is not a bias in [-100, 100]",
+                param="logit_bias",
+            )
+        biases[token_id] = float(bias)
+    return biases
+
+
+def _truncate_prompt_tokens(value: int | None) -> int | None:
+    if value is not None and value != -1 and value < 1:
+        raise OpenAIServingError(
+            f"truncate_prompt_tokens must be -1 (keep the last max_model_len tokens) or an int >= 1, got "
+            f"{short_repr(value)}",
+            param="truncate_prompt_tokens",
+        )
+    return value
+
+
+def _refuse_logits_fields(request: SamplingFields, controls: RequestControls) -> None:
+    """400 naming the first field that needs the model's logits, for a model that has none (the hash model)."""
+    constraint_fields = [name for name, _ in _constraint_fields(request)]
+    needs_logits = {
+        **{name: controls.structured_outputs for name in constraint_fields},
+        "allowed_token_ids": controls.allowed_token_ids,
+        "bad_words": controls.bad_words,
+        "logit_bias": controls.logit_bias,
+    }
+    for name, value in needs_logits.items():
+        if value is not None:
+            raise OpenAIServingError(
+                f"{name} needs the model's logits, and this model has none (the hash model samples its own "
+                "tokens)",
+                param=name,
+            )
 
 
 def _engine_prompt(prompt: PromptInput) -> dict[str, Any]:

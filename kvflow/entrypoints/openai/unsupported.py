@@ -1,10 +1,10 @@
 """No silent fields: the request fields kvflow declares but does not implement yet, refused in one place.
 
 A field of OpenAI's or vLLM's schema that kvflow ignored would change what the client gets without a sign (code
-ported from vLLM would get unconstrained output where it asked for JSON). So each such field is declared in
-`protocol.py` and listed here with its "off" value: sent off (absent, null, `false`, `[]`, `{"type": "text"}`, ...)
-it is fine; sent with any other value it is a 400 naming it, saying it is not supported yet and, where there is
-one, what to use instead. A field in neither schema is unknown: `UnknownFields` logs its name once per server
+ported from vLLM would get plain sampling where it asked for beam search). So each such field is declared in
+`protocol.py` and listed here with its "off" value: sent off (absent, null, `false`, `[]`, ...) it is fine; sent
+with any other value it is a 400 naming it, saying it is not supported yet and, where there is one, what to use
+instead. A field in neither schema is unknown: `UnknownFields` logs its name once per server
 process and the request goes on without it, as in vLLM.
 """
 
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_STRUCTURED = (
-    "kvflow does not constrain output yet (structured outputs come in a later version); drop the field and "
-    "check the output yourself"
+_WHITESPACE = (
+    "kvflow's JSON constraints take any whitespace between tokens, or none with "
+    "structured_outputs: {'disable_any_whitespace': true}; a whitespace pattern is not taken"
 )
 _TOOLS = (
     "kvflow does not parse tool calls yet; send tool_choice 'none' to render the tools into the prompt without "
@@ -53,10 +53,6 @@ def _is_false(value: Any, _: Any) -> bool:
     return value is False
 
 
-def _is_text_format(value: Any, _: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 def _is_no_tool_choice(value: Any, _: Any) -> bool:
     return value in (None, "none")
 
@@ -68,41 +64,13 @@ def _tools_are_off(value: Any, request: Any) -> bool:
 
 
 UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
-    UnsupportedField(
-        "response_format",
-        _is_text_format,
-        "only {'type': 'text'} is taken; " + _STRUCTURED,
-    ),
-    UnsupportedField("structured_outputs", _is_none, _STRUCTURED),
-    UnsupportedField("guided_json", _is_none, _STRUCTURED),
-    UnsupportedField("guided_regex", _is_none, _STRUCTURED),
-    UnsupportedField("guided_choice", _is_none, _STRUCTURED),
-    UnsupportedField("guided_grammar", _is_none, _STRUCTURED),
-    UnsupportedField("guided_decoding_backend", _is_none, _STRUCTURED),
-    UnsupportedField("guided_whitespace_pattern", _is_none, _STRUCTURED),
-    UnsupportedField("structural_tag", _is_none, _STRUCTURED),
+    UnsupportedField("guided_whitespace_pattern", _is_none, _WHITESPACE),
     UnsupportedField("tool_choice", _is_no_tool_choice, _TOOLS),
     UnsupportedField("tools", _tools_are_off, "tools without tool_choice mean 'auto'; " + _TOOLS),
     UnsupportedField("functions", _is_empty, "use tools with tool_choice 'none'; " + _TOOLS),
     UnsupportedField("function_call", _is_no_tool_choice, _TOOLS),
     UnsupportedField(
-        "logit_bias", _is_empty, "kvflow does not bias logits yet; drop the field or send {}"
-    ),
-    UnsupportedField(
-        "bad_words", _is_empty, "kvflow does not ban words yet; drop the field or send []"
-    ),
-    UnsupportedField(
-        "allowed_token_ids",
-        _is_none,
-        "kvflow does not restrict the vocabulary yet; drop the field",
-    ),
-    UnsupportedField(
         "logits_processors", _is_empty, "kvflow does not run logits processors; drop the field"
-    ),
-    UnsupportedField(
-        "truncate_prompt_tokens",
-        _is_none,
-        "kvflow does not truncate prompts yet; shorten the prompt yourself (POST /tokenize counts its tokens)",
     ),
     UnsupportedField(
         "use_beam_search",
