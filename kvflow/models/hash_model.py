@@ -176,19 +176,6 @@ def hash_grammar_token_bytes(vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[bytes
     return tokens
 
 
-def hash_grammar_encode(text: bytes, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
-    """Greedy encoding of `text` in the synthetic vocabulary: each "a<even>" / "b<odd>" run is one token; any other
-    byte is spelled with the smallest token whose text starts with it (there is none: such bytes are dropped)."""
-    import re
-
-    token_ids: list[int] = []
-    for match in re.finditer(rb"([ab])(\d+)", text):
-        token_id = int(match.group(2))
-        if token_id < vocab_size and (token_id % 2 == 0) == (match.group(1) == b"a"):
-            token_ids.append(token_id)
-    return token_ids
-
-
 class HashLogitsModel(HashModel):
     """The hash model with logits, so the runner's sampler, logits controls and grammar masks apply to it.
 

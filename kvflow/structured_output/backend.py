@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -47,8 +47,6 @@ class GrammarVocab:
     eos_token_ids: tuple[int, ...]
     tokenizer: Tokenizer | None = None
     token_bytes: Sequence[bytes] | None = None
-    # Greedy encoder of a synthetic vocabulary (llguidance tokenizes forced strings with it).
-    encode: Callable[[bytes], list[int]] | None = field(default=None, compare=False)
 
 
 class StructuredOutputGrammar(ABC):

@@ -141,25 +141,13 @@ def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:
 
 
 def _ll_tokenizer(vocab: GrammarVocab) -> llguidance.LLTokenizer:
-    eos = [t for t in vocab.eos_token_ids if t < vocab.vocab_size]
-    if vocab.tokenizer is not None:
-        return llguidance.LLTokenizer(
-            vocab.tokenizer.backend.to_str(), n_vocab=vocab.vocab_size, eos_token=eos or None
+    """llguidance reads the checkpoint's tokenizer.json itself. It needs a real tokenizer: it tokenizes the bytes a
+    grammar forces, which a synthetic vocabulary (the hash-logits test model's) cannot do."""
+    if vocab.tokenizer is None:
+        raise ValueError(
+            "structured_outputs: the guidance backend needs the model's tokenizer (use xgrammar)"
         )
-    assert vocab.token_bytes is not None and vocab.encode is not None
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_SyntheticTokenizer(vocab, eos)))
-
-
-class _SyntheticTokenizer:
-    """What `llguidance.TokenizerWrapper` reads from a tokenizer, for a synthetic vocabulary."""
-
-    def __init__(self, vocab: GrammarVocab, eos: list[int]) -> None:
-        self.tokens = list(vocab.token_bytes or ())
-        self.eos_token_id = eos[0] if eos else len(self.tokens) - 1
-        self.bos_token_id = None
-        self.special_token_ids = [self.eos_token_id]
-        self._encode = vocab.encode
-
-    def __call__(self, text: bytes) -> list[int]:
-        assert self._encode is not None
-        return self._encode(text)
+    eos = [t for t in vocab.eos_token_ids if t < vocab.vocab_size]
+    return llguidance.LLTokenizer(
+        vocab.tokenizer.backend.to_str(), n_vocab=vocab.vocab_size, eos_token=eos or None
+    )

@@ -21,15 +21,12 @@ from kvflow.structured_output.backend import (
 if TYPE_CHECKING:
     from kvflow.sampling_params import StructuredOutputsParams
 
-# Tokens a matcher can roll back (async scheduling never needs more than the steps in flight; kept generous).
-_MAX_ROLLBACK_TOKENS = 64
-
 
 class XgrammarGrammar(StructuredOutputGrammar):
     """An `xgrammar.GrammarMatcher` (see `StructuredOutputGrammar` for the invariant)."""
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=_MAX_ROLLBACK_TOKENS)
+        self.matcher = xgr.GrammarMatcher(compiled)
         self.num_processed_tokens = 0
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:

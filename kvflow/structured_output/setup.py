@@ -45,15 +45,10 @@ def _tokenizer_vocab(path: str, vocab_size: int, eos_token_ids: tuple[int, ...])
 
 
 def _hash_vocab(vocab_size: int) -> GrammarVocab:
-    from kvflow.models.hash_model import (
-        hash_grammar_encode,
-        hash_grammar_stop_token_id,
-        hash_grammar_token_bytes,
-    )
+    from kvflow.models.hash_model import hash_grammar_stop_token_id, hash_grammar_token_bytes
 
     return GrammarVocab(
         vocab_size,
         (hash_grammar_stop_token_id(vocab_size),),
         token_bytes=hash_grammar_token_bytes(vocab_size),
-        encode=partial(hash_grammar_encode, vocab_size=vocab_size),
     )

@@ -2,7 +2,10 @@
 worker, real model runner, hash model), stepped synchronously or overlapped (`async_scheduling`: two batches in
 flight), with adds, aborts in every state, forced resets with 0, 1 or 2 batches in flight, pauses in every mode
 (abort / wait / keep, with and without `clear_cache`), repeated pauses, resumes, requests arriving while paused,
-stop tokens and streaming-input sessions interleaved at random.
+stop tokens and streaming-input sessions interleaved at random. With `structured_fraction`, the core runs the
+hash-logits model and that share of requests is constrained by a real grammar (xgrammar, or llguidance) whose
+constrained output is computable too (`constrained_reference`), so a matcher that advanced on a discarded in-flight
+token, or missed a kept one, shows as a wrong token.
 
 `EngineProbe` wraps the executor and the worker of a core so that every `SchedulerOutput` is checked as it goes
 out: the slot model (`WorkerSlots`) must agree with the real runner's slots and never overflow, a new request
@@ -24,10 +27,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvflow.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from kvflow.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+)
 from kvflow.engine.core import EngineCore
+from kvflow.models.hash_model import hash_grammar_stop_token_id, next_token
 from kvflow.request import Request, RequestStatus
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.testing.hash_model import reference_tokens
 from kvflow.testing.worker_slots import WorkerSlots
 from tests.engine.simulation import Chunk, Simulation, Track
@@ -36,6 +47,47 @@ if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
 PAUSE_MODES = ("abort", "wait", "keep")
+# Toy grammars over the hash-logits model's synthetic vocabulary (token i is "a<i>" for even i, "b<i>" for odd
+# i): outputs alternate even, odd, even, ... and may end (with the grammar's stop token) after an odd token.
+# ALTERNATING may end after any number of pairs; BOUNDED after 1 to 3 pairs, and must end after 3.
+ALTERNATING = StructuredOutputsParams(regex=r"(a[0-9]+b[0-9]+)*")
+BOUNDED = StructuredOutputsParams(regex=r"(a[0-9]+b[0-9]+){1,3}")
+# name -> (constraint, fewest pairs before the end, most pairs or None)
+CONSTRAINTS: dict[str, tuple[StructuredOutputsParams, int, int | None]] = {
+    "alternating": (ALTERNATING, 0, None),
+    "bounded": (BOUNDED, 1, 3),
+}
+
+
+def constrained_reference(
+    prompt: list[int], max_tokens: int, constraint: str = "alternating", vocab_size: int = 50256
+) -> list[int]:
+    """What the hash-logits model generates greedily under `CONSTRAINTS[constraint]`, without the engine.
+
+    The model's logits rank tokens by cyclic distance after the hash's token, so under a mask it takes the first
+    allowed token at or after it. The grammar's stop token (allowed where the pattern may end, and the only token
+    allowed once it must end) ends the output and is kept as its last token.
+    """
+    _, min_pairs, max_pairs = CONSTRAINTS[constraint]
+    stop = hash_grammar_stop_token_id(vocab_size)
+    history = list(prompt)
+    output: list[int] = []
+    parity = num_pairs = 0
+    for _ in range(max_tokens):
+        may_end = parity == 0 and num_pairs >= min_pairs
+        must_end = max_pairs is not None and num_pairs == max_pairs
+        token = next_token(history, vocab_size)
+        while not (
+            (token == stop and may_end) or (token != stop and token % 2 == parity and not must_end)
+        ):
+            token = (token + 1) % vocab_size
+        output.append(token)
+        history.append(token)
+        if token == stop:
+            break
+        num_pairs += parity
+        parity ^= 1
+    return output
 
 
 def make_engine_core(
@@ -50,12 +102,14 @@ def make_engine_core(
     policy: str = "fcfs",
     enable_chunked_prefill: bool = True,
     worker_thread: str = "on",
+    model: str = "hash",
+    structured_outputs_backend: str = "xgrammar",
 ) -> EngineCore:
     """An EngineCore on the hash model with the real executor, worker and runner. The worker thread is on by
     default (on CPU "auto" would run steps inline), so overlapped runs really have a batch executing meanwhile."""
     return EngineCore(
         EngineConfig(
-            model_config=ModelConfig(model="hash", max_model_len=max_model_len),
+            model_config=ModelConfig(model=model, max_model_len=max_model_len),
             cache_config=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -67,6 +121,7 @@ def make_engine_core(
                 use_v2_model_runner=use_v2_model_runner,
             ),
             parallel_config=ParallelConfig(worker_thread=worker_thread),
+            structured_outputs_config=StructuredOutputsConfig(backend=structured_outputs_backend),
         )
     )  # type: ignore[arg-type]
 
@@ -79,19 +134,28 @@ def greedy_request(
     resumable: bool = False,
     stop_token_ids: list[int] | None = None,
     eos_token_id: int | None = 50256,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> Request:
     params = SamplingParams(
         temperature=0.0,
         max_tokens=max_tokens,
         ignore_eos=eos_token_id == 50256,
         stop_token_ids=stop_token_ids,
+        structured_outputs=structured_outputs,
     )
     return Request(request_id, prompt, params, eos_token_id=eos_token_id, resumable=resumable)
 
 
-def expected_tokens(prompt: list[int], max_tokens: int, stop_token: int | None = None) -> list[int]:
-    """The hash-model output, cut after the first `stop_token` (which is kept, as EOS and stop ids are)."""
-    tokens = reference_tokens(prompt, max_tokens)
+def expected_tokens(
+    prompt: list[int], max_tokens: int, stop_token: int | None = None, constraint: str | None = None
+) -> list[int]:
+    """The hash-model output (under `CONSTRAINTS[constraint]` if given), cut after the first `stop_token` (which
+    is kept, as EOS and stop ids are)."""
+    tokens = (
+        constrained_reference(prompt, max_tokens, constraint)
+        if constraint is not None
+        else reference_tokens(prompt, max_tokens)
+    )
     if stop_token is not None and stop_token in tokens:
         del tokens[tokens.index(stop_token) + 1 :]
     return tokens
@@ -266,13 +330,18 @@ class EngineSimConfig:
     max_steps: int = 5000
     max_stall_steps: int = 80
     reuse_id_probability: float = 0.15
+    # Share of (non-session) requests constrained by ALTERNATING; > 0 runs the hash-logits model.
+    structured_fraction: float = 0.0
+    structured_outputs_backend: str = "xgrammar"
 
 
 @dataclass
 class EngineTrack(Track):
-    """A `Track` (simulation.py) plus the stop token a non-session request was given (None: runs to max_tokens)."""
+    """A `Track` (simulation.py) plus the stop token a non-session request was given (None: runs to max_tokens)
+    and the name of its constraint in `CONSTRAINTS` (None: unconstrained)."""
 
     stop_token: int | None = None
+    constraint: str | None = None
 
 
 @dataclass
@@ -309,6 +378,7 @@ class SimStats:
     max_in_flight: int = 0
     num_stopped: int = 0
     num_reused_ids: int = 0
+    num_grammar_stops: int = 0
 
 
 class EngineSimulation:
@@ -332,7 +402,15 @@ class EngineSimulation:
             max_model_len=self.max_model_len,
             policy=config.policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            model="hash-logits" if config.structured_fraction > 0 else "hash",
+            structured_outputs_backend=config.structured_outputs_backend,
         )
+        if config.structured_fraction > 0:
+            # Compile the grammar once up front: the run then never waits on the compiler.
+            manager = self.core.structured_output_manager
+            assert manager is not None
+            for params, _, _ in CONSTRAINTS.values():
+                manager._compile(params).result()
         self.scheduler = self.core.scheduler
         self.probe = EngineProbe(self.core)
         self.probe.mid_step_hook = self._mid_step_events
@@ -408,13 +486,17 @@ class EngineSimulation:
         self.tracks[request_id] = track
         stop_token_ids: list[int] | None = None
         eos_token_id: int | None = 50256
+        if not is_session and self.rng.random() < self.config.structured_fraction:
+            track.constraint = self.rng.choice(sorted(CONSTRAINTS))
         if is_session:
             self.probe.session_ids.add(request_id)
             for _ in range(self.rng.randrange(0, 3)):
                 track.pending.append(self._random_chunk())
             track.pending.append(None)
         elif self.rng.random() < self.config.stop_fraction:
-            stop_token = track.stop_token = self.rng.choice(reference_tokens(prompt, max_tokens))
+            stop_token = track.stop_token = self.rng.choice(
+                expected_tokens(prompt, max_tokens, constraint=track.constraint)
+            )
             if self.rng.random() < 0.5:
                 stop_token_ids = [stop_token]
             else:
@@ -428,11 +510,16 @@ class EngineSimulation:
                 resumable=is_session,
                 stop_token_ids=stop_token_ids,
                 eos_token_id=eos_token_id,
+                structured_outputs=(
+                    None if track.constraint is None else CONSTRAINTS[track.constraint][0]
+                ),
             )
         )
-        # Queued visibly, even while paused: counted as unfinished, waiting.
+        # Queued visibly, even while paused: counted as unfinished, waiting (for its grammar, if constrained).
         assert self.scheduler.get_num_unfinished_requests() == num_unfinished + 1
-        assert self.scheduler.requests[request_id].status == RequestStatus.WAITING
+        assert self.scheduler.requests[request_id].status == (
+            RequestStatus.WAITING if track.constraint is None else RequestStatus.WAITING_FOR_FSM
+        )
         if self.episode is not None:
             self.stats.num_added_while_paused += 1
             if self.episode.mode == "wait" and not is_session:
@@ -504,6 +591,8 @@ class EngineSimulation:
             track.aborted = True
         if output.finish_reason == "stop":
             self.stats.num_stopped += 1
+            if track.constraint is not None and chunk.tokens[-1:] == [hash_grammar_stop_token_id()]:
+                self.stats.num_grammar_stops += 1
         if not output.session_continues:
             track.done = True
         elif track.sent:
@@ -548,7 +637,7 @@ class EngineSimulation:
         in_flight = any(
             track.request_id in output.num_scheduled_tokens
             for output in [
-                *(output for output, _, _ in self.core.batch_queue),
+                *(batch.scheduler_output for batch in self.core.batch_queue),
                 *([launched] if launched else []),
             ]
         )
@@ -674,7 +763,9 @@ class EngineSimulation:
             Simulation._check_track(track)
             return
         chunk = track.chunks[0]
-        expected = expected_tokens(chunk.prompt, chunk.max_tokens, track.stop_token)
+        expected = expected_tokens(
+            chunk.prompt, chunk.max_tokens, track.stop_token, constraint=track.constraint
+        )
         if track.aborted:
             assert chunk.tokens == expected[: len(chunk.tokens)], (
                 f"{track.request_id}: aborted output {chunk.tokens} is not a prefix of {expected}"
@@ -683,8 +774,10 @@ class EngineSimulation:
         assert chunk.tokens == expected, (
             f"{track.request_id}: got {chunk.tokens}, expected {expected}"
         )
-        # Stop tokens are checked before the length cap: a last allowed token that is the stop token is "stop".
+        # Stop tokens are checked before the length cap: a last allowed token that is the stop token is "stop",
+        # and so is the grammar's stop token, which completes the constraint.
         stopped = track.stop_token is not None and expected[-1:] == [track.stop_token]
+        stopped |= track.constraint is not None and expected[-1:] == [hash_grammar_stop_token_id()]
         expected_reason = "stop" if stopped or len(expected) < chunk.max_tokens else "length"
         assert chunk.finish_reason == expected_reason, (track.request_id, chunk.finish_reason)
 

@@ -780,12 +780,13 @@ class Scheduler:
                     f"after {grammar.num_processed_tokens} tokens"
                 )
             request.append_output_token_id(token_id)
+            if grammar is not None and grammar.is_terminated():
+                # The constraint is complete (its end accepted): the request stops, as with EOS, also when
+                # this was its last allowed token (EOS comes before the length cap in check_stop too).
+                request.status = RequestStatus.FINISHED_STOPPED
+                return new_token_ids[:num_appended], True
             if check_stop(request, max_model_len):
                 # E.g., [5, EOS, 9]: stops at EOS (num_appended 2), so 9 is dropped -> [5, EOS].
-                return new_token_ids[:num_appended], True
-            if grammar is not None and grammar.is_terminated():
-                # The constraint is complete (its end accepted): the request stops, as with EOS.
-                request.status = RequestStatus.FINISHED_STOPPED
                 return new_token_ids[:num_appended], True
         return new_token_ids, False
 
