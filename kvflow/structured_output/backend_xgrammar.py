@@ -109,7 +109,7 @@ def _compile_checked(
 def _json_options(params: StructuredOutputsParams) -> dict[str, object]:
     """Compact JSON with `disable_any_whitespace`, else at most MAX_JSON_WHITESPACE characters per gap."""
     if params.disable_any_whitespace:
-        return {"any_whitespace": False}
+        return {"any_whitespace": False, "separators": (",", ":")}
     return {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 
 

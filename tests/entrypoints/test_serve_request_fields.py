@@ -32,21 +32,10 @@ SERVER_TEMPLATE = (
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
 
 # field -> (a value kvflow refuses until it is implemented, the value that means "off"), per endpoint.
+# (Structured outputs and the logits controls are implemented: tests/entrypoints/test_structured_outputs_api.py.)
 SHARED_FIELDS: dict[str, tuple[Any, Any]] = {
-    "guided_json": ({"type": "object"}, None),
-    "guided_regex": ("[a-z]+", None),
-    "guided_choice": (["yes", "no"], None),
-    "guided_grammar": ('root ::= "a"', None),
-    "guided_decoding_backend": ("xgrammar", None),
     "guided_whitespace_pattern": (r"\s*", None),
-    "structural_tag": ("{}", None),
-    "structured_outputs": ({"choice": ["yes", "no"]}, None),
-    "response_format": ({"type": "json_object"}, {"type": "text"}),
-    "bad_words": (["cache"], []),
-    "allowed_token_ids": ([1, 2, 3], None),
-    "logit_bias": ({"5": 10.0}, {}),
     "logits_processors": (["my.module:Processor"], None),
-    "truncate_prompt_tokens": (8, None),
     "use_beam_search": (True, False),
     "length_penalty": (0.5, 1.0),
 }

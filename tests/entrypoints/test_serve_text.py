@@ -439,7 +439,7 @@ CHAT_INVALID = [
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
     (
         {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
         "tool_choice",

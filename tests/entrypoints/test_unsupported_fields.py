@@ -28,9 +28,11 @@ def test_defaults_are_off_and_a_refusal_names_its_field() -> None:
     refuse_unsupported_fields(CompletionRequest(prompt="Hi"))
     with pytest.raises(OpenAIServingError) as caught:
         refuse_unsupported_fields(
-            ChatCompletionRequest(messages=MESSAGES, guided_choice=["a"], use_beam_search=True)
+            ChatCompletionRequest(
+                messages=MESSAGES, guided_whitespace_pattern=r"\s*", use_beam_search=True
+            )
         )
-    assert caught.value.param == "guided_choice"  # the first in the table's order
+    assert caught.value.param == "guided_whitespace_pattern"  # the first in the table's order
     assert "not supported by kvflow yet" in caught.value.message
 
 
