@@ -1,0 +1,231 @@
+"""The StructuredOutputManager inside an EngineCore (hash-logits model, real xgrammar): requests wait for their
+grammar without blocking others, a grammar that fails to compile (or a token it rejects) ends only its request,
+streaming sessions restart or drop the constraint per chunk, and the backends compile and validate."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvflow import StructuredOutputsParams
+from kvflow.config import StructuredOutputsConfig
+from kvflow.core.sched.output import ModelRunnerOutput
+from kvflow.engine.core import EngineCore
+from kvflow.models.hash_model import hash_grammar_stop_token_id
+from kvflow.request import Request, RequestStatus
+from kvflow.sampling_params import SamplingParams
+from kvflow.structured_output.backend import GrammarVocab, allocate_bitmask
+from kvflow.structured_output.manager import StructuredOutputManager
+from kvflow.structured_output.setup import _hash_vocab
+from kvflow.structured_output.validation import validate_structured_outputs
+from kvflow.testing.hash_model import reference_tokens
+from tests.engine.engine_simulation import BOUNDED, constrained_reference, make_engine_core
+
+
+def _request(
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int = 10,
+    constraint: StructuredOutputsParams | None = BOUNDED,
+    resumable: bool = False,
+) -> Request:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=constraint
+    )
+    return Request(request_id, prompt, params, eos_token_id=50256, resumable=resumable)
+
+
+def _run(core: EngineCore, max_steps: int = 500) -> dict[str, tuple[list[int], str | None, object]]:
+    """Step until idle; per request: its tokens, finish reason and stop reason."""
+    results: dict[str, tuple[list[int], str | None, object]] = {}
+    for _ in range(max_steps):
+        if not core.has_work():
+            return results
+        for output in core.step():
+            tokens, _, _ = results.get(output.request_id, ([], None, None))
+            results[output.request_id] = (
+                tokens + output.new_token_ids,
+                output.finish_reason,
+                output.stop_reason,
+            )
+    raise AssertionError("the engine did not go idle")
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def core(request: pytest.FixtureRequest):
+    engine = make_engine_core(async_scheduling=request.param, model="hash-logits", num_blocks=200)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_compiling_grammar_holds_only_its_request(core: EngineCore) -> None:
+    """While one constraint compiles (its vocabulary is held back here), its request waits in WAITING_FOR_FSM and
+    an unconstrained request behind it runs to completion; then the constrained one runs exactly."""
+    release = threading.Event()
+    vocab = _hash_vocab(50256)
+
+    def slow_vocab() -> GrammarVocab:
+        release.wait(60)
+        return vocab
+
+    manager = StructuredOutputManager(StructuredOutputsConfig(), slow_vocab, 50256)
+    core.structured_output_manager = manager
+    core.add_request(_request("constrained", [5, 6, 7]))
+    core.add_request(_request("plain", [8, 9], constraint=None))
+    assert core.scheduler.requests["constrained"].status == RequestStatus.WAITING_FOR_FSM
+    plain: list[int] = []
+    for _ in range(200):
+        for output in core.step():
+            assert output.request_id == "plain"
+            plain += output.new_token_ids
+        if len(plain) == 10:
+            break
+    assert plain == reference_tokens([8, 9], 10)
+    assert core.scheduler.requests["constrained"].status == RequestStatus.WAITING_FOR_FSM
+    release.set()
+    results = _run(core)
+    assert results["constrained"][0] == constrained_reference([5, 6, 7], 10, "bounded")
+    assert results["constrained"][1] == "stop"
+    manager.shutdown()
+
+
+def test_a_grammar_that_fails_to_compile_ends_only_its_request(core: EngineCore) -> None:
+    """An invalid regex that slipped past the front end's validation: finish_reason "error" naming the field; the
+    engine and the other requests go on."""
+    core.add_request(_request("bad", [1, 2], constraint=StructuredOutputsParams(regex="a(")))
+    core.add_request(_request("good", [3, 4]))
+    core.add_request(_request("plain", [5], constraint=None))
+    results = _run(core)
+    tokens, finish_reason, stop_reason = results["bad"]
+    assert tokens == [] and finish_reason == "error"
+    assert "structured_outputs.regex" in str(stop_reason)
+    assert results["good"][0] == constrained_reference([3, 4], 10, "bounded")
+    assert results["plain"][0] == reference_tokens([5], 10)
+
+
+def test_a_token_the_grammar_rejects_ends_the_request_with_an_error() -> None:
+    """Only a bug can sample a forbidden token; the scheduler then ends that request ("error") instead of
+    advancing its matcher silently."""
+    core = make_engine_core(model="hash-logits", num_blocks=200)
+    try:
+        core.add_request(_request("r", [1, 2, 3]))
+        manager = core.structured_output_manager
+        assert manager is not None
+        manager._compile(BOUNDED).result()
+        assert manager.poll() == []
+        scheduler = core.scheduler
+        output = scheduler.schedule()  # r's prefill, which samples
+        assert output.has_structured_output_requests
+        odd_token = 1  # BOUNDED's first token must be even
+        runner_output = ModelRunnerOutput(
+            req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[odd_token]]
+        )
+        outputs = {o.request_id: o for o in scheduler.update_from_output(output, runner_output)}
+        assert outputs["r"].finish_reason == "error"
+        assert "not allowed" in str(outputs["r"].stop_reason)
+    finally:
+        core.shutdown()
+
+
+def test_streaming_session_restarts_or_drops_the_constraint_per_chunk(core: EngineCore) -> None:
+    """Chunk 1 constrained; chunk 2 repeats the constraint (a fresh continuation under it, after the new prompt);
+    chunk 3 asks for none (unconstrained); a chunk with another constraint is refused."""
+    core.add_request(_request("s", [11, 12], max_tokens=6, resumable=True))
+    results = _run(core)
+    first = results["s"][0]
+    assert first == constrained_reference([11, 12], 6, "bounded")
+    prompt2 = [11, 12, *first[:-1], 40, 41]
+    core.add_request(_request("s", [40, 41], max_tokens=6, resumable=True))
+    second = _run(core)["s"][0]
+    assert second == constrained_reference(prompt2, 6, "bounded")
+    other = StructuredOutputsParams(regex="a[0-9]+")
+    with pytest.raises(ValueError, match="structured_outputs"):
+        core.add_request(_request("s", [50], constraint=other, resumable=True))
+    prompt3 = [*prompt2, *second[:-1], 50]
+    core.add_request(_request("s", [50], max_tokens=5, constraint=None))
+    third = _run(core)["s"][0]
+    assert third == reference_tokens(prompt3, 5)
+
+
+def test_the_hash_model_without_logits_refuses_a_constraint() -> None:
+    core = make_engine_core(model="hash", num_blocks=50)
+    try:
+        with pytest.raises(ValueError, match=r"structured_outputs.*no logits"):
+            core.add_request(_request("r", [1, 2]))
+    finally:
+        core.shutdown()
+
+
+def test_guidance_on_the_hash_logits_model_is_a_request_error() -> None:
+    core = make_engine_core(
+        model="hash-logits", num_blocks=50, structured_outputs_backend="guidance"
+    )
+    try:
+        core.add_request(_request("r", [1, 2]))
+        _, finish_reason, stop_reason = _run(core)["r"]
+        assert finish_reason == "error" and "needs the model's tokenizer" in str(stop_reason)
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance", "auto"])
+@pytest.mark.parametrize(
+    ("constraint", "field"),
+    [
+        (StructuredOutputsParams(regex="a("), "structured_outputs.regex"),
+        (StructuredOutputsParams(json={"type": "objec"}), "structured_outputs.json"),
+        (StructuredOutputsParams(json="{not json"), "structured_outputs.json"),
+        (StructuredOutputsParams(grammar="root ::= missing"), "structured_outputs.grammar"),
+    ],
+)
+def test_validation_names_the_field(
+    backend: str, constraint: StructuredOutputsParams, field: str
+) -> None:
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        validate_structured_outputs(constraint, backend)
+
+
+def test_auto_falls_back_to_guidance_for_what_xgrammar_cannot_parse() -> None:
+    lark = StructuredOutputsParams(grammar='start: "yes" | "no"')
+    with pytest.raises(ValueError, match=r"structured_outputs\.grammar"):
+        validate_structured_outputs(lark, "xgrammar")
+    validate_structured_outputs(lark, "guidance")
+    validate_structured_outputs(lark, "auto")
+
+
+def test_exactly_one_constraint_is_required() -> None:
+    with pytest.raises(ValueError, match=r"exactly one of .*got regex, choice"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match=r"StructuredOutputsParams\.choice"):
+        StructuredOutputsParams(choice=[])
+
+
+def test_the_bitmask_of_a_matcher_allows_exactly_the_grammar_tokens() -> None:
+    """The synthetic vocabulary's bitmask: at the start of BOUNDED only even ids (not the stop token), after an
+    even one only odd ids, after a pair odd... and the stop token."""
+    manager = StructuredOutputManager(
+        StructuredOutputsConfig(), lambda: _hash_vocab(64), vocab_size=64
+    )
+    factory = manager._compile(BOUNDED).result()
+    grammar = factory()
+
+    def allowed() -> set[int]:
+        bitmask = allocate_bitmask(1, 64)
+        bitmask[:] = 0
+        grammar.fill_bitmask(bitmask, 0)
+        bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:64]
+        return {int(i) for i in np.flatnonzero(bits)}
+
+    stop = hash_grammar_stop_token_id(64)
+    assert allowed() == set(range(0, 64, 2))
+    assert grammar.accept_tokens([4])
+    assert allowed() == set(range(1, 63, 2))
+    assert not grammar.accept_tokens([6])  # rejected, state unchanged
+    assert grammar.accept_tokens([7])
+    assert allowed() == set(range(0, 64, 2)) | {stop}
+    assert grammar.accept_tokens([stop]) and grammar.is_terminated()
+    manager.shutdown()
