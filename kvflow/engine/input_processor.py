@@ -46,9 +46,11 @@ class InputProcessor:
     least one generated token under `max_model_len`; `logprobs` and `prompt_logprobs` are at most `max_logprobs`
     (unless that is -1) and the vocabulary size, and are refused for a model without logits (the hash model samples
     its own tokens); EOS ids beyond the model's first (generation_config.json's list) are added as stop token
-    ids unless `ignore_eos`. A request without SamplingParams runs with `default_sampling_params`: kvflow's
-    defaults overridden by the model creator's generation_config.json (`ModelConfig.generation_config`). A bad
-    prompt or parameter raises `ValueError` naming it.
+    ids unless `ignore_eos`. `truncate_prompt_tokens` keeps the prompt's last k tokens before the length check;
+    `bad_words` become `bad_words_token_ids` on a copy of the params (never on the caller's, which may be shared);
+    `allowed_token_ids`, `logit_bias` and bad word ids are in the vocabulary. A request without SamplingParams
+    runs with `default_sampling_params`: kvflow's defaults overridden by the model creator's generation_config.json
+    (`ModelConfig.generation_config`). A bad prompt or parameter raises `ValueError` naming it.
     """
 
     def __init__(
@@ -143,16 +145,62 @@ class InputProcessor:
                 f"sampling_params must be SamplingParams, got {type(sampling_params).__name__}"
             )
         sampling_params.validate()  # it may have been changed since it was built
+        sampling_params = self.with_bad_words_token_ids(sampling_params)
         self.limits.check_params(sampling_params)
         prompt_text, prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = self.truncate(prompt_token_ids, sampling_params.truncate_prompt_tokens)
         if len(prompt_token_ids) >= self.max_model_len:
+            truncated = (
+                ""
+                if sampling_params.truncate_prompt_tokens is None
+                else f" after truncate_prompt_tokens={sampling_params.truncate_prompt_tokens}"
+            )
             raise ValueError(
-                f"prompt has {len(prompt_token_ids)} tokens; max_model_len={self.max_model_len} leaves "
-                "no room to generate"
+                f"prompt has {len(prompt_token_ids)} tokens{truncated}; max_model_len={self.max_model_len} "
+                "leaves no room to generate"
             )
         return ProcessedPrompt(
             prompt_text, prompt_token_ids, self.with_model_stop_ids(sampling_params)
         )
+
+    def truncate(
+        self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None
+    ) -> list[int]:
+        """The last `truncate_prompt_tokens` ids (-1: the last `max_model_len`); all of them for None."""
+        if truncate_prompt_tokens is None:
+            return prompt_token_ids
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
+
+    def with_bad_words_token_ids(self, sampling_params: SamplingParams) -> SamplingParams:
+        """`sampling_params`, or a copy whose `bad_words_token_ids` are its `bad_words` tokenized (None without).
+
+        Each word is encoded without special tokens twice, as given (left-stripped) and after one space (how it
+        reads inside a text), and each distinct sequence is kept once, in order. vLLM's `update_from_tokenizer`
+        keeps the spaced form only when it has as many tokens as the plain one and another first token; kvflow
+        keeps it whenever it differs: on the built-in model's tokenizer "fox" is 3 tokens at the start of a text
+        and 2 inside one, and both must be banned.
+        """
+        bad_words = sampling_params.bad_words
+        if not bad_words:
+            if sampling_params.bad_words_token_ids is None:
+                return sampling_params
+            return dataclasses.replace(sampling_params, bad_words_token_ids=None)
+        if self.tokenizer is None:
+            raise ValueError(
+                "SamplingParams.bad_words needs a tokenizer, and this engine has none (skip_tokenizer_init=True "
+                "or model='hash'): drop bad_words, or ban token ids with logit_bias"
+            )
+        sequences: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for word in bad_words:
+            stripped = word.lstrip()
+            for text in (stripped, " " + stripped):
+                token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if token_ids and tuple(token_ids) not in seen:
+                    seen.add(tuple(token_ids))
+                    sequences.append(token_ids)
+        return dataclasses.replace(sampling_params, bad_words_token_ids=sequences or None)
 
     def with_model_stop_ids(self, sampling_params: SamplingParams) -> SamplingParams:
         if not self.extra_eos_token_ids or sampling_params.ignore_eos:

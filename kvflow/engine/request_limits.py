@@ -46,15 +46,24 @@ class RequestLimits:
 
     # ------------------------------------------------------------------------------------------------ checks
     def check_params(self, sampling_params: SamplingParams) -> None:
-        """What needs the model: logprobs within the cap and the model's logits, stop token ids in the vocabulary."""
+        """What needs the model: logprobs within the cap and the model's logits, stop token ids in the vocabulary,
+        and the logits controls (`allowed_token_ids`, `logit_bias` keys, `bad_words_token_ids`) in the vocabulary
+        and on a model with logits. Costs O(size of the controls)."""
         for name in ("logprobs", "prompt_logprobs"):
             self._check_num_logprobs(name, getattr(sampling_params, name))
-        outside = [t for t in sampling_params.stop_token_ids or () if t >= self.vocab_size]
-        if outside:
-            raise ValueError(
-                f"SamplingParams.stop_token_ids holds {short_list(outside)}, not token ids in "
-                f"[0, {self.vocab_size})"
-            )
+        self._check_in_vocab("stop_token_ids", sampling_params.stop_token_ids or ())
+        if sampling_params.allowed_token_ids is not None:
+            self._check_in_vocab("allowed_token_ids", sampling_params.allowed_token_ids)
+        if sampling_params.logit_bias is not None:
+            self._check_in_vocab("logit_bias", list(sampling_params.logit_bias))
+        self._check_bad_words_token_ids(sampling_params.bad_words_token_ids)
+        if not self.has_logits:
+            for name in ("allowed_token_ids", "logit_bias", "bad_words"):
+                if getattr(sampling_params, name):
+                    raise ValueError(
+                        f"SamplingParams.{name}: the hash model samples its own tokens and has no logits, "
+                        "so it cannot apply logits controls"
+                    )
 
     def check_request(self, request: Request) -> None:
         """A core request about to be queued: its params (validated again), its prompt's token ids and its
@@ -73,6 +82,33 @@ class RequestLimits:
         if not INT64_MIN <= request.priority <= INT64_MAX:
             raise ValueError(
                 f"priority must be an int in [-2**63, 2**63), got {short_repr(request.priority)}"
+            )
+
+    def _check_in_vocab(self, name: str, token_ids: Sequence[int]) -> None:
+        outside = [t for t in token_ids if t >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"SamplingParams.{name} holds {short_list(outside)}, not token ids in [0, {self.vocab_size})"
+            )
+
+    def _check_bad_words_token_ids(self, bad_words_token_ids: object) -> None:
+        """The engine sets this field from `bad_words`; a request from elsewhere may carry anything, so its shape
+        is checked here (`SamplingParams.validate` leaves the derived field alone)."""
+        if bad_words_token_ids is None:
+            return
+        if not isinstance(bad_words_token_ids, list) or not all(
+            isinstance(word, list)
+            and word
+            and all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                for t in word
+            )
+            for word in bad_words_token_ids
+        ):
+            raise ValueError(
+                "SamplingParams.bad_words_token_ids must be None or a list of non-empty lists of token ids in "
+                f"[0, {self.vocab_size}) (the engine derives it from bad_words), got "
+                f"{short_repr(bad_words_token_ids)}"
             )
 
     def _check_num_logprobs(self, name: str, num_logprobs: int | None) -> None:
