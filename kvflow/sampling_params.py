@@ -71,7 +71,11 @@ class StructuredOutputsParams:
                 f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {found}"
             )
         checks = (
-            ("json", self.json is None or isinstance(self.json, str | dict), "a dict or a JSON string"),
+            (
+                "json",
+                self.json is None or isinstance(self.json, str | dict),
+                "a dict or a JSON string",
+            ),
             ("regex", self.regex is None or isinstance(self.regex, str), "a string"),
             (
                 "choice",
@@ -264,8 +268,7 @@ class SamplingParams:
                 or (
                     isinstance(self.logit_bias, dict)
                     and all(
-                        _is_int(t, 0)
-                        and _is_real(b, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
+                        _is_int(t, 0) and _is_real(b, -LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
                         for t, b in self.logit_bias.items()
                     )
                 ),

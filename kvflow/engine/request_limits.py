@@ -32,6 +32,8 @@ class RequestLimits:
     max_model_len: int
     max_logprobs: int = 20
     has_logits: bool = True
+    # The hash-logits test model has logits for the sampled rows only, none at prompt positions.
+    has_prompt_logits: bool = True
 
     @classmethod
     def of(
@@ -41,7 +43,8 @@ class RequestLimits:
             vocab_size=model_info.vocab_size,
             max_model_len=max_model_len,
             max_logprobs=model_config.max_logprobs,
-            has_logits=not model_info.is_hash_model,
+            has_logits=model_info.has_logits,
+            has_prompt_logits=not model_info.is_hash_model,
         )
 
     # ------------------------------------------------------------------------------------------------ checks
@@ -123,6 +126,11 @@ class RequestLimits:
             raise ValueError(
                 f"SamplingParams.{name}={num_logprobs} is more than the vocabulary size "
                 f"({self.vocab_size})"
+            )
+        if name == "prompt_logprobs" and self.has_logits and not self.has_prompt_logits:
+            raise ValueError(
+                f"SamplingParams.{name}={num_logprobs}: the hash-logits test model has no logits at "
+                "prompt positions"
             )
         if not self.has_logits:
             raise ValueError(

@@ -511,10 +511,11 @@ class ModelRunner:
 def _apply_grammar_bitmask(
     logits: torch.Tensor, req_ids: list[str], arrays: _StepArrays, grammar_output: GrammarOutput
 ) -> torch.Tensor:
-    """`logits` (the sampled rows) with every token a structured request's grammar forbids set to -inf.
+    """Set every token a structured request's grammar forbids to -inf in `logits` (the step's sampled rows, which
+    nothing reads after sampling), in place; returns `logits`.
 
-    Only the sampled rows of the grammar's requests change (a copy; other rows stay bit-identical). A row whose
-    bitmask allows nothing is left as it is: the scheduler then rejects whatever it samples, and ends that request.
+    Only the sampled rows of the grammar's requests change; other rows stay bit-identical. A row whose bitmask
+    allows nothing is left as it is: the scheduler then rejects whatever it samples, and ends that request.
     """
     sampled_index = {req_ids[row]: i for i, row in enumerate(arrays.sampled_rows.tolist())}
     logits_rows: list[int] = []
@@ -526,20 +527,22 @@ def _apply_grammar_bitmask(
             mask_rows.append(mask_row)
     if not logits_rows:
         return logits
-    words = torch.from_numpy(grammar_output.grammar_bitmask[mask_rows]).to(logits.device)
-    # Bit j of word w allows token 32 * w + j. E.g., word 5 (0b101) allows tokens 0 and 2 of its 32.
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(mask_rows), -1)
+    # Bit j of word w allows token 32 * w + j (little-endian words, so the bytes unpack in token order).
+    # E.g., a first word 5 (0b101) allows tokens 0 and 2.
+    words = np.ascontiguousarray(grammar_output.grammar_bitmask[mask_rows])
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     vocab_size = logits.shape[1]
-    if allowed.shape[1] < vocab_size:  # logits past the grammar's vocabulary are never allowed
-        padding = allowed.new_zeros(len(mask_rows), vocab_size - allowed.shape[1])
-        allowed = torch.cat([allowed, padding], dim=1)
-    allowed = allowed[:, :vocab_size]
+    if bits.shape[1] < vocab_size:  # logits past the grammar's vocabulary are never allowed
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
+    # unpackbits yields 0 / 1 bytes: viewed as bool without a copy.
+    allowed = torch.from_numpy(np.ascontiguousarray(bits[:, :vocab_size])).view(torch.bool)
+    allowed = allowed.to(logits.device)
     allowed |= ~allowed.any(dim=1, keepdim=True)  # nothing allowed: leave the row unmasked
+    if logits_rows == list(range(logits.shape[0])):  # every sampled row is constrained, in order
+        return logits.masked_fill_(~allowed, float("-inf"))
     index = torch.tensor(logits_rows, dtype=torch.int64, device=logits.device)
-    masked = logits.clone()
-    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
-    return masked
+    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
+    return logits
 
 
 def _spread_rows(
