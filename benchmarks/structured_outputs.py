@@ -1,6 +1,6 @@
 """Structured outputs' cost, same run, on the built-in default model: constrained vs unconstrained.
 
-    python benchmarks/structured_outputs.py [--rounds 3] [--num-requests 64] [--max-tokens 128]
+    python benchmarks/structured_outputs.py [--rounds 3] [--num-requests 64] [--max-tokens 128] [--quick]
 
 For each backend (xgrammar, guidance) one `LLM` (async scheduling, the default) runs, after an untimed warm-up
 that also compiles the schema once:
@@ -146,7 +146,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
                 rate = _throughput(llm, args.num_requests, args.max_tokens, is_constrained)
                 (constrained if is_constrained else plain).append(rate)
         ttft_plain, ttft_constrained = [], []
-        for index in range(20):
+        for index in range(4 if args.quick else 20):
             for is_constrained in (False, True) if index % 2 == 0 else (True, False):
                 value = _ttft_s(llm, is_constrained)
                 (ttft_constrained if is_constrained else ttft_plain).append(value)
@@ -165,13 +165,19 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
         llm.shutdown()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--backends", default="xgrammar,guidance")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--quick", action="store_true", help="a seconds-long smoke run (1 round, 8 x 16 tokens)"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.num_requests, args.max_tokens = 1, 8, 16
+    results = []
     for backend in args.backends.split(","):
         result = run_backend(backend, args)
         print(json.dumps(result, indent=1))
@@ -185,6 +191,8 @@ def main() -> None:
             f"us/step ({result['mask_us_per_request']:.1f} us/request)",
             flush=True,
         )
+        results.append(result)
+    return results
 
 
 if __name__ == "__main__":

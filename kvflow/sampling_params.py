@@ -149,7 +149,8 @@ class SamplingParams:
       * `bad_words`: no listed word's token sequence is completed (both the word and its leading-space variant;
         the engine's input processor tokenizes them into `bad_words_token_ids`, which a caller never sets);
       * `logit_bias`: `{token_id: bias}` with bias in [-100, 100], added to the logits;
-      * `truncate_prompt_tokens`: keep only the last k prompt tokens (-1: the last `max_model_len`).
+      * `truncate_prompt_tokens`: keep only the last k prompt tokens (-1: as many as leave room for one output
+        token, `max_model_len - 1`).
     Ids must be inside the model's vocabulary (the engine checks; ValueError naming the field).
     `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
     (`StructuredOutputsParams`); the sampled row's logits are masked to what the constraint allows.
@@ -279,7 +280,7 @@ class SamplingParams:
                 self.truncate_prompt_tokens is None
                 or self.truncate_prompt_tokens == -1
                 or _is_int(self.truncate_prompt_tokens, 1),
-                "None, -1 (max_model_len) or an int >= 1",
+                "None, -1 (max_model_len - 1) or an int >= 1",
             ),
             (
                 "structured_outputs",

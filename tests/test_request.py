@@ -19,6 +19,7 @@ FINISHED_STATUSES = [
 ]
 UNFINISHED_STATUSES = [
     RequestStatus.WAITING,
+    RequestStatus.WAITING_FOR_FSM,
     RequestStatus.WAITING_FOR_STREAMING_REQ,
     RequestStatus.RUNNING,
     RequestStatus.PREEMPTED,

@@ -15,6 +15,7 @@ from kvflow.engine.request_limits import RequestLimits, short_list
 from kvflow.model_info import load_sampling_defaults
 from kvflow.request import Request
 from kvflow.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, wrap_int64
+from kvflow.structured_output.validation import validate_structured_outputs
 from kvflow.utils import child_request_id, short_repr
 
 if TYPE_CHECKING:
@@ -48,7 +49,8 @@ class InputProcessor:
     its own tokens); EOS ids beyond the model's first (generation_config.json's list) are added as stop token
     ids unless `ignore_eos`. `truncate_prompt_tokens` keeps the prompt's last k tokens before the length check;
     `bad_words` become `bad_words_token_ids` on a copy of the params (never on the caller's, which may be shared);
-    `allowed_token_ids`, `logit_bias` and bad word ids are in the vocabulary. A request without SamplingParams
+    `allowed_token_ids`, `logit_bias` and bad word ids are in the vocabulary; a `structured_outputs` constraint
+    parses for the engine's backend. A request without SamplingParams
     runs with `default_sampling_params`: kvflow's defaults overridden by the model creator's generation_config.json
     (`ModelConfig.generation_config`). A bad prompt or parameter raises `ValueError` naming it.
     """
@@ -59,7 +61,12 @@ class InputProcessor:
         tokenizer: Tokenizer | None,
         max_model_len: int,
         model_config: ModelConfig | None = None,
+        structured_outputs_backend: str | None = None,
     ) -> None:
+        """`structured_outputs_backend` (the engine's `structured_outputs_config` backend) checks each request's
+        constraint before it is queued; None leaves the check to the engine core (its compile error ends the
+        request with finish_reason "error")."""
+        self.structured_outputs_backend = structured_outputs_backend
         if model_config is None:
             model_config = ModelConfig()  # its defaults: generation_config "auto", max_logprobs 20
         self.tokenizer = tokenizer
@@ -147,6 +154,10 @@ class InputProcessor:
         sampling_params.validate()  # it may have been changed since it was built
         sampling_params = self.with_bad_words_token_ids(sampling_params)
         self.limits.check_params(sampling_params)
+        if sampling_params.structured_outputs is not None and self.structured_outputs_backend:
+            validate_structured_outputs(
+                sampling_params.structured_outputs, self.structured_outputs_backend
+            )
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = self.truncate(prompt_token_ids, sampling_params.truncate_prompt_tokens)
         if len(prompt_token_ids) >= self.max_model_len:
@@ -166,10 +177,11 @@ class InputProcessor:
     def truncate(
         self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None
     ) -> list[int]:
-        """The last `truncate_prompt_tokens` ids (-1: the last `max_model_len`); all of them for None."""
+        """The last `truncate_prompt_tokens` ids; all of them for None. -1 keeps as many as the model takes while
+        leaving room for one output token (`max_model_len - 1`: a prompt of `max_model_len` could not generate)."""
         if truncate_prompt_tokens is None:
             return prompt_token_ids
-        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
 
     def with_bad_words_token_ids(self, sampling_params: SamplingParams) -> SamplingParams:

@@ -61,11 +61,11 @@ class RequestLimits:
             self._check_in_vocab("logit_bias", list(sampling_params.logit_bias))
         self._check_bad_words_token_ids(sampling_params.bad_words_token_ids)
         if not self.has_logits:
-            for name in ("allowed_token_ids", "logit_bias", "bad_words"):
+            for name in ("allowed_token_ids", "logit_bias", "bad_words", "structured_outputs"):
                 if getattr(sampling_params, name):
                     raise ValueError(
                         f"SamplingParams.{name}: the hash model samples its own tokens and has no logits, "
-                        "so it cannot apply logits controls"
+                        "so it cannot apply logits controls or structured outputs"
                     )
 
     def check_request(self, request: Request) -> None:

@@ -3,6 +3,7 @@ backend that will compile it? Compiling against the vocabulary happens later, in
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from kvflow.structured_output import STRUCTURED_OUTPUT_BACKENDS
@@ -21,10 +22,26 @@ def backends_to_try(backend: str) -> tuple[str, ...]:
     return (backend,)
 
 
+# Constraints already found valid, per backend (a repeated schema is parsed once per process); bounded.
+_VALID: OrderedDict[tuple[str, tuple[object, ...]], None] = OrderedDict()
+_VALID_CACHE_SIZE = 1024
+
+
 def validate_structured_outputs(params: StructuredOutputsParams, backend: str) -> None:
     """ValueError naming the field (`structured_outputs.json`, `.regex`, `.grammar`, ...) when `params`' constraint
     is not valid for `backend` ("auto": valid for xgrammar or guidance; the first backend's error otherwise)."""
     params.validate()
+    key = (backend, params.cache_key())
+    if key in _VALID:
+        _VALID.move_to_end(key)
+        return
+    _validate(params, backend)
+    _VALID[key] = None
+    if len(_VALID) > _VALID_CACHE_SIZE:
+        _VALID.popitem(last=False)
+
+
+def _validate(params: StructuredOutputsParams, backend: str) -> None:
     first_error: ValueError | None = None
     for name in backends_to_try(backend):
         try:

@@ -415,11 +415,12 @@ def _splitmix64(value: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- logits processing
-def apply_min_tokens(
-    logits: torch.Tensor, min_tokens_mask: tuple[torch.Tensor, torch.Tensor]
+def ban_token_pairs(
+    logits: torch.Tensor, banned: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
-    """Set each (row, token id) pair of `min_tokens_mask` to -inf, in place; returns `logits`."""
-    rows, token_ids = min_tokens_mask
+    """Set each (row, token id) pair of `banned` to -inf, in place; returns `logits` (min_tokens' EOS and stop
+    ids, bad words' last tokens)."""
+    rows, token_ids = banned
     logits[rows, token_ids] = float("-inf")
     return logits
 
@@ -430,15 +431,6 @@ def apply_allowed_token_ids(
     """Set every token a row may not sample (mask True) to -inf, on the mask's rows only, in place."""
     rows, mask = allowed_token_mask
     logits[rows] = logits[rows].masked_fill_(mask, float("-inf"))
-    return logits
-
-
-def apply_bad_words(
-    logits: torch.Tensor, bad_words_mask: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """Set each banned (row, token id) pair to -inf, in place; returns `logits`."""
-    rows, token_ids = bad_words_mask
-    logits[rows, token_ids] = float("-inf")
     return logits
 
 
@@ -552,11 +544,11 @@ class Sampler:
             return logits
         processed = logits.clone()
         if metadata.min_tokens_mask is not None:
-            apply_min_tokens(processed, metadata.min_tokens_mask)
+            ban_token_pairs(processed, metadata.min_tokens_mask)
         if metadata.allowed_token_mask is not None:
             apply_allowed_token_ids(processed, metadata.allowed_token_mask)
         if metadata.bad_words_mask is not None:
-            apply_bad_words(processed, metadata.bad_words_mask)
+            ban_token_pairs(processed, metadata.bad_words_mask)
         if metadata.logit_bias is not None:
             apply_logit_bias(processed, metadata.logit_bias)
         if metadata.penalties is not None:

@@ -133,9 +133,9 @@ def test_truncate_prompt_tokens_keeps_the_last_k_before_the_length_check(llm: LL
         processor.process(PROMPT, SamplingParams(truncate_prompt_tokens=-1)).prompt_token_ids
         == full
     )
-    # -1 keeps max_model_len tokens, which leaves no room to generate: the error names the field.
-    with pytest.raises(ValueError, match="truncate_prompt_tokens=-1"):
-        processor.process({"prompt_token_ids": long_ids}, SamplingParams(truncate_prompt_tokens=-1))
+    # -1 keeps the last max_model_len - 1 tokens (512 here): room for one output token.
+    kept = processor.process({"prompt_token_ids": long_ids}, SamplingParams(truncate_prompt_tokens=-1))
+    assert kept.prompt_token_ids == long_ids[-511:]
 
 
 def test_request_limits_name_stop_token_ids_as_before() -> None:

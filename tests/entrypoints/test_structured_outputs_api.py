@@ -436,3 +436,80 @@ def test_truncate_prompt_tokens_keeps_the_last_k(
         extra_body={"truncate_prompt_tokens": 10},
     )
     assert too_long.usage.prompt_tokens == 10
+
+
+# ---------------------------------------------------------------------------------------------- offline parity
+def test_offline_llm_gives_the_same_tokens_as_the_server(client: openai.OpenAI) -> None:
+    """`LLM.generate` with StructuredOutputsParams and the server with response_format: the same constrained
+    greedy output (the server's generation-config defaults are set explicitly to kvflow's)."""
+    from kvflow import LLM, SamplingParams, StructuredOutputsParams
+
+    response = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "user", "schema": SCHEMA},
+            },
+            "repetition_penalty": 1.0,
+            "return_token_ids": True,
+        },
+    )
+    llm = LLM(max_model_len=1024, num_kv_blocks=256, max_num_seqs=4)
+    try:
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+            structured_outputs=StructuredOutputsParams(json=SCHEMA),
+        )
+        offline = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert response.choices[0].text == offline.text
+    jsonschema.validate(json.loads(offline.text), SCHEMA)
+
+
+# ---------------------------------------------------------------------------------------------- guidance server
+@pytest.fixture(scope="module")
+def guidance_client() -> Iterator[openai.OpenAI]:
+    config = json.dumps({"backend": "guidance"})
+    with running_server(*DEFAULT_SERVER, "--structured-outputs-config", config) as remote:
+        yield remote.client()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_guidance_backend_serves_schema_choice_and_lark(
+    guidance_client: openai.OpenAI, stream: bool
+) -> None:
+    def chat(**extra_body: Any) -> list[str]:
+        kwargs: dict[str, Any] = dict(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=MAX_TOKENS,
+            temperature=0.7,
+            seed=5,
+            n=2,
+            extra_body=extra_body,
+        )
+        if not stream:
+            return [
+                c.message.content or ""
+                for c in guidance_client.chat.completions.create(**kwargs).choices
+            ]
+        texts = ["", ""]
+        for chunk in guidance_client.chat.completions.create(stream=True, **kwargs):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+        return texts
+
+    schema_format = {"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA}}
+    for text in chat(response_format=schema_format):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    for text in chat(guided_choice=CHOICES):
+        assert text in CHOICES
+    lark = 'start: ("yes" | "no") " because " /[a-z]{1,3}/ "."'
+    for text in chat(structured_outputs={"grammar": lark}):
+        assert re.fullmatch(r"(yes|no) because [a-z]{1,3}\.", text), text

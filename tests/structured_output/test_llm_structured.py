@@ -10,29 +10,10 @@ import jsonschema
 import pytest
 
 from kvflow import LLM, SamplingParams, StructuredOutputsParams
+from tests.entrypoints.test_structured_outputs_api import SCHEMA as PERSON_SCHEMA
 
 BACKENDS = ("xgrammar", "guidance")
 PROMPTS = ["The capital of France is", "Once upon a time", "She walked into the room and"]
-PERSON_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 18, "maximum": 99},
-        "role": {"enum": ["admin", "user", "guest"]},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 10},
-                "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
-            },
-            "required": ["city", "zip"],
-            "additionalProperties": False,
-        },
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
-    },
-    "required": ["name", "age", "role", "address", "tags"],
-    "additionalProperties": False,
-}
 # GBNF / xgrammar EBNF (llguidance converts it): a parenthesised sum of small numbers.
 SUM_GRAMMAR = 'root ::= "(" num (" + " num)* ")"\nnum ::= [1-9] [0-9]?'
 SUM_PATTERN = r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\)"

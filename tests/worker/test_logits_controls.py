@@ -5,14 +5,14 @@ sample bit for bit as in a batch without the controlled rows."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import pytest
 import torch
 
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.sampler import Sampler, SamplingMetadata, build_sampling_metadata
+from kvflow.worker.sampler import Sampler, SamplingMetadata
+from tests.worker.test_sampler import Row
+from tests.worker.test_sampler import make_metadata as make_sampler_metadata
 
 CPU = torch.device("cpu")
 VOCAB = 10
@@ -21,32 +21,9 @@ MAX_MODEL_LEN = 32
 NEG_INF = float("-inf")
 
 
-@dataclass
-class Row:
-    params: SamplingParams
-    prompt: list[int] = field(default_factory=lambda: [1, 3])
-    outputs: list[int] = field(default_factory=list)
-
-
 def make_metadata(rows: Sequence[Row], vocab_size: int = VOCAB) -> SamplingMetadata:
-    """Metadata for `rows`, their histories in scattered slots of a token array full of junk tokens."""
-    rng = np.random.default_rng(0)
-    num_slots = len(rows) + 3
-    token_ids = rng.integers(0, vocab_size, (num_slots, MAX_MODEL_LEN), dtype=np.int64)
-    slots = rng.permutation(num_slots)[: len(rows)].astype(np.int64)
-    for row, slot in zip(rows, slots.tolist(), strict=True):
-        history = row.prompt + row.outputs
-        token_ids[slot, : len(history)] = history
-    return build_sampling_metadata(
-        [row.params for row in rows],
-        token_ids=token_ids,
-        slot_indices=slots,
-        num_prompt_tokens=np.array([len(row.prompt) for row in rows], dtype=np.int64),
-        num_tokens=np.array([len(row.prompt) + len(row.outputs) for row in rows], dtype=np.int64),
-        vocab_size=vocab_size,
-        eos_token_id=EOS,
-        device=CPU,
-    )
+    """test_sampler's metadata (histories in scattered slots of a junk-filled token array), with this EOS."""
+    return make_sampler_metadata(rows, vocab_size, eos_token_id=EOS)
 
 
 def greedy(**kwargs: object) -> SamplingParams:

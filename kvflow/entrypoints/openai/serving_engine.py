@@ -245,14 +245,10 @@ class OpenAIServing:
     def truncate_prompt(
         self, text: str | None, token_ids: list[int], controls: RequestControls
     ) -> tuple[str | None, list[int]]:
-        """The prompt's last `truncate_prompt_tokens` tokens (-1: the last `max_model_len`), as vLLM keeps them;
-        a prompt that was cut loses its text (echo then shows the kept tokens, decoded)."""
-        keep = controls.truncate_prompt_tokens
-        if keep == -1:
-            keep = self.max_model_len
-        if keep is None or len(token_ids) <= keep:
-            return text, token_ids
-        return None, token_ids[-keep:]
+        """The prompt's last `truncate_prompt_tokens` tokens (`InputProcessor.truncate`); a prompt that was cut
+        loses its text (echo then shows the kept tokens, decoded)."""
+        kept = self.engine.input_processor.truncate(token_ids, controls.truncate_prompt_tokens)
+        return (text, token_ids) if len(kept) == len(token_ids) else (None, kept)
 
     def check_num_prompts(self, num_prompts: int) -> None:
         _check_count(
@@ -569,7 +565,7 @@ def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[in
 def _truncate_prompt_tokens(value: int | None) -> int | None:
     if value is not None and value != -1 and value < 1:
         raise OpenAIServingError(
-            f"truncate_prompt_tokens must be -1 (keep the last max_model_len tokens) or an int >= 1, got "
+            f"truncate_prompt_tokens must be -1 (keep the last max_model_len - 1 tokens) or an int >= 1, got "
             f"{short_repr(value)}",
             param="truncate_prompt_tokens",
         )
