@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test demo demo-hash serve lint bench clean
+.PHONY: test test-all demo demo-hash serve lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -13,7 +13,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
+# The CI suite: everything but the tests marked slow (long randomized runs, soak tests), which test-all adds.
 test: $(VENV)/.installed
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 demo: $(VENV)/.installed
