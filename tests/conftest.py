@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,14 @@ def _share_kernel_builds() -> None:
 
     os.environ.setdefault(KERNEL_CACHE_DIR_ENV, str(kernels_build_dir()))
     load_cpu_kernels()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C tests need Python's SIGINT handler. A suite started in the background by a non-interactive shell
+    (`cmd &`) inherits SIGINT ignored, which Python then leaves in place and every child process inherits; put the
+    default back so those tests behave the same however the suite was started."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
