@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kvflow.entrypoints.cli import build_parser
 from kvflow.models.hash_model import reference_tokens
 
@@ -158,10 +160,18 @@ def test_token_id_prompts_print_token_ids_and_stop_token_ids_and_min_tokens_appl
     held = run_kvflow(*base, "--stop-token-ids", str(expected[0]), "--min-tokens", "3")
     assert expected[0] not in expected[1:]
     assert held.stdout == plain.stdout
-    # The same front end over an engine-core process, and over two data-parallel cores.
+    # The same front end over an engine-core process.
     in_process = run_kvflow(*base, "--engine-process")
     assert in_process.returncode == 0, in_process.stderr
     assert in_process.stdout == plain.stdout and "engine core process" in in_process.stderr
+
+
+@pytest.mark.slow  # three processes; LLM(data_parallel_size=2) itself is tested in tests/engine/test_dp_client.py
+def test_generate_over_two_data_parallel_cores() -> None:
+    prompt = [11, 22, 33]
+    expected = reference_tokens(prompt, 8)
+    base = ("generate", "--prompt-token-ids", ",".join(map(str, prompt)), *HASH_MODEL)
+    base = (*base, "--max-tokens", "8")
     two = ",".join(map(str, [44, 55]))
     parallel = run_kvflow(*base[:3], two, *base[3:], "--data-parallel-size", "2")
     assert parallel.returncode == 0, parallel.stderr

@@ -35,16 +35,21 @@ def assert_one_line_error(
     ("args", "fragment"),
     [
         (["--top-p", "1.5"], "SamplingParams.top_p"),
-        (["--min-tokens", "100"], "SamplingParams.min_tokens"),
+        # Each case is a process start (~3 s): the slow-marked ones repeat a kind of error another case covers.
+        pytest.param(["--min-tokens", "100"], "SamplingParams.min_tokens", marks=pytest.mark.slow),
         (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
-        (["--device", "tpu"], "device"),
+        pytest.param(["--device", "tpu"], "device", marks=pytest.mark.slow),
         (["--kv-cache-memory-bytes", "1"], "kv_cache_memory_bytes"),
-        (["--kv-cache-memory-bytes", str(10**15)], None),  # more memory than any machine has
+        pytest.param(  # more memory than any machine has
+            ["--kv-cache-memory-bytes", str(10**15)], None, marks=pytest.mark.slow
+        ),
         (["--model", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
         (["--stop-token-ids", "1,x"], "--stop-token-ids"),  # a usage error: one line, too
-        (["--skip-tokenizer-init"], "--prompt-token-ids"),
+        pytest.param(["--skip-tokenizer-init"], "--prompt-token-ids", marks=pytest.mark.slow),
         (HASH_MODEL, "--prompt-token-ids"),  # a model without a tokenizer
-        (["--prompt-token-ids"], "--prompt-token-ids"),  # "Hello" is not a list of ids
+        pytest.param(  # "Hello" is not a list of ids
+            ["--prompt-token-ids"], "--prompt-token-ids", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_a_bad_option_is_one_line_and_status_2(args: list[str], fragment: str | None) -> None:

@@ -134,7 +134,9 @@ def test_truncate_prompt_tokens_keeps_the_last_k_before_the_length_check(llm: LL
         == full
     )
     # -1 keeps the last max_model_len - 1 tokens (512 here): room for one output token.
-    kept = processor.process({"prompt_token_ids": long_ids}, SamplingParams(truncate_prompt_tokens=-1))
+    kept = processor.process(
+        {"prompt_token_ids": long_ids}, SamplingParams(truncate_prompt_tokens=-1)
+    )
     assert kept.prompt_token_ids == long_ids[-511:]
 
 
