@@ -26,10 +26,8 @@ if TYPE_CHECKING:
 class GuidanceGrammar(StructuredOutputGrammar):
     """An `llguidance.LLMatcher` (see `StructuredOutputGrammar` for the invariant)."""
 
-    def __init__(
-        self, tokenizer: llguidance.LLTokenizer, grammar: str, eos_token_ids: frozenset[int]
-    ) -> None:
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> None:
+        self.matcher = matcher
         self.eos_token_ids = eos_token_ids
         self.num_processed_tokens = 0
         # llguidance stops as soon as nothing can extend the output (e.g. after the last choice's last token);
@@ -90,11 +88,12 @@ class GuidanceBackend(StructuredOutputBackend):
         grammar = _grammar_text(params)
         tokenizer = self.tokenizer
         eos = frozenset(t for t in self.vocab.eos_token_ids if t < self.vocab.vocab_size)
-        # Compiling a matcher checks the grammar against the vocabulary; its error names what is wrong.
-        probe = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if probe.is_error():
-            raise ValueError(f"structured_outputs.{params.kind} is invalid: {probe.get_error()}")
-        return lambda: GuidanceGrammar(tokenizer, grammar, eos)
+        # Compiling a matcher checks the grammar against the vocabulary; its error names what is wrong. Each
+        # request's matcher is a copy of this one (a copy skips parsing the grammar again).
+        template = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} is invalid: {template.get_error()}")
+        return lambda: GuidanceGrammar(template.deep_copy(), eos)
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:

@@ -534,14 +534,13 @@ def _apply_grammar_bitmask(
     vocab_size = logits.shape[1]
     if bits.shape[1] < vocab_size:  # logits past the grammar's vocabulary are never allowed
         bits = np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
-    # unpackbits yields 0 / 1 bytes: viewed as bool without a copy.
-    allowed = torch.from_numpy(np.ascontiguousarray(bits[:, :vocab_size])).view(torch.bool)
-    allowed = allowed.to(logits.device)
-    allowed |= ~allowed.any(dim=1, keepdim=True)  # nothing allowed: leave the row unmasked
+    forbidden = bits[:, :vocab_size] == 0
+    forbidden[~words.any(axis=1)] = False  # nothing allowed: leave the row unmasked
+    mask = torch.from_numpy(forbidden).to(logits.device)
     if logits_rows == list(range(logits.shape[0])):  # every sampled row is constrained, in order
-        return logits.masked_fill_(~allowed, float("-inf"))
+        return logits.masked_fill_(mask, float("-inf"))
     index = torch.tensor(logits_rows, dtype=torch.int64, device=logits.device)
-    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
+    logits[index] = logits[index].masked_fill_(mask, float("-inf"))
     return logits
 
 
