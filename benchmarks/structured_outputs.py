@@ -9,7 +9,7 @@ that also compiles the schema once:
     both sets produce the same number of tokens, in batches of the same shape), alternating for `--rounds`;
     reported: output tokens/s of each and the median ratio constrained / unconstrained;
   * time to first token of one request (`max_tokens=1`), unconstrained vs a schema compiled before (the compile
-    cache): medians over 20 requests each, alternating, and their ratio;
+    cache): medians over 60 requests each, alternating, and their ratio;
   * the bitmask's cost: the manager's per-step fill for the batch's matchers (at mid-output states) and the
     runner's masking of those rows, per step and per request.
 """
@@ -146,7 +146,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
                 rate = _throughput(llm, args.num_requests, args.max_tokens, is_constrained)
                 (constrained if is_constrained else plain).append(rate)
         ttft_plain, ttft_constrained = [], []
-        for index in range(4 if args.quick else 20):
+        for index in range(4 if args.quick else 60):
             for is_constrained in (False, True) if index % 2 == 0 else (True, False):
                 value = _ttft_s(llm, is_constrained)
                 (ttft_constrained if is_constrained else ttft_plain).append(value)
