@@ -229,3 +229,40 @@ def test_the_bitmask_of_a_matcher_allows_exactly_the_grammar_tokens() -> None:
     assert allowed() == set(range(0, 64, 2)) | {stop}
     assert grammar.accept_tokens([stop]) and grammar.is_terminated()
     manager.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tensor_parallel_workers_sample_under_the_grammar(async_scheduling: bool) -> None:
+    """Two mp worker processes: every rank gets the step's bitmask (`SampleTokens`) after its forward pass, and
+    the constrained outputs are the single-process ones."""
+    from kvflow import LLM
+
+    llm = LLM(
+        "hash-logits",
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        num_kv_blocks=300,
+        max_model_len=256,
+        async_scheduling=async_scheduling,
+    )
+    try:
+        prompts = [[i + 1, 2 * i + 5, 9] for i in range(4)]
+        params = [
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=10,
+                ignore_eos=True,
+                structured_outputs=BOUNDED if i % 2 == 0 else None,
+            )
+            for i in range(4)
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+            expected = (
+                constrained_reference(prompt, 10, "bounded")
+                if i % 2 == 0
+                else reference_tokens(prompt, 10)
+            )
+            assert list(output.outputs[0].token_ids) == expected
+    finally:
+        llm.shutdown()
