@@ -92,3 +92,12 @@ def test_grammar_mask_leaves_unconstrained_rows_untouched(async_scheduling: bool
                 assert tokens[request_id] == reference_tokens(prompt, 12)
     finally:
         core.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(30))
+def test_constrained_requests_exact_with_random_configs_long(seed: int) -> None:
+    config = dataclasses.replace(
+        random_config(2000 + seed), structured_fraction=0.3 + (seed % 3) * 0.3
+    )
+    EngineSimulation(config, 2000 + seed).run()
