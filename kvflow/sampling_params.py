@@ -300,6 +300,44 @@ class SamplingParams:
         return self.temperature == 0
 
 
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (vLLM's `BeamSearchParams`), for `LLM.beam_search`.
+
+    Invariants after construction: `beam_width >= 1`, `max_tokens >= 1`, `temperature` a finite float32 >= 0
+    (each step's sampled token, drawn at this temperature, joins that beam's candidates; beams are ranked by the
+    model's raw logprobs, as in vLLM), `length_penalty` a finite number (final ranking: cumulative logprob /
+    sequence length ** length_penalty). ValueError names the field.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("beam_width", _is_int(self.beam_width, 1), "an int >= 1"),
+            ("max_tokens", _is_int(self.max_tokens, 1), "an int >= 1"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
+            ("temperature", _is_real(self.temperature, 0.0), _NON_NEGATIVE_FLOAT32),
+            ("length_penalty", _is_real(self.length_penalty), "a finite number"),
+            (
+                "include_stop_str_in_output",
+                isinstance(self.include_stop_str_in_output, bool),
+                "a bool",
+            ),
+        )
+        for field_name, ok, rule in checks:
+            if not ok:
+                raise ValueError(
+                    f"BeamSearchParams.{field_name} must be {rule}, "
+                    f"got {short_repr(getattr(self, field_name))}"
+                )
+
+
 def _is_int(value: object, low: int = INT64_MIN, high: int = INT64_MAX) -> bool:
     """An int (not a bool) in [low, high]; the default range is int64's."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high

@@ -26,10 +26,11 @@ from kvflow.engine.death import EngineDeadError, fresh_dead_error
 from kvflow.engine.input_processor import ProcessedPrompt, PromptType, check_priority
 from kvflow.engine.stat_logger import LoggingStatLogger
 from kvflow.entrypoints.interrupts import DeferredInterrupt
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import BeamSearchParams, SamplingParams
 from kvflow.tokenizer.chat import render_chat
 
 if TYPE_CHECKING:
+    from kvflow.beam_search import BeamSearchOutput
     from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
     from kvflow.engine.core import EngineCore
     from kvflow.engine.core_client import EngineCoreClient
@@ -142,6 +143,35 @@ class LLM:
             finally:
                 call.close()
         return [call.finished[request_id] for request_id in request_ids]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt (vLLM's algorithm, `kvflow.beam_search`): one `BeamSearchOutput` per prompt
+        whose `sequences` are the best `params.beam_width` beams, ranked by cumulative logprob / length **
+        `length_penalty`. Each step is one `generate` call with one token per live beam, so beams share their
+        prefix through the prefix cache. Needs `2 * beam_width <= max_logprobs` (a ValueError naming it)."""
+        from kvflow.beam_search import beam_search
+
+        prompt_list = self.input_processor.normalize_prompts(prompts)
+        token_prompts = [self.input_processor.tokenize(prompt)[1] for prompt in prompt_list]
+
+        def step(
+            beams: list[list[int]], num_logprobs: int, temperature: float
+        ) -> list[RequestOutput]:
+            params_one = SamplingParams(
+                max_tokens=1, logprobs=num_logprobs, temperature=temperature, ignore_eos=True
+            )
+            return self.generate(
+                [{"prompt_token_ids": tokens} for tokens in beams], params_one, use_tqdm=use_tqdm
+            )
+
+        return beam_search(
+            step, token_prompts, params, self.input_processor.eos_token_id, self.tokenizer
+        )
 
     def chat(
         self,
