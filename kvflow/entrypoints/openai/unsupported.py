@@ -75,12 +75,13 @@ UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
     UnsupportedField(
         "use_beam_search",
         _is_false,
-        "kvflow has no beam search yet; sample n choices, or decode greedily with temperature 0",
+        "the server has no beam search yet (offline, LLM.beam_search has it); sample n choices, or decode "
+        "greedily with temperature 0",
     ),
     UnsupportedField(
         "length_penalty",
         lambda value, _: value == 1.0,
-        "length_penalty applies to beam search, which kvflow does not have yet",
+        "length_penalty applies to beam search, which the server does not have yet",
     ),
     UnsupportedField(
         "prompt_embeds",
