@@ -63,8 +63,11 @@ class ModelInfo:
         return self.architecture != HASH_MODEL_ARCHITECTURE
 
 
-def resolve_model_path(model: str | None) -> Path | None:
-    """`None` -> the built-in default model (created on first use), "hash" -> None, else an existing folder."""
+def resolve_model_path(model: str | None, revision: str | None = None) -> Path | None:
+    """`None` -> the built-in default model (created on first use), "hash" / "hash-logits" -> None, an existing
+    folder -> itself, a Hugging Face id ("org/name") -> its snapshot in the local Hugging Face cache (`revision`:
+    a branch, tag or commit; default "main"). Nothing is downloaded; a miss is a ValueError saying where kvflow
+    looked."""
     if model in _HASH_ARCHITECTURES:
         return None
     if model is None:
@@ -72,17 +75,56 @@ def resolve_model_path(model: str | None) -> Path | None:
 
         return ensure_default_model()
     path = Path(model).expanduser()
-    if not path.is_dir():
+    if path.is_dir():
+        return path
+    if _looks_like_hub_id(model):
+        return _cached_snapshot(model, revision)
+    raise ValueError(
+        f"model={model!r}: not a checkpoint folder (kvflow loads Hugging Face checkpoint folders "
+        "from local disk, or an org/name id already in the local Hugging Face cache; nothing is downloaded)"
+    )
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    """ "org/name": exactly one slash, neither part empty or a path component like "." or "~"."""
+    parts = model.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not model.startswith(("~", "."))
+        and not any(part in (".", "..") for part in parts)
+    )
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
+    """The snapshot folder of `repo_id` in the local Hugging Face cache (huggingface_hub's own lookup: HF_HOME,
+    HF_HUB_CACHE), offline."""
+    try:
+        from huggingface_hub import constants, snapshot_download
+    except (
+        ImportError
+    ) as error:  # kvflow does not depend on huggingface_hub; transformers brings it
         raise ValueError(
-            f"model={model!r}: not a checkpoint folder (kvflow loads Hugging Face checkpoint folders "
-            "from local disk; nothing is downloaded)"
-        )
-    return path
+            f"model={repo_id!r}: looks like a Hugging Face id, and resolving it from the local cache needs the "
+            "huggingface_hub package (pip install huggingface_hub), or pass the checkpoint folder"
+        ) from error
+    try:
+        folder = snapshot_download(repo_id, revision=revision, local_files_only=True)
+    except (
+        Exception
+    ) as error:  # huggingface_hub's "not in the cache" errors differ between versions
+        where = constants.HF_HUB_CACHE
+        raise ValueError(
+            f"model={repo_id!r}{'' if revision is None else f' (revision {revision!r})'}: not in the local "
+            f"Hugging Face cache ({where}; set HF_HOME or HF_HUB_CACHE to use another), and kvflow downloads "
+            f"nothing: run `huggingface-cli download {repo_id}` first, or pass the checkpoint folder"
+        ) from error
+    return Path(folder)
 
 
-def resolve_model_info(model: str | None) -> ModelInfo:
+def resolve_model_info(model: str | None, revision: str | None = None) -> ModelInfo:
     """Read the checkpoint's config (and generation_config.json) without loading any weights."""
-    path = resolve_model_path(model)
+    path = resolve_model_path(model, revision)
     if path is None:
         from kvflow.models.hash_model import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE
 

@@ -56,10 +56,15 @@ class EngineArgs:
 
     model: str | None = _option(
         None,
-        "Hugging Face checkpoint folder; default: the built-in default model (created locally on first "
-        "use); 'hash': the deterministic test model",
+        "Hugging Face checkpoint folder, or an org/name id already in the local Hugging Face cache (nothing is "
+        "downloaded); default: the built-in default model (created locally on first use); 'hash': the "
+        "deterministic test model",
     )
     tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
+    revision: str | None = _option(
+        None,
+        "with a Hugging Face id as the model: the cached snapshot's branch, tag or commit (default: main)",
+    )
     skip_tokenizer_init: bool = _option(
         False, "load no tokenizer: prompts must be token ids, outputs carry no text"
     )

@@ -41,7 +41,7 @@ class FrontendParts:
 
 def resolve_engine_config(engine_args: EngineArgs) -> tuple[ModelInfo, EngineConfig]:
     """Resolve the model (building the default one if needed) and validate the options against it."""
-    model_info = resolve_model_info(engine_args.model)
+    model_info = resolve_model_info(engine_args.model, engine_args.revision)
     return model_info, engine_args.create_engine_config(model_info)
 
 
