@@ -115,9 +115,9 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
     ) as error:  # huggingface_hub's "not in the cache" errors differ between versions
         where = constants.HF_HUB_CACHE
         raise ValueError(
-            f"model={repo_id!r}{'' if revision is None else f' (revision {revision!r})'}: not in the local "
-            f"Hugging Face cache ({where}; set HF_HOME or HF_HUB_CACHE to use another), and kvflow downloads "
-            f"nothing: run `huggingface-cli download {repo_id}` first, or pass the checkpoint folder"
+            f"model={repo_id!r}{'' if revision is None else f' (revision {revision!r})'}: no such folder, and "
+            f"not in the local Hugging Face cache ({where}; set HF_HOME or HF_HUB_CACHE to use another); kvflow "
+            f"downloads nothing: run `huggingface-cli download {repo_id}` first, or pass the checkpoint folder"
         ) from error
     return Path(folder)
 
