@@ -68,12 +68,18 @@ def linear_kernel(
 def test_linear_dispatch(ops: object) -> None:
     """Decode-sized bf16 rows go to the GEMV; prefill-sized rows (see test_gemm.py), float32 and strided 3-D inputs
     are handled."""
+    torch.manual_seed(0)  # the same inputs whatever ran before
     layer = Linear(64, (48, 16), bias=True, dtype=torch.bfloat16, device="cpu")
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     small = torch.randn(2, 3, 64).bfloat16()  # 6 rows, leading dims kept
-    expected = ops.linear(small.reshape(6, 64), layer.weight, layer.bias, False).view(2, 3, 64)
-    assert torch.equal(layer(small), expected)
+    if (
+        ops.has_avx512()
+    ):  # the layer dispatches decode rows to the GEMV kernel: bit for bit its output
+        expected = ops.linear(small.reshape(6, 64), layer.weight, layer.bias, False).view(2, 3, 64)
+        assert torch.equal(layer(small), expected)
+    else:  # the portable build's kernels are not used by the layers: torch's linear, within rounding
+        _within_one_ulp(layer(small), F.linear(small, layer.weight, layer.bias), slack=1e-3)
     large = torch.randn(kernels.MAX_GEMV_ROWS + 1, 64).bfloat16()
     _within_one_ulp(layer(large), F.linear(large, layer.weight, layer.bias), slack=1e-3)
     strided = torch.randn(3, 128).bfloat16()[:, ::2]
