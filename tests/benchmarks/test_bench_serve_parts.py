@@ -77,3 +77,48 @@ def test_summary_statistics_and_the_table() -> None:
     assert table[2].split()[-1] == "1" and table[-1] == "=" * 50
     for short in ("TTFT", "TPOT", "ITL", "E2EL"):
         assert any(line.startswith(f"P99 {short} (ms):") for line in table)
+
+
+def test_vllm_spellings_of_the_target_endpoint_and_dataset() -> None:
+    """A `vllm bench serve` command line parses: --host/--port for --base-url, --backend for --endpoint,
+    --dataset-name for --dataset; a backend contradicting the endpoint is refused naming both."""
+    from kvflow.entrypoints.cli import build_parser
+    from kvflow.entrypoints.cli.bench import resolve_target
+
+    def parse(*flags: str):
+        return build_parser().parse_args(["bench", "serve", *flags])
+
+    args = parse(
+        "--backend",
+        "openai-chat",
+        "--host",
+        "10.0.0.2",
+        "--port",
+        "9000",
+        "--dataset-name",
+        "random",
+    )
+    assert resolve_target(args) == ("http://10.0.0.2:9000", "/v1/chat/completions")
+    assert args.dataset == "random"
+    assert resolve_target(parse("--backend", "vllm")) == (
+        "http://127.0.0.1:8000",
+        "/v1/completions",
+    )
+    assert resolve_target(parse("--base-url", "http://h:1")) == ("http://h:1", "/v1/completions")
+    with pytest.raises(
+        ValueError, match="--endpoint /v1/completions contradicts --backend openai-chat"
+    ):
+        resolve_target(parse("--backend", "openai-chat", "--endpoint", "/v1/completions"))
+
+
+def test_random_prefix_len_shares_one_prefix_across_prompts() -> None:
+    requests = random_requests(5, 8, 4, 0.0, seed=3, prefix_len=6)
+    prefixes = {tuple(request.prompt[:6]) for request in requests}  # type: ignore[index]
+    assert len(prefixes) == 1
+    assert all(request.prompt_len == 14 and len(request.prompt) == 14 for request in requests)  # type: ignore[arg-type]
+    assert len({tuple(request.prompt[6:]) for request in requests}) == 5  # type: ignore[index]
+    assert random_requests(5, 8, 4, 0.0, seed=3) == random_requests(
+        5, 8, 4, 0.0, seed=3, prefix_len=0
+    )
+    with pytest.raises(ValueError, match="--random-prefix-len"):
+        random_requests(1, 8, 4, 0.0, seed=3, prefix_len=-1)

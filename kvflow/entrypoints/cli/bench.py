@@ -8,6 +8,14 @@ from pathlib import Path
 
 from kvflow.entrypoints.cli.args import HelpFormatter, SubcommandParser
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's `--backend` values and the endpoint each loads.
+BACKEND_ENDPOINTS = {
+    "openai": "/v1/completions",
+    "vllm": "/v1/completions",
+    "openai-chat": "/v1/chat/completions",
+}
+
 DESCRIPTION = """\
 Send random prompts to an OpenAI-compatible server (kvflow serve, vLLM, ...) and print
 vLLM's serving benchmark table: successful and failed requests, duration, request and
@@ -33,16 +41,36 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         description=DESCRIPTION,
         formatter_class=HelpFormatter,
     )
-    serve.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    serve.add_argument(
+        "--base-url",
+        default=None,
+        help="the server, e.g. http://127.0.0.1:8000 (default: from --host and --port)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="the server's host (vLLM's spelling)")
+    serve.add_argument("--port", type=int, default=8000, help="the server's port (vLLM's spelling)")
     serve.add_argument(
         "--endpoint",
-        default="/v1/completions",
-        choices=["/v1/completions", "/v1/chat/completions"],
-        help="the API path to load",
+        default=None,
+        choices=list(ENDPOINTS),
+        help="the API path to load (default: the backend's, /v1/completions)",
+    )
+    serve.add_argument(
+        "--backend",
+        default=None,
+        choices=list(BACKEND_ENDPOINTS),
+        help="vLLM's spelling of the endpoint: openai and vllm load /v1/completions, openai-chat "
+        "/v1/chat/completions",
     )
     serve.add_argument("--model", default=None, help="model name (default: the server's first)")
     serve.add_argument("--tokenizer", default=None, help="tokenizer folder: send text prompts")
-    serve.add_argument("--dataset", default="random", choices=["random"], help="prompt source")
+    serve.add_argument(
+        "--dataset",
+        "--dataset-name",
+        dest="dataset",
+        default="random",
+        choices=["random"],
+        help="prompt source (--dataset-name: vLLM's spelling)",
+    )
     serve.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens")
     serve.add_argument("--random-output-len", type=int, default=128, help="tokens to generate")
     serve.add_argument(
@@ -50,6 +78,12 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         type=float,
         default=0.0,
         help="lengths are drawn from [len * (1 - r), len * (1 + r)]",
+    )
+    serve.add_argument(
+        "--random-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of one random prefix every prompt starts with (before its --random-input-len)",
     )
     serve.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     serve.add_argument(
@@ -79,6 +113,7 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         summarize,
     )
 
+    base_url, endpoint = resolve_target(args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.request_rate > 0:
@@ -95,11 +130,12 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         args.random_range_ratio,
         args.seed,
         tokenizer,
+        prefix_len=args.random_prefix_len,
     )
-    model = args.model or _first_model(args.base_url)
+    model = args.model or _first_model(base_url)
     config = BenchmarkConfig(
-        base_url=args.base_url,
-        endpoint=args.endpoint,
+        base_url=base_url,
+        endpoint=endpoint,
         model=model,
         request_rate=args.request_rate,
         max_concurrency=args.max_concurrency,
@@ -115,7 +151,23 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     if args.plot is not None:
         from kvflow.benchmarks.plot import plot_results
 
-        plot_results(args.plot, results, f"{model} at {args.request_rate} req/s, {args.endpoint}")
+        plot_results(args.plot, results, f"{model} at {args.request_rate} req/s, {endpoint}")
+
+
+def resolve_target(args: argparse.Namespace) -> tuple[str, str]:
+    """(base URL, endpoint) from kvflow's flags or vLLM's: `--base-url` or `--host`/`--port`; `--endpoint` or
+    `--backend`. An endpoint that contradicts the backend is a ValueError naming both."""
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    endpoint = args.endpoint
+    if args.backend is not None:
+        backend_endpoint = BACKEND_ENDPOINTS[args.backend]
+        if endpoint is not None and endpoint != backend_endpoint:
+            raise ValueError(
+                f"--endpoint {endpoint} contradicts --backend {args.backend} ({backend_endpoint}); "
+                "give one of them"
+            )
+        endpoint = backend_endpoint
+    return base_url, endpoint or ENDPOINTS[0]
 
 
 def _first_model(base_url: str) -> str:
