@@ -211,15 +211,11 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.total_num_scheduled_tokens:
             self._wait_for_compile()
-        if scheduler_output.has_structured_output_requests:
-            self.executor.execute_model(
-                scheduler_output
-            )  # the forward pass; sampling waits for the bitmask
+        model_runner_output = self.executor.execute_model(scheduler_output)
+        if scheduler_output.has_structured_output_requests:  # that was the forward pass only
             model_runner_output = self.executor.sample_tokens(
                 self._grammar_output(scheduler_output)
             )
-        else:
-            model_runner_output = self.executor.execute_model(scheduler_output)
         outputs = self._update(scheduler_output, model_runner_output, self.weight_version)
         return failed + outputs + self._settle_pause()
 

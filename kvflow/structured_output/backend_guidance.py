@@ -35,26 +35,28 @@ class GuidanceGrammar(StructuredOutputGrammar):
         self._eos_after_stop = False
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
-        accepted = 0
+        consumed = 0  # tokens the matcher consumed (an EOS after a stop is not one of them)
+        eos_after_stop = self._eos_after_stop
         for token_id in token_ids:
-            if self._eos_after_stop or self.matcher.is_error():
+            if eos_after_stop or self.matcher.is_error():
                 break
             if self.matcher.is_stopped():
                 if token_id not in self.eos_token_ids:
                     break
-                self._eos_after_stop = True
-            elif not (
-                self.matcher.validate_tokens([token_id]) == 1
-                and self.matcher.consume_tokens([token_id])
+                eos_after_stop = True
+            elif self.matcher.validate_tokens([token_id]) == 1 and self.matcher.consume_tokens(
+                [token_id]
             ):
+                consumed += 1
+            else:
                 break
-            accepted += 1
-        if accepted < len(token_ids):
-            self.rollback(accepted)
-            self.num_processed_tokens += accepted
-            return False
-        self.num_processed_tokens += accepted
-        return True
+        else:
+            self._eos_after_stop = eos_after_stop
+            self.num_processed_tokens += len(token_ids)
+            return True
+        if consumed:  # all or nothing
+            self.matcher.rollback(consumed)
+        return False
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens and self._eos_after_stop:

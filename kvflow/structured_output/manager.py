@@ -6,7 +6,7 @@ import concurrent.futures
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -180,12 +180,3 @@ class StructuredOutputManager:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-
-
-def uses_structured_outputs(requests: Iterable[Request]) -> bool:
-    """True when any of `requests` has a matcher (its steps sample only after their bitmask)."""
-    return any(
-        request.structured_output_request is not None
-        and request.structured_output_request.grammar is not None
-        for request in requests
-    )

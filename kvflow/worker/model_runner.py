@@ -16,6 +16,7 @@ from kvflow.worker.sampler import (
     Sampler,
     SamplerOutput,
     build_sampling_metadata,
+    forbid_tokens,
     token_logprobs,
 )
 from kvflow.worker.states import RequestSlots
@@ -540,8 +541,7 @@ def _apply_grammar_bitmask(
     if logits_rows == list(range(logits.shape[0])):  # every sampled row is constrained, in order
         return logits.masked_fill_(mask, float("-inf"))
     index = torch.tensor(logits_rows, dtype=torch.int64, device=logits.device)
-    logits[index] = logits[index].masked_fill_(mask, float("-inf"))
-    return logits
+    return forbid_tokens(logits, (index, mask))
 
 
 def _spread_rows(

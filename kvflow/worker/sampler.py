@@ -425,11 +425,12 @@ def ban_token_pairs(
     return logits
 
 
-def apply_allowed_token_ids(
-    logits: torch.Tensor, allowed_token_mask: tuple[torch.Tensor, torch.Tensor]
+def forbid_tokens(
+    logits: torch.Tensor, forbidden: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
-    """Set every token a row may not sample (mask True) to -inf, on the mask's rows only, in place."""
-    rows, mask = allowed_token_mask
+    """Set every token a row may not sample (mask True) to -inf, on the mask's rows only, in place; returns
+    `logits` (`allowed_token_ids`' complement here, a grammar's bitmask in the runner)."""
+    rows, mask = forbidden
     logits[rows] = logits[rows].masked_fill_(mask, float("-inf"))
     return logits
 
@@ -546,7 +547,7 @@ class Sampler:
         if metadata.min_tokens_mask is not None:
             ban_token_pairs(processed, metadata.min_tokens_mask)
         if metadata.allowed_token_mask is not None:
-            apply_allowed_token_ids(processed, metadata.allowed_token_mask)
+            forbid_tokens(processed, metadata.allowed_token_mask)
         if metadata.bad_words_mask is not None:
             ban_token_pairs(processed, metadata.bad_words_mask)
         if metadata.logit_bias is not None:

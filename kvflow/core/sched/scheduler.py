@@ -133,7 +133,8 @@ class Scheduler:
         self.cache_config = cache_config
         # Requests with `structured_outputs` are accepted only beside a StructuredOutputManager (the engine core's).
         self.has_structured_outputs = has_structured_outputs
-        self._num_structured_requests_seen = 0
+        # Set by the first constrained request: until then no step looks for grammars among its requests.
+        self._has_seen_structured_requests = False
         # The runner protocol is the config's unless overridden here (the config defaults to the slot runner).
         self.use_v2_model_runner = (
             scheduler_config.use_v2_model_runner
@@ -203,7 +204,7 @@ class Scheduler:
             raise ValueError(
                 "SamplingParams.structured_outputs needs an engine with a structured outputs manager"
             )
-        self._num_structured_requests_seen += 1
+        self._has_seen_structured_requests = True
         if session is None:
             return
         params = request.sampling_params.structured_outputs
@@ -545,7 +546,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_req_ids,
         )
-        if self._num_structured_requests_seen:
+        if self._has_seen_structured_requests:
             output.has_structured_output_requests = any(
                 request.structured_output_request is not None
                 and request.structured_output_request.grammar is not None
