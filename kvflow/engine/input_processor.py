@@ -179,8 +179,14 @@ class InputProcessor:
     ) -> list[int]:
         """The last `truncate_prompt_tokens` ids; all of them for None. -1 keeps as many as the model takes while
         leaving room for one output token (`max_model_len - 1`: a prompt of `max_model_len` could not generate)."""
-        if truncate_prompt_tokens is None:
-            return prompt_token_ids
+        if (
+            truncate_prompt_tokens is None
+            or truncate_prompt_tokens < -1
+            or truncate_prompt_tokens == 0
+        ):
+            return (
+                prompt_token_ids  # not a valid value: SamplingParams refuses it, naming the field
+            )
         keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
         return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids
 

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import re
 import uuid
 from collections.abc import (
@@ -32,7 +31,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvflow.config import STRUCTURED_OUTPUT_BACKENDS
 from kvflow.engine.input_processor import check_priority
-from kvflow.engine.request_limits import short_list
 from kvflow.entrypoints.openai.errors import OpenAIServingError, bad_request
 from kvflow.entrypoints.openai.logprobs import TokenTexts
 from kvflow.entrypoints.openai.middleware import REQUEST_ID_HEADER
@@ -40,7 +38,7 @@ from kvflow.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from kvflow.entrypoints.openai.server_config import ServingLimits
 from kvflow.entrypoints.openai.unsupported import UnknownFields, refuse_unsupported_fields
 from kvflow.model_info import load_sampling_defaults
-from kvflow.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams, StructuredOutputsParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.structured_output.validation import validate_structured_outputs
 from kvflow.utils import short_repr
 
@@ -226,20 +224,27 @@ class OpenAIServing:
             )
 
     def request_controls(self, request: SamplingFields) -> RequestControls:
-        """The request's constraint and logits controls, checked before anything is queued (400 naming the field:
-        two constraints, a schema, regex or grammar the server's backend cannot parse, a token id outside the
-        vocabulary, a bias outside [-100, 100], any of them for a model without logits)."""
+        """The request's constraint and logits controls. The constraint is checked here (400 naming the field:
+        two constraints, a schema, regex or grammar the server's backend cannot parse, a model without logits);
+        the logits controls' values are checked where every request's are, by SamplingParams and the input
+        processor's RequestLimits (ids in the vocabulary, biases in [-100, 100]), whose errors name the field."""
         limits: RequestLimits = self.engine.input_processor.limits
         _check_backend(request.guided_decoding_backend, self.structured_outputs_backend)
         controls = RequestControls(
             structured_outputs=structured_outputs_of(request, self.structured_outputs_backend),
-            allowed_token_ids=_allowed_token_ids(request.allowed_token_ids, limits.vocab_size),
+            allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words or None,
-            logit_bias=_logit_bias(request.logit_bias, limits.vocab_size),
-            truncate_prompt_tokens=_truncate_prompt_tokens(request.truncate_prompt_tokens),
+            logit_bias=_logit_bias(request.logit_bias),
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
         )
-        if not limits.has_logits:
-            _refuse_logits_fields(request, controls)
+        if controls.structured_outputs is not None and not limits.has_logits:
+            # RequestLimits refuses this too, but as `structured_outputs`; name the field the client sent.
+            name = _constraint_fields(request)[0][0]
+            raise OpenAIServingError(
+                f"{name} needs the model's logits, and this model has none (the hash model samples its own "
+                "tokens)",
+                param=name,
+            )
         return controls
 
     def truncate_prompt(
@@ -524,20 +529,9 @@ def _check_backend(requested: str | None, backend: str) -> None:
     )
 
 
-def _allowed_token_ids(token_ids: list[int] | None, vocab_size: int) -> list[int] | None:
-    if token_ids is None:
-        return None
-    outside = [t for t in token_ids if not 0 <= t < vocab_size]
-    if outside:
-        raise OpenAIServingError(
-            f"allowed_token_ids holds {short_list(outside)}, not token ids in [0, {vocab_size})",
-            param="allowed_token_ids",
-        )
-    return list(token_ids)
-
-
-def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    """OpenAI's `{"50256": -100}` as `{50256: -100.0}`: keys token ids in [0, vocab_size), biases in [-100, 100]."""
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `{"50256": -100}` as `{50256: -100.0}` (a key that is not an integer is a 400 naming the field;
+    ids and biases are checked with the rest of the sampling fields)."""
     if not logit_bias:
         return None
     biases: dict[int, float] = {}
@@ -547,47 +541,8 @@ def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[in
                 f"logit_bias keys must be token ids (integers, as strings), got {short_repr(key)}",
                 param="logit_bias",
             )
-        token_id = int(key)
-        if not 0 <= token_id < vocab_size:
-            raise OpenAIServingError(
-                f"logit_bias holds {short_repr(token_id)}, not a token id in [0, {vocab_size})",
-                param="logit_bias",
-            )
-        if not (math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
-            raise OpenAIServingError(
-                f"logit_bias[{key!r}]={short_repr(bias)} is not a bias in [-100, 100]",
-                param="logit_bias",
-            )
-        biases[token_id] = float(bias)
+        biases[int(key)] = bias
     return biases
-
-
-def _truncate_prompt_tokens(value: int | None) -> int | None:
-    if value is not None and value != -1 and value < 1:
-        raise OpenAIServingError(
-            f"truncate_prompt_tokens must be -1 (keep the last max_model_len - 1 tokens) or an int >= 1, got "
-            f"{short_repr(value)}",
-            param="truncate_prompt_tokens",
-        )
-    return value
-
-
-def _refuse_logits_fields(request: SamplingFields, controls: RequestControls) -> None:
-    """400 naming the first field that needs the model's logits, for a model that has none (the hash model)."""
-    constraint_fields = [name for name, _ in _constraint_fields(request)]
-    needs_logits = {
-        **{name: controls.structured_outputs for name in constraint_fields},
-        "allowed_token_ids": controls.allowed_token_ids,
-        "bad_words": controls.bad_words,
-        "logit_bias": controls.logit_bias,
-    }
-    for name, value in needs_logits.items():
-        if value is not None:
-            raise OpenAIServingError(
-                f"{name} needs the model's logits, and this model has none (the hash model samples its own "
-                "tokens)",
-                param=name,
-            )
 
 
 def _engine_prompt(prompt: PromptInput) -> dict[str, Any]:
