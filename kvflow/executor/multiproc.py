@@ -222,18 +222,19 @@ class MultiprocExecutor(Executor):
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        future = self._call(ExecuteModel(scheduler_output), frozenset({0}))
-        if non_block:
-            return _first_result(future)
-        return future.result()[0]
+        return self._step(ExecuteModel(scheduler_output), non_block)
 
     def sample_tokens(
         self, grammar_output: GrammarOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        future = self._call(SampleTokens(grammar_output), frozenset({0}))
-        if non_block:
-            return _first_result(future)
-        return future.result()[0]
+        return self._step(SampleTokens(grammar_output), non_block)
+
+    def _step(
+        self, message: ExecuteModel | SampleTokens, non_block: bool
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        """A step's message to every rank; rank 0's answer (or a Future of it)."""
+        future = self._call(message, frozenset({0}))
+        return _first_result(future) if non_block else future.result()[0]
 
     def collective_rpc(
         self,
