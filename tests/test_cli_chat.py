@@ -9,18 +9,28 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
-from kvflow.entrypoints.cli.chat import Conversation, Reply, run_interruptibly, stream_reply
+from kvflow.entrypoints.cli.chat import (
+    Conversation,
+    Reply,
+    held_stats_lines,
+    run_interruptibly,
+    stream_reply,
+)
 from kvflow.tokenizer import Tokenizer, load_tokenizer, render_chat
 from tests.test_cli import (
     HASH_MODEL,
+    LOG_LINE,
     SMALL_CACHE,
     kvflow_command,
     kvflow_env,
@@ -116,6 +126,44 @@ def test_ctrl_c_stops_a_reply_and_keeps_the_session_and_at_the_prompt_it_leaves(
     assert non_log_lines(stderr) == ["kvflow chat: reply interrupted"]
 
 
+def test_stats_lines_wait_until_the_reply_has_ended() -> None:
+    """On a terminal stdout and stderr are one stream: the engine's periodic stats lines (here every 5 ms, so
+    dozens fall within each reply) are held while a reply streams and logged after it, never inside it."""
+    stats_marker = "Avg prompt throughput"
+    result = subprocess.run(
+        [*kvflow_command(), "chat", *SMALL_CACHE, "--max-tokens", "120", "--ignore-eos"],
+        input="Tell me a long story.\nAnd another one.\n",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # interleaved in the order they were written, as a terminal shows them
+        text=True,
+        timeout=300,
+        check=False,
+        env=kvflow_env(KVFLOW_LOG_STATS_INTERVAL="0.005"),
+    )
+    assert result.returncode == 0, result.stdout
+    lines = result.stdout.splitlines()
+    is_log = [bool(LOG_LINE.match(line)) for line in lines]
+    stats = [index for index, line in enumerate(lines) if stats_marker in line]
+    assert all(is_log[index] for index in stats), "a stats line was written inside a reply line"
+    reply_blocks = _runs(index for index, log in enumerate(is_log) if not log)
+    assert len(reply_blocks) == 2, f"the two replies are not two unbroken blocks: {reply_blocks}"
+    first_reply, second_reply = reply_blocks
+    # The stats lines held while each reply streamed follow it: still logged, just not inside it.
+    assert any(first_reply[1] < index < second_reply[0] for index in stats)
+    assert any(second_reply[1] < index for index in stats)
+
+
+def _runs(indices: Iterable[int]) -> list[tuple[int, int]]:
+    """The maximal runs of consecutive integers in increasing `indices`, as (first, last) pairs."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index - 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return [(first, last) for first, last in runs]
+
+
 def test_chat_template_file_for_a_checkpoint_without_one(tmp_path: Path) -> None:
     from kvflow.default_model import ensure_default_model
 
@@ -199,6 +247,26 @@ def test_conversation_prompts_come_from_the_one_chat_renderer(
         assert (prompt, dropped) == (expected.as_prompt(), 0)
         if chat_template is not None:
             assert prompt["prompt"] == "[system: Be brief.][user: Hi there]"
+
+
+def test_held_stats_lines_are_logged_in_order_when_the_block_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What keeps stats lines out of a reply: records the stats logger writes (from another thread, as the
+    engine's output handler does) inside the block are held, then logged in order when it ends; then it is gone."""
+    from kvflow.engine.stat_logger import logger as stats_logger
+
+    caplog.set_level(logging.INFO, logger="kvflow")
+    with held_stats_lines():
+        writer = threading.Thread(
+            target=lambda: [stats_logger.info("line %d", i) for i in range(3)]
+        )
+        writer.start()
+        writer.join()
+        assert caplog.messages == []
+    assert caplog.messages == ["line 0", "line 1", "line 2"]
+    stats_logger.info("after the block")
+    assert caplog.messages[-1] == "after the block" and stats_logger.filters == []
 
 
 def test_interrupting_a_reply_cancels_it_and_aborts_its_request() -> None:

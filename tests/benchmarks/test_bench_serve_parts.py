@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 import pytest
 
 from kvflow.benchmarks.datasets import TOKEN_ID_RANGE, SampleRequest, random_requests
 from kvflow.benchmarks.request import RequestResult, request_body
 from kvflow.benchmarks.serve import format_table, summarize
 from kvflow.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def test_random_requests_are_reproducible_and_within_the_ranges() -> None:
@@ -77,6 +83,72 @@ def test_summary_statistics_and_the_table() -> None:
     assert table[2].split()[-1] == "1" and table[-1] == "=" * 50
     for short in ("TTFT", "TPOT", "ITL", "E2EL"):
         assert any(line.startswith(f"P99 {short} (ms):") for line in table)
+
+
+def rate_lines(figure: Figure) -> dict[str, list[float]]:
+    """{legend label: y values} of the request-rate marks (horizontal lines) on any of the figure's axes."""
+    from kvflow.benchmarks.plot import ACHIEVED_RATE_LABEL, CONFIGURED_RATE_LABEL
+
+    return {
+        line.get_label(): list(line.get_ydata())
+        for axis in figure.axes
+        for line in axis.lines
+        if line.get_label().startswith((CONFIGURED_RATE_LABEL, ACHIEVED_RATE_LABEL))
+    }
+
+
+def test_plot_draws_tpot_and_e2e_latency_and_marks_the_request_rate(tmp_path: Path) -> None:
+    """`--plot`'s figure: TTFT, TPOT, ITL and E2E latency CDFs of the successful requests (ms), and the configured
+    and achieved request rates as horizontal lines on the throughput panel; `inf` has no configured line and says
+    "all at once" instead, and a run without inter-token gaps has no ITL panel."""
+    from kvflow.benchmarks.plot import plot_results
+
+    results = [
+        RequestResult(True, "", 10, 5, ttft=0.1, latency=0.5, itl=[0.1] * 4, start_time=10.0),
+        RequestResult(True, "", 20, 3, ttft=0.3, latency=0.7, itl=[0.2] * 2, start_time=10.25),
+        RequestResult(False, "HTTP 400: bad", 30, 0),
+    ]
+    path = tmp_path / "finite.png"
+    figure = plot_results(path, results, "run", request_rate=4.0, achieved_rate=1.5)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    panels = {axis.get_title(): axis for axis in figure.axes if axis.get_title()}
+    throughput_title = "Throughput over time, request rate 4 req/s"
+    assert set(panels) == {
+        "TTFT CDF",
+        "TPOT CDF",
+        "ITL CDF",
+        "E2E latency CDF",
+        throughput_title,
+    }
+    # TPOT per request: (0.5 - 0.1) / 4 and (0.7 - 0.3) / 2; E2E: the latencies; failed requests left out.
+    [tpot_line] = panels["TPOT CDF"].lines
+    assert list(tpot_line.get_xdata()) == pytest.approx([100.0, 200.0])
+    assert list(tpot_line.get_ydata()) == [0.5, 1.0]
+    [e2e_line] = panels["E2E latency CDF"].lines
+    assert list(e2e_line.get_xdata()) == pytest.approx([500.0, 700.0])
+    assert panels["E2E latency CDF"].get_ylabel() == "fraction of requests"
+    assert rate_lines(figure) == {
+        "configured request rate (4 req/s)": [4.0, 4.0],
+        "achieved request rate (1.50 req/s)": [1.5, 1.5],
+    }
+    legend = [text.get_text() for text in panels[throughput_title].get_legend().get_texts()]
+    assert legend == ["output tokens / s", *rate_lines(figure)]
+
+    single_chunks = [
+        RequestResult(True, "", 10, 1, ttft=0.2, latency=0.2, start_time=1.0),
+        RequestResult(True, "", 10, 4, ttft=0.1, latency=0.4, start_time=1.0),
+    ]
+    figure = plot_results(
+        tmp_path / "inf.png", single_chunks, "run", request_rate=float("inf"), achieved_rate=5.0
+    )
+    titles = {axis.get_title() for axis in figure.axes if axis.get_title()}
+    assert titles == {
+        "TTFT CDF",
+        "TPOT CDF",
+        "E2E latency CDF",
+        "Throughput over time, request rate inf (all at once)",
+    }
+    assert rate_lines(figure) == {"achieved request rate (5.00 req/s)": [5.0, 5.0]}
 
 
 def test_vllm_spellings_of_the_target_endpoint_and_dataset() -> None:

@@ -98,7 +98,11 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
     serve.add_argument("--save-result", type=Path, default=None, help="write the results as JSON")
     serve.add_argument(
-        "--plot", type=Path, default=None, help="draw latency CDFs and throughput (PNG)"
+        "--plot",
+        type=Path,
+        default=None,
+        help="draw TTFT, TPOT, ITL and E2E latency CDFs and throughput over time with the request rate "
+        "marked (PNG)",
     )
     serve.set_defaults(handler=run_bench_serve)
 
@@ -149,9 +153,15 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     if args.save_result is not None:
         save_result(args.save_result, config, summary, results)
     if args.plot is not None:
-        from kvflow.benchmarks.plot import plot_results
+        from kvflow.benchmarks.plot import plot_results, rate_text
 
-        plot_results(args.plot, results, f"{model} at {args.request_rate} req/s, {endpoint}")
+        plot_results(
+            args.plot,
+            results,
+            f"{model}, request rate {rate_text(args.request_rate)}, {endpoint}",
+            request_rate=args.request_rate,
+            achieved_rate=summary["request_throughput"],
+        )
 
 
 def resolve_target(args: argparse.Namespace) -> tuple[str, str]:

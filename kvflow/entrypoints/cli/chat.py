@@ -3,6 +3,10 @@
 Ctrl-C during a reply stops that reply (its request is aborted) and keeps the session; Ctrl-C or Ctrl-D at the
 prompt leaves. When the conversation no longer fits in `max_model_len` with room for `--max-tokens`, the oldest
 turns are dropped (never the system prompt) and a line on stderr says so.
+
+Replies go to stdout, notices and logs to stderr, which a terminal shows in one stream. So that no log line lands
+between the tokens of a reply, the engine's periodic stats lines (`KVFLOW_LOG_STATS_INTERVAL`) are held while a
+reply streams and logged, unchanged and in order, as soon as it has ended (see `held_stats_lines`).
 """
 
 from __future__ import annotations
@@ -10,10 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -51,7 +56,8 @@ commands: /help lists them, /reset forgets the conversation, /exit (or Ctrl-D) l
 Ctrl-C stops a reply in progress and keeps the conversation; at the prompt, it leaves.
 When the conversation outgrows max_model_len with room for --max-tokens, the oldest turns
 are dropped (never the system prompt) and a line on stderr says so. Replies go to stdout;
-notices and logs to stderr."""
+notices and logs to stderr. The engine's periodic stats lines wait while a reply streams and
+are logged once it has ended, so they never split a reply."""
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -191,6 +197,51 @@ def run_interruptibly(
     return False
 
 
+class _HeldRecords(logging.Filter):
+    """A logger filter that keeps the records it sees instead of letting them through, until `release`.
+
+    Invariants: while holding, no record of the logger is emitted and each is kept in arrival order; `release`
+    emits the kept ones through the logger's handlers before any later record of that logger (a concurrent one
+    waits on the lock), then detaches the filter. Records may come from any thread (the engine's output handler
+    logs the stats).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Re-entered by `release`, whose `handle` runs this filter again.
+        self._lock = threading.RLock()
+        self._records: list[logging.LogRecord] = []
+        self._holding = True
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        with self._lock:
+            if self._holding:
+                self._records.append(record)
+            return not self._holding
+
+    def release(self, logger: logging.Logger) -> None:
+        with self._lock:
+            self._holding = False
+            records, self._records = self._records, []
+            for record in records:
+                logger.handle(record)
+        logger.removeFilter(self)
+
+
+@contextlib.contextmanager
+def held_stats_lines() -> Iterator[None]:
+    """Hold the engine's periodic stats lines (`kvflow.engine.stat_logger`) for the duration of the block and log
+    them when it ends, so they cannot be written between the tokens of a reply."""
+    from kvflow.engine.stat_logger import logger as stats_logger
+
+    held = _HeldRecords()
+    stats_logger.addFilter(held)
+    try:
+        yield
+    finally:
+        held.release(stats_logger)
+
+
 # ---------------------------------------------------------------------------------------------------- session
 def run_chat(args: argparse.Namespace) -> None:
     params = sampling_params(args, output_kind="delta")  # validated before the model loads
@@ -265,7 +316,8 @@ def _chat_loop(
                 f"the conversation outgrew max_model_len={conversation.max_model_len} with room for "
                 f"--max-tokens {conversation.max_tokens}: dropped the {dropped} oldest messages"
             )
-        _reply(llm, loop, conversation, prompt, params, num_logprobs)
+        with held_stats_lines():  # logged after the reply and its logprobs, not between its tokens
+            _reply(llm, loop, conversation, prompt, params, num_logprobs)
 
 
 def _reply(
