@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvflow.reasoning import REASONING_PARSERS
+
 SchedulingPolicyName = Literal["fcfs", "priority"]
 # The allowed values of the choice options; `EngineArgs` offers the same lists on the command line.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -187,15 +189,23 @@ class ParallelConfig:
 
 # `StructuredOutputsConfig.backend` values: the registered backends plus "auto".
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+_STRUCTURED_OUTPUTS_KEYS = ("backend", "reasoning_parser", "enable_in_reasoning")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
-    """Which backend compiles `SamplingParams.structured_outputs` constraints (vLLM's engine option):
-    "xgrammar" (the default, the `xgrammar` package), "guidance" (`llguidance`), or "auto": xgrammar, and
-    guidance for a constraint xgrammar cannot compile."""
+    """How the engine applies `SamplingParams.structured_outputs` constraints (vLLM's engine option).
+
+    `backend` compiles them: "xgrammar" (the default, the `xgrammar` package), "guidance" (`llguidance`), or
+    "auto": xgrammar, and guidance for a constraint xgrammar cannot compile. `reasoning_parser` (a
+    `REASONING_PARSERS` name, `--reasoning-parser`) makes a constraint start only once the output's reasoning has
+    ended, so it shapes the answer and not the thought (`kvflow.structured_output.reasoning_end`), unless
+    `enable_in_reasoning`, which constrains the reasoning too (from the first token, as without a parser).
+    """
 
     backend: str = "xgrammar"
+    reasoning_parser: str | None = None
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
         _require(
@@ -203,22 +213,46 @@ class StructuredOutputsConfig:
             f"structured_outputs_config backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, "
             f"got {self.backend!r}",
         )
+        _require(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            f"structured_outputs_config reasoning_parser: {REASONING_PARSERS.unknown_message(self.reasoning_parser)}",
+        )
+        _require(
+            isinstance(self.enable_in_reasoning, bool),
+            f"structured_outputs_config enable_in_reasoning must be true or false, got "
+            f"{self.enable_in_reasoning!r}",
+        )
+
+    @property
+    def constrains_after_reasoning(self) -> bool:
+        """Constraints start where the reasoning ends (a parser is set and `enable_in_reasoning` is off)."""
+        return self.reasoning_parser is not None and not self.enable_in_reasoning
 
     @classmethod
     def from_option(cls, option: Mapping[str, object] | None) -> StructuredOutputsConfig:
         """From the engine option's dict (None: the defaults); an unknown key is a ValueError naming it."""
         option = dict(option or {})
-        unknown = sorted(set(option) - {"backend"})
+        unknown = sorted(set(option) - set(_STRUCTURED_OUTPUTS_KEYS))
         _require(
             not unknown,
-            f"structured_outputs_config has unknown keys {unknown}; it takes 'backend'",
+            f"structured_outputs_config has unknown keys {unknown}; it takes "
+            + ", ".join(repr(key) for key in _STRUCTURED_OUTPUTS_KEYS),
         )
         backend = option.get("backend", cls.backend)
         _require(
             isinstance(backend, str),
             f"structured_outputs_config backend must be a string, got {backend!r}",
         )
-        return cls(backend=backend)  # type: ignore[arg-type]
+        reasoning_parser = option.get("reasoning_parser")
+        _require(
+            reasoning_parser is None or isinstance(reasoning_parser, str),
+            f"structured_outputs_config reasoning_parser must be a string, got {reasoning_parser!r}",
+        )
+        return cls(
+            backend=backend,  # type: ignore[arg-type]
+            reasoning_parser=reasoning_parser,  # type: ignore[arg-type]
+            enable_in_reasoning=option.get("enable_in_reasoning", False),  # type: ignore[arg-type]
+        )
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from kvflow.config import (
     SchedulerConfig,
     StructuredOutputsConfig,
 )
+from kvflow.reasoning import REASONING_PARSERS
 from kvflow.utils import resolve_device
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 # The CPU KV cache budget in GiB (vLLM CPU's VLLM_CPU_KVCACHE_SPACE); unset, empty or 0: 4 GiB.
 CPU_KVCACHE_SPACE_ENV = "KVFLOW_CPU_KVCACHE_SPACE"
+REASONING_PARSER_NAMES = REASONING_PARSERS.names()
 
 
 def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -134,8 +136,16 @@ class EngineArgs:
     )
     structured_outputs_config: dict | None = _option(  # noqa: RUF009 (None default)
         None,
-        'structured outputs, as JSON: {"backend": "xgrammar" | "guidance" | "auto"} (default xgrammar; auto: '
-        "xgrammar, and guidance for what xgrammar cannot compile)",
+        'structured outputs, as JSON: {"backend": "xgrammar" | "guidance" | "auto", "reasoning_parser": NAME, '
+        '"enable_in_reasoning": false} (backend: default xgrammar; auto: xgrammar, and guidance for what '
+        "xgrammar cannot compile; see --reasoning-parser; enable_in_reasoning: constrain the reasoning too)",
+    )
+    reasoning_parser: str | None = _option(
+        None,
+        "how the model marks its reasoning (<think>...</think>): the server returns it as message.reasoning, "
+        "and a structured-output constraint starts only once the reasoning has ended (same as "
+        'structured_outputs_config {"reasoning_parser": NAME})',
+        REASONING_PARSER_NAMES,
     )
     disable_log_stats: bool = _option(
         False,
@@ -165,7 +175,7 @@ class EngineArgs:
             )
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        StructuredOutputsConfig.from_option(self.structured_outputs_config)  # checked now
+        self._structured_outputs_config()  # checked now
 
     # ------------------------------------------------------------------------------------------------ config
     def create_engine_config(self, model_info: ModelInfo) -> EngineConfig:
@@ -213,10 +223,20 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
-            structured_outputs_config=StructuredOutputsConfig.from_option(
-                self.structured_outputs_config
-            ),
+            structured_outputs_config=self._structured_outputs_config(),
         )
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        """`structured_outputs_config` with `reasoning_parser` folded in (both may name it, if they agree)."""
+        option = dict(self.structured_outputs_config or {})
+        if self.reasoning_parser is not None:
+            in_option = option.setdefault("reasoning_parser", self.reasoning_parser)
+            if in_option != self.reasoning_parser:
+                raise ValueError(
+                    f"reasoning_parser={self.reasoning_parser!r} and structured_outputs_config "
+                    f"reasoning_parser={in_option!r} disagree: give one"
+                )
+        return StructuredOutputsConfig.from_option(option)
 
     def _max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:
