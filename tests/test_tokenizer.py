@@ -150,8 +150,8 @@ def test_encode_chat_has_a_single_bos(tokenizer: Tokenizer) -> None:
 
 
 def test_template_raise_exception_is_a_clear_error(tokenizer: Tokenizer) -> None:
-    with pytest.raises(ChatTemplateError, match="unsupported role tool"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "42"}])
+    with pytest.raises(ChatTemplateError, match="unsupported role function"):
+        tokenizer.apply_chat_template([{"role": "function", "content": "42"}])
     with pytest.raises(ChatTemplateError, match="system message must come first"):
         tokenizer.apply_chat_template(
             [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]

@@ -272,8 +272,29 @@ def test_bad_tools_and_template_failures(tokenizer: Tokenizer) -> None:
     with pytest.raises(ChatInputError, match="tools must be a list") as caught:
         render_chat(tokenizer, MESSAGES, tools=[print])  # type: ignore[list-item]
     assert caught.value.field == "tools"
-    with pytest.raises(ChatTemplateError, match="unsupported role tool"):
-        render_chat(tokenizer, TOOL_CONVERSATION)  # the default template knows no tool role
+    with pytest.raises(ChatTemplateError, match="unsupported role function"):
+        render_chat(tokenizer, [{"role": "function", "content": "x"}])  # OpenAI's retired role
+
+
+def test_the_default_template_renders_tools_the_way_qwen25s_does(tokenizer: Tokenizer) -> None:
+    """Tools listed in the system turn, a call as <tool_call> JSON with its arguments parsed, consecutive tool
+    results in one user turn of <tool_response> blocks; without tools, plain ChatML."""
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        *TOOL_CONVERSATION,
+        {"role": "tool", "tool_call_id": "call_2", "content": "sunny"},
+    ]
+    text = render_chat(tokenizer, conversation, tools=TOOLS).prompt_text
+    assert text.startswith("<|begin_of_text|><|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert f"<tools>\n{json.dumps(TOOLS[0])}\n</tools>" in text
+    assert text.count("<|im_start|>system") == 1
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n22 C\n</tool_response>\n"
+        "<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    ) in text
+    plain = render_chat(tokenizer, [{"role": "user", "content": "Hi"}]).prompt_text
+    assert plain == "<|begin_of_text|><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_a_checkpoint_without_a_template_names_chat_template(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # The cache folder's name: bump it whenever the shipped checkpoint changes, so caches never serve a stale copy.
-DEFAULT_MODEL_NAME = "default-model-v2"
+DEFAULT_MODEL_NAME = "default-model-v3"
 CACHE_DIR_ENV = "KVFLOW_CACHE_DIR"
 COMPLETE_MARKER = ".kvflow-complete"
 SHIPPED_CHECKPOINT = Path(__file__).resolve().parent / "checkpoint"
