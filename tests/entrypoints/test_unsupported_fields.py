@@ -37,27 +37,26 @@ def test_defaults_are_off_and_a_refusal_names_its_field() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tools", "tool_choice", "param"),
+    ("fields", "param"),
     [
-        (None, None, None),
-        ([], None, None),
-        ([{"type": "function"}], "none", None),
-        ([{"type": "function"}], None, "tools"),  # OpenAI's default with tools is "auto"
-        ([{"type": "function"}], "auto", "tool_choice"),
-        ([{"type": "function"}], "required", "tool_choice"),
-        ([{"type": "function"}], {"type": "function", "function": {"name": "f"}}, "tool_choice"),
+        ({"tools": [{"type": "function"}]}, None),  # tool_calls.py checks tools and tool_choice
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, None),
+        ({"functions": [{"name": "f"}]}, "functions"),  # OpenAI's deprecated spelling of tools
+        ({"function_call": "auto"}, "function_call"),
+        ({"function_call": "none"}, None),
     ],
 )
-def test_tools_are_taken_with_tool_choice_none_only(
-    tools: list[dict[str, str]] | None, tool_choice: object, param: str | None
+def test_tools_pass_and_the_deprecated_functions_api_is_refused(
+    fields: dict[str, object], param: str | None
 ) -> None:
-    request = ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice=tool_choice)
+    request = ChatCompletionRequest(messages=MESSAGES, **fields)
     if param is None:
         refuse_unsupported_fields(request)
         return
     with pytest.raises(OpenAIServingError) as caught:
         refuse_unsupported_fields(request)
     assert caught.value.param == param
+    assert "as tools" in caught.value.message
 
 
 def test_unknown_fields_are_logged_once_each_and_boundedly(

@@ -20,6 +20,7 @@ from kvflow.entrypoints.openai.server_config import (
     ServerConfig,
     ServingLimits,
 )
+from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 if TYPE_CHECKING:
     from kvflow.engine.async_llm import AsyncLLM
@@ -99,6 +100,19 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         "checkpoint's. A request's own 'chat_template' still wins (see --trust-request-chat-template)",
     )
     server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="take tool_choice 'auto' (the default for requests with tools): the model writes freely and "
+        "--tool-call-parser extracts its calls ('required' and named functions work without either)",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_PARSERS.names(),
+        help="how tool calls are written in this model's replies: hermes (Qwen2.5, Hermes, the built-in "
+        "model's template), llama3_json, mistral or pythonic",
+    )
+    server.add_argument(
         "--timeout-keep-alive",
         type=_positive_float,
         default=ServerConfig.timeout_keep_alive_s,
@@ -172,6 +186,11 @@ def run_serve(args: argparse.Namespace) -> None:
                 f"MODEL {args.model_tag!r} and --model {args.model!r} disagree: give one"
             )
         args.model = args.model_tag
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise CommandError(
+            "--enable-auto-tool-choice needs --tool-call-parser NAME (how this model writes its calls: "
+            f"{', '.join(TOOL_PARSERS.names())})"
+        )
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as error:
@@ -190,6 +209,8 @@ def run_serve(args: argparse.Namespace) -> None:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         enable_admin_endpoints=args.enable_admin_endpoints,
         trust_request_chat_template=args.trust_request_chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
         limits=ServingLimits(**{name: getattr(args, name) for _, name, _ in _LIMIT_FLAGS}),
         timeout_keep_alive_s=args.timeout_keep_alive,
         uvicorn_log_level=args.uvicorn_log_level,

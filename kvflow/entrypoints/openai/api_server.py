@@ -70,12 +70,16 @@ from kvflow.entrypoints.openai.serving_engine import LiveRequests
 from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
 from kvflow.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
+from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kvflow.entrypoints.openai.unsupported import UnknownFields
+from kvflow.reasoning import REASONING_PARSERS
 from kvflow.version import __version__
 
 if TYPE_CHECKING:
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
+    from kvflow.entrypoints.openai.tool_parsers import ToolParser
+    from kvflow.reasoning import ReasoningParser
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +146,20 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Detoke
 
 
 # ---------------------------------------------------------------------------------------------------- app
+def _tool_parser(config: ServerConfig, engine: AsyncLLM) -> ToolParser | None:
+    """`--tool-call-parser`'s parser over the engine's tokenizer (None without the flag)."""
+    if config.tool_call_parser is None:
+        return None
+    return TOOL_PARSERS.get(config.tool_call_parser)(engine.get_tokenizer())
+
+
+def _reasoning_parser(engine: AsyncLLM) -> ReasoningParser | None:
+    """`--reasoning-parser` (an engine option: the engine core needs it too, to start constraints after
+    reasoning ends)."""
+    name = engine.engine_config.structured_outputs_config.reasoning_parser
+    return None if name is None else REASONING_PARSERS.get(name)()
+
+
 def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger) -> FastAPI:
     """The FastAPI app serving `engine` (which must be the engine `stat_logger` is registered with)."""
     template_sandbox = TemplateSandbox() if config.trust_request_chat_template else None
@@ -163,7 +181,13 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     app.state.metrics = stat_logger
     app.state.serving_models = models
     app.state.serving_completion = OpenAIServingCompletion(*serving)
-    app.state.serving_chat = OpenAIServingChat(*serving, chat_prompt=chat_prompt)
+    app.state.serving_chat = OpenAIServingChat(
+        *serving,
+        chat_prompt=chat_prompt,
+        tool_parser=_tool_parser(config, engine),
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        reasoning_parser=_reasoning_parser(engine),
+    )
     app.state.serving_tokenization = OpenAIServingTokenization(engine, models, chat_prompt)
     app.state.rl_control = RLControl(engine, live_requests)
     app.include_router(router)

@@ -2,7 +2,7 @@
 
 Requests accept unknown fields (clients send `metadata` and the like); the handlers log each such name once and
 ignore it, as vLLM does. Every field declared here either works or is refused: the fields of OpenAI's and vLLM's
-schemas that kvflow does not implement yet (tool calling, beam search, logits processors, ...) are declared so that
+schemas that kvflow does not implement yet (logits processors, prompt embeddings, ...) are declared so that
 they are typed and documented, and `unsupported.py` refuses any of them sent with a value other than its "off" one
 (a 400 naming it), because ignoring them would change what the client gets. The structured-output fields
 (`response_format`, `structured_outputs`, `guided_*`, `structural_tag`) become one `StructuredOutputsParams` in
@@ -281,9 +281,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    # Tools reach the template; tool calls are not parsed yet, so only tool_choice "none" is taken (unsupported.py).
+    # Tool calling (`tool_calls.py`): OpenAI function tools; tool_choice "none" | "auto" | "required" | a named
+    # function ({"type": "function", "function": {"name": ...}}); None means "auto" with tools, else "none".
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated tools: refused
     function_call: str | dict[str, Any] | None = None
     # vLLM's extra chat fields
@@ -293,6 +295,9 @@ class ChatCompletionRequest(SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = (
+        True  # with --reasoning-parser: false drops the reasoning from the response
+    )
 
 
 class ChatCompletionLogProb(BaseModel):
@@ -309,10 +314,29 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    """One call in `message.tool_calls`: `id` is what a `tool` message's `tool_call_id` answers."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
+    """The assistant's reply: `content` is the text outside reasoning and tool calls (None when there is none
+    and the reply made calls); `reasoning` (and `reasoning_content`, its older name, which clients still read)
+    the text inside the reasoning markers, with `--reasoning-parser`."""
+
     role: str
     content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -335,9 +359,30 @@ class ChatCompletionResponse(BaseModel):
     prompt_token_ids: list[int] | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    """A call's first delta has `name` (and maybe arguments); later ones only pieces of `arguments`."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of call `index` of a streamed reply; `id` and `type` come on its first piece only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
+    """A streamed piece of the reply. Chunks are sent with only the fields that were set (`exclude_unset`)."""
+
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

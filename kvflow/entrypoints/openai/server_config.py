@@ -48,6 +48,9 @@ class ServerConfig:
     otherwise, as in vLLM. `chat_template`: the server's default chat template (`--chat-template`), already loaded
     (`kvflow.tokenizer.chat.load_chat_template`): the template's text or the name of one of the checkpoint's
     templates; None, the checkpoint's default. Requests that send their own `chat_template` use theirs.
+    `tool_call_parser`: the `TOOL_PARSERS` name that extracts calls from replies under tool_choice "auto",
+    which `enable_auto_tool_choice` turns on (vLLM's `--enable-auto-tool-choice --tool-call-parser NAME`; the
+    first needs the second).
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +60,8 @@ class ServerConfig:
     enable_admin_endpoints: bool = False
     trust_request_chat_template: bool = False
     chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     limits: ServingLimits = field(default_factory=ServingLimits)
     timeout_keep_alive_s: float = 75.0
     uvicorn_log_level: str = "warning"

@@ -3,12 +3,17 @@
 tokenized without adding special tokens again (the template places them), and generated from.
 
 Content given as a list of parts must be text parts; they are joined with newlines, as vLLM does for templates that
-expect string content. `continue_final_message` continues the last message instead of starting a new one. Tool calls
-are not parsed yet: `tools` reach the template with `tool_choice` "none" only (`unsupported.py`).
+expect string content. `continue_final_message` continues the last message instead of starting a new one.
+
+Tool calling (`tool_calls.py`) and reasoning output (`--reasoning-parser`): the request's tool choice may set a
+structured-output constraint (a forced call), and its reply is split into reasoning, content and tool calls by one
+`chat_reply.ReplyParser`, whole or as it streams; a reply that made calls and ended by itself finishes with
+"tool_calls".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Iterator
 from typing import TYPE_CHECKING, Any
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import JSONResponse, Response
 
 from kvflow.entrypoints.openai.chat_prompt import ChatPromptRenderer
+from kvflow.entrypoints.openai.chat_reply import ReplyParser, ReplyStream, finish_reason
 from kvflow.entrypoints.openai.errors import OpenAIServingError
 from kvflow.entrypoints.openai.logprobs import (
     chat_logprobs,
@@ -42,11 +48,15 @@ from kvflow.entrypoints.openai.serving_engine import (
     run_until_disconnected,
 )
 from kvflow.entrypoints.openai.streaming import StreamChunk, StreamUsage, sse_response, sse_stream
+from kvflow.entrypoints.openai.tool_calls import ToolChoice, resolve_tool_choice
+from kvflow.structured_output.validation import validate_structured_outputs
 
 if TYPE_CHECKING:
     from fastapi import Request
 
+    from kvflow.entrypoints.openai.tool_parsers import ToolParser
     from kvflow.outputs import CompletionOutput, RequestOutput
+    from kvflow.reasoning import ReasoningParser
 
 _FIELDS = frozenset(ChatCompletionRequest.model_fields)
 ASSISTANT = "assistant"
@@ -58,41 +68,104 @@ class OpenAIServingChat(OpenAIServing):
     aliases = {"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs"}
 
     def __init__(
-        self, *args: Any, chat_prompt: ChatPromptRenderer | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        chat_prompt: ChatPromptRenderer | None = None,
+        tool_parser: ToolParser | None = None,
+        enable_auto_tool_choice: bool = False,
+        reasoning_parser: ReasoningParser | None = None,
+        **kwargs: Any,
     ) -> None:
         """`OpenAIServing`'s arguments, and `chat_prompt`: how conversations become prompt text (default: the
-        checkpoint's templates only, request templates refused)."""
+        checkpoint's templates only, request templates refused); `tool_parser` (`--tool-call-parser`) and
+        `enable_auto_tool_choice` (both needed for tool_choice "auto"); `reasoning_parser`
+        (`--reasoning-parser`)."""
         super().__init__(*args, **kwargs)
         self.chat_prompt = (
             chat_prompt if chat_prompt is not None else ChatPromptRenderer(self.tokenizer)
         )
+        self.tool_parser = tool_parser
+        self.auto_tool_choice = enable_auto_tool_choice and tool_parser is not None
+        self.reasoning_parser = reasoning_parser
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         self.check_request(request)
         _check_chat_fields(request)
-        controls = self.request_controls(request)
+        tool_choice = resolve_tool_choice(
+            request.tools, request.tool_choice, request.parallel_tool_calls, self.auto_tool_choice
+        )
+        controls = self._with_tool_constraint(request, self.request_controls(request), tool_choice)
         request_id = self.request_id(raw_request, request.request_id)
-        prompt = await self._prompt(request, controls)
+        prompt = await self._prompt(request, controls, tool_choice)
+        reply = self._reply_parser(request, tool_choice, prompt)
         response_id = f"chatcmpl-{request_id}"
         echo = _echo_text(request)
         if request.stream:
             return sse_response(
-                self._stream(request, request_id, response_id, prompt, echo),
+                self._stream(request, request_id, response_id, prompt, echo, reply),
                 self.limits.max_stream_buffer_bytes,
                 request_id,
             )
         response = await run_until_disconnected(
-            raw_request, self._complete(request, request_id, response_id, prompt, echo)
+            raw_request, self._complete(request, request_id, response_id, prompt, echo, reply)
         )
         if response is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(response.model_dump())
 
+    # ------------------------------------------------------------------------------------------------ tools
+    def _with_tool_constraint(
+        self, request: ChatCompletionRequest, controls: RequestControls, tool_choice: ToolChoice
+    ) -> RequestControls:
+        """The request's controls with a forced call's constraint ("required" or a named function), which
+        excludes any other constraint (a 400 naming both)."""
+        constraint = tool_choice.constraint()
+        if constraint is None:
+            return controls
+        if controls.structured_outputs is not None:
+            raise OpenAIServingError(
+                f"tool_choice {tool_choice.mode!r} constrains the reply to a tool call, and the request sets "
+                "another structured-output constraint (response_format, structured_outputs or guided_*): "
+                "send one of them",
+                param="tool_choice",
+            )
+        if not self.engine.input_processor.limits.has_logits:
+            raise OpenAIServingError(
+                f"tool_choice {tool_choice.mode!r} constrains decoding, which needs the model's logits, and "
+                "this model has none (the hash model samples its own tokens)",
+                param="tool_choice",
+            )
+        try:
+            validate_structured_outputs(constraint, self.structured_outputs_backend)
+        except ValueError as error:
+            raise OpenAIServingError(
+                f"the tools' parameters schemas cannot constrain a forced call: {error}",
+                param="tools",
+            ) from error
+        return dataclasses.replace(controls, structured_outputs=constraint)
+
+    def _reply_parser(
+        self, request: ChatCompletionRequest, tool_choice: ToolChoice, prompt: PromptInput
+    ) -> ReplyParser:
+        reasoning = self.reasoning_parser
+        starts_in_reasoning = (
+            reasoning is not None
+            and prompt.text is not None
+            and reasoning.starts_in_reasoning(prompt.text)
+        )
+        return ReplyParser(
+            reasoning,
+            starts_in_reasoning,
+            tool_choice.reply_parser(self.tool_parser),
+            parallel=tool_choice.parallel,
+            include_reasoning=request.include_reasoning,
+        )
+
     # ------------------------------------------------------------------------------------------------ prompt
     async def _prompt(
-        self, request: ChatCompletionRequest, controls: RequestControls
+        self, request: ChatCompletionRequest, controls: RequestControls, tool_choice: ToolChoice
     ) -> PromptInput:
         text = await self.chat_prompt.render(
             request.messages,
@@ -118,6 +191,11 @@ class OpenAIServingChat(OpenAIServing):
             aliases=aliases,
             controls=controls,
         )
+        parser = tool_choice.reply_parser(self.tool_parser)
+        if parser is not None and parser.keeps_special_tokens:
+            params.skip_special_tokens = (
+                False  # the call markers are special tokens (mistral's [TOOL_CALLS])
+            )
         return self.process(prompt_text, token_ids, params, _FIELDS, aliases)
 
     # ------------------------------------------------------------------------------------------------ whole
@@ -128,23 +206,30 @@ class OpenAIServingChat(OpenAIServing):
         response_id: str,
         prompt: PromptInput,
         echo: str,
+        reply: ReplyParser,
     ) -> ChatCompletionResponse:
         final = None
         async for _, output in self.generate(request_id, [prompt], request.priority):
             raise_if_failed(output)
             final = output  # "final_only": the one output
         assert final is not None
-        choices = [
-            ChatCompletionResponseChoice(
-                index=output.index,
-                message=ChatMessage(role=ASSISTANT, content=echo + output.text),
-                logprobs=self.logprobs(request, output),
-                finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason,
-                token_ids=list(output.token_ids) if request.return_token_ids else None,
+        choices = []
+        for output in sorted(final.outputs, key=lambda output: output.index):
+            message = (
+                ChatMessage(role=ASSISTANT, content=echo + output.text)
+                if reply.is_plain
+                else reply.parse(output.text, echo)
             )
-            for output in sorted(final.outputs, key=lambda output: output.index)
-        ]
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=output.index,
+                    message=message,
+                    logprobs=self.logprobs(request, output),
+                    finish_reason=finish_reason(output.finish_reason, bool(message.tool_calls)),
+                    stop_reason=output.stop_reason,
+                    token_ids=list(output.token_ids) if request.return_token_ids else None,
+                )
+            )
         return ChatCompletionResponse(
             id=response_id,
             model=self.models.served_model_name,
@@ -178,6 +263,7 @@ class OpenAIServingChat(OpenAIServing):
         response_id: str,
         prompt: PromptInput,
         echo: str,
+        reply: ReplyParser,
     ) -> AsyncGenerator[str, None]:
         """Server-sent events (`sse_stream`): per choice a first chunk with the role (and one with the echoed
         text), then one chunk per new piece, the last carrying `finish_reason`."""
@@ -187,7 +273,7 @@ class OpenAIServingChat(OpenAIServing):
             request_id=request_id,
             stream_options=request.stream_options,
             usage=StreamUsage([len(prompt.token_ids)], request.n),
-            build_chunks=_ChatChunks(self, request, response_id, created, prompt, echo),
+            build_chunks=_ChatChunks(self, request, response_id, created, prompt, echo, reply),
             usage_chunk=lambda: ChatCompletionStreamResponse(
                 id=response_id,
                 object="chat.completion.chunk",
@@ -247,6 +333,7 @@ class _ChatChunks:
         created: int,
         prompt: PromptInput,
         echo: str,
+        reply: ReplyParser,
     ) -> None:
         self.serving = serving
         self.request = request
@@ -254,6 +341,8 @@ class _ChatChunks:
         self.created = created
         self.prompt = prompt
         self.echo = echo
+        self.reply = reply
+        self.streams: dict[int, ReplyStream] = {}
         self.started = False
 
     def __call__(self, _: int, result: RequestOutput) -> Iterator[StreamChunk]:
@@ -263,16 +352,30 @@ class _ChatChunks:
         for output in result.outputs:
             if not output.text and not output.token_ids and output.finish_reason is None:
                 continue
+            delta, finish = self._delta(output)
             chunk = self._chunk(
                 output.index,
-                DeltaMessage(content=output.text),
+                delta,
                 logprobs=self.serving.logprobs(self.request, output),
-                finish_reason=output.finish_reason,
+                finish_reason=finish,
                 stop_reason=output.stop_reason,
             )
             if self.request.return_token_ids:
                 chunk.choices[0].token_ids = list(output.token_ids)
             yield StreamChunk(chunk, output.index, len(output.token_ids))
+
+    def _delta(self, output: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+        """The output's delta and finish_reason, through the reply parser when there is one to run."""
+        if self.reply.is_plain:
+            return DeltaMessage(content=output.text), output.finish_reason
+        stream = self.streams.get(output.index)
+        if stream is None:
+            stream = self.streams[output.index] = self.reply.stream()
+        released = stream.push(output.text)
+        if output.finish_reason is not None:
+            released = released.merge(stream.finish())
+        finish = finish_reason(output.finish_reason, stream.made_calls)
+        return released.message(self.reply.include_reasoning), finish
 
     def _openings(self) -> Iterator[StreamChunk]:
         for index in range(self.request.n):

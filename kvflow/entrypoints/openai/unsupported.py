@@ -26,9 +26,9 @@ _WHITESPACE = (
     "kvflow's JSON constraints take any whitespace between tokens, or none with "
     "structured_outputs: {'disable_any_whitespace': true}; a whitespace pattern is not taken"
 )
-_TOOLS = (
-    "kvflow does not parse tool calls yet; send tool_choice 'none' to render the tools into the prompt without "
-    "parsing calls from the reply"
+_FUNCTIONS = (
+    "OpenAI's deprecated functions API is not served; send the functions as tools ({'type': 'function', "
+    "'function': {...}}) with tool_choice"
 )
 
 
@@ -53,22 +53,14 @@ def _is_false(value: Any, _: Any) -> bool:
     return value is False
 
 
-def _is_no_tool_choice(value: Any, _: Any) -> bool:
+def _is_no_function_call(value: Any, _: Any) -> bool:
     return value in (None, "none")
-
-
-def _tools_are_off(value: Any, request: Any) -> bool:
-    """Tools are rendered but never parsed, so they need tool_choice "none" (without it, OpenAI's default for a
-    request with tools is "auto")."""
-    return not value or getattr(request, "tool_choice", None) == "none"
 
 
 UNSUPPORTED_FIELDS: tuple[UnsupportedField, ...] = (
     UnsupportedField("guided_whitespace_pattern", _is_none, _WHITESPACE),
-    UnsupportedField("tool_choice", _is_no_tool_choice, _TOOLS),
-    UnsupportedField("tools", _tools_are_off, "tools without tool_choice mean 'auto'; " + _TOOLS),
-    UnsupportedField("functions", _is_empty, "use tools with tool_choice 'none'; " + _TOOLS),
-    UnsupportedField("function_call", _is_no_tool_choice, _TOOLS),
+    UnsupportedField("functions", _is_empty, _FUNCTIONS),
+    UnsupportedField("function_call", _is_no_function_call, _FUNCTIONS),
     UnsupportedField(
         "logits_processors", _is_empty, "kvflow does not run logits processors; drop the field"
     ),
