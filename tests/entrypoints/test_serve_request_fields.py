@@ -41,7 +41,6 @@ SHARED_FIELDS: dict[str, tuple[Any, Any]] = {
 }
 CHAT_FIELDS: dict[str, tuple[Any, Any]] = {
     **SHARED_FIELDS,
-    "tool_choice": ("auto", "none"),
     "functions": ([{"name": "get_weather", "parameters": {}}], None),
     "function_call": ("auto", None),
 }
@@ -159,23 +158,27 @@ def test_continue_final_message_continues_the_last_message(
 def test_an_unimplemented_field_is_a_400_naming_it_unless_it_is_off(
     client: openai.OpenAI, endpoint: str, field: str, value: Any, off: Any
 ) -> None:
-    extra = {"tools": TOOLS} if field == "tool_choice" else {}
     with pytest.raises(openai.BadRequestError) as caught:
-        create(client, endpoint, **extra, **{field: value})
+        create(client, endpoint, **{field: value})
     assert caught.value.status_code == 400
     assert caught.value.param == field
     assert "not supported by kvflow yet" in caught.value.message
-    served = create(client, endpoint, **extra, **{field: off})
+    served = create(client, endpoint, **{field: off})
     assert served.choices and served.usage.completion_tokens == 1
 
 
-def test_tools_without_tool_choice_mean_auto_a_400_and_with_none_reach_the_template(
+def test_tools_without_tool_choice_mean_auto_a_400_naming_both_flags_and_with_none_reach_the_template(
     client: openai.OpenAI,
 ) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, tools=TOOLS)
-    assert caught.value.param == "tools"
-    assert "tool_choice 'none'" in caught.value.message
+    """vLLM's rule: tools without tool_choice mean "auto", which needs --enable-auto-tool-choice and
+    --tool-call-parser (this server has neither)."""
+    for fields in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=1, tools=TOOLS, **fields
+            )
+        assert caught.value.param == "tool_choice"
+        assert "--enable-auto-tool-choice and --tool-call-parser" in caught.value.message
     served = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=1, tools=TOOLS, tool_choice="none"
     )

@@ -444,6 +444,11 @@ CHAT_INVALID = [
         {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
         "tool_choice",
     ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"},
+        "tool_choice",
+    ),
+    ({"tools": [{"type": "code_interpreter"}], "tool_choice": "required"}, "tools"),
     ({"chat_template": "{{ messages[0]['content'] | nonexistent_filter }}"}, "chat_template"),
     ({"n": -1}, "n"),
 ]
