@@ -4,6 +4,8 @@
     backend_xgrammar.py  the `xgrammar` backend (the default)
     backend_guidance.py  the `llguidance` backend
     manager.py           `StructuredOutputManager`: compiles off the engine loop, builds each step's bitmask
+    request.py           one request's state: its matcher and, under a reasoning parser, its reasoning detector
+    reasoning_end.py     where a constraint starts under `--reasoning-parser`: after the output's reasoning
     validation.py        the syntax check the API server runs before anything is queued
 
 Backends are registered in `STRUCTURED_OUTPUT_BACKENDS` (the one registry shape) and imported only when used.

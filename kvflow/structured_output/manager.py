@@ -5,15 +5,18 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from kvflow.core.sched.output import GrammarOutput
+from kvflow.reasoning import REASONING_PARSERS
 from kvflow.request import RequestStatus
 from kvflow.structured_output import STRUCTURED_OUTPUT_BACKENDS
 from kvflow.structured_output.backend import allocate_bitmask
+from kvflow.structured_output.reasoning_end import ReasoningGate, TokenTexts
 from kvflow.structured_output.request import GrammarFactory, StructuredOutputRequest
 from kvflow.structured_output.validation import backends_to_try
 
@@ -42,11 +45,18 @@ class StructuredOutputManager:
       applied, so each matcher stands exactly after the tokens its request keeps.
     * Matchers advance in `Scheduler.update_from_output`, one accepted token at a time, only with tokens that are
       appended to the request.
+    * With a reasoning parser (`StructuredOutputsConfig.constrains_after_reasoning`), a constraint starts where
+      the output's reasoning ends (`kvflow.structured_output.reasoning_end`): until then the request's kept tokens
+      go to its reasoning detector instead of its matcher, and its rows are left out of the bitmask (unmasked).
 
-    Invariant (async scheduling, preemption, pause, forced reset, abort): a request's matcher has accepted exactly
-    its kept output tokens (of its current streaming chunk). In-flight tokens that the scheduler discards
-    (`async_tokens_to_discard`) and tokens cut by a stop never reach a matcher, so nothing is ever rolled back;
-    a preempted request keeps its outputs and its matcher, and resumes where both stand.
+    Invariant (async scheduling, preemption, pause, forced reset, abort): a request's reasoning detector and
+    matcher have consumed exactly its kept output tokens (of its current streaming chunk), each token once, the
+    detector's first. In-flight tokens that the scheduler discards (`async_tokens_to_discard`) and tokens cut by
+    a stop never reach either, so nothing is ever rolled back; a preempted request keeps its outputs, detector and
+    matcher, and resumes where they stand. The switch from reasoning to constrained is exact also with async
+    scheduling: a step that schedules a request with a matcher waits for its bitmask, which is built only after
+    every earlier step's output was applied (`InFlightBatch.awaiting_grammar`), so the detector has seen every
+    token before the one being sampled: the first token after the end marker is masked, the marker's are not.
     """
 
     def __init__(
@@ -59,6 +69,12 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._vocab_factory = vocab_factory
         self._vocab: GrammarVocab | None = None
+        self._reasoning_parser = (
+            REASONING_PARSERS.get(config.reasoning_parser)()
+            if config.reasoning_parser is not None and config.constrains_after_reasoning
+            else None
+        )
+        self._reasoning_gate: ReasoningGate | None = None  # built with the vocabulary, on the pool
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._backend_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -71,7 +87,9 @@ class StructuredOutputManager:
         """Start compiling `request`'s constraint (or reuse a compiled one); the request waits in WAITING_FOR_FSM."""
         params = request.sampling_params.structured_outputs
         assert params is not None
-        request.structured_output_request = StructuredOutputRequest(params, self._compile(params))
+        request.structured_output_request = StructuredOutputRequest(
+            params, self._compile(params), owner=weakref.ref(request)
+        )
         request.status = RequestStatus.WAITING_FOR_FSM
         self._compiling[request.request_id] = request
 
@@ -106,10 +124,17 @@ class StructuredOutputManager:
             backend = self._backends.get(name)
             if backend is None:
                 if self._vocab is None:
-                    self._vocab = self._vocab_factory()
+                    self._vocab = self._load_vocab()
                 backend = STRUCTURED_OUTPUT_BACKENDS.get(name)(self._vocab)
                 self._backends[name] = backend
             return backend
+
+    def _load_vocab(self) -> GrammarVocab:
+        """The vocabulary (and, with a reasoning parser, its token texts): on the pool, before any compile ends."""
+        vocab = self._vocab_factory()
+        if self._reasoning_parser is not None:
+            self._reasoning_gate = ReasoningGate(self._reasoning_parser, TokenTexts.of_vocab(vocab))
+        return vocab
 
     def poll(self) -> list[tuple[Request, str]]:
         """Start the matcher of every request whose constraint has compiled (WAITING_FOR_FSM -> WAITING).
@@ -126,7 +151,7 @@ class StructuredOutputManager:
                 continue
             del self._compiling[request_id]
             try:
-                so_request.start()
+                so_request.start(self._reasoning_gate)
             except Exception as error:  # the request's constraint alone is at fault
                 logger.warning(
                     "request %s: structured output failed to compile: %s", request_id, error
@@ -154,7 +179,8 @@ class StructuredOutputManager:
     def grammar_bitmask(
         self, requests: Mapping[str, Request], scheduler_output: SchedulerOutput
     ) -> GrammarOutput:
-        """The bitmask of the step's scheduled requests that have a matcher, in schedule order.
+        """The bitmask of the step's scheduled requests that have a matcher and are past their reasoning, in
+        schedule order (the runner masks only these rows; a request still in reasoning samples unmasked).
 
         A request that finished or whose matcher terminated since the step was planned gets an all-allowed row:
         its token is discarded on arrival, so no constraint applies to it.
@@ -163,11 +189,14 @@ class StructuredOutputManager:
         grammars = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(request_id)
-            if request is None or request.structured_output_request is None:
+            so_request = None if request is None else request.structured_output_request
+            if (
+                so_request is None
+                or so_request.grammar is None
+                or so_request.reasoning_end is not None
+            ):
                 continue
-            grammar = request.structured_output_request.grammar
-            if grammar is None:
-                continue
+            grammar = so_request.grammar
             request_ids.append(request_id)
             grammars.append(None if request.is_finished() or grammar.is_terminated() else grammar)
         bitmask = allocate_bitmask(len(request_ids), self.vocab_size)

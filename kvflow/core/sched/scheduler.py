@@ -770,18 +770,21 @@ class Scheduler:
         """Append tokens one by one, stopping at the first that ends the request (later ones are dropped).
 
         `new_token_ids` is never modified (it is the runner's list): a stop that drops tokens returns a new list.
+        A constrained request's structured-output state takes exactly the appended tokens (its reasoning detector
+        while the reasoning lasts, then its matcher; see `StructuredOutputManager`).
         """
         max_model_len = self.max_model_len
         so_request = request.structured_output_request
-        grammar = None if so_request is None else so_request.grammar
+        if so_request is not None and so_request.grammar is None:
+            so_request = None  # a streaming chunk without a constraint
         for num_appended, token_id in enumerate(new_token_ids, 1):
-            if grammar is not None and not grammar.accept_tokens((token_id,)):
+            if so_request is not None and not so_request.accept_token(token_id):
                 raise StructuredOutputRejected(
                     f"token {token_id} is not allowed by the request's structured output grammar "
-                    f"after {grammar.num_processed_tokens} tokens"
+                    f"after {request.num_output_tokens} output tokens"
                 )
             request.append_output_token_id(token_id)
-            if grammar is not None and grammar.is_terminated():
+            if so_request is not None and so_request.is_terminated():
                 # The constraint is complete (its end accepted): the request stops, as with EOS, also when
                 # this was its last allowed token (EOS comes before the length cap in check_stop too).
                 request.status = RequestStatus.FINISHED_STOPPED
