@@ -86,8 +86,29 @@ def test_help_lists_the_flags() -> None:
         "--enable-admin-endpoints",
         "--chat-template",
         "--max-model-len",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "--reasoning-parser",
+        "--revision",
     ):
         assert flag in result.stdout
+    for name in ("hermes", "llama3_json", "mistral", "pythonic", "qwen3", "deepseek_r1"):
+        assert name in result.stdout
+
+
+def test_tool_flags_parse_and_auto_tool_choice_without_a_parser_is_a_one_line_error() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+    )
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "pythonic")
+    result = run_serve("hash", "--enable-auto-tool-choice")
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()  # refused before anything loads
+    assert line.startswith(
+        "kvflow serve: error: --enable-auto-tool-choice needs --tool-call-parser"
+    )
+    unknown = run_serve("hash", "--tool-call-parser", "xml")
+    assert unknown.returncode == 2 and "invalid choice: 'xml'" in unknown.stderr
 
 
 def test_model_given_twice_differently_is_a_one_line_error() -> None:
