@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable, S
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvflow.beam_search import BeamSearchState, step_sampling_params
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.builder import build_frontend, resolve_engine_config, start_engine_core_client
 from kvflow.engine.core import PAUSE_MODES
@@ -32,11 +33,13 @@ from kvflow.engine.stat_logger import LoggingStatLogger
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvflow.beam_search import BeamSearchOutput
     from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
     from kvflow.engine.core import EngineCore
     from kvflow.engine.input_processor import ProcessedPrompt, PromptType
     from kvflow.engine.stats import StatLogger
     from kvflow.outputs import RequestOutput
+    from kvflow.sampling_params import BeamSearchParams
     from kvflow.tokenizer import Tokenizer
 
 __all__ = ["AsyncLLM", "EngineDeadError", "StreamingInput"]
@@ -65,8 +68,8 @@ class AsyncLLM:
       * every `generate` call ends: with a finished output, with the exception that ended it, or with an
         `EngineDeadError` when the engine stops; a consumer that goes away (cancelled, closed, or broken out
         of) aborts its request, which frees its KV blocks and worker slot;
-      * a request id is live from the start of its `generate` until that call ends, and no two live requests share
-        one (ValueError);
+      * a request id is live from the start of its `generate` (or `beam_search`) until that call ends, and no two
+        live requests share one (ValueError); `_beam_searches` holds exactly the live beam searches;
       * after an engine error or `shutdown`, every call raises `EngineDeadError`.
     """
 
@@ -87,6 +90,7 @@ class AsyncLLM:
         self._lock = threading.RLock()
         self._streams: dict[str, OutputStream] = {}
         self._live_request_ids: set[str] = set()
+        self._beam_searches: dict[str, _BeamSearchRun] = {}
         self._stat_loggers: list[StatLogger] = list(stat_loggers)
         if not engine_args.disable_log_stats:
             self._stat_loggers.append(LoggingStatLogger())
@@ -185,6 +189,53 @@ class AsyncLLM:
                 self._abort_if_owned(request_id, stream)
             with self._lock:
                 self._live_request_ids.discard(request_id)
+
+    async def beam_search(
+        self,
+        prompt: PromptType,
+        request_id: str | None,
+        params: BeamSearchParams,
+        priority: int = 0,
+    ) -> BeamSearchOutput:
+        """Beam search for one prompt (vLLM's algorithm, `kvflow.beam_search`, the same as `LLM.beam_search`): each
+        step runs one one-token request per live beam, concurrently, asking `2 * beam_width` logprobs, so beams
+        share their prefix through the prefix cache. Returns the best `beam_width` sequences, best first.
+
+        A bad prompt or parameter (`2 * beam_width` over `max_logprobs`, a prompt with no room for `max_tokens`
+        under `max_model_len`, a live `request_id`) raises ValueError before any step runs. The step requests are
+        `<request_id>-<step>-<beam>`. `abort(request_id)` (or `pause_generation(mode="abort")`) ends the search at
+        its current step: its live beams finish with "abort". Cancelling the coroutine aborts the step requests in
+        flight.
+        """
+        self._check_open()
+        check_priority(priority, self.engine_config.scheduler_config.policy)
+        processed = self.input_processor.process(prompt, step_sampling_params(params))
+        num_tokens = len(processed.prompt_token_ids) + params.max_tokens
+        if num_tokens > self.input_processor.max_model_len:
+            raise ValueError(
+                f"BeamSearchParams.max_tokens={params.max_tokens} after a prompt of "
+                f"{len(processed.prompt_token_ids)} tokens needs {num_tokens} positions; "
+                f"max_model_len={self.input_processor.max_model_len}"
+            )
+        state = BeamSearchState(
+            [processed.prompt_token_ids], params, self.input_processor.eos_token_id
+        )
+        request_id = self._claim_request_id(request_id)
+        run = _BeamSearchRun()
+        with self._lock:
+            self._beam_searches[request_id] = run
+        try:
+            while not state.finished:
+                outputs = await self._beam_search_step(request_id, run, state, priority)
+                if outputs is None:
+                    state.stop("abort")
+                else:
+                    state.advance(outputs)
+        finally:
+            with self._lock:
+                del self._beam_searches[request_id]
+                self._live_request_ids.discard(request_id)
+        return state.results(self.tokenizer)[0]
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort requests (unknown or finished ids are ignored). Each one's stream ends with a final output,
@@ -345,9 +396,14 @@ class AsyncLLM:
                 self._abort_request(request_id)
 
     def _abort_request(self, request_id: str) -> None:
-        """Abort one user request (its n children, or a whole session) and send its final "abort" output.
-        Caller holds the lock."""
-        if request_id in self._sessions:
+        """Abort one user request (its n children, a whole session, or a beam search's step in flight) and send
+        its final "abort" output. Caller holds the lock."""
+        run = self._beam_searches.get(request_id)
+        if run is not None:
+            run.aborted = True
+            for step_request_id in run.step_request_ids:
+                self._abort_request(step_request_id)
+        elif request_id in self._sessions:
             self._sessions.abort(request_id)
         else:
             core_request_ids = self.output_processor.core_request_ids(request_id)
@@ -356,6 +412,45 @@ class AsyncLLM:
             for output in self.output_processor.abort_requests([request_id]):
                 self._deliver(output)
         logger.debug("aborted request %s", request_id)
+
+    # ------------------------------------------------------------------------------------------------ beam search
+    async def _beam_search_step(
+        self, request_id: str, run: _BeamSearchRun, state: BeamSearchState, priority: int
+    ) -> list[RequestOutput] | None:
+        """Run one step of `state` (its requests concurrently) and return their final outputs; None when the
+        search was aborted before the step. A step that fails or is cancelled cancels its other requests, which
+        aborts them."""
+        beams = state.requests()
+        with self._lock:
+            if run.aborted:
+                return None
+            run.step_request_ids = [
+                f"{request_id}-{state.num_steps}-{index}" for index in range(len(beams))
+            ]
+        tasks = [
+            asyncio.ensure_future(
+                self._final_output(
+                    {"prompt_token_ids": tokens}, state.step_params, step_request_id, priority
+                )
+            )
+            for tokens, step_request_id in zip(beams, run.step_request_ids, strict=True)
+        ]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _final_output(
+        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int
+    ) -> RequestOutput:
+        final = None
+        async for output in self.generate(prompt, params, request_id, priority):
+            final = output
+        assert final is not None, "generate ends with a finished output"
+        return final
 
     # ------------------------------------------------------------------------------------------------ outputs
     def _process_engine_outputs(
@@ -421,6 +516,15 @@ class AsyncLLM:
                 stream.put(fresh_dead_error(error))
             self._streams.clear()
             self._sessions.fail_all(error)
+
+
+@dataclasses.dataclass
+class _BeamSearchRun:
+    """A live `AsyncLLM.beam_search`: the ids of its step requests in flight (or last run), and whether it was
+    aborted (it then runs no further step)."""
+
+    step_request_ids: list[str] = dataclasses.field(default_factory=list)
+    aborted: bool = False
 
 
 def _make_stats(engine_core: EngineCore) -> SchedulerStats:

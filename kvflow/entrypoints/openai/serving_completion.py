@@ -4,14 +4,15 @@ A prompt is a string, a list of strings, a list of token ids, or a list of such 
 no BOS is added). Each prompt runs as one engine request with `n` samples; choice `i` of prompt `p` has index
 `p * n + i`. With `echo`, each choice starts with its prompt (text, token ids and, with `logprobs`, the prompt's
 logprobs: None for the first token, then one entry per prompt token), which is how evaluation harnesses score
-likelihoods (`echo: true, logprobs: 1, max_tokens: 1`).
+likelihoods (`echo: true, logprobs: 1, max_tokens: 1`). With `use_beam_search`, each prompt runs a beam search
+instead (`serving_beam_search.py`): its `n` best beams are its choices, best first, built by the same code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse, Response
@@ -30,6 +31,7 @@ from kvflow.entrypoints.openai.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
+from kvflow.entrypoints.openai.serving_beam_search import beam_search_results
 from kvflow.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
     LONG_TEXT_CHARS,
@@ -68,14 +70,18 @@ class OpenAIServingCompletion(OpenAIServing):
         else:
             prompts = self._prompts(request, controls)
         response_id = f"cmpl-{request_id}"
-        if request.stream:
+        if request.stream:  # never with use_beam_search (unsupported.BEAM_SEARCH_FIELDS)
             return sse_response(
                 self._stream(request, request_id, response_id, prompts),
                 self.limits.max_stream_buffer_bytes,
                 request_id,
             )
+        if request.use_beam_search:
+            results = beam_search_results(self, request, request_id, prompts)
+        else:
+            results = self.generate(request_id, prompts, request.priority)
         response = await run_until_disconnected(
-            raw_request, self._complete(request, request_id, response_id, prompts)
+            raw_request, self._complete(request, response_id, prompts, results)
         )
         if response is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -154,12 +160,13 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _complete(
         self,
         request: CompletionRequest,
-        request_id: str,
         response_id: str,
         prompts: list[PromptInput],
+        results: AsyncIterator[tuple[int, RequestOutput]],
     ) -> CompletionResponse:
+        """The whole response from `results`: each prompt's final output (its samples, or its beams)."""
         finals: list[RequestOutput | None] = [None] * len(prompts)
-        async for index, output in self.generate(request_id, prompts, request.priority):
+        async for index, output in results:
             raise_if_failed(output)
             finals[index] = output  # "final_only": each prompt's one output
         choices = []
