@@ -36,8 +36,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 SHARED_FIELDS: dict[str, tuple[Any, Any]] = {
     "guided_whitespace_pattern": (r"\s*", None),
     "logits_processors": (["my.module:Processor"], None),
-    "use_beam_search": (True, False),
-    "length_penalty": (0.5, 1.0),
 }
 CHAT_FIELDS: dict[str, tuple[Any, Any]] = {
     **SHARED_FIELDS,

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 from kvflow.beam_search import beam_text, step_sampling_params
 from kvflow.entrypoints.openai.errors import OpenAIServingError, bad_request
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from kvflow.entrypoints.openai.serving_engine import merge_async_iterators
 from kvflow.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvflow.sampling_params import BeamSearchParams
 
@@ -139,18 +138,11 @@ async def _run(
     params: Sequence[BeamSearchParams],
     priority: int,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    engine_ids = (
-        [request_id]
-        if len(prompts) == 1
-        else [f"{request_id}-{index}" for index in range(len(prompts))]
-    )
-    with serving.live_requests.claim(request_id, engine_ids):
-        searches = [
-            _search(serving, engine_id, prompt, prompt_params, priority)
-            for engine_id, prompt, prompt_params in zip(engine_ids, prompts, params, strict=True)
-        ]
-        async for item in merge_async_iterators(searches):
-            yield item
+    def start(index: int, engine_id: str) -> AsyncIterator[RequestOutput]:
+        return _search(serving, engine_id, prompts[index], params[index], priority)
+
+    async for item in serving.run_each(request_id, len(prompts), start):
+        yield item
 
 
 async def _search(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
@@ -37,6 +37,7 @@ from kvflow.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
 )
+from kvflow.entrypoints.openai.serving_beam_search import beam_search_results
 from kvflow.entrypoints.openai.serving_engine import (
     CLIENT_CLOSED_REQUEST,
     OpenAIServing,
@@ -108,8 +109,12 @@ class OpenAIServingChat(OpenAIServing):
                 self.limits.max_stream_buffer_bytes,
                 request_id,
             )
+        if request.use_beam_search:  # never streamed (unsupported.BEAM_SEARCH_FIELDS)
+            results = beam_search_results(self, request, request_id, [prompt])
+        else:
+            results = self.generate(request_id, [prompt], request.priority)
         response = await run_until_disconnected(
-            raw_request, self._complete(request, request_id, response_id, prompt, echo, reply)
+            raw_request, self._complete(request, response_id, prompt, echo, reply, results)
         )
         if response is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -202,14 +207,14 @@ class OpenAIServingChat(OpenAIServing):
     async def _complete(
         self,
         request: ChatCompletionRequest,
-        request_id: str,
         response_id: str,
         prompt: PromptInput,
         echo: str,
         reply: ReplyParser,
+        results: AsyncIterator[tuple[int, RequestOutput]],
     ) -> ChatCompletionResponse:
         final = None
-        async for _, output in self.generate(request_id, [prompt], request.priority):
+        async for _, output in results:
             raise_if_failed(output)
             final = output  # "final_only": the one output
         assert final is not None

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import (
     AsyncIterator,
     Awaitable,
+    Callable,
     Iterable,
     Iterator,
     Mapping,
@@ -383,18 +384,32 @@ class OpenAIServing:
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run the prompts (engine ids `request_id`, or `request_id-i` for several) and yield `(prompt index,
         output)` as outputs arrive. Closing or cancelling the iterator aborts whatever still runs."""
+
+        def start(index: int, engine_id: str) -> AsyncIterator[RequestOutput]:
+            prompt = prompts[index]
+            return self.engine.generate(
+                _engine_prompt(prompt), prompt.sampling_params, engine_id, priority
+            )
+
+        async for item in self.run_each(request_id, len(prompts), start):
+            yield item
+
+    async def run_each(
+        self,
+        request_id: str,
+        num_prompts: int,
+        start: Callable[[int, str], AsyncIterator[RequestOutput]],
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run `start(prompt index, engine id)` for each prompt (engine ids `request_id`, or `request_id-i` for
+        several) while `request_id` is live, and yield `(prompt index, output)` as outputs arrive. Closing or
+        cancelling the iterator cancels what still runs."""
         engine_ids = (
             [request_id]
-            if len(prompts) == 1
-            else [f"{request_id}-{index}" for index in range(len(prompts))]
+            if num_prompts == 1
+            else [f"{request_id}-{index}" for index in range(num_prompts)]
         )
         with self.live_requests.claim(request_id, engine_ids):
-            streams = [
-                self.engine.generate(
-                    _engine_prompt(prompt), prompt.sampling_params, engine_id, priority
-                )
-                for prompt, engine_id in zip(prompts, engine_ids, strict=True)
-            ]
+            streams = [start(index, engine_id) for index, engine_id in enumerate(engine_ids)]
             async for item in merge_async_iterators(streams):
                 yield item
 
