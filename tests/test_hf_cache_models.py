@@ -1,6 +1,7 @@
 """A Hugging Face id as the model, resolved offline from a local Hugging Face cache built here in
 huggingface_hub's layout (`models--org--name/refs/<ref>` holding a commit, `snapshots/<commit>/` the files):
-`--revision` picks a snapshot, and a miss is one line naming the cache folder."""
+`--revision` picks a snapshot, `kvflow serve org/name` serves it under the id, and a miss is one line naming the
+cache folder."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.default_model import ensure_default_model
+from tests.entrypoints.server import DEFAULT_SERVER, running_server
 from tests.test_cli import run_kvflow
 from tests.test_cli_errors import assert_one_line_error
 
@@ -54,3 +56,15 @@ def test_an_id_missing_from_the_cache_is_one_line_naming_where_kvflow_looked(
     assert (
         str(hub_cache) in result.stderr and "huggingface-cli download acme/absent" in result.stderr
     )
+
+
+def test_serve_an_id_from_the_cache_under_the_id_as_its_model_name(hub_cache: Path) -> None:
+    env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    with running_server("acme/tiny", "--revision", "v2", *DEFAULT_SERVER, env=env) as server:
+        client = server.client()
+        assert [model.id for model in client.models.list()] == ["acme/tiny"]
+        completion = client.completions.create(
+            model="acme/tiny", prompt="The capital of France is", max_tokens=16
+        )
+        # v2's generation_config.json caps outputs at 3 tokens: the server read that snapshot.
+        assert completion.usage.completion_tokens == 3

@@ -155,7 +155,7 @@ def test_chat_message_without_usable_content_names_its_index(
         text_llm.chat(messages, SamplingParams(max_tokens=1), use_tqdm=False)
 
 
-def test_assistant_tool_call_without_content_renders_as_empty(text_llm: LLM) -> None:
+def test_assistant_tool_call_without_content_renders_only_the_call(text_llm: LLM) -> None:
     tokenizer = text_llm.get_tokenizer()
     assert tokenizer is not None
     messages = [
@@ -163,5 +163,8 @@ def test_assistant_tool_call_without_content_renders_as_empty(text_llm: LLM) -> 
         {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "w"}}]},
     ]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    assert text.endswith("<|im_start|>assistant\n<|im_end|>\n")
+    assert text.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call><|im_end|>\n'
+    )
+    assert "None" not in text
     assert messages[1]["content"] is None  # the caller's messages are not changed

@@ -242,3 +242,11 @@ def test_bad_tool_choices_are_400s_naming_the_field(
         resolve_tool_choice(tools, tool_choice, None, auto_enabled)
     assert error.value.param == param
     assert words in str(error.value)
+
+
+def test_parameters_without_a_type_still_make_arguments_an_object() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    named = resolve_tool_choice(
+        [tool], {"type": "function", "function": {"name": "f"}}, None, False
+    )
+    assert named.constraint().json == {"type": "object", "properties": {}}  # type: ignore[union-attr]

@@ -5,6 +5,7 @@ ignored and logged once)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,19 @@ def test_tools_without_tool_choice_mean_auto_a_400_naming_both_flags_and_with_no
         model=MODEL, messages=MESSAGES, max_tokens=1, tools=TOOLS, tool_choice="none"
     )
     assert served.choices[0].message.role == "assistant"
+    # A named function needs no parser: the reply is constrained to its (empty) parameters.
+    forced = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    [call] = forced.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and isinstance(
+        json.loads(call.function.arguments), dict
+    )
 
 
 def test_an_empty_conversation_is_a_400_naming_messages(client: openai.OpenAI) -> None:

@@ -159,7 +159,8 @@ def resolve_tool_choice(
 
 
 def _check_tools(tools: Sequence[Any] | None) -> tuple[Mapping[str, Any], ...]:
-    """The tools' `function` objects, each with `parameters` (default: no parameters)."""
+    """The tools' `function` objects, each with `parameters`: a JSON schema of an object (none or one without a
+    `type`, such as `{}`, is taken as an object schema, so a forced call's arguments are always an object)."""
     functions: list[Mapping[str, Any]] = []
     for index, tool in enumerate(tools or ()):
         where = f"tools[{index}]"
@@ -185,6 +186,8 @@ def _check_tools(tools: Sequence[Any] | None) -> tuple[Mapping[str, Any], ...]:
                 f"{where}.function.parameters must be a JSON schema object, got {short_repr(parameters)}",
                 param="tools",
             )
+        if "type" not in parameters:  # arguments are always an object ({} means "no parameters")
+            parameters = {**_NO_PARAMETERS, **parameters}
         functions.append({**function, "parameters": parameters})
     names = [function["name"] for function in functions]
     duplicates = sorted({name for name in names if names.count(name) > 1})
