@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvflow.reasoning import REASONING_PARSERS
+from kvflow.spec_decode import SPEC_PROPOSERS
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
 # The allowed values of the choice options; `EngineArgs` offers the same lists on the command line.
@@ -255,6 +256,137 @@ class StructuredOutputsConfig:
         )
 
 
+_SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+)
+_PROMPT_LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
+_DEFAULT_PROMPT_LOOKUP_MAX = 5
+_DEFAULT_PROMPT_LOOKUP_MIN = 2
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (`True` is a mistake, not 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_spec_method(method: object) -> None:
+    """A `speculative_config` method must name a registered proposer (the registry imports nothing heavy)."""
+    _require(
+        isinstance(method, str) and method in SPEC_PROPOSERS,
+        f"speculative_config method: {SPEC_PROPOSERS.unknown_message(method)}",
+    )
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` engine option): each decoding step verifies up to
+    `num_speculative_tokens` drafted tokens per request and keeps the longest run the target model agrees with.
+
+    `method` names a proposer in `kvflow.spec_decode.SPEC_PROPOSERS`: "ngram" drafts by prompt lookup (the tokens
+    that followed the most recent earlier occurrence of the request's last n tokens, n from `prompt_lookup_max`
+    down to `prompt_lookup_min`); "draft_model" drafts with the smaller model at `model` (same tokenizer).
+
+    Invariants: `num_speculative_tokens >= 1`; `1 <= prompt_lookup_min <= prompt_lookup_max`; `model` is set
+    exactly when `method` is "draft_model". Every violation is a ValueError naming the `speculative_config` key.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = _DEFAULT_PROMPT_LOOKUP_MAX
+    prompt_lookup_min: int = _DEFAULT_PROMPT_LOOKUP_MIN
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_spec_method(self.method)
+        _require(
+            _is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 1,
+            "speculative_config num_speculative_tokens must be an integer >= 1, got "
+            f"{self.num_speculative_tokens!r}",
+        )
+        for key in _PROMPT_LOOKUP_KEYS:
+            value = getattr(self, key)
+            _require(
+                _is_int(value) and value >= 1,
+                f"speculative_config {key} must be an integer >= 1, got {value!r}",
+            )
+        _require(
+            self.prompt_lookup_min <= self.prompt_lookup_max,
+            f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+            f"prompt_lookup_max ({self.prompt_lookup_max})",
+        )
+        _require(
+            self.model is None or isinstance(self.model, str),
+            f"speculative_config model must be a path (a string), got {self.model!r}",
+        )
+        if self.method == "draft_model":
+            _require(
+                bool(self.model),
+                "speculative_config method 'draft_model' needs 'model': the draft model's folder",
+            )
+        else:
+            _require(
+                self.model is None,
+                f"speculative_config model is for method 'draft_model'; method {self.method!r} drafts "
+                "without a model",
+            )
+
+    @classmethod
+    def from_option(cls, option: Mapping[str, object] | None) -> SpeculativeConfig | None:
+        """From the engine option's dict: None or {} is no speculation. `"model"` without `"method"` means
+        "draft_model"; a prompt-lookup bound given alone moves the other's default so that min <= max (only
+        `prompt_lookup_max: 1` gives min 1; only `prompt_lookup_min: 7` gives max 7). An unknown key, a missing
+        one, or a key that does not apply to the method is a ValueError naming it."""
+        if option is None:
+            return None
+        _require(
+            isinstance(option, Mapping),
+            f"speculative_config must be a JSON object (a dict), got {option!r}",
+        )
+        option = dict(option)
+        if not option:
+            return None
+        unknown = sorted(set(option) - set(_SPECULATIVE_KEYS), key=str)
+        _require(
+            not unknown,
+            f"speculative_config has unknown keys {unknown}; it takes "
+            + ", ".join(repr(key) for key in _SPECULATIVE_KEYS),
+        )
+        method = option.get("method", "draft_model" if "model" in option else None)
+        _require(
+            method is not None,
+            "speculative_config needs 'method' (one of "
+            f"{', '.join(SPEC_PROPOSERS.names())}) or a draft 'model'",
+        )
+        _check_spec_method(method)
+        _require(
+            "num_speculative_tokens" in option,
+            "speculative_config needs 'num_speculative_tokens': the drafted tokens per step",
+        )
+        if method != "ngram":
+            given = [key for key in _PROMPT_LOOKUP_KEYS if key in option]
+            _require(
+                not given,
+                f"speculative_config {', '.join(given)} applies to method 'ngram' only, not {method!r}",
+            )
+        lookup_max = option.get("prompt_lookup_max", _DEFAULT_PROMPT_LOOKUP_MAX)
+        lookup_min = option.get("prompt_lookup_min", _DEFAULT_PROMPT_LOOKUP_MIN)
+        if "prompt_lookup_max" not in option and _is_int(lookup_min):
+            lookup_max = max(_DEFAULT_PROMPT_LOOKUP_MAX, lookup_min)  # type: ignore[call-overload]
+        if "prompt_lookup_min" not in option and _is_int(lookup_max):
+            lookup_min = min(_DEFAULT_PROMPT_LOOKUP_MIN, lookup_max)  # type: ignore[call-overload]
+        return cls(
+            method=method,  # type: ignore[arg-type]
+            num_speculative_tokens=option["num_speculative_tokens"],  # type: ignore[arg-type]
+            prompt_lookup_max=lookup_max,  # type: ignore[arg-type]
+            prompt_lookup_min=lookup_min,  # type: ignore[arg-type]
+            model=option.get("model"),  # type: ignore[arg-type]
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
@@ -264,3 +396,4 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    speculative_config: SpeculativeConfig | None = None
