@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import os
 import types
@@ -27,6 +28,7 @@ from kvflow.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 from kvflow.reasoning import REASONING_PARSERS
@@ -35,9 +37,13 @@ from kvflow.utils import resolve_device
 if TYPE_CHECKING:
     from kvflow.model_info import ModelInfo
 
+logger = logging.getLogger(__name__)
+
 # Tokens per step when not given: on CPU, steps of ~2k tokens keep activations cache-resident; GPUs want bigger
 # steps.
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
+# `speculative_config` methods the config accepts but the engine does not run yet (a named refusal, not a no-op).
+_SPEC_METHODS_NOT_IMPLEMENTED = ("draft_model",)
 # The CPU KV cache budget in GiB (vLLM CPU's VLLM_CPU_KVCACHE_SPACE); unset, empty or 0: 4 GiB.
 CPU_KVCACHE_SPACE_ENV = "KVFLOW_CPU_KVCACHE_SPACE"
 REASONING_PARSER_NAMES = REASONING_PARSERS.names()
@@ -147,6 +153,13 @@ class EngineArgs:
         'structured_outputs_config {"reasoning_parser": NAME})',
         REASONING_PARSER_NAMES,
     )
+    speculative_config: dict | None = _option(  # noqa: RUF009 (None default)
+        None,
+        'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 5, '
+        '"prompt_lookup_min": 2} (drafts K tokens by prompt lookup in the request\'s own tokens and verifies '
+        'them in one step; runs with synchronous scheduling). {"method": "draft_model", "model": PATH} is '
+        "not implemented yet",
+    )
     disable_log_stats: bool = _option(
         False,
         "no periodic throughput / scheduler stats in the log (every $KVFLOW_LOG_STATS_INTERVAL s)",
@@ -176,6 +189,7 @@ class EngineArgs:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         self._structured_outputs_config()  # checked now
+        self._speculative_config()
 
     # ------------------------------------------------------------------------------------------------ config
     def create_engine_config(self, model_info: ModelInfo) -> EngineConfig:
@@ -216,7 +230,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
-                async_scheduling=self.async_scheduling,
+                async_scheduling=self._async_scheduling(),
                 use_v2_model_runner=self.use_v2_model_runner,
             ),
             parallel_config=ParallelConfig(
@@ -224,6 +238,7 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
             structured_outputs_config=self._structured_outputs_config(),
+            speculative_config=self._speculative_config(),
         )
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
@@ -237,6 +252,26 @@ class EngineArgs:
                     f"reasoning_parser={in_option!r} disagree: give one"
                 )
         return StructuredOutputsConfig.from_option(option)
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed; a method the engine does not run yet is a ValueError now."""
+        config = SpeculativeConfig.from_option(self.speculative_config)
+        if config is not None and config.method in _SPEC_METHODS_NOT_IMPLEMENTED:
+            raise ValueError(
+                f"speculative_config method {config.method!r} is not implemented yet; use "
+                '{"method": "ngram", "num_speculative_tokens": K}'
+            )
+        return config
+
+    def _async_scheduling(self) -> bool:
+        """`async_scheduling`, off (with one INFO line) under speculative decoding, which runs synchronously."""
+        if self.async_scheduling and self.speculative_config:
+            logger.info(
+                "speculative_config is set: async scheduling is turned off (speculative decoding runs with "
+                "synchronous scheduling for now)"
+            )
+            return False
+        return self.async_scheduling
 
     def _max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:
