@@ -12,6 +12,7 @@ from kvflow.core.sched.output import SchedulerStats
 
 if TYPE_CHECKING:
     from kvflow.engine.stats import IterationStats
+    from kvflow.spec_decode.metrics import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,9 @@ def log_stats_interval_s() -> float:
 
 class LoggingStatLogger:
     """A `StatLogger` that logs throughput and scheduler state at INFO every `interval_s` while tokens flow, and
-    a warning when requests were preempted in an interval (the KV cache is too small for the load).
+    a warning when requests were preempted in an interval (the KV cache is too small for the load). Under
+    speculative decoding (snapshots carrying `spec_decoding_stats`), a second INFO line gives vLLM's
+    "SpecDecoding metrics" for the drafts verified in the interval.
 
     Invariants: `record` only adds counts (O(1)); a line covers exactly the tokens recorded since the previous
     line; nothing is logged for an interval without recorded tokens, so an idle engine stays quiet. With several
@@ -55,6 +58,8 @@ class LoggingStatLogger:
         self._num_generation_tokens = 0
         self._last_stats: SchedulerStats | None = None
         self._latest: dict[int, SchedulerStats] = {}  # engine index -> its latest snapshot
+        # A copy of the last line's speculative-decoding totals (a snapshot may share the live counters).
+        self._last_spec_stats: SpecDecodingStats | None = None
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         """Count one step's tokens; write the line when the interval is over (`StatLogger`)."""
@@ -98,9 +103,32 @@ class LoggingStatLogger:
                 elapsed,
                 stats.num_preemptions_total,
             )
+        self._log_spec_decoding(elapsed)
         self._last_log_time = now
         self._last_stats = stats
         self._num_prompt_tokens = self._num_generation_tokens = 0
+
+    def _log_spec_decoding(self, elapsed: float) -> None:
+        """The SpecDecoding line for the drafts verified since the previous line (none: no line)."""
+        spec_stats = _combined_spec_stats(list(self._latest.values()))
+        if spec_stats is None:
+            return
+        previous = self._last_spec_stats
+        interval = spec_stats - previous if previous is not None else spec_stats
+        if interval.num_drafts:
+            logger.info("%s", interval.log_line(elapsed))
+        self._last_spec_stats = spec_stats.copy()
+
+
+def _combined_spec_stats(snapshots: list[SchedulerStats]) -> SpecDecodingStats | None:
+    """The engine cores' speculative-decoding counts summed (None: no core speculates). Read with getattr, so a
+    `SchedulerStats` without the field (older cores) is no speculation."""
+    total: SpecDecodingStats | None = None
+    for snapshot in snapshots:
+        spec_stats = getattr(snapshot, "spec_decoding_stats", None)
+        if spec_stats is not None:
+            total = spec_stats.copy() if total is None else total + spec_stats
+    return total
 
 
 def _hit_rate(previous: SchedulerStats | None, stats: SchedulerStats) -> float:

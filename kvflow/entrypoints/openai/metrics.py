@@ -13,6 +13,10 @@ histograms `time_to_first_token_seconds` (from arrival at the front end), `inter
 `request_decode_time_seconds`, `request_inference_time_seconds`, `request_time_per_output_token_seconds`,
 `request_prompt_tokens`, `request_generation_tokens`. The queue / prefill / decode / inference histograms fill once
 the front end reports those times in `FinishedRequestStats`.
+Under speculative decoding (`SchedulerStats.spec_decoding_stats`), counters `spec_decode_num_drafts_total`,
+`spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total` and
+`spec_decode_num_accepted_tokens_per_pos{position}` (drafts whose first position+1 tokens were accepted, position
+from 0), created with the first snapshot that carries them.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 
     from kvflow.core.sched.output import SchedulerStats
     from kvflow.engine.stats import FinishedRequestStats, IterationStats
+    from kvflow.spec_decode.metrics import SpecDecodingStats
 
 __all__ = ["CONTENT_TYPE_LATEST", "PrometheusStatLogger"]
 
@@ -71,10 +76,10 @@ class PrometheusStatLogger:
 
     Invariants: every sample carries the `engine` label of the core it counts (`SchedulerStats.engine_index`;
     a step's iteration stats belong to the core whose step it was); counters only grow; each of a core's scheduler
-    running totals (prefix-cache tokens, preemptions) is counted exactly once whatever the order its snapshots
-    arrive in (a snapshot adds only what its total exceeds the largest seen from that core); the gauges never go
-    back to a snapshot older than one already shown. `_lock` serializes the engines' output threads (`record`) and
-    the /metrics handler (`refresh`).
+    running totals (prefix-cache tokens, preemptions, speculative-decoding counts) is counted exactly once
+    whatever the order its snapshots arrive in (a snapshot adds only what its total exceeds the largest seen from
+    that core); the gauges never go back to a snapshot older than one already shown. `_lock` serializes the
+    engines' output threads (`record`) and the /metrics handler (`refresh`).
     """
 
     def __init__(self, model_name: str, max_model_len: int = 1 << 20, num_engines: int = 1) -> None:
@@ -83,8 +88,8 @@ class PrometheusStatLogger:
         self.model_name = model_name
         self._lock = threading.Lock()
         self._num_records = 0  # steps recorded so far
-        # (running total, engine) -> how much of it is counted
-        self._counted_totals: dict[tuple[Counter, str], int] = {}
+        # (running total, its labels) -> how much of it is counted
+        self._counted_totals: dict[tuple[Counter, tuple[str, ...]], int] = {}
         labels = ["model_name", "engine"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -117,6 +122,21 @@ class PrometheusStatLogger:
         )
         self.prefix_cache_hits = counter(
             "kvflow:prefix_cache_hits", "Prompt tokens found in the prefix cache"
+        )
+        self.spec_decode_num_drafts = counter(
+            "kvflow:spec_decode_num_drafts",
+            "Speculative drafts verified (one per request and step)",
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "kvflow:spec_decode_num_draft_tokens", "Speculative tokens drafted"
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "kvflow:spec_decode_num_accepted_tokens", "Speculative tokens accepted"
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = counter(
+            "kvflow:spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose tokens up to this position (from 0) were all accepted",
+            ("position",),
         )
         self.time_to_first_token = histogram(
             "kvflow:time_to_first_token_seconds",
@@ -238,10 +258,35 @@ class PrometheusStatLogger:
             (self.prefix_cache_hits, scheduler_stats.prefix_cache_hit_tokens),
             (self.preemptions, scheduler_stats.num_preemptions_total),
         ):
-            counted = self._counted_totals.get((counter, engine), 0)
-            if total > counted:
-                counter.labels(*name).inc(total - counted)
-                self._counted_totals[(counter, engine)] = total
+            self._count_total(counter, name, total)
+        spec_stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if spec_stats is not None:
+            self._apply_spec_decoding(spec_stats, name)
+
+    def _apply_spec_decoding(self, spec_stats: SpecDecodingStats, name: tuple[str, str]) -> None:
+        """What a core's speculative-decoding totals grew by (caller holds `_lock`)."""
+        for counter, total in (
+            (self.spec_decode_num_drafts, spec_stats.num_drafts),
+            (self.spec_decode_num_draft_tokens, spec_stats.num_draft_tokens),
+            (self.spec_decode_num_accepted_tokens, spec_stats.num_accepted_tokens),
+        ):
+            self._count_total(counter, name, total)
+        for position, total in enumerate(spec_stats.num_accepted_tokens_per_pos):
+            self._count_total(
+                self.spec_decode_num_accepted_tokens_per_pos, (*name, str(position)), total
+            )
+
+    def _count_total(self, counter: Counter, labels: tuple[str, ...], total: int) -> None:
+        """Count a running total's growth past the largest value seen for these labels (caller holds `_lock`);
+        the sample exists (at 0 or more) from the first snapshot that carries the total."""
+        key = (counter, labels)
+        counted = self._counted_totals.get(key)
+        if counted is None:
+            counter.labels(*labels)
+            counted = self._counted_totals[key] = 0
+        if total > counted:
+            counter.labels(*labels).inc(total - counted)
+            self._counted_totals[key] = total
 
     def _record_finished(self, finished: FinishedRequestStats, name: tuple[str, str]) -> None:
         if finished.finish_reason is not None:
