@@ -16,7 +16,8 @@ class BatchInputs:
     `positions[t]` of its sequence and its KV goes to cache slot `slot_mapping[t]`. `seq_lens[r]` counts the
     request's tokens with KV after this step; `block_tables[r, :ceil(seq_lens[r] / block_size)]` are valid (the rest
     is padding). For `k < num_sampled`, `logits_indices[k]` is the flat index of the last scheduled token of request
-    `sampled_req_indices[k]`, one entry per request that samples this step (partial prefills do not). Entries past
+    `sampled_req_indices[k]`, one entry per request that samples this step (partial prefills do not); a request
+    verifying d speculative drafts has d + 1 consecutive entries, its last d + 1 scheduled tokens. Entries past
     `num_sampled` (only when a scheduled request asks for prompt logprobs) are further flat tokens whose logits the
     runner needs; a model returns one row per `logits_indices` entry, in order, and a model that samples its own
     tokens (never given such entries) one token per sampled request.

@@ -125,12 +125,21 @@ class EngineCore:
         self.executor = executor_class(engine_config, model_info)
         scheduler_config = engine_config.scheduler_config
         scheduler_cls = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
+        spec_config = getattr(engine_config, "speculative_config", None)
         try:
+            if spec_config is not None and scheduler_config.async_scheduling:
+                raise ValueError(
+                    "speculative decoding runs with synchronous scheduling for now: set async_scheduling=False "
+                    "(EngineArgs does so itself when speculative_config is set)"
+                )
             self.scheduler = scheduler_cls(
                 scheduler_config,
                 engine_config.cache_config,
                 num_kv_blocks=self.executor.num_kv_blocks,
                 has_structured_outputs=self.structured_output_manager is not None,
+                num_speculative_tokens=0
+                if spec_config is None
+                else spec_config.num_speculative_tokens,
             )
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a core that failed to start

@@ -103,10 +103,13 @@ class HashModel:
         return block_size * 8
 
     def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Write the scheduled tokens, then sample one token per `logits_indices` entry from the read-back KV."""
+        """Write the scheduled tokens, then sample one token per `logits_indices` entry from the read-back KV of the
+        positions up to it."""
         kv_cache[batch.slot_mapping] = batch.input_ids
         rows = batch.sampled_req_indices
-        seq_lens = batch.seq_lens[rows].to(torch.int64)
+        # Each sampled row's context: the tokens up to its logits position (a request's last scheduled token,
+        # or with drafts each of its last `drafts + 1` tokens).
+        seq_lens = batch.positions[batch.logits_indices[: rows.shape[0]]].to(torch.int64) + 1
         block_tables = batch.block_tables[rows].to(torch.int64)
         token_ids, segment_ids, exponents = self._read_back(
             kv_cache, block_tables, seq_lens, batch.block_size

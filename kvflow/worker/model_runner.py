@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from kvflow.batch import BatchInputs
 from kvflow.core.sched.output import LogprobsLists, ModelRunnerOutput
+from kvflow.spec_decode.rejection_sampler import accept_point_mass_drafts
 from kvflow.utils import cdiv, to_device
 from kvflow.worker.sampler import (
     Sampler,
@@ -29,6 +30,14 @@ if TYPE_CHECKING:
         SchedulerOutput,
     )
     from kvflow.models.interface import RunnerModel
+
+
+class DraftProposer(Protocol):
+    """Speculative decoding's proposer in the worker (`kvflow.spec_decode`: n-gram prompt lookup)."""
+
+    def propose(self, token_ids: np.ndarray, max_drafts: int) -> list[int]:
+        """Up to `max_drafts` draft tokens to follow `token_ids` (a request's known tokens)."""
+        ...
 
 
 # Prompt-logprob rows go through log_softmax / rank / top-k this many at a time, bounding the temporaries.
@@ -57,11 +66,17 @@ class _StepArrays:
 
     slot_indices: np.ndarray  # [num_reqs] slot of each batch row
     num_scheduled: np.ndarray  # [num_reqs]
-    sampled_rows: np.ndarray  # [num_sampled] batch rows that sample
+    sampled_rows: (
+        np.ndarray
+    )  # [num_sampled] the batch row of each sampled row (repeated for drafts)
     req_id_to_index: dict[str, int]  # batch row of each request
     prompt_rows: _PromptLogprobRows | None = None
     # Requests whose sampling failed on their own this step -> why (see `ModelRunnerOutput.failed_req_ids`).
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: the drafts each batch row verifies (none: an empty dict), and for each sampled row
+    # its offset among its request's rows (row j samples the token after the request's j-th draft).
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    sample_offsets: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -96,8 +111,11 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         eos_token_id: int | None = None,
         seed: int = 0,
+        spec_proposer: DraftProposer | None = None,
     ) -> None:
         self.model = model
+        # Speculative decoding: proposes each decoding request's drafts after its tokens are sampled (None: off).
+        self.spec_proposer = spec_proposer
         self.eos_token_id = eos_token_id
         self.sampler = Sampler(seed)
         self.block_size = block_size
@@ -122,7 +140,9 @@ class ModelRunner:
         self._update_cached_requests(scheduler_output.scheduled_cached_reqs)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput.make_empty()
-        batch, arrays = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
+        batch, arrays = self._prepare_inputs(
+            scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
+        )
         with torch.inference_mode():
             model_output = self.model.forward(batch, self.kv_cache)
         if scheduler_output.has_structured_output_requests:
@@ -260,7 +280,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ d. inputs
     def _prepare_inputs(
-        self, num_scheduled_tokens: dict[str, int]
+        self,
+        num_scheduled_tokens: dict[str, int],
+        spec_decode_tokens: dict[str, list[int]] | None = None,
     ) -> tuple[BatchInputs, _StepArrays]:
         """Build the batch tensors with vectorised gathers over the slot arrays (O(scheduled tokens)).
 
@@ -275,7 +297,8 @@ class ModelRunner:
         num_scheduled = np.fromiter(num_scheduled_tokens.values(), np.int64, len(req_ids))
         start = self.slots.num_computed_tokens[slot_indices]
         seq_lens = start + num_scheduled  # E.g., [7, 0, 4] + [2, 5, 3] -> [9, 5, 7]
-        self._check_scheduled(req_ids, slot_indices, seq_lens)
+        drafts = self._write_drafts(req_ids, slot_indices, spec_decode_tokens)
+        self._check_scheduled(req_ids, slot_indices, seq_lens, drafts)
 
         # Where each request's tokens start in the flat batch; the last entry is the batch's token count.
         # E.g., [2, 5, 3] -> [0, 2, 7, 10]
@@ -306,11 +329,25 @@ class ModelRunner:
         samples = (num_scheduled > 0) & (seq_lens >= self.slots.num_tokens[slot_indices])
         sampled_rows = np.flatnonzero(samples)
         logits_indices = query_start_loc[sampled_rows + 1] - 1
+        sample_offsets = None
+        if drafts:
+            # A request verifying d drafts samples d + 1 rows, from its last d + 1 scheduled tokens.
+            # E.g., sampled rows [0, 2], row 2 with 2 drafts: rows [0, 2, 2, 2], offsets [0, 0, 1, 2],
+            # logits_indices [1, 7, 8, 9].
+            counts = np.array([len(drafts.get(row, ())) + 1 for row in sampled_rows.tolist()])
+            group_starts = np.cumsum(counts) - counts
+            sample_offsets = np.arange(int(counts.sum())) - np.repeat(group_starts, counts)
+            sampled_rows = np.repeat(sampled_rows, counts)
+            logits_indices = (
+                np.repeat(logits_indices, counts) - np.repeat(counts - 1, counts) + sample_offsets
+            )
         arrays = _StepArrays(
             slot_indices,
             num_scheduled,
             sampled_rows,
             {req_id: row for row, req_id in enumerate(req_ids)},
+            drafts=drafts,
+            sample_offsets=sample_offsets,
         )
         if self.prompt_logprob_reqs:
             arrays.prompt_rows = self._prompt_logprob_rows(arrays, start, query_start_loc)
@@ -369,11 +406,40 @@ class ModelRunner:
         rows.target_token_ids = np.concatenate(target_parts)
         return rows
 
+    def _write_drafts(
+        self,
+        req_ids: list[str],
+        slot_indices: np.ndarray,
+        spec_decode_tokens: dict[str, list[int]] | None,
+    ) -> dict[int, list[int]]:
+        """Put each request's drafts in its token buffer right after its known tokens, where this step reads them
+        (they stay uncommitted: `num_tokens` does not move until the accepted ones are appended). Returns the
+        drafts by batch row."""
+        if not spec_decode_tokens:
+            return {}
+        drafts: dict[int, list[int]] = {}
+        for row, req_id in enumerate(req_ids):
+            request_drafts = spec_decode_tokens.get(req_id)
+            if request_drafts:
+                index = int(slot_indices[row])
+                start = int(self.slots.num_tokens[index])
+                self.slots.token_ids[index, start : start + len(request_drafts)] = request_drafts
+                drafts[row] = request_drafts
+        return drafts
+
     def _check_scheduled(
-        self, req_ids: list[str], slot_indices: np.ndarray, seq_lens: np.ndarray
+        self,
+        req_ids: list[str],
+        slot_indices: np.ndarray,
+        seq_lens: np.ndarray,
+        drafts: dict[int, list[int]],
     ) -> None:
-        """Refuse to read tokens the worker does not have or KV slots outside the request's blocks."""
-        over_tokens = np.flatnonzero(seq_lens > self.slots.num_tokens[slot_indices])
+        """Refuse to read tokens the worker does not have (its known tokens and this step's drafts) or KV slots
+        outside the request's blocks."""
+        readable = self.slots.num_tokens[slot_indices].copy()
+        for row, request_drafts in drafts.items():
+            readable[row] += len(request_drafts)
+        over_tokens = np.flatnonzero(seq_lens > readable)
         assert over_tokens.size == 0, (
             f"scheduled past the worker's known tokens: {[req_ids[i] for i in over_tokens]}"
         )
@@ -424,22 +490,30 @@ class ModelRunner:
             )
         slot_indices = arrays.slot_indices[arrays.sampled_rows]
         try:
-            return self._sample_rows(model_output, slot_indices)
+            return self._sample_rows(model_output, slot_indices, arrays.sample_offsets)
         except Exception as error:
             return self._sample_isolating_faults(
                 model_output, slot_indices, batch.req_ids, arrays, error
             )
 
-    def _sample_rows(self, logits: torch.Tensor, slot_indices: np.ndarray) -> SamplerOutput:
-        """Sample one token per row of `logits`, row i for the request in slot `slot_indices[i]`."""
+    def _sample_rows(
+        self, logits: torch.Tensor, slot_indices: np.ndarray, offsets: np.ndarray | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row of `logits`, row i for the request in slot `slot_indices[i]`, in the context of
+        its known tokens and its first `offsets[i]` drafts (penalties, min_tokens and per-position seeds see the
+        drafts before the row as tokens, so row j samples exactly what decoding without drafts would sample
+        there had the drafts before it been sampled)."""
         params = [self.slots.sampling_params[index] for index in slot_indices.tolist()]
         assert all(p is not None for p in params), "a sampling request has no SamplingParams"
+        num_tokens = self.slots.num_tokens[slot_indices]
+        if offsets is not None:
+            num_tokens = num_tokens + offsets
         metadata = build_sampling_metadata(
             params,  # type: ignore[arg-type]
             token_ids=self.slots.token_ids,
             slot_indices=slot_indices,
             num_prompt_tokens=self.slots.num_prompt_tokens[slot_indices],
-            num_tokens=self.slots.num_tokens[slot_indices],
+            num_tokens=num_tokens,
             vocab_size=int(logits.shape[1]),
             eos_token_id=self.eos_token_id,
             device=logits.device,
@@ -461,8 +535,11 @@ class ModelRunner:
         req_ids = [batch_req_ids[row] for row in arrays.sampled_rows.tolist()]
         good_rows: list[int] = []
         for row in range(len(req_ids)):
+            offsets = (
+                None if arrays.sample_offsets is None else arrays.sample_offsets[row : row + 1]
+            )
             try:
-                self._sample_rows(logits[row : row + 1], slot_indices[row : row + 1])
+                self._sample_rows(logits[row : row + 1], slot_indices[row : row + 1], offsets)
             except Exception as row_error:
                 arrays.failed[req_ids[row]] = f"{type(row_error).__name__}: {row_error}"
             else:
@@ -473,7 +550,11 @@ class ModelRunner:
         logprobs = None
         if good_rows:
             rows = torch.tensor(good_rows, dtype=torch.int64, device=logits.device)
-            sampled = self._sample_rows(logits[rows], slot_indices[good_rows])
+            sampled = self._sample_rows(
+                logits[rows],
+                slot_indices[good_rows],
+                None if arrays.sample_offsets is None else arrays.sample_offsets[good_rows],
+            )
             token_ids[rows] = sampled.sampled_token_ids
             logprobs = _spread_rows(sampled.logprobs, good_rows, len(req_ids))
         return SamplerOutput(token_ids, logprobs)
@@ -487,11 +568,16 @@ class ModelRunner:
         Logprob rows are re-indexed from sampled rows to batch rows (partial prefills get empty rows)."""
         sampled_np = sampler_output.sampled_token_ids.to("cpu").numpy()
         self.slots.num_computed_tokens[arrays.slot_indices] += arrays.num_scheduled
-        self._append_sampled(arrays.slot_indices[arrays.sampled_rows], sampled_np)
-        sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
-        for row, token_id in zip(arrays.sampled_rows.tolist(), sampled_np.tolist(), strict=True):
-            sampled_token_ids[row] = [token_id]
-        return ModelRunnerOutput(
+        if arrays.drafts:
+            sampled_token_ids = self._accept_drafts(batch, arrays, sampled_np)
+        else:
+            self._append_sampled(arrays.slot_indices[arrays.sampled_rows], sampled_np)
+            sampled_token_ids = [[] for _ in batch.req_ids]
+            for row, token_id in zip(
+                arrays.sampled_rows.tolist(), sampled_np.tolist(), strict=True
+            ):
+                sampled_token_ids[row] = [token_id]
+        output = ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index=arrays.req_id_to_index,
             sampled_token_ids=sampled_token_ids,
@@ -500,6 +586,57 @@ class ModelRunner:
             ),
             failed_req_ids=arrays.failed or None,
         )
+        if self.spec_proposer is not None:
+            output.spec_token_ids = self._propose_drafts(arrays, sampled_token_ids)
+        return output
+
+    def _accept_drafts(
+        self, batch: BatchInputs, arrays: _StepArrays, sampled_np: np.ndarray
+    ) -> list[list[int]]:
+        """Each request's accepted drafts and the token after them (`accept_point_mass_drafts`: row j was sampled
+        with drafts 0..j-1 as context, so a draft is accepted when its row sampled it), appended to its buffer
+        over the drafts; the rejected drafts' positions leave the computed count. Returns the tokens per batch
+        row."""
+        sampled_token_ids: list[list[int]] = [[] for _ in batch.req_ids]
+        for row, token_id in zip(arrays.sampled_rows.tolist(), sampled_np.tolist(), strict=True):
+            sampled_token_ids[row].append(token_id)
+        slots = self.slots
+        for row, request_drafts in arrays.drafts.items():
+            accepted = accept_point_mass_drafts(sampled_token_ids[row], request_drafts)
+            sampled_token_ids[row] = accepted
+            index = int(arrays.slot_indices[row])
+            slots.num_computed_tokens[index] -= len(request_drafts) + 1 - len(accepted)
+        for row in set(arrays.sampled_rows.tolist()):
+            index = int(arrays.slot_indices[row])
+            start = int(slots.num_tokens[index])
+            kept = sampled_token_ids[row][
+                : max(slots.max_model_len - start, 0)
+            ]  # past it: reported, not stored
+            slots.token_ids[index, start : start + len(kept)] = kept
+            slots.num_tokens[index] = start + len(kept)
+        return sampled_token_ids
+
+    def _propose_drafts(
+        self, arrays: _StepArrays, sampled_token_ids: list[list[int]]
+    ) -> list[list[int]]:
+        """Drafts for the next step of each request that sampled (none for those asking for logprobs or held to a
+        grammar, whose verification is not supported yet), from its buffer; never past `max_model_len`."""
+        assert self.spec_proposer is not None
+        drafts: list[list[int]] = [[] for _ in sampled_token_ids]
+        slots = self.slots
+        for row in set(arrays.sampled_rows.tolist()):
+            req_id_failed = not sampled_token_ids[row]
+            index = int(arrays.slot_indices[row])
+            params = slots.sampling_params[index]
+            if req_id_failed or params is None or params.logprobs is not None:
+                continue
+            if params.structured_outputs is not None:
+                continue
+            num_tokens = int(slots.num_tokens[index])
+            room = slots.max_model_len - num_tokens - 1
+            if room > 0:
+                drafts[row] = self.spec_proposer.propose(slots.token_ids[index, :num_tokens], room)
+        return drafts
 
     def _append_sampled(self, slot_indices: np.ndarray, token_ids: np.ndarray) -> None:
         """Append one token per slot; a token sampled at max_model_len is reported but not stored (it stops)."""

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvflow.config import CacheConfig, EngineConfig
     from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
+    from kvflow.worker.model_runner import DraftProposer
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +236,16 @@ def _log_kv_cache_plan(
         )
 
 
+def _spec_proposer(engine_config: EngineConfig) -> DraftProposer | None:
+    """The speculative-decoding proposer the engine option names (`SPEC_PROPOSERS`), or None without one."""
+    spec_config = getattr(engine_config, "speculative_config", None)
+    if spec_config is None:
+        return None
+    from kvflow.spec_decode import SPEC_PROPOSERS
+
+    return SPEC_PROPOSERS.get(spec_config.method)(spec_config)
+
+
 class Worker:
     """One device's worker: a model plus the runner that holds its request slots and a KV cache of `num_kv_blocks`
     blocks. The runner speaks the scheduler's protocol (`SchedulerConfig.use_v2_model_runner`: the slot runner, else
@@ -282,6 +293,7 @@ class Worker:
             device=self.device,
             eos_token_id=self.model_info.eos_token_id,
             seed=model_config.seed,
+            spec_proposer=_spec_proposer(engine_config),
         )
 
     def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:

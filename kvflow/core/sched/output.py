@@ -14,6 +14,10 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
+from kvflow.spec_decode.metrics import (
+    SpecDecodingStats,  # at runtime: msgspec encodes SchedulerStats by type
+)
+
 if TYPE_CHECKING:
     from kvflow.request import Request
     from kvflow.sampling_params import SamplingParams
@@ -144,7 +148,8 @@ class LogprobsLists:
 
 @dataclass
 class ModelRunnerOutput:
-    """What one step produced: `sampled_token_ids[req_id_to_index[req_id]]` (empty for a partial prefill).
+    """What one step produced: `sampled_token_ids[req_id_to_index[req_id]]` (empty for a partial prefill; with
+    speculative decoding the accepted drafts and the token after them: 1 to drafts + 1 tokens).
 
     `prompt_logprobs_dict` (None when no scheduled request asked for prompt logprobs) maps each request that
     computed prompt positions this step to their rows: prompt tokens `start_index .. start_index + num_rows - 1`,
@@ -161,6 +166,9 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     prompt_logprobs_dict: dict[str, LogprobsLists] | None = None
     failed_req_ids: dict[str, str] | None = None
+    # Speculative decoding: the drafts the runner proposes for each batch row's next step (indexed like
+    # `sampled_token_ids`; None when the runner does not speculate).
+    spec_token_ids: list[list[int]] | None = None
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
@@ -244,3 +252,5 @@ class SchedulerStats:
     prefix_cache_hit_tokens: int
     num_preemptions_total: int
     engine_index: int = 0
+    # Speculative decoding's verification counts since startup (None without speculation).
+    spec_decoding_stats: SpecDecodingStats | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 import logging
@@ -27,6 +28,7 @@ from kvflow.core.sched.request_queue import SchedulingPolicy, create_request_que
 from kvflow.core.sched.sessions import StreamingSessions
 from kvflow.core.sched.stop import check_stop
 from kvflow.request import Request, RequestStatus, StreamingUpdate
+from kvflow.spec_decode.metrics import SpecDecodingStats
 from kvflow.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ class _StepPlan:
     new: list[Request] = field(default_factory=list)
     resumed: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Draft tokens scheduled for verification, per request (a prefix of its `spec_token_ids`).
+    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, request: Request, num_tokens: int, new_blocks: KVCacheBlocks) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -97,6 +101,7 @@ class _StepPlan:
         self.cached.remove(request)
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
         self.req_to_new_blocks.pop(request.request_id)
+        self.spec_decode_tokens.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -125,6 +130,7 @@ class Scheduler:
         use_v2_model_runner: bool | None = None,
         compute_common_prefix_blocks: bool = False,
         has_structured_outputs: bool = False,
+        num_speculative_tokens: int = 0,
     ) -> None:
         num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
         if num_blocks is None:
@@ -173,6 +179,11 @@ class Scheduler:
         self.prefix_cache_stats = PrefixCacheStats()
         # Preemptions by recompute since startup (a metric, never reset).
         self.num_preemptions_total = 0
+        # Speculative decoding (the runner proposes drafts, `ModelRunnerOutput.spec_token_ids`): verification
+        # counts since startup, None without speculation.
+        self.spec_decoding_stats = (
+            SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens > 0 else None
+        )
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -319,6 +330,7 @@ class Scheduler:
             prefix_cache_query_tokens=self.prefix_cache_stats.num_query_tokens,
             prefix_cache_hit_tokens=self.prefix_cache_stats.num_hit_tokens,
             num_preemptions_total=self.num_preemptions_total,
+            spec_decoding_stats=copy.deepcopy(self.spec_decoding_stats),
         )
 
     @property
@@ -402,6 +414,14 @@ class Scheduler:
             if new_blocks is None:
                 break
             append_cached(request)
+            if request.spec_token_ids:
+                # Drafts sit past the known tokens: those that fit this step's share are verified by it.
+                # E.g., 10 tokens, 9 computed, drafts [a, b, c], 3 new tokens: the last token, a and b.
+                num_drafts = request.num_computed_tokens + num_new_tokens - request.num_tokens
+                if num_drafts > 0:
+                    plan.spec_decode_tokens[request.request_id] = request.spec_token_ids[
+                        :num_drafts
+                    ]
             # plan.add(request, num_new_tokens, new_blocks), inlined: this loop runs per request per step.
             num_scheduled_tokens[request.request_id] = num_new_tokens
             req_to_new_blocks[request.request_id] = new_blocks
@@ -532,7 +552,11 @@ class Scheduler:
             ]
             cached_resumed = []
         cached_reqs_data = self._make_cached_request_data(
-            plan.cached, cached_resumed, plan.num_scheduled_tokens, {}, plan.req_to_new_blocks
+            plan.cached,
+            cached_resumed,
+            plan.num_scheduled_tokens,
+            plan.spec_decode_tokens,
+            plan.req_to_new_blocks,
         )
         preempted_req_ids = {
             request.request_id for request in plan.preempted
@@ -542,7 +566,7 @@ class Scheduler:
             scheduled_cached_reqs=cached_reqs_data,
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
-            scheduled_spec_decode_tokens={},
+            scheduled_spec_decode_tokens=plan.spec_decode_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted_req_ids,
         )
@@ -666,6 +690,8 @@ class Scheduler:
         req_id_to_index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
         failed_req_ids = model_runner_output.failed_req_ids
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        proposed_drafts = model_runner_output.spec_token_ids
         if model_runner_output.prompt_logprobs_dict:
             self._receive_prompt_logprobs(model_runner_output.prompt_logprobs_dict)
         # Runs once per scheduled request per step: lookups are hoisted out of the loop.
@@ -684,11 +710,17 @@ class Scheduler:
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
             status_before = request.status
+            if scheduled_drafts:
+                drafts = scheduled_drafts.get(request_id)
+                if drafts:
+                    self._verified(request, len(drafts), len(generated))
             try:
                 if failed_req_ids and request_id in failed_req_ids:
                     raise RequestFailedInStep(failed_req_ids[request_id])
                 # The runner's list is not copied: it is only read, and a stop cuts a copy (see below).
                 new_token_ids, stopped = update_request_with_output(request, generated)
+                if proposed_drafts is not None and not stopped:
+                    self._take_drafts(request, proposed_drafts[index])
                 num_cached_tokens = request.num_cached_tokens
                 output = EngineCoreOutput(
                     request_id,
@@ -720,6 +752,28 @@ class Scheduler:
         if stopped_running:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
+
+    def _verified(self, request: Request, num_drafts: int, num_generated: int) -> None:
+        """A step verified `num_drafts` drafts of `request` and produced `num_generated` tokens (the accepted drafts
+        and one more): the rejected drafts' positions were computed for nothing, so `num_computed_tokens` rolls
+        back over them (their KV is overwritten later; no block holding them was hashed, since blocks are cached
+        only over known tokens). E.g., 10 tokens, 9 computed, drafts [a, b, c]: 4 scheduled, 13 computed; a
+        accepted, b rejected -> 2 generated, 2 rejected, 11 computed (the 10 tokens and a; the new 12th is next).
+        """
+        num_rejected = num_drafts + 1 - num_generated
+        if request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens -= num_rejected
+        if self.spec_decoding_stats is not None:
+            self.spec_decoding_stats.observe_draft(num_drafts, num_generated - 1)
+
+    def _take_drafts(self, request: Request, drafts: list[int]) -> None:
+        """The runner's drafts for `request`'s next step, cut so that the step cannot pass `max_tokens` or
+        `max_model_len` (a step yields at most one token more than it verifies)."""
+        room = min(
+            request.max_tokens - request.num_output_tokens,
+            self.max_model_len - request.num_tokens,
+        )
+        request.spec_token_ids = drafts[: max(room - 1, 0)] if drafts else []
 
     def _fail_request(self, request: Request, error: Exception) -> EngineCoreOutput:
         """A request whose output could not be applied (a fault that is its own, e.g. a bad value that slipped past

@@ -1,0 +1,143 @@
+"""Speculative decoding (n-gram drafts) through the real engine: greedy output is token-identical to decoding
+without speculation, and so is seeded sampling (each verification row samples with its position's seed in the
+context of the drafts before it, exactly what plain decoding samples there), on the built-in model and the hash
+model, with both runner protocols, chunked prefill, prefix caching, preemption, stop strings and max_tokens inside
+an accepted run, and n > 1. The scheduler's counters show drafts were proposed and accepted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from kvflow.testing.hash_model import reference_tokens
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+}
+# The built-in model loops on these, so n-gram drafts from its own output are accepted often.
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "She said: the two ladies, the two ladies, the two ladies,",
+    "A computer program is",
+]
+ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "async_scheduling": False}
+
+
+def outputs(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[list[list[int]]]:
+    return [
+        [list(choice.token_ids) for choice in output.outputs]
+        for output in llm.generate(prompts, params, use_tqdm=False)
+    ]
+
+
+def spec_stats(llm: LLM) -> Any:
+    return scheduler_stats(llm).spec_decoding_stats
+
+
+def scheduler_stats(llm: LLM) -> Any:
+    return llm.engine_core_client.run(lambda core: core.scheduler.make_stats()).result()
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[LLM]:
+    llm = LLM(**ENGINE)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["slot-runner", "persistent-batch"])
+def speculating(request: pytest.FixtureRequest) -> Iterator[LLM]:
+    llm = LLM(**ENGINE, speculative_config=NGRAM, use_v2_model_runner=request.param)
+    yield llm
+    llm.shutdown()
+
+
+def test_greedy_output_is_token_identical_and_drafts_are_accepted(
+    plain: LLM, speculating: LLM
+) -> None:
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    assert outputs(speculating, PROMPTS, params) == outputs(plain, PROMPTS, params)
+    stats = spec_stats(speculating)
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens
+
+
+def test_seeded_sampling_is_identical_with_n_and_penalties(plain: LLM, speculating: LLM) -> None:
+    params = SamplingParams(
+        temperature=0.8, top_p=0.95, seed=7, n=2, max_tokens=40, repetition_penalty=1.1
+    )
+    assert outputs(speculating, PROMPTS, params) == outputs(plain, PROMPTS, params)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 33])
+def test_max_tokens_and_stop_strings_inside_an_accepted_run(
+    plain: LLM, speculating: LLM, max_tokens: int
+) -> None:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, stop=["ladies,"])
+    spec = speculating.generate(PROMPTS, params, use_tqdm=False)
+    base = plain.generate(PROMPTS, params, use_tqdm=False)
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in spec] == [
+        (o.outputs[0].text, o.outputs[0].finish_reason) for o in base
+    ]
+    assert all(len(o.outputs[0].token_ids) <= max_tokens for o in spec)
+
+
+def test_chunked_prefill_prefix_caching_and_preemption_keep_outputs_exact(plain: LLM) -> None:
+    """A small token budget chunks the prompts, a small KV cache preempts, shared prefixes hit the cache."""
+    llm = LLM(
+        max_model_len=128,
+        max_num_seqs=4,
+        async_scheduling=False,
+        max_num_batched_tokens=16,
+        num_kv_blocks=16,
+        block_size=8,
+        speculative_config=NGRAM,
+    )
+    try:
+        prefix = "the two ladies, the two ladies, " * 3
+        prompts = [prefix + tail for tail in ("and", "but", "so", "then", "yet")]
+        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        assert outputs(llm, prompts, params) == outputs(plain, prompts, params)
+        stats = scheduler_stats(llm)
+        assert stats.num_preemptions_total > 0, "the workload must preempt"
+        assert stats.prefix_cache_hit_tokens > 0
+        assert stats.spec_decoding_stats.num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_the_hash_model_matches_its_oracle_with_drafts_rejected() -> None:
+    """The hash model's tokens are pseudo-random: a draft comes when a sampled token happens to occur in the long
+    prompt (deterministically, for these prompts), is rejected, and the rejection rolls back exactly."""
+    llm = LLM(
+        "hash",
+        max_model_len=1536,
+        num_kv_blocks=512,
+        max_num_seqs=3,
+        async_scheduling=False,
+        speculative_config=NGRAM,
+    )
+    try:
+        prompts = [list(range(start, 50256, 37))[:1200] for start in (0, 11, 23)]
+        params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+        got = outputs(llm, [{"prompt_token_ids": p} for p in prompts], params)
+        assert got == [[reference_tokens(p, 120)] for p in prompts]
+        stats = spec_stats(llm)
+        assert stats.num_draft_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_speculation_with_async_scheduling_falls_back_to_sync() -> None:
+    llm = LLM("hash", max_model_len=64, num_kv_blocks=16, max_num_seqs=2, speculative_config=NGRAM)
+    try:
+        assert not llm.engine_config.scheduler_config.async_scheduling
+    finally:
+        llm.shutdown()
