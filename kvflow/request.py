@@ -126,8 +126,9 @@ class Request:
         through `append_output_token_ids` (which also extends `block_hashes` for every newly full block).
       * `num_computed_tokens <= num_tokens + num_output_placeholders`: tokens whose KV is (or is being) written.
       * `num_output_placeholders` counts placeholders: tokens sampled by a step in flight (async scheduling), not
-        yet appended; `async_tokens_to_discard` counts stale placeholders (in flight when the request was
-        preempted or stopped), whose tokens are dropped on arrival.
+        yet appended, counting a step that verifies d drafts as d + 1 (the most it can yield); `num_in_flight_steps`
+        counts those steps. `async_tokens_to_discard` counts stale step outputs (in flight when the request was
+        preempted or stopped), each dropped whole on arrival (one token each without speculation).
       * `block_hashes[i]` is the chained hash of the i-th full block of `all_token_ids`.
       * prompt logprobs: `prompt_logprobs_rows` holds the rows received for prompt tokens 1..k (contiguous, None
         before the first) until the first output token carries them out; once the request has outputs no row is
@@ -173,6 +174,7 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 until admitted
         self.spec_token_ids: list[int] = []
         self.num_output_placeholders = 0
+        self.num_in_flight_steps = 0
         self.async_tokens_to_discard = 0
         self.num_preemptions = 0
         self.prompt_logprobs_rows: LogprobsLists | None = None

@@ -230,7 +230,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
-                async_scheduling=self._async_scheduling(),
+                async_scheduling=self.async_scheduling,
                 use_v2_model_runner=self.use_v2_model_runner,
             ),
             parallel_config=ParallelConfig(
@@ -262,16 +262,6 @@ class EngineArgs:
                 '{"method": "ngram", "num_speculative_tokens": K}'
             )
         return config
-
-    def _async_scheduling(self) -> bool:
-        """`async_scheduling`, off (with one INFO line) under speculative decoding, which runs synchronously."""
-        if self.async_scheduling and self.speculative_config:
-            logger.info(
-                "speculative_config is set: async scheduling is turned off (speculative decoding runs with "
-                "synchronous scheduling for now)"
-            )
-            return False
-        return self.async_scheduling
 
     def _max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

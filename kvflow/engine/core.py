@@ -127,11 +127,6 @@ class EngineCore:
         scheduler_cls = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
         spec_config = getattr(engine_config, "speculative_config", None)
         try:
-            if spec_config is not None and scheduler_config.async_scheduling:
-                raise ValueError(
-                    "speculative decoding runs with synchronous scheduling for now: set async_scheduling=False "
-                    "(EngineArgs does so itself when speculative_config is set)"
-                )
             self.scheduler = scheduler_cls(
                 scheduler_config,
                 engine_config.cache_config,

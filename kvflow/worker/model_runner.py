@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvflow.batch import BatchInputs
-from kvflow.core.sched.output import LogprobsLists, ModelRunnerOutput
+from kvflow.core.sched.output import DRAFT_PLACEHOLDER, LogprobsLists, ModelRunnerOutput
 from kvflow.spec_decode.rejection_sampler import accept_point_mass_drafts
 from kvflow.utils import cdiv, to_device
 from kvflow.worker.sampler import (
@@ -114,8 +114,11 @@ class ModelRunner:
         spec_proposer: DraftProposer | None = None,
     ) -> None:
         self.model = model
-        # Speculative decoding: proposes each decoding request's drafts after its tokens are sampled (None: off).
+        # Speculative decoding: proposes each decoding request's drafts after its tokens are sampled (None: off);
+        # `slot_drafts[index]` are the drafts proposed for the request in that slot after its latest step.
         self.spec_proposer = spec_proposer
+        self.slot_drafts: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self._num_real_drafts: dict[int, int] = {}  # this step's padded rows -> real drafts
         self.eos_token_id = eos_token_id
         self.sampler = Sampler(seed)
         self.block_size = block_size
@@ -253,10 +256,19 @@ class ModelRunner:
         assert lengths == (num_reqs,) * 3, (
             f"CachedRequestData lists are not parallel: {num_reqs}, {lengths}"
         )
+        speculating = self.spec_proposer is not None
         for i in range(num_reqs):
             index = self._apply_cached_blocks(cached, i)
             self._apply_cached_tokens(index, cached, i)
-            self.slots.set_num_computed_tokens(index, cached.num_computed_tokens[i])
+            num_computed_tokens = cached.num_computed_tokens[i]
+            if speculating and cached.req_ids[i] not in cached.resumed_req_ids:
+                # With steps in flight the scheduler counts their draft slots as accepted (an upper bound, see
+                # AsyncScheduler); the worker knows how many were. A streaming chunk cuts the count back; a
+                # resumed request (persistent-batch protocol) takes the scheduler's count, prefix hits included.
+                num_computed_tokens = min(
+                    num_computed_tokens, int(self.slots.num_computed_tokens[index])
+                )
+            self.slots.set_num_computed_tokens(index, num_computed_tokens)
 
     def _apply_cached_blocks(self, cached: CachedRequestData, i: int) -> int:
         """Extend cached request `i`'s block table with its new blocks; returns its slot index."""
@@ -414,17 +426,29 @@ class ModelRunner:
     ) -> dict[int, list[int]]:
         """Put each request's drafts in its token buffer right after its known tokens, where this step reads them
         (they stay uncommitted: `num_tokens` does not move until the accepted ones are appended). Returns the
-        drafts by batch row."""
+        drafts by batch row.
+
+        The scheduler's ids are used as sent; `DRAFT_PLACEHOLDER` slots (planned while the step that proposed
+        them was in flight) take the worker's own drafts, and slots beyond those are padded with token 0: a
+        padded draft is verified like any other, and accepting it when sampled is exact too (a point-mass draft
+        is accepted with the probability the model gives it, whoever chose it). `num_real[row]` counts the
+        non-padded drafts."""
+        self._num_real_drafts = {}
         if not spec_decode_tokens:
             return {}
         drafts: dict[int, list[int]] = {}
         for row, req_id in enumerate(req_ids):
             request_drafts = spec_decode_tokens.get(req_id)
-            if request_drafts:
-                index = int(slot_indices[row])
-                start = int(self.slots.num_tokens[index])
-                self.slots.token_ids[index, start : start + len(request_drafts)] = request_drafts
-                drafts[row] = request_drafts
+            if not request_drafts:
+                continue
+            index = int(slot_indices[row])
+            if DRAFT_PLACEHOLDER in request_drafts:
+                own = self.slot_drafts[index][: len(request_drafts)]
+                self._num_real_drafts[row] = len(own)
+                request_drafts = own + [0] * (len(request_drafts) - len(own))
+            start = int(self.slots.num_tokens[index])
+            self.slots.token_ids[index, start : start + len(request_drafts)] = request_drafts
+            drafts[row] = request_drafts
         return drafts
 
     def _check_scheduled(
@@ -588,6 +612,11 @@ class ModelRunner:
         )
         if self.spec_proposer is not None:
             output.spec_token_ids = self._propose_drafts(arrays, sampled_token_ids)
+            if self._num_real_drafts:
+                output.num_real_drafts = [
+                    self._num_real_drafts.get(row, len(arrays.drafts.get(row, ())))
+                    for row in range(batch.num_reqs)
+                ]
         return output
 
     def _accept_drafts(
@@ -625,10 +654,10 @@ class ModelRunner:
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         slots = self.slots
         for row in set(arrays.sampled_rows.tolist()):
-            req_id_failed = not sampled_token_ids[row]
             index = int(arrays.slot_indices[row])
+            self.slot_drafts[index] = []
             params = slots.sampling_params[index]
-            if req_id_failed or params is None or params.logprobs is not None:
+            if not sampled_token_ids[row] or params is None or params.logprobs is not None:
                 continue
             if params.structured_outputs is not None:
                 continue
@@ -636,6 +665,7 @@ class ModelRunner:
             room = slots.max_model_len - num_tokens - 1
             if room > 0:
                 drafts[row] = self.spec_proposer.propose(slots.token_ids[index, :num_tokens], room)
+                self.slot_drafts[index] = drafts[row]
         return drafts
 
     def _append_sampled(self, slot_indices: np.ndarray, token_ids: np.ndarray) -> None:

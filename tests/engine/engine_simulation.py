@@ -33,6 +33,7 @@ from kvflow.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 from kvflow.engine.core import EngineCore
@@ -40,6 +41,7 @@ from kvflow.models.hash_model import hash_grammar_stop_token_id, next_token
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.testing.hash_model import reference_tokens
+from kvflow.testing.spec_proposers import HASH_ORACLE_METHOD, register_hash_oracle
 from kvflow.testing.worker_slots import WorkerSlots
 from tests.engine.simulation import Chunk, Simulation, Track
 
@@ -104,6 +106,7 @@ def make_engine_core(
     worker_thread: str = "on",
     model: str = "hash",
     structured_outputs_backend: str = "xgrammar",
+    num_speculative_tokens: int = 0,
 ) -> EngineCore:
     """An EngineCore on the hash model with the real executor, worker and runner. The worker thread is on by
     default (on CPU "auto" would run steps inline), so overlapped runs really have a batch executing meanwhile."""
@@ -122,8 +125,17 @@ def make_engine_core(
             ),
             parallel_config=ParallelConfig(worker_thread=worker_thread),
             structured_outputs_config=StructuredOutputsConfig(backend=structured_outputs_backend),
+            speculative_config=_hash_oracle_config(num_speculative_tokens),
         )
     )  # type: ignore[arg-type]
+
+
+def _hash_oracle_config(num_speculative_tokens: int) -> SpeculativeConfig | None:
+    """Speculation with drafts whose accepted lengths vary (`HashOracleProposer`), or None for 0 tokens."""
+    if not num_speculative_tokens:
+        return None
+    register_hash_oracle()
+    return SpeculativeConfig(HASH_ORACLE_METHOD, num_speculative_tokens)
 
 
 def greedy_request(
@@ -333,6 +345,8 @@ class EngineSimConfig:
     # Share of (non-session) requests constrained by ALTERNATING; > 0 runs the hash-logits model.
     structured_fraction: float = 0.0
     structured_outputs_backend: str = "xgrammar"
+    # > 0: speculative decoding with this many drafts per step, from `HashOracleProposer` (varied acceptance).
+    num_speculative_tokens: int = 0
 
 
 @dataclass
@@ -404,6 +418,7 @@ class EngineSimulation:
             enable_chunked_prefill=config.enable_chunked_prefill,
             model="hash-logits" if config.structured_fraction > 0 else "hash",
             structured_outputs_backend=config.structured_outputs_backend,
+            num_speculative_tokens=config.num_speculative_tokens,
         )
         if config.structured_fraction > 0:
             # Compile the grammar once up front: the run then never waits on the compiler.

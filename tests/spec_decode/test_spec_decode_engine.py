@@ -1,8 +1,9 @@
 """Speculative decoding (n-gram drafts) through the real engine: greedy output is token-identical to decoding
 without speculation, and so is seeded sampling (each verification row samples with its position's seed in the
 context of the drafts before it, exactly what plain decoding samples there), on the built-in model and the hash
-model, with both runner protocols, chunked prefill, prefix caching, preemption, stop strings and max_tokens inside
-an accepted run, and n > 1. The scheduler's counters show drafts were proposed and accepted."""
+model, with both runner protocols, synchronous and asynchronous scheduling, chunked prefill, prefix caching,
+preemption, stop strings and max_tokens inside an accepted run, and n > 1. The scheduler's counters show drafts
+were proposed and accepted."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ PROMPTS = [
     "She said: the two ladies, the two ladies, the two ladies,",
     "A computer program is",
 ]
-ENGINE = {"max_model_len": 256, "max_num_seqs": 4, "async_scheduling": False}
+ENGINE = {"max_model_len": 256, "max_num_seqs": 4}
 
 
 def outputs(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[list[list[int]]]:
@@ -52,9 +53,18 @@ def plain() -> Iterator[LLM]:
     llm.shutdown()
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["slot-runner", "persistent-batch"])
+@pytest.fixture(
+    scope="module",
+    params=[(True, True), (True, False), (False, True), (False, False)],
+    ids=["slot-async", "slot-sync", "persistent-async", "persistent-sync"],
+)
 def speculating(request: pytest.FixtureRequest) -> Iterator[LLM]:
-    llm = LLM(**ENGINE, speculative_config=NGRAM, use_v2_model_runner=request.param)
+    slot_runner, async_scheduling = request.param
+    llm = LLM(
+        **{**ENGINE, "async_scheduling": async_scheduling},
+        speculative_config=NGRAM,
+        use_v2_model_runner=slot_runner,
+    )
     yield llm
     llm.shutdown()
 
@@ -89,12 +99,16 @@ def test_max_tokens_and_stop_strings_inside_an_accepted_run(
     assert all(len(o.outputs[0].token_ids) <= max_tokens for o in spec)
 
 
-def test_chunked_prefill_prefix_caching_and_preemption_keep_outputs_exact(plain: LLM) -> None:
-    """A small token budget chunks the prompts, a small KV cache preempts, shared prefixes hit the cache."""
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_chunked_prefill_prefix_caching_and_preemption_keep_outputs_exact(
+    plain: LLM, async_scheduling: bool
+) -> None:
+    """A small token budget chunks the prompts, a small KV cache preempts (with drafts in flight, under async
+    scheduling: their steps are discarded whole), shared prefixes hit the cache."""
     llm = LLM(
         max_model_len=128,
         max_num_seqs=4,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
         max_num_batched_tokens=16,
         num_kv_blocks=16,
         block_size=8,
@@ -113,7 +127,8 @@ def test_chunked_prefill_prefix_caching_and_preemption_keep_outputs_exact(plain:
         llm.shutdown()
 
 
-def test_the_hash_model_matches_its_oracle_with_drafts_rejected() -> None:
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_the_hash_model_matches_its_oracle_with_drafts_rejected(async_scheduling: bool) -> None:
     """The hash model's tokens are pseudo-random: a draft comes when a sampled token happens to occur in the long
     prompt (deterministically, for these prompts), is rejected, and the rejection rolls back exactly."""
     llm = LLM(
@@ -121,7 +136,7 @@ def test_the_hash_model_matches_its_oracle_with_drafts_rejected() -> None:
         max_model_len=1536,
         num_kv_blocks=512,
         max_num_seqs=3,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
         speculative_config=NGRAM,
     )
     try:
@@ -131,13 +146,5 @@ def test_the_hash_model_matches_its_oracle_with_drafts_rejected() -> None:
         assert got == [[reference_tokens(p, 120)] for p in prompts]
         stats = spec_stats(llm)
         assert stats.num_draft_tokens > 0
-    finally:
-        llm.shutdown()
-
-
-def test_speculation_with_async_scheduling_falls_back_to_sync() -> None:
-    llm = LLM("hash", max_model_len=64, num_kv_blocks=16, max_num_seqs=2, speculative_config=NGRAM)
-    try:
-        assert not llm.engine_config.scheduler_config.async_scheduling
     finally:
         llm.shutdown()

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from kvflow.sampling_params import SamplingParams
 
 
+# A draft slot whose token the scheduler cannot know (async scheduling: the step that proposes it is in flight);
+# the worker fills it with its own draft (`SchedulerOutput.scheduled_spec_decode_tokens`).
+DRAFT_PLACEHOLDER = -1
+
+
 @dataclass
 class NewRequestData:
     """A request the worker has no state for: it takes a slot (slot runner) and gets everything it needs.
@@ -99,6 +104,8 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
+    # Drafts each request verifies this step: token ids, or `DRAFT_PLACEHOLDER`s for drafts the worker proposed
+    # after a step still in flight (async scheduling), which it fills in itself.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     num_common_prefix_blocks: list[int] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
@@ -169,6 +176,9 @@ class ModelRunnerOutput:
     # Speculative decoding: the drafts the runner proposes for each batch row's next step (indexed like
     # `sampled_token_ids`; None when the runner does not speculate).
     spec_token_ids: list[list[int]] | None = None
+    # Speculative decoding: how many of each batch row's verified drafts were real proposals (the rest of its
+    # scheduled draft slots were padding; None: all were real).
+    num_real_drafts: list[int] | None = None
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:

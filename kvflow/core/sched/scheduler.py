@@ -181,6 +181,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         # Speculative decoding (the runner proposes drafts, `ModelRunnerOutput.spec_token_ids`): verification
         # counts since startup, None without speculation.
+        self.num_speculative_tokens = num_speculative_tokens
         self.spec_decoding_stats = (
             SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens > 0 else None
         )
@@ -294,7 +295,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         request_id = request.request_id
-        num_stale_placeholders = request.num_output_placeholders + request.async_tokens_to_discard
+        num_stale_placeholders = request.num_in_flight_steps + request.async_tokens_to_discard
         if num_stale_placeholders:
             self._stale_placeholders[request_id] = (
                 self._stale_placeholders.get(request_id, 0) + num_stale_placeholders
@@ -415,9 +416,14 @@ class Scheduler:
                 break
             append_cached(request)
             if request.spec_token_ids:
-                # Drafts sit past the known tokens: those that fit this step's share are verified by it.
-                # E.g., 10 tokens, 9 computed, drafts [a, b, c], 3 new tokens: the last token, a and b.
-                num_drafts = request.num_computed_tokens + num_new_tokens - request.num_tokens
+                # Drafts sit past the known tokens (and placeholders): those that fit this step's share are
+                # verified by it. E.g., 10 tokens, 9 computed, drafts [a, b, c], 3 new tokens: the last token, a, b.
+                num_drafts = (
+                    request.num_computed_tokens
+                    + num_new_tokens
+                    - request.num_tokens
+                    - request.num_output_placeholders
+                )
                 if num_drafts > 0:
                     plan.spec_decode_tokens[request.request_id] = request.spec_token_ids[
                         :num_drafts
@@ -697,7 +703,8 @@ class Scheduler:
         # Runs once per scheduled request per step: lookups are hoisted out of the loop.
         requests = self.requests
         stale_placeholders = self._stale_placeholders
-        update_request_with_output = self._update_request_with_output
+        apply_output = self._apply_output
+        outcome = model_runner_output
         append_output = outputs.append
         for request_id in scheduler_output.num_scheduled_tokens:
             index = req_id_to_index.get(request_id)
@@ -710,16 +717,18 @@ class Scheduler:
             if request is None or request.is_finished():
                 continue  # aborted while the step ran
             status_before = request.status
+            num_drafts = 0
             if scheduled_drafts:
                 drafts = scheduled_drafts.get(request_id)
-                if drafts:
-                    self._verified(request, len(drafts), len(generated))
+                num_drafts = len(drafts) if drafts else 0
             try:
                 if failed_req_ids and request_id in failed_req_ids:
                     raise RequestFailedInStep(failed_req_ids[request_id])
                 # The runner's list is not copied: it is only read, and a stop cuts a copy (see below).
-                new_token_ids, stopped = update_request_with_output(request, generated)
-                if proposed_drafts is not None and not stopped:
+                new_token_ids, stopped = apply_output(
+                    request, generated, num_drafts, index, outcome
+                )
+                if proposed_drafts is not None and new_token_ids and not stopped:
                     self._take_drafts(request, proposed_drafts[index])
                 num_cached_tokens = request.num_cached_tokens
                 output = EngineCoreOutput(
@@ -753,18 +762,43 @@ class Scheduler:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
 
-    def _verified(self, request: Request, num_drafts: int, num_generated: int) -> None:
+    def _apply_output(
+        self,
+        request: Request,
+        generated: list[int],
+        num_drafts: int,
+        index: int,
+        outcome: ModelRunnerOutput,
+    ) -> tuple[list[int], bool]:
+        """Apply one step's tokens for `request` (`generated`, the row `index` of `outcome`), which verified
+        `num_drafts` drafts: roll back over the rejected ones, then append (`_update_request_with_output`)."""
+        if num_drafts:
+            self._verified(request, num_drafts, len(generated), index, outcome)
+        return self._update_request_with_output(request, generated)
+
+    def _verified(
+        self,
+        request: Request,
+        num_drafts: int,
+        num_generated: int,
+        index: int,
+        outcome: ModelRunnerOutput,
+    ) -> None:
         """A step verified `num_drafts` drafts of `request` and produced `num_generated` tokens (the accepted drafts
         and one more): the rejected drafts' positions were computed for nothing, so `num_computed_tokens` rolls
         back over them (their KV is overwritten later; no block holding them was hashed, since blocks are cached
         only over known tokens). E.g., 10 tokens, 9 computed, drafts [a, b, c]: 4 scheduled, 13 computed; a
         accepted, b rejected -> 2 generated, 2 rejected, 11 computed (the 10 tokens and a; the new 12th is next).
+        The statistics count the worker's real drafts (`ModelRunnerOutput.num_real_drafts`: with async
+        scheduling, draft slots the worker had no draft for are padding, not drafts).
         """
         num_rejected = num_drafts + 1 - num_generated
         if request.status == RequestStatus.RUNNING:
             request.num_computed_tokens -= num_rejected
         if self.spec_decoding_stats is not None:
-            self.spec_decoding_stats.observe_draft(num_drafts, num_generated - 1)
+            real = outcome.num_real_drafts[index] if outcome.num_real_drafts else num_drafts
+            if real:
+                self.spec_decoding_stats.observe_draft(real, min(num_generated - 1, real))
 
     def _take_drafts(self, request: Request, drafts: list[int]) -> None:
         """The runner's drafts for `request`'s next step, cut so that the step cannot pass `max_tokens` or
