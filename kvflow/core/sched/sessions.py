@@ -138,6 +138,7 @@ class StreamingSessions:
         # (14 tokens), num_kept = 14 - 2 = 12, and a computed count of 13 (c's KV) is cut back to 12.
         num_kept = session.num_tokens - len(chunk.prompt_token_ids)
         session.num_computed_tokens = min(session.num_computed_tokens, num_kept)
+        session.spec_token_ids = []  # drafted after the old continuation: they do not follow the chunk
         session.sampling_params = chunk.sampling_params
         if session.structured_output_request is not None:
             session.structured_output_request.restart_for_chunk(
