@@ -31,11 +31,13 @@ PROMPTS = [
 ENGINE = {"max_model_len": 256, "max_num_seqs": 4}
 
 
-def outputs(llm: LLM, prompts: list[Any], params: SamplingParams) -> list[list[list[int]]]:
-    return [
-        [list(choice.token_ids) for choice in output.outputs]
-        for output in llm.generate(prompts, params, use_tqdm=False)
-    ]
+def outputs(llm: LLM | Plain, prompts: list[Any], params: SamplingParams) -> list[list[list[int]]]:
+    results = (
+        llm.generate(prompts, params)
+        if isinstance(llm, Plain)
+        else llm.generate(prompts, params, use_tqdm=False)
+    )
+    return [[list(choice.token_ids) for choice in output.outputs] for output in results]
 
 
 def spec_stats(llm: LLM) -> Any:
@@ -46,10 +48,25 @@ def scheduler_stats(llm: LLM) -> Any:
     return llm.engine_core_client.run(lambda core: core.scheduler.make_stats()).result()
 
 
+class Plain:
+    """The engine without speculation, its outputs remembered per (prompts, params): every speculating variant
+    compares against the same baseline run."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self._outputs: dict[str, Any] = {}
+
+    def generate(self, prompts: list[Any], params: SamplingParams) -> Any:
+        key = repr((prompts, params))
+        if key not in self._outputs:
+            self._outputs[key] = self.llm.generate(prompts, params, use_tqdm=False)
+        return self._outputs[key]
+
+
 @pytest.fixture(scope="module")
-def plain() -> Iterator[LLM]:
+def plain() -> Iterator[Plain]:
     llm = LLM(**ENGINE)
-    yield llm
+    yield Plain(llm)
     llm.shutdown()
 
 
@@ -70,7 +87,7 @@ def speculating(request: pytest.FixtureRequest) -> Iterator[LLM]:
 
 
 def test_greedy_output_is_token_identical_and_drafts_are_accepted(
-    plain: LLM, speculating: LLM
+    plain: Plain, speculating: LLM
 ) -> None:
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     assert outputs(speculating, PROMPTS, params) == outputs(plain, PROMPTS, params)
@@ -79,20 +96,20 @@ def test_greedy_output_is_token_identical_and_drafts_are_accepted(
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
 
 
-def test_seeded_sampling_is_identical_with_n_and_penalties(plain: LLM, speculating: LLM) -> None:
+def test_seeded_sampling_is_identical_with_n_and_penalties(plain: Plain, speculating: LLM) -> None:
     params = SamplingParams(
-        temperature=0.8, top_p=0.95, seed=7, n=2, max_tokens=40, repetition_penalty=1.1
+        temperature=0.8, top_p=0.95, seed=7, n=2, max_tokens=24, repetition_penalty=1.1
     )
-    assert outputs(speculating, PROMPTS, params) == outputs(plain, PROMPTS, params)
+    assert outputs(speculating, PROMPTS[2:], params) == outputs(plain, PROMPTS[2:], params)
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 7, 33])
+@pytest.mark.parametrize("max_tokens", [1, 7, 21])
 def test_max_tokens_and_stop_strings_inside_an_accepted_run(
-    plain: LLM, speculating: LLM, max_tokens: int
+    plain: Plain, speculating: LLM, max_tokens: int
 ) -> None:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, stop=["ladies,"])
     spec = speculating.generate(PROMPTS, params, use_tqdm=False)
-    base = plain.generate(PROMPTS, params, use_tqdm=False)
+    base = plain.generate(PROMPTS, params)
     assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in spec] == [
         (o.outputs[0].text, o.outputs[0].finish_reason) for o in base
     ]
@@ -101,7 +118,7 @@ def test_max_tokens_and_stop_strings_inside_an_accepted_run(
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_chunked_prefill_prefix_caching_and_preemption_keep_outputs_exact(
-    plain: LLM, async_scheduling: bool
+    plain: Plain, async_scheduling: bool
 ) -> None:
     """A small token budget chunks the prompts, a small KV cache preempts (with drafts in flight, under async
     scheduling: their steps are discarded whole), shared prefixes hit the cache."""
