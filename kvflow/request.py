@@ -173,6 +173,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 until admitted
         self.spec_token_ids: list[int] = []
+        # How many drafts the worker proposed after the request's latest applied step (async scheduling plans
+        # that many draft slots for a step whose drafts are still unknown).
+        self.num_last_proposed_drafts = 0
         self.num_output_placeholders = 0
         self.num_in_flight_steps = 0
         self.async_tokens_to_discard = 0

@@ -161,7 +161,9 @@ def test_the_hash_model_matches_its_oracle_with_drafts_rejected(async_scheduling
         params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
         got = outputs(llm, [{"prompt_token_ids": p} for p in prompts], params)
         assert got == [[reference_tokens(p, 120)] for p in prompts]
-        stats = spec_stats(llm)
-        assert stats.num_draft_tokens > 0
+        if not async_scheduling:
+            # (Under async scheduling a step's draft slots follow the proposal one step older, and an isolated
+            # chance match like these is gone by then: the slots are padding, rejected and rolled back.)
+            assert spec_stats(llm).num_draft_tokens > 0
     finally:
         llm.shutdown()

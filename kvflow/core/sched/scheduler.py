@@ -803,6 +803,7 @@ class Scheduler:
     def _take_drafts(self, request: Request, drafts: list[int]) -> None:
         """The runner's drafts for `request`'s next step, cut so that the step cannot pass `max_tokens` or
         `max_model_len` (a step yields at most one token more than it verifies)."""
+        request.num_last_proposed_drafts = len(drafts)
         room = min(
             request.max_tokens - request.num_output_tokens,
             self.max_model_len - request.num_tokens,
