@@ -11,15 +11,19 @@ What runs
     tables, writes every scheduled token into a paged "KV cache" through the block table and samples the hash
     model's next token from the tokens read back, so a wrong block, prefix hit, token list or chunk changes the
     output. For the slot runner (`use_v2_model_runner=True`) the project's `WorkerSlots` model applies every step
-    too. Configurations: sync and async scheduling x both runner protocols (`CheckerConfig`).
+    too. Configurations: sync and async scheduling x both runner protocols, with or without speculative decoding
+    (`CheckerConfig.num_speculative_tokens`; see below).
 
 What is enumerated (`Action`; every action enabled in a state is tried, in every order, up to `depth` actions)
     add       the next request of `CheckerConfig.requests` (fixed order; a session is a resumable request)
     chunk     a streaming session's next input chunk (applied at once when the session idles, else queued)
-    step      sync: `EngineCore.step()` (schedule, run on the worker, `update_from_output`, settle a pause);
-              async: the engine's idle step that puts a pending pause into effect when nothing can run
+    step      sync: `EngineCore.step()` (schedule, run on the worker, `update_from_output`, settle a pause),
+              once per outcome of the batch (`Action.outcome`, shown as `step#1`...: with drafts, every
+              combination of accepted lengths); async: the engine's idle step that puts a pending pause into
+              effect when nothing can run
     launch    async: the first half of `EngineCore.step_with_batch_queue`: `schedule()` and hand the batch to the
-              worker (at most `batch_queue_size` = 2 in flight; while a pause is in effect, the whole `step()`)
+              worker (at most `batch_queue_size` = 2 in flight; while a pause is in effect, the whole `step()`),
+              once per outcome of the batch, as `step`
     complete  async: the second half: the oldest batch's output is applied (`update_from_output`), then a pending
               pause settles
     abort     one live request (`abort_requests`), in whatever state it is (queued, running, in flight, idle)
@@ -29,6 +33,8 @@ What is enumerated (`Action`; every action enabled in a state is tried, in every
     The worker runs a batch when it is launched, in launch order (as the in-process worker does): the scheduler
     cannot observe a batch's result before `complete`, and the `SchedulerOutput` is checked to be unchanged
     between launch and complete, so running it at launch or at any later point before `complete` is the same.
+    A batch's outcomes are known once it runs: the search applies outcome 0 first, then adds the batch's other
+    outcomes as further actions of the same state (at most `CheckerConfig.max_worker_outcomes`).
 
 What is checked
     After every action (transition checks): each `SchedulerOutput` sent is well formed (budget, counts, protocol
@@ -36,7 +42,10 @@ What is checked
     raises "No free indices"; `PagedHashWorker` holds at most `max_num_seqs` active requests) and never gets a
     request as new while it holds it; scheduled tokens have KV blocks and every KV slot read was written; a batch's
     `SchedulerOutput` is not modified while it is in flight; every output token continues the hash-model oracle
-    of its request (or session chunk), a finished one equals it, none exceeds `max_tokens`; nothing is emitted
+    of its request (or session chunk), a finished one equals it, none exceeds `max_tokens`; drafts sent are at
+    most k, inside the step's tokens, all ids (the worker's latest proposals) or all `DRAFT_PLACEHOLDER`s (async
+    only), and a step verifying d drafts ends at its last draft and may yield 1 + d tokens within `max_tokens`
+    and `max_model_len`; no KV slot of a rejected draft is read before it is written again; nothing is emitted
     while a pause is in effect, nor by requests a "wait" pause holds; a pause takes effect only with nothing in
     flight, and with `clear_cache` leaves no running request, no block in use and no cached prefix; an "abort"
     pause finishes everything.
@@ -45,7 +54,9 @@ What is checked
     every other worker slot belongs to a release still to be reported; no block leaks (each block's `ref_cnt` is
     the number of live requests holding it, free iff 0, only slot holders hold blocks, and they cover the
     computed tokens); in-flight accounting is exact: for every request id, its steps in flight + step outputs
-    to discard (live) or its stale placeholders (finished) equal the batches in flight that sample for it.
+    to discard (live) or its stale placeholders (finished) equal the batches in flight that sample for it, and a
+    live request's `num_output_placeholders` is 1 + d summed over its steps in flight not to be discarded (d:
+    the drafts each verifies; AsyncScheduler's invariant), within `max_tokens` and `max_model_len`.
     From every new state, a drain (resume if paused, close open sessions, `step()` until idle) must end with
     nothing left anywhere (no request, block, slot, parked state, stale placeholder, batch or report), every
     finished request and session chunk equal to the oracle and every aborted one a prefix of it.
@@ -54,26 +65,28 @@ Deduplication
     A state's key is a canonical snapshot of everything that decides the future: the scheduler (requests with
     their tokens, counts and block ids, queue orders, pending reports, sessions, pause state), the block pool
     (ref counts, hashes, free-queue order), the batches in flight (what applying them reads: their scheduled
-    requests and drafts, and what the worker sampled), the worker (tokens, block tables, KV contents, slots) and
-    what the checker expects (outputs so far, chunks to come). Timestamps and metrics are left out. A state is
-    expanded again only when reached with more remaining depth than before. Snapshots are pickles of the mutable
-    world (scheduler, batch queue, pause, worker, tracker); the core object itself is reused.
+    requests and drafts, and what the worker sampled and proposed), the worker (tokens, block tables, computed
+    counts, drafts, KV contents, slots) and what the checker expects (outputs so far, chunks to come). Timestamps
+    and metrics are left out. A state is expanded again only when reached with more remaining depth than before.
+    Snapshots are pickles of the mutable world (scheduler, batch queue, pause, worker, tracker); the core object
+    itself is reused.
 
-Extension point: speculative decoding (not enumerated yet)
-    A batch's result is one of the worker's outcomes (`PagedHashWorker.outcomes`): today exactly one (one sampled
-    token per request that reaches the end of its tokens), and the engine runs without `speculative_config`. With
-    drafts: build the core with a `speculative_config`; let `outcomes` list every combination of accepted lengths
-    (0..d per drafted request, d = its drafts in `scheduled_spec_decode_tokens`, `DRAFT_PLACEHOLDER` slots filled
-    with the worker's own proposals) and `execute` return 1..d+1 oracle tokens per request and its next drafts
-    (`ModelRunnerOutput.spec_token_ids`); raise `CheckerConfig.max_worker_outcomes`. The `step` / `launch`
-    actions already carry the outcome's index (`Action.outcome`; an index past the batch's outcomes is skipped),
-    so every accepted length is enumerated where the worker runs the batch, and the in-flight accounting already
-    counts steps (`Request.num_in_flight_steps`), not tokens. The mutation "count a draft step as one token" then
-    joins the others in tests/core/test_exhaustive_interleavings.py (`MUTATIONS`).
+Speculative decoding (`num_speculative_tokens` = k > 0)
+    The core gets a `speculative_config` (method "hash-oracle", read only for k: the scheduler schedules drafts,
+    async draft slots and rollbacks as in production) and `PagedHashWorker` does the runner's side: it fills
+    `DRAFT_PLACEHOLDER` slots with its own latest proposals, writes drafts after the known tokens, samples one
+    row per draft + 1, and proposes the oracle continuation after every sampling step (`spec_token_ids`). A
+    step verifying d drafts ends in any accepted length a in 0..d (the first a drafts and the oracle's next
+    token; a draft the rows did not sample, e.g. padding, cannot be accepted), the KV of rejected drafts is
+    poisoned, and a batch's outcomes are every combination of its requests' accepted lengths. So every output
+    stays the oracle's while the scheduler sees every variable-length result, in both scheduling modes, through
+    preemption, aborts, forced resets, pauses and session chunks. `SPEC_REQUESTS` are longer than the default
+    requests so that k drafts fit in `max_tokens`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
 import time
@@ -83,23 +96,34 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from kvflow.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from kvflow.core.sched.output import ModelRunnerOutput
+from kvflow.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from kvflow.core.sched.output import DRAFT_PLACEHOLDER, ModelRunnerOutput
 from kvflow.core.sched.scheduler import PauseState
 from kvflow.engine.core import EngineCore
 from kvflow.models.hash_model import DEFAULT_EOS_TOKEN_ID, next_token, reference_tokens
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
+from kvflow.testing.spec_proposers import HASH_ORACLE_METHOD, register_hash_oracle
 from kvflow.testing.worker_slots import WorkerSlots
 from kvflow.utils import cdiv
 
 if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreOutput, SchedulerOutput
     from kvflow.core.sched.scheduler import Scheduler
+    from kvflow.engine.core import InFlightBatch
 
 logger = logging.getLogger(__name__)
 
 PauseVariant = tuple[str, bool]  # (mode, clear_cache)
+# What the worker model leaves in the KV slot of a rejected draft: its K/V belongs to a token that is not there.
+REJECTED_DRAFT = -2
 
 
 # ---------------------------------------------------------------------------------------------------- configuration
@@ -127,6 +151,14 @@ DEFAULT_REQUESTS = (
     RequestSpec("b", (1, 2, 4, 5), max_tokens=2),
     RequestSpec("s", (7,), max_tokens=2, chunks=(((8,), 1),)),
 )
+# With speculative decoding (k = 2): a request's drafts are cut to what `max_tokens` leaves after its next token,
+# so these are one to two tokens longer. After its first token "a" verifies 2 drafts in one 3-token step (6 tokens:
+# 3 blocks), "b" and "s" 1; "a" with "b" or "s" outgrow 4 blocks, so the scheduler preempts with drafts in flight.
+SPEC_REQUESTS = (
+    RequestSpec("a", (1, 2, 3), max_tokens=4),
+    RequestSpec("b", (1, 2, 4, 5), max_tokens=3),
+    RequestSpec("s", (7,), max_tokens=3, chunks=(((8,), 1),)),
+)
 # Every pause mode. ("keep", True) is left out by default: it is ("keep", False) followed by a forced reset once
 # nothing is in flight, which the search reaches one action deeper; `ALL_PAUSE_VARIANTS` has it too.
 DEFAULT_PAUSE_VARIANTS: tuple[PauseVariant, ...] = (
@@ -142,11 +174,14 @@ class CheckerConfig:
     """The engine configuration, the requests and the search bounds of one exhaustive run.
 
     `depth` bounds the number of actions before the drain; `max_states` stops a search that grew past what the
-    caller budgets (the result says so: `SearchResult.complete` is False).
+    caller budgets (the result says so: `SearchResult.complete` is False). `num_speculative_tokens` (k) turns
+    speculative decoding on; `max_worker_outcomes` bounds a batch's outcomes (a batch with more is a ValueError,
+    never a silent cut): (k + 1) ** max_num_seqs covers every combination of accepted lengths.
     """
 
     async_scheduling: bool = False
     use_v2_model_runner: bool = True
+    num_speculative_tokens: int = 0
     max_num_seqs: int = 2
     num_blocks: int = 4
     block_size: int = 2
@@ -164,7 +199,8 @@ class CheckerConfig:
     def name(self) -> str:
         mode = "async" if self.async_scheduling else "sync"
         protocol = "slot" if self.use_v2_model_runner else "persistent_batch"
-        return f"{mode}/{protocol}/depth={self.depth}"
+        drafts = f"/k={self.num_speculative_tokens}" if self.num_speculative_tokens else ""
+        return f"{mode}/{protocol}{drafts}/depth={self.depth}"
 
 
 @dataclass(frozen=True)
@@ -206,7 +242,10 @@ class SearchResult:
     before it); `events`: transitions in which something worth covering happened ("preempted_in_step": the
     scheduler preempted for KV blocks, "prefix_hit": a request was admitted with cached blocks,
     "dropped_in_flight": a stale in-flight output of a preempted or stopped request was dropped, "session_chunk":
-    a session went on with its next chunk).
+    a session went on with its next chunk; with drafts: "verified_drafts" / "rejected_drafts": a batch verified
+    drafts / rejected some, "placeholder_drafts": its draft slots were placeholders the worker filled,
+    "padded_drafts": the worker had fewer drafts than slots, "dropped_draft_step": a stale in-flight step that
+    verified drafts was dropped); `max_outcomes`: the most outcomes a batch had.
     """
 
     config: CheckerConfig
@@ -217,6 +256,7 @@ class SearchResult:
     num_drain_steps: int = 0
     elapsed_s: float = 0.0
     complete: bool = True
+    max_outcomes: int = 1
     coverage: Counter[tuple[str, int]] = field(default_factory=Counter)
     events: Counter[str] = field(default_factory=Counter)
 
@@ -241,12 +281,24 @@ class PagedHashWorker:
     It applies each `SchedulerOutput` as the runner does: release `finished_req_ids | preempted_req_ids` (the
     persistent-batch protocol parks a preempted request's tokens), add `scheduled_new_reqs`, update
     `scheduled_cached_reqs` (new blocks, a session's chunk, a persistent-batch resume with its replacement block
-    table and `all_token_ids`); then it writes the scheduled tokens through the block table and samples
-    `next_token(tokens read back)` for each request that reached the end of its tokens, appending it to its own
-    list (so the next step can run before the scheduler has the token: async scheduling).
+    table and `all_token_ids`; with speculation, a computed count that is the lower of the scheduler's and its own,
+    as the runner's min rule); then it writes the scheduled tokens (and drafts) through the block table and samples
+    `next_token(tokens read back)` for each request that reached the end of its tokens, appending what it keeps to
+    its own list (so the next step can run before the scheduler has the tokens: async scheduling).
+
+    Speculative decoding (`num_speculative_tokens` > 0): the drafts a step verifies are the scheduler's, its
+    `DRAFT_PLACEHOLDER` slots filled with the worker's own latest proposals (padded with token 0 where it has
+    fewer); they are written after the known tokens, and row j of the request samples after the first j of them.
+    Draft j can be accepted only if rows 0..j sampled drafts 0..j (`m` drafts at most); the batch's outcomes are
+    every combination of accepted lengths `a` in m..0 (index 0: greedy, all it can), and a request accepting `a`
+    yields its rows 0..a. The KV slots of its rejected drafts are marked `REJECTED_DRAFT` (a stale draft's K/V:
+    reading one is a violation) and its computed count rolls back over them. After sampling, each request that
+    sampled proposes the oracle continuation of its tokens (up to k, never past `max_model_len`), returned in
+    `spec_token_ids`, so accepting drafts keeps every output the oracle's.
 
     Invariants: `len(tokens) <= max_num_reqs` (a request with `tokens` holds a slot; parked ones hold none); a
-    request is never both active and parked; `last_scheduled_ids` is the previous step's scheduled requests.
+    request is never both active and parked; `drafts` only for active requests; `last_scheduled_ids` is the
+    previous step's scheduled requests.
     """
 
     def __init__(
@@ -256,32 +308,36 @@ class PagedHashWorker:
         num_blocks: int,
         use_v2_model_runner: bool,
         max_model_len: int,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.block_size = block_size
         self.use_v2_model_runner = use_v2_model_runner
         self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
         self.kv: list[int | None] = [None] * (block_size * num_blocks)
         self.tokens: dict[str, list[int]] = {}
         self.block_table: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        # Each request's proposals after its latest sampling step.
+        self.drafts: dict[str, list[int]] = {}
         self.parked: dict[str, list[int]] = {}
         self.last_scheduled_ids: frozenset[str] = frozenset()
+        # The last batch run: its number of outcomes, and what happened worth covering (`SearchResult.events`).
+        self.num_outcomes = 1
+        self.step_events: list[str] = []
 
     @property
     def held(self) -> set[str]:
         """Requests holding a worker slot."""
         return set(self.tokens)
 
-    def outcomes(self, scheduler_output: SchedulerOutput) -> list[None]:
-        """The possible results of running a batch. One today (greedy, one token per sampling request); with
-        speculative decoding, one per combination of accepted draft lengths (see the module docstring)."""
-        assert not scheduler_output.scheduled_spec_decode_tokens, (
-            "draft tokens: extend PagedHashWorker.outcomes / execute for speculative decoding"
-        )
-        return [None]
-
-    def execute(self, scheduler_output: SchedulerOutput, outcome: None = None) -> ModelRunnerOutput:
+    def execute(
+        self, scheduler_output: SchedulerOutput, outcome_index: int = 0
+    ) -> ModelRunnerOutput:
+        """Run a batch with its outcome number `outcome_index` (of `num_outcomes`, set by this call; raises
+        `_NotApplicable` past them)."""
+        self.step_events = []
         self._release(scheduler_output)
         self._add_new(scheduler_output)
         self._update_cached(scheduler_output)
@@ -289,12 +345,13 @@ class PagedHashWorker:
             f"the worker ran out of slots: {sorted(self.tokens)} > max_num_seqs={self.max_num_reqs}"
         )
         self.last_scheduled_ids = frozenset(scheduler_output.num_scheduled_tokens)
-        return self._run(scheduler_output)
+        return self._run(scheduler_output, outcome_index)
 
     def _drop(self, req_id: str) -> None:
         self.tokens.pop(req_id, None)
         self.block_table.pop(req_id, None)
         self.computed.pop(req_id, None)
+        self.drafts.pop(req_id, None)
 
     def _release(self, scheduler_output: SchedulerOutput) -> None:
         for req_id in scheduler_output.finished_req_ids:
@@ -324,7 +381,8 @@ class PagedHashWorker:
         for index, req_id in enumerate(cached.req_ids):
             num_computed = cached.num_computed_tokens[index]
             new_block_ids = cached.new_block_ids[index]
-            if req_id in cached.resumed_req_ids:
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:
                 assert not self.use_v2_model_runner, "the slot runner gets resumes as new requests"
                 assert new_block_ids is not None, f"resumed {req_id!r} without a block table"
                 if req_id in self.parked:
@@ -339,39 +397,139 @@ class PagedHashWorker:
             if req_id in cached.all_token_ids:
                 self.tokens[req_id] = list(cached.all_token_ids[req_id])
             elif cached.new_token_ids[index]:
+                assert num_computed <= len(self.tokens[req_id]), (
+                    f"{req_id!r}: a chunk written past the worker's tokens"
+                )
                 self.tokens[req_id] = self.tokens[req_id][:num_computed] + list(
                     cached.new_token_ids[index]
                 )
+            if self.num_speculative_tokens and not resumed:
+                # The scheduler's count takes the draft slots of steps in flight as accepted (an upper bound).
+                num_computed = min(num_computed, self.computed[req_id])
             self.computed[req_id] = num_computed
 
-    def _run(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Write every scheduled token, then sample (as the hash model does)."""
-        seq_lens: dict[str, int] = {}
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            start = self.computed[req_id]
-            end = start + num_tokens
-            tokens = self.tokens[req_id]
-            table = self.block_table[req_id]
-            assert end <= len(tokens), f"{req_id!r}: scheduled past the worker's tokens ({end})"
-            assert cdiv(end, self.block_size) <= len(table), f"{req_id!r}: tokens without KV blocks"
-            for position in range(start, end):
-                self.kv[self._slot(table, position)] = tokens[position]
-            self.computed[req_id] = seq_lens[req_id] = end
+    def _run(self, scheduler_output: SchedulerOutput, outcome_index: int) -> ModelRunnerOutput:
+        """Write every scheduled token and draft, sample each request's rows, then apply the chosen outcome."""
         req_ids = list(scheduler_output.num_scheduled_tokens)
+        scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
+        drafts: dict[str, list[int]] = {}
+        # Requests whose draft slots were placeholders -> how many the worker filled with its own drafts.
+        num_real_drafts: dict[str, int] = {}
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            drafts[req_id] = self._fill_drafts(
+                req_id, scheduled_drafts.get(req_id), num_real_drafts
+            )
+            self._write(req_id, num_tokens, drafts[req_id])
+        rows = {  # what each request that reached the end of its tokens samples (a partial prefill: nothing)
+            req_id: self._sample_rows(req_id, len(drafts[req_id]))
+            for req_id in req_ids
+            if self.computed[req_id] >= len(self.tokens[req_id])
+        }
+        verifying = [req_id for req_id in rows if drafts[req_id]]
+        outcomes = list(
+            itertools.product(
+                *(range(_num_matching(rows[r], drafts[r]), -1, -1) for r in verifying)
+            )
+        )
+        self.num_outcomes = len(outcomes)
+        if outcome_index >= len(outcomes):
+            raise _NotApplicable
+        accepted = dict(zip(verifying, outcomes[outcome_index], strict=True))
         sampled: list[list[int]] = []
+        proposals: list[list[int]] = []
         for req_id in req_ids:
-            tokens = self.tokens[req_id]
-            if seq_lens[req_id] < len(tokens):
-                sampled.append([])  # a partial prefill samples nothing
+            if req_id not in rows:
+                sampled.append([])
+                proposals.append([])
                 continue
+            generated = rows[req_id][: accepted.get(req_id, 0) + 1]
+            self._accept(req_id, drafts[req_id], generated)
+            sampled.append(generated)
+            proposals.append(self._propose(req_id))
+        if verifying:
+            self.step_events.append("verified_drafts")
+        if any(accepted[req_id] < len(drafts[req_id]) for req_id in verifying):
+            self.step_events.append("rejected_drafts")
+        output = ModelRunnerOutput(
+            req_ids, {req_id: i for i, req_id in enumerate(req_ids)}, sampled
+        )
+        if self.num_speculative_tokens:
+            output.spec_token_ids = proposals
+            if num_real_drafts:
+                output.num_real_drafts = [
+                    num_real_drafts.get(req_id, len(drafts[req_id])) for req_id in req_ids
+                ]
+        return output
+
+    def _fill_drafts(
+        self, req_id: str, scheduled: list[int] | None, num_real_drafts: dict[str, int]
+    ) -> list[int]:
+        """The drafts a step verifies: the scheduler's, or for `DRAFT_PLACEHOLDER` slots the worker's own."""
+        if not scheduled:
+            return []
+        if DRAFT_PLACEHOLDER not in scheduled:
+            latest = self.drafts.get(req_id, [])
+            assert list(scheduled) == latest[: len(scheduled)], (
+                f"{req_id!r}: drafts {scheduled} are not the worker's latest proposals {latest}"
+            )
+            return list(scheduled)
+        self.step_events.append("placeholder_drafts")
+        own = self.drafts.get(req_id, [])[: len(scheduled)]
+        num_real_drafts[req_id] = len(own)
+        if len(own) < len(scheduled):
+            self.step_events.append("padded_drafts")
+        return own + [0] * (len(scheduled) - len(own))
+
+    def _write(self, req_id: str, num_tokens: int, drafts: list[int]) -> None:
+        """Write the scheduled positions (known tokens, then drafts) into the KV cache."""
+        start = self.computed[req_id]
+        end = start + num_tokens
+        readable = self.tokens[req_id] + drafts
+        table = self.block_table[req_id]
+        assert end <= len(readable), f"{req_id!r}: scheduled past the worker's tokens ({end})"
+        assert not drafts or end == len(readable), (
+            f"{req_id!r}: a step verifying {len(drafts)} drafts ends at {end}, not at its last draft"
+        )
+        assert cdiv(end, self.block_size) <= len(table), f"{req_id!r}: tokens without KV blocks"
+        for position in range(start, end):
+            self.kv[self._slot(table, position)] = readable[position]
+        self.computed[req_id] = end
+
+    def _sample_rows(self, req_id: str, num_drafts: int) -> list[int]:
+        """Row j samples after the known tokens and the first j drafts, read back through the block table."""
+        table = self.block_table[req_id]
+        read_back = [
+            self.kv[self._slot(table, position)]
+            for position in range(len(self.tokens[req_id]) + num_drafts)
+        ]
+        assert None not in read_back, f"{req_id!r}: read a KV slot that was never written"
+        assert REJECTED_DRAFT not in read_back, f"{req_id!r}: read the KV of a rejected draft"
+        num_known = len(self.tokens[req_id])
+        return [next_token(read_back[: num_known + j]) for j in range(num_drafts + 1)]  # type: ignore[arg-type]
+
+    def _accept(self, req_id: str, drafts: list[int], generated: list[int]) -> None:
+        """Keep the accepted drafts and the token after them; roll back over the rejected drafts."""
+        tokens = self.tokens[req_id]
+        num_known = len(tokens)
+        num_rejected = len(drafts) + 1 - len(generated)
+        if num_rejected:
             table = self.block_table[req_id]
-            read_back = [self.kv[self._slot(table, position)] for position in range(len(tokens))]
-            assert None not in read_back, f"{req_id!r}: read a KV slot that was never written"
-            token_id = next_token(read_back)  # type: ignore[arg-type]
-            if len(tokens) < self.max_model_len:
-                tokens.append(token_id)
-            sampled.append([token_id])
-        return ModelRunnerOutput(req_ids, {req_id: i for i, req_id in enumerate(req_ids)}, sampled)
+            for position in range(num_known + len(generated) - 1, num_known + len(drafts)):
+                self.kv[self._slot(table, position)] = REJECTED_DRAFT
+            self.computed[req_id] -= num_rejected
+        tokens.extend(generated[: max(self.max_model_len - num_known, 0)])  # past it: reported only
+
+    def _propose(self, req_id: str) -> list[int]:
+        """The oracle continuation of the request's tokens, up to k, never reaching past `max_model_len`."""
+        if not self.num_speculative_tokens:
+            return []
+        tokens = self.tokens[req_id]
+        room = self.max_model_len - len(tokens) - 1
+        proposals = (
+            list(_oracle(tuple(tokens), min(self.num_speculative_tokens, room))) if room > 0 else []
+        )
+        self.drafts[req_id] = proposals
+        return proposals
 
     def _slot(self, table: list[int], position: int) -> int:
         return table[position // self.block_size] * self.block_size + position % self.block_size
@@ -383,11 +541,20 @@ class PagedHashWorker:
                 tuple(self.tokens[req_id]),
                 tuple(self.block_table[req_id]),
                 self.computed[req_id],
+                tuple(self.drafts.get(req_id, ())),
             )
             for req_id in sorted(self.tokens)
         )
         parked = tuple((req_id, tuple(tokens)) for req_id, tokens in sorted(self.parked.items()))
         return active, parked, tuple(self.kv), frozenset(self.last_scheduled_ids)
+
+
+def _num_matching(rows: list[int], drafts: list[int]) -> int:
+    """How many leading drafts the rows sampled: the most a step can accept (greedy accepts exactly these)."""
+    num_matching = 0
+    while num_matching < len(drafts) and rows[num_matching] == drafts[num_matching]:
+        num_matching += 1
+    return num_matching
 
 
 class _FinishedStep:
@@ -400,7 +567,13 @@ class _FinishedStep:
         self.scheduler_output = scheduler_output
         self.model_runner_output = model_runner_output
         self.fingerprint = hash(_output_key(scheduler_output))
-        self.result_key = tuple(map(tuple, model_runner_output.sampled_token_ids))
+        spec_token_ids = model_runner_output.spec_token_ids
+        num_real_drafts = model_runner_output.num_real_drafts
+        self.result_key = (
+            tuple(map(tuple, model_runner_output.sampled_token_ids)),
+            None if spec_token_ids is None else tuple(map(tuple, spec_token_ids)),
+            None if num_real_drafts is None else tuple(num_real_drafts),
+        )
 
     def result(self) -> ModelRunnerOutput:
         assert hash(_output_key(self.scheduler_output)) == self.fingerprint, (
@@ -547,8 +720,17 @@ def _make_engine_core(config: CheckerConfig) -> EngineCore:
                 use_v2_model_runner=config.use_v2_model_runner,
             ),
             parallel_config=ParallelConfig(worker_thread="off"),
+            speculative_config=_speculative_config(config.num_speculative_tokens),
         )
     )
+
+
+def _speculative_config(num_speculative_tokens: int) -> SpeculativeConfig | None:
+    """The hash-oracle method: the scheduler reads only k; `PagedHashWorker` drafts the oracle itself."""
+    if not num_speculative_tokens:
+        return None
+    register_hash_oracle()
+    return SpeculativeConfig(HASH_ORACLE_METHOD, num_speculative_tokens)
 
 
 class _World:
@@ -573,10 +755,15 @@ class _World:
             config.num_blocks,
             config.use_v2_model_runner,
             config.max_model_len,
+            config.num_speculative_tokens,
         )
         self.slots = WorkerSlots(config.max_num_seqs) if config.use_v2_model_runner else None
         self.tracker = _Tracker()
         self.events: Counter[str] = Counter()  # see `SearchResult.events`; not part of the state
+        # While an action is applied: its batches with a choice of outcomes (at most one), and their number.
+        self.applying = False
+        self.num_choice_batches = 0
+        self.num_outcomes = 1
 
     @property
     def scheduler(self) -> Scheduler:
@@ -650,15 +837,12 @@ class _World:
 
     def _engine_step_actions(self) -> list[Action]:
         core = self.core
-        outcomes = range(self.config.max_worker_outcomes)
         if not self.config.async_scheduling:
-            if not core.can_make_progress():
-                return []
-            return [Action("step", outcome=index) for index in outcomes]
+            return [Action("step")] if core.can_make_progress() else []
         actions: list[Action] = []
         can_launch = len(core.batch_queue) < core.batch_queue_size and core._has_schedulable_work()
         if can_launch:
-            actions += [Action("launch", outcome=index) for index in outcomes]
+            actions.append(Action("launch"))  # its other outcomes follow once the batch shows them
         if core.batch_queue:
             actions.append(Action("complete"))
         elif not can_launch and core.is_paused() and not core.pause_effective():
@@ -672,7 +856,12 @@ class _World:
         frozen = core.pause_effective()  # a pause in effect: nothing may be emitted
         num_preemptions, num_to_drop = core.scheduler.num_preemptions_total, self._num_to_drop()
         self.executor.outcome_index = action.outcome
-        outputs = getattr(self, f"_do_{action.kind}")(action)
+        self.num_choice_batches, self.num_outcomes, self.applying = 0, 1, True
+        try:
+            outputs = getattr(self, f"_do_{action.kind}")(action)
+        finally:
+            self.executor.outcome_index, self.applying = 0, False  # the drain takes outcome 0
+        assert self.num_choice_batches <= 1, "an action ran two batches with a choice of outcomes"
         for output in outputs:
             self.tracker.consume(output, frozen)
             if output.session_continues:
@@ -739,7 +928,21 @@ class _World:
 
     def _do_complete(self, action: Action) -> list[EngineCoreOutput]:
         core = self.core
+        if self._verifies_stale_drafts(core.batch_queue[0]):
+            self.events["dropped_draft_step"] += 1
         return core._apply_oldest_batch() + core._settle_pause()
+
+    def _verifies_stale_drafts(self, batch: InFlightBatch) -> bool:
+        """Whether the batch verified drafts for a request whose output of it is stale (to be dropped)."""
+        scheduler = self.scheduler
+        output = batch.future.model_runner_output  # type: ignore[attr-defined]
+        for req_id in batch.scheduler_output.scheduled_spec_decode_tokens:
+            if not output.sampled_token_ids[output.req_id_to_index[req_id]]:
+                continue
+            request = scheduler.requests.get(req_id)
+            if request is None or request.is_finished() or request.async_tokens_to_discard:
+                return True
+        return False
 
     def _do_abort(self, action: Action) -> list[EngineCoreOutput]:
         self.core.abort_requests([action.arg])
@@ -786,15 +989,18 @@ class _World:
     ) -> ModelRunnerOutput:
         """A batch goes out: check it against the scheduler, apply it to the slot model, run it on the worker."""
         self._check_sent(scheduler_output)
-        if any(new_req.num_computed_tokens for new_req in scheduler_output.scheduled_new_reqs):
-            self.events["prefix_hit"] += 1
         if self.slots is not None:
             # Raises AssertionError("No free indices") on over-admission.
             self.slots.apply(scheduler_output)
-        outcomes = self.worker.outcomes(scheduler_output)
-        if outcome_index >= len(outcomes):
-            raise _NotApplicable
-        return self.worker.execute(scheduler_output, outcomes[outcome_index])
+        model_runner_output = self.worker.execute(scheduler_output, outcome_index)
+        if self.worker.num_outcomes > 1:
+            self.num_choice_batches += 1
+            self.num_outcomes = self.worker.num_outcomes
+        if self.applying:  # events count the search's transitions, not the drains
+            self.events.update(self.worker.step_events)
+            if any(new_req.num_computed_tokens for new_req in scheduler_output.scheduled_new_reqs):
+                self.events["prefix_hit"] += 1
+        return model_runner_output
 
     def _check_sent(self, output: SchedulerOutput) -> None:
         scheduler = self.scheduler
@@ -828,6 +1034,31 @@ class _World:
                 assert self.tracker.tracks[req_id].is_session, (
                     "only a session's chunk travels as new tokens"
                 )
+        for req_id, drafts in output.scheduled_spec_decode_tokens.items():
+            self._check_sent_drafts(req_id, drafts, scheduled.get(req_id, 0))
+
+    def _check_sent_drafts(self, req_id: str, drafts: list[int], num_scheduled: int) -> None:
+        """A step verifying drafts: at most k of them, all ids or (async) all placeholders, inside the step's
+        tokens, and the most it can yield within `max_tokens` and `max_model_len` (async: the request's
+        placeholders, this step's included, bound what its steps in flight can yield)."""
+        config = self.config
+        assert 0 < len(drafts) <= config.num_speculative_tokens, f"{req_id!r}: drafts {drafts}"
+        assert len(drafts) < num_scheduled, (
+            f"{req_id!r}: {len(drafts)} drafts in {num_scheduled} tokens"
+        )
+        num_placeholders = drafts.count(DRAFT_PLACEHOLDER)
+        assert num_placeholders in (0, len(drafts)), (
+            f"{req_id!r}: drafts {drafts} mix ids and slots"
+        )
+        assert config.async_scheduling or not num_placeholders, "draft slots in sync scheduling"
+        request = self.scheduler.requests[req_id]
+        most_yield = request.num_output_placeholders if config.async_scheduling else 1 + len(drafts)
+        assert request.num_output_tokens + most_yield <= request.max_tokens, (
+            f"{req_id!r}: a step with {len(drafts)} drafts may pass max_tokens"
+        )
+        assert request.num_tokens + most_yield <= config.max_model_len, (
+            f"{req_id!r}: a step with {len(drafts)} drafts may pass max_model_len"
+        )
 
     # ------------------------------------------------------------------------------------------------ state checks
     def check_state(self) -> None:
@@ -919,16 +1150,20 @@ class _World:
 
     def _check_in_flight_accounting(self) -> None:
         """For every id: steps in flight + step outputs to discard (live) or stale placeholders (finished) equal
-        the batches in flight that sample for it (a step yields at least one token: placeholders >= steps)."""
+        the batches in flight that sample for it; a live request's placeholders are the most its steps in flight
+        that are not to be discarded (the newest ones) can yield: 1 + d for a step verifying d drafts."""
         scheduler = self.scheduler
-        in_flight: Counter[str] = Counter()
+        # Request id -> the drafts verified by each batch in flight that samples for it, oldest first.
+        in_flight: dict[str, list[int]] = {}
         for batch in self.core.batch_queue:
             model_runner_output = batch.future.model_runner_output  # type: ignore[attr-defined]
+            drafts = batch.scheduler_output.scheduled_spec_decode_tokens
             for req_id, index in model_runner_output.req_id_to_index.items():
                 if model_runner_output.sampled_token_ids[index]:
-                    in_flight[req_id] += 1
+                    in_flight.setdefault(req_id, []).append(len(drafts.get(req_id, ())))
         stale = getattr(scheduler, "_stale_placeholders", {})
         for req_id in set(in_flight) | set(scheduler.requests) | set(stale):
+            steps = in_flight.get(req_id, [])
             request = scheduler.requests.get(req_id)
             if request is not None:
                 num_steps = request.num_in_flight_steps
@@ -937,10 +1172,23 @@ class _World:
                 counted = num_steps + request.async_tokens_to_discard
             else:
                 counted = stale.get(req_id, 0)
-            assert counted == in_flight[req_id], (
+            assert counted == len(steps), (
                 f"{req_id!r}: {counted} step outputs counted in flight (steps + discards), "
-                f"{in_flight[req_id]} batches in flight sample for it"
+                f"{len(steps)} batches in flight sample for it"
             )
+            if request is not None:
+                live_steps = steps[request.async_tokens_to_discard :]
+                most_yield = sum(1 + num_drafts for num_drafts in live_steps)
+                assert request.num_output_placeholders == most_yield, (
+                    f"{req_id!r}: {request.num_output_placeholders} placeholders, its steps in flight "
+                    f"verifying {live_steps} drafts may yield {most_yield} tokens"
+                )
+                assert request.num_output_tokens + most_yield <= request.max_tokens, (
+                    f"{req_id!r}: its steps in flight may pass max_tokens"
+                )
+                assert request.num_tokens + most_yield <= self.config.max_model_len, (
+                    f"{req_id!r}: its steps in flight may pass max_model_len"
+                )
 
     def _check_pause_state(self) -> None:
         core = self.core
@@ -1099,6 +1347,7 @@ def _request_key(request: Request, scheduler: Scheduler) -> tuple[Any, ...]:
             for update in queue
         ),
         tuple(request.spec_token_ids),
+        request.num_last_proposed_drafts,  # async draft slots follow the worker's latest proposals
         len(request.block_hashes),
         blocks,
     )
@@ -1183,7 +1432,10 @@ class _Search:
             world.restore(snapshot)
         actions = world.enabled_actions()
         children: list[int] = []
-        for index, action in enumerate(actions):
+        index = -1
+        while index + 1 < len(actions):
+            index += 1
+            action = actions[index]
             if index:
                 world.restore(snapshot)
             num_in_flight = len(world.core.batch_queue)
@@ -1193,6 +1445,9 @@ class _Search:
             except _NotApplicable:
                 self.trace.pop()
                 continue
+            if action.outcome == 0 and world.num_outcomes > 1:
+                # The batch it ran can end in several ways (accepted draft lengths): each is an action.
+                actions[index + 1 : index + 1] = self._other_outcomes(action, world.num_outcomes)
             self.result.coverage[(action.kind, num_in_flight)] += 1
             self.result.num_transitions += 1
             child = world.key()
@@ -1206,6 +1461,15 @@ class _Search:
                 self._explore(child, world.snapshot(), True, remaining - 1)
             self.trace.pop()
         self.children.setdefault(key, children)
+
+    def _other_outcomes(self, action: Action, num_outcomes: int) -> list[Action]:
+        if num_outcomes > self.config.max_worker_outcomes:
+            raise ValueError(
+                f"a batch has {num_outcomes} outcomes, over max_worker_outcomes="
+                f"{self.config.max_worker_outcomes}, after {' '.join(map(str, self.trace))}"
+            )
+        self.result.max_outcomes = max(self.result.max_outcomes, num_outcomes)
+        return [Action(action.kind, action.arg, outcome) for outcome in range(1, num_outcomes)]
 
     def _checked(self, run: Callable[[], Any], in_drain: bool = False) -> Any:
         """`run()`, with any failure (an invariant, or an error raised by the engine) turned into an
