@@ -72,8 +72,10 @@ def plain() -> Iterator[Plain]:
 
 @pytest.fixture(
     scope="module",
-    params=[(True, True), (True, False), (False, True), (False, False)],
-    ids=["slot-async", "slot-sync", "persistent-async", "persistent-sync"],
+    # (persistent-batch with sync scheduling: tests/engine/test_spec_decode_interleavings.py and the exhaustive
+    # checker cover it; the suite's time budget keeps three variants here)
+    params=[(True, True), (True, False), (False, True)],
+    ids=["slot-async", "slot-sync", "persistent-async"],
 )
 def speculating(request: pytest.FixtureRequest) -> Iterator[LLM]:
     slot_runner, async_scheduling = request.param
@@ -103,7 +105,7 @@ def test_seeded_sampling_is_identical_with_n_and_penalties(plain: Plain, specula
     assert outputs(speculating, PROMPTS[2:], params) == outputs(plain, PROMPTS[2:], params)
 
 
-@pytest.mark.parametrize("max_tokens", [1, 7, 21])
+@pytest.mark.parametrize("max_tokens", [1, 21])
 def test_max_tokens_and_stop_strings_inside_an_accepted_run(
     plain: Plain, speculating: LLM, max_tokens: int
 ) -> None:
