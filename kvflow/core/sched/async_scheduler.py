@@ -56,22 +56,15 @@ class AsyncScheduler(Scheduler):
     def _draft_slots(self, request: Request) -> list[int]:
         """Draft slots for a step planned while this request has steps in flight: as many as the worker proposed
         after the request's latest applied step (a guess: a request whose text gives the proposer nothing costs
-        no wasted positions), cut so that the step cannot pass max_tokens or max_model_len even if every
-        placeholder is a token. Any count is exact: slots the worker cannot fill are padding."""
-        room = min(
-            request.max_tokens - request.num_output_tokens - request.num_output_placeholders,
-            self.max_model_len - request.num_tokens - request.num_output_placeholders,
-        )
+        no wasted positions), within `_max_drafts`. Any count is exact: slots the worker cannot fill are padding."""
         wanted = min(self.num_speculative_tokens, request.num_last_proposed_drafts)
-        return [DRAFT_PLACEHOLDER] * max(min(wanted, room - 1), 0)
+        return [DRAFT_PLACEHOLDER] * min(wanted, self._max_drafts(request))
 
-    def _take_drafts(self, request: Request, drafts: list[int]) -> None:
+    def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         # The drafts proposed after this output were already used by the request's step in flight, if any.
         if request.num_in_flight_steps > 0:
-            request.num_last_proposed_drafts = len(drafts)
-            request.spec_token_ids = self._draft_slots(request)
-        else:
-            super()._take_drafts(request, drafts)
+            return self._draft_slots(request)
+        return super()._next_drafts(request, drafts)
 
     def _preempt_request(self, request: Request, timestamp: float) -> None:
         super()._preempt_request(request, timestamp)

@@ -801,14 +801,21 @@ class Scheduler:
                 self.spec_decoding_stats.observe_draft(real, min(num_generated - 1, real))
 
     def _take_drafts(self, request: Request, drafts: list[int]) -> None:
-        """The runner's drafts for `request`'s next step, cut so that the step cannot pass `max_tokens` or
-        `max_model_len` (a step yields at most one token more than it verifies)."""
+        """Record the runner's drafts for `request`'s next step (`_next_drafts` decides what is scheduled)."""
         request.num_last_proposed_drafts = len(drafts)
+        request.spec_token_ids = self._next_drafts(request, drafts)
+
+    def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        return drafts[: self._max_drafts(request)]
+
+    def _max_drafts(self, request: Request) -> int:
+        """The most drafts `request`'s next step may verify without passing `max_tokens` or `max_model_len`, even
+        if every draft and every placeholder in flight becomes a token (a step yields one more than it verifies)."""
         room = min(
             request.max_tokens - request.num_output_tokens,
             self.max_model_len - request.num_tokens,
         )
-        request.spec_token_ids = drafts[: max(room - 1, 0)] if drafts else []
+        return max(room - request.num_output_placeholders - 1, 0)
 
     def _fail_request(self, request: Request, error: Exception) -> EngineCoreOutput:
         """A request whose output could not be applied (a fault that is its own, e.g. a bad value that slipped past
