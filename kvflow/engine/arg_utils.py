@@ -42,8 +42,6 @@ logger = logging.getLogger(__name__)
 # Tokens per step when not given: on CPU, steps of ~2k tokens keep activations cache-resident; GPUs want bigger
 # steps.
 _DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
-# `speculative_config` methods the config accepts but the engine does not run yet (a named refusal, not a no-op).
-_SPEC_METHODS_NOT_IMPLEMENTED = ("draft_model",)
 # The CPU KV cache budget in GiB (vLLM CPU's VLLM_CPU_KVCACHE_SPACE); unset, empty or 0: 4 GiB.
 CPU_KVCACHE_SPACE_ENV = "KVFLOW_CPU_KVCACHE_SPACE"
 REASONING_PARSER_NAMES = REASONING_PARSERS.names()
@@ -157,8 +155,8 @@ class EngineArgs:
         None,
         'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 5, '
         '"prompt_lookup_min": 2} (drafts K tokens by prompt lookup in the request\'s own tokens and verifies '
-        'them in one step; runs with synchronous scheduling). {"method": "draft_model", "model": PATH} is '
-        "not implemented yet",
+        'them in one step), or {"method": "draft_model", "model": PATH, "num_speculative_tokens": K} (drafts '
+        'with a smaller model that shares the tokenizer; "default-draft" is the built-in model\'s draft)',
     )
     disable_log_stats: bool = _option(
         False,
@@ -256,10 +254,10 @@ class EngineArgs:
     def _speculative_config(self) -> SpeculativeConfig | None:
         """`speculative_config` parsed; a method the engine does not run yet is a ValueError now."""
         config = SpeculativeConfig.from_option(self.speculative_config)
-        if config is not None and config.method in _SPEC_METHODS_NOT_IMPLEMENTED:
+        if config is not None and config.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ValueError(
-                f"speculative_config method {config.method!r} is not implemented yet; use "
-                '{"method": "ngram", "num_speculative_tokens": K}'
+                "speculative_config method 'draft_model' runs with tensor_parallel_size=1 (got "
+                f"{self.tensor_parallel_size}); use method 'ngram' with tensor parallelism"
             )
         return config
 

@@ -135,6 +135,9 @@ class EngineCore:
                 num_speculative_tokens=0
                 if spec_config is None
                 else spec_config.num_speculative_tokens,
+                num_lookahead_tokens=spec_config.num_speculative_tokens
+                if spec_config is not None and spec_config.method == "draft_model"
+                else 0,
             )
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a core that failed to start

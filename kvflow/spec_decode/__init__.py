@@ -1,7 +1,7 @@
 """Speculative decoding: cheap drafts of the next tokens, verified by the target model in one step.
 
     ngram.py              `NgramProposer`: prompt lookup, drafts copied from the request's own earlier tokens
-    draft_model.py        `DraftModelProposer`: drafts from a smaller model (not implemented yet)
+    draft_model.py        `DraftModelProposer`: drafts from a smaller model, run beside the target with its own KV cache
     rejection_sampler.py  the lossless acceptance rules: `rejection_sample` (drafts with a proposal distribution)
                           and `accept_point_mass_drafts` (n-gram drafts, whose proposal is a point mass)
     metrics.py            `SpecDecodingStats`: drafts, drafted and accepted tokens, acceptance per position

@@ -11,13 +11,14 @@ import torch
 
 from kvflow.batch import BatchInputs
 from kvflow.core.sched.output import DRAFT_PLACEHOLDER, LogprobsLists, ModelRunnerOutput
-from kvflow.spec_decode.rejection_sampler import accept_point_mass_drafts
+from kvflow.spec_decode.rejection_sampler import accept_point_mass_drafts, rejection_sample
 from kvflow.utils import cdiv, to_device
 from kvflow.worker.sampler import (
     Sampler,
     SamplerOutput,
     build_sampling_metadata,
     forbid_tokens,
+    mix_seed,
     token_logprobs,
 )
 from kvflow.worker.states import RequestSlots
@@ -33,11 +34,18 @@ if TYPE_CHECKING:
 
 
 class DraftProposer(Protocol):
-    """Speculative decoding's proposer in the worker (`kvflow.spec_decode`: n-gram prompt lookup)."""
+    """Speculative decoding's proposer in the worker (`kvflow.spec_decode`): a lookup proposer (n-gram) drafts
+    per request through `propose`; one with `needs_kv_cache` (the draft model) drafts for the whole batch through
+    `propose_batch` (see `kvflow.spec_decode.draft_model.DraftModelProposer`)."""
 
     def propose(self, token_ids: np.ndarray, max_drafts: int) -> list[int]:
         """Up to `max_drafts` draft tokens to follow `token_ids` (a request's known tokens)."""
         ...
+
+
+# Mixed into a seeded request's seed for the uniforms that accept or reject its drafts (`rejection_sample`), so
+# they never reuse the streams its tokens are sampled from.
+_VERIFY_SEED_SALT = 0x766572696679  # "verify"
 
 
 # Prompt-logprob rows go through log_softmax / rank / top-k this many at a time, bounding the temporaries.
@@ -77,6 +85,10 @@ class _StepArrays:
     # its offset among its request's rows (row j samples the token after the request's j-th draft).
     drafts: dict[int, list[int]] = field(default_factory=dict)
     sample_offsets: np.ndarray | None = None
+    # Draft-model drafts of sampled requests: the distribution each batch row's drafts were drawn from ([d, V]),
+    # and, once verified, the tokens `rejection_sample` emitted for the row (used instead of point-mass checks).
+    draft_probs: dict[int, torch.Tensor] = field(default_factory=dict)
+    verified: dict[int, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -118,7 +130,10 @@ class ModelRunner:
         # `slot_drafts[index]` are the drafts proposed for the request in that slot after its latest step.
         self.spec_proposer = spec_proposer
         self.slot_drafts: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        # ... and the distributions they were drawn from (draft model, sampled requests; else None).
+        self.slot_draft_probs: list[torch.Tensor | None] = [None] * max_num_reqs
         self._num_real_drafts: dict[int, int] = {}  # this step's padded rows -> real drafts
+        self._draft_probs: dict[int, torch.Tensor] = {}  # this step's rows with draft distributions
         self.eos_token_id = eos_token_id
         self.sampler = Sampler(seed)
         self.block_size = block_size
@@ -126,6 +141,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.slots = RequestSlots(max_num_reqs, max_model_len, int(cdiv(max_model_len, block_size)))
         self.kv_cache = model.make_kv_cache(num_blocks, block_size).to(self.device)
+        self._drafts_with_model = bool(getattr(spec_proposer, "needs_kv_cache", False))
+        if self._drafts_with_model:
+            spec_proposer.make_kv_cache(num_blocks, block_size)  # type: ignore[union-attr]
         # Held requests still computing prompt logprobs -> their SamplingParams.prompt_logprobs.
         self.prompt_logprob_reqs: dict[str, int] = {}
         # A forward pass whose sampling waits for `sample_tokens` (structured outputs): logits, batch, arrays.
@@ -169,6 +187,8 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         with torch.inference_mode():
             sampled = self._sample(model_output, batch, arrays, grammar_output)
+            if arrays.draft_probs:
+                self._verify_sampled_drafts(model_output, arrays)
             prompt_logprobs = None
             if arrays.prompt_rows is not None:
                 prompt_logits = model_output[batch.num_sampled :]
@@ -269,6 +289,9 @@ class ModelRunner:
                     num_computed_tokens, int(self.slots.num_computed_tokens[index])
                 )
             self.slots.set_num_computed_tokens(index, num_computed_tokens)
+            # Tokens past the computed ones may change (a streaming chunk replaces the unfed last token).
+            if self.slots.num_draft_computed[index] > num_computed_tokens:
+                self.slots.num_draft_computed[index] = num_computed_tokens
 
     def _apply_cached_blocks(self, cached: CachedRequestData, i: int) -> int:
         """Extend cached request `i`'s block table with its new blocks; returns its slot index."""
@@ -360,6 +383,7 @@ class ModelRunner:
             {req_id: row for row, req_id in enumerate(req_ids)},
             drafts=drafts,
             sample_offsets=sample_offsets,
+            draft_probs=self._draft_probs,
         )
         if self.prompt_logprob_reqs:
             arrays.prompt_rows = self._prompt_logprob_rows(arrays, start, query_start_loc)
@@ -374,7 +398,9 @@ class ModelRunner:
             slot_mapping=to_device(slot_mapping, self.device),
             query_start_loc=to_device(query_start_loc.astype(np.int32), self.device),
             seq_lens=to_device(seq_lens.astype(np.int32), self.device),
-            block_tables=to_device(self._batch_block_tables(slot_indices, seq_lens), self.device),
+            block_tables=to_device(
+                self.slots.batch_block_tables(slot_indices, seq_lens, self.block_size), self.device
+            ),
             logits_indices=to_device(logits_indices, self.device),
             sampled_req_indices=to_device(sampled_rows.astype(np.int64), self.device),
         )
@@ -434,6 +460,7 @@ class ModelRunner:
         is accepted with the probability the model gives it, whoever chose it). `num_real[row]` counts the
         non-padded drafts."""
         self._num_real_drafts = {}
+        self._draft_probs = {}
         if not spec_decode_tokens:
             return {}
         drafts: dict[int, list[int]] = {}
@@ -442,10 +469,15 @@ class ModelRunner:
             if not request_drafts:
                 continue
             index = int(slot_indices[row])
+            own = self.slot_drafts[index][: len(request_drafts)]
             if DRAFT_PLACEHOLDER in request_drafts:
-                own = self.slot_drafts[index][: len(request_drafts)]
                 self._num_real_drafts[row] = len(own)
                 request_drafts = own + [0] * (len(request_drafts) - len(own))
+            draft_probs = self.slot_draft_probs[index]
+            if draft_probs is not None and request_drafts[: len(own)] == own:
+                self._draft_probs[row] = _pad_point_masses(
+                    draft_probs[: len(own)], request_drafts[len(own) :]
+                )
             start = int(self.slots.num_tokens[index])
             self.slots.token_ids[index, start : start + len(request_drafts)] = request_drafts
             drafts[row] = request_drafts
@@ -473,22 +505,6 @@ class ModelRunner:
         assert over_blocks.size == 0, (
             f"scheduled tokens without KV blocks: {[req_ids[i] for i in over_blocks]}"
         )
-
-    def _batch_block_tables(self, slot_indices: np.ndarray, seq_lens: np.ndarray) -> np.ndarray:
-        """The batch's block tables, as wide as its longest sequence needs; entries past a row's blocks are 0.
-
-        A slot's table keeps stale entries past its `num_blocks` (a previous holder's blocks); they are zeroed so no
-        model can read another request's KV through the padding.
-        """
-        # E.g., seq_lens [9, 5, 7] with block_size 4 -> width cdiv(9, 4) = 3 columns
-        width = int(cdiv(seq_lens.max(), self.block_size)) if seq_lens.size else 0
-        # Fancy indexing copies the rows, so zeroing the padding below leaves the slots' own tables intact.
-        # E.g., slots [3, 0, 1] -> [[5, 9, 1], [2, 6, 7], [8, 3, 7]] (7: a previous holder's block)
-        tables = self.slots.block_table[slot_indices, :width]
-        # Column j is padding where j >= the row's block count.
-        # E.g., num_blocks [3, 2, 2] -> [[5, 9, 1], [2, 6, 0], [8, 3, 0]]
-        tables[np.arange(width)[None, :] >= self.slots.num_blocks[slot_indices][:, None]] = 0
-        return tables
 
     # ------------------------------------------------------------------------------------------ e. sample
     def _sample(
@@ -631,7 +647,9 @@ class ModelRunner:
             sampled_token_ids[row].append(token_id)
         slots = self.slots
         for row, request_drafts in arrays.drafts.items():
-            accepted = accept_point_mass_drafts(sampled_token_ids[row], request_drafts)
+            accepted = arrays.verified.get(row) or accept_point_mass_drafts(
+                sampled_token_ids[row], request_drafts
+            )
             sampled_token_ids[row] = accepted
             index = int(arrays.slot_indices[row])
             slots.num_computed_tokens[index] -= len(request_drafts) + 1 - len(accepted)
@@ -653,20 +671,110 @@ class ModelRunner:
         assert self.spec_proposer is not None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         slots = self.slots
+        wanted: dict[int, int] = {}  # slot -> room for drafts
+        row_of: dict[int, int] = {}
         for row in set(arrays.sampled_rows.tolist()):
             index = int(arrays.slot_indices[row])
             self.slot_drafts[index] = []
+            self.slot_draft_probs[index] = None
             params = slots.sampling_params[index]
             if not sampled_token_ids[row] or params is None or params.logprobs is not None:
                 continue
             if params.structured_outputs is not None:
                 continue
-            num_tokens = int(slots.num_tokens[index])
-            room = slots.max_model_len - num_tokens - 1
+            room = slots.max_model_len - int(slots.num_tokens[index]) - 1
             if room > 0:
-                drafts[row] = self.spec_proposer.propose(slots.token_ids[index, :num_tokens], room)
-                self.slot_drafts[index] = drafts[row]
+                wanted[index] = room
+                row_of[index] = row
+        if self._drafts_with_model:
+            return self._propose_with_model(arrays, drafts, wanted, row_of)
+        for index, room in wanted.items():
+            row = row_of[index]
+            num_tokens = int(slots.num_tokens[index])
+            drafts[row] = self.spec_proposer.propose(slots.token_ids[index, :num_tokens], room)
+            self.slot_drafts[index] = drafts[row]
         return drafts
+
+    def _propose_with_model(
+        self,
+        arrays: _StepArrays,
+        drafts: list[list[int]],
+        wanted: dict[int, int],
+        row_of: dict[int, int],
+    ) -> list[list[int]]:
+        """The draft model computes every position this step's requests computed (so a full block's draft K/V is
+        there whenever its target K/V is), then drafts for the requests in `wanted`."""
+        slots = self.slots
+        num_speculative_tokens = self.spec_proposer.num_speculative_tokens  # type: ignore[union-attr]
+        sampled = set(arrays.sampled_rows.tolist())
+        failed_rows = {arrays.req_id_to_index[req_id] for req_id in arrays.failed}
+        catch_up: dict[int, int] = {}
+        for row, index in enumerate(arrays.slot_indices.tolist()):
+            if row in failed_rows:
+                continue
+            known = slots.num_tokens if row in sampled else slots.num_computed_tokens
+            writable = int(slots.num_blocks[index]) * self.block_size
+            catch_up[index] = min(int(known[index]), writable)
+        max_drafts = {
+            index: min(room, num_speculative_tokens)
+            for index, room in wanted.items()
+            if catch_up.get(index) == slots.num_tokens[index]
+        }
+        proposals = self.spec_proposer.propose_batch(  # type: ignore[union-attr]
+            slots, catch_up, max_drafts, self.eos_token_id
+        )
+        for index, proposal in proposals.items():
+            drafts[row_of[index]] = proposal.token_ids
+            self.slot_drafts[index] = proposal.token_ids
+            self.slot_draft_probs[index] = proposal.draft_probs
+        return drafts
+
+    def _verify_sampled_drafts(self, logits: torch.Tensor, arrays: _StepArrays) -> None:
+        """Rows whose drafts came with their distributions q (a draft model, sampled requests) are verified by
+        `rejection_sample` against the target's distributions p at their d + 1 sampled rows (min(1, p/q), then
+        the residual or the bonus token); the result goes to `arrays.verified`. Seeded requests draw their
+        uniforms from (seed, output position), others from the sampler's stream."""
+        sampled_rows = arrays.sampled_rows
+        groups: list[tuple[int, np.ndarray]] = []
+        for row in arrays.draft_probs:
+            groups.append((row, np.flatnonzero(sampled_rows == row)))
+        flat = np.concatenate([rows for _, rows in groups])
+        slot_indices = arrays.slot_indices[sampled_rows[flat]]
+        params = [self.slots.sampling_params[index] for index in slot_indices.tolist()]
+        offsets = arrays.sample_offsets[flat] if arrays.sample_offsets is not None else 0
+        metadata = build_sampling_metadata(
+            params,  # type: ignore[arg-type]
+            token_ids=self.slots.token_ids,
+            slot_indices=slot_indices,
+            num_prompt_tokens=self.slots.num_prompt_tokens[slot_indices],
+            num_tokens=self.slots.num_tokens[slot_indices] + offsets,
+            vocab_size=int(logits.shape[1]),
+            eos_token_id=self.eos_token_id,
+            device=logits.device,
+        )
+        index_tensor = torch.as_tensor(flat, dtype=torch.int64, device=logits.device)
+        target_probs = self.sampler.probabilities(logits[index_tensor], metadata)
+        first = 0
+        for row, rows in groups:
+            index = int(arrays.slot_indices[row])
+            request_drafts = arrays.drafts[row]
+            params_row = self.slots.sampling_params[index]
+            assert params_row is not None
+            generator = None
+            if params_row.seed is not None:
+                position = int(self.slots.num_tokens[index] - self.slots.num_prompt_tokens[index])
+                generator = torch.Generator(device=logits.device)
+                generator.manual_seed(mix_seed(params_row.seed ^ _VERIFY_SEED_SALT, position))
+            else:
+                generator = self.sampler.generator(logits.device)
+            draft_probs = arrays.draft_probs[row].to(target_probs.device)
+            arrays.verified[row] = rejection_sample(
+                target_probs[first : first + len(rows)],
+                draft_probs,
+                torch.tensor(request_drafts, dtype=torch.int64, device=target_probs.device),
+                generator,
+            )
+            first += len(rows)
 
     def _append_sampled(self, slot_indices: np.ndarray, token_ids: np.ndarray) -> None:
         """Append one token per slot; a token sampled at max_model_len is reported but not stored (it stops)."""
@@ -762,3 +870,15 @@ def _compute_prompt_logprobs(
         )
         offset += count
     return result
+
+
+def _pad_point_masses(draft_probs: torch.Tensor, padding: list[int]) -> torch.Tensor:
+    """`draft_probs` [n, V] followed by one point-mass row per padded draft id: a padded draft's "distribution"
+    is the point mass on it (its id was fixed, not drawn), which `rejection_sample` verifies exactly."""
+    if not padding:
+        return draft_probs
+    masses = torch.zeros(
+        (len(padding), draft_probs.shape[1]), dtype=draft_probs.dtype, device=draft_probs.device
+    )
+    masses[torch.arange(len(padding)), torch.tensor(padding)] = 1.0
+    return torch.cat([draft_probs, masses])

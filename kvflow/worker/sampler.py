@@ -557,25 +557,46 @@ class Sampler:
         return processed
 
     def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """Temperature, min-p, top-k / top-p, then the exponential race; greedy rows' results are discarded."""
-        scaled = logits / metadata.temperature[:, None]
+        """The exponential race over `random_probs`; greedy rows' results are discarded."""
+        probs = self.random_probs(logits, metadata)
+        return probs.div_(self._exponential_noise(probs, metadata)).argmax(dim=-1)
+
+    @staticmethod
+    def random_probs(processed: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row samples from: temperature, min-p, top-k / top-p over the processed
+        logits, then softmax (a new tensor)."""
+        scaled = processed / metadata.temperature[:, None]
         if metadata.min_p is not None:
             apply_min_p(scaled, metadata.min_p)
         apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
-        probs = scaled.softmax(dim=-1)
-        return probs.div_(self._exponential_noise(probs, metadata)).argmax(dim=-1)
+        return scaled.softmax(dim=-1)
+
+    @classmethod
+    def probabilities(cls, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Each row's sampling distribution `[n, vocab]` (float32): what `__call__` draws the row's token from,
+        a point mass on the argmax for greedy rows (speculative decoding's target distribution)."""
+        processed = cls.process_logits(logits.float(), metadata)
+        greedy_ids = processed.argmax(dim=-1)
+        one_hot = torch.zeros_like(processed).scatter_(1, greedy_ids[:, None], 1.0)
+        if metadata.all_greedy:
+            return one_hot
+        probs = cls.random_probs(processed, metadata)
+        if metadata.all_random:
+            return probs
+        return torch.where(metadata.greedy[:, None], one_hot, probs)
 
     def _exponential_noise(self, probs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """`Exp(1)` noise shaped like `probs`: seeded rows from their own generators, the rest in one call."""
         noise = torch.empty_like(probs)
         if len(metadata.generators) < metadata.num_rows:
-            noise.exponential_(generator=self._generator(probs.device))
+            noise.exponential_(generator=self.generator(probs.device))
         for row, generator in metadata.generators.items():
             noise[row].exponential_(generator=generator)
         # An exact 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This sampler's own random stream on `device` (unseeded rows), created on first use from `seed`."""
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)

@@ -21,7 +21,10 @@ class RequestSlots:
         the last sampled token, which the worker feeds itself), `block_table[i, :num_blocks[i]]` its KV blocks,
         `num_computed_tokens[i] <= num_tokens[i] <= max_model_len`, and `token_ids[i, :num_prompt_tokens[i]]`
         is the prompt (for a streaming session: everything up to its latest chunk);
-      * entries past `num_tokens[i]` / `num_blocks[i]` (and every entry of a free slot) are stale and never read.
+      * entries past `num_tokens[i]` / `num_blocks[i]` (and every entry of a free slot) are stale and never read;
+      * `num_draft_computed[i] <= num_tokens[i]`: with a draft-model proposer, the draft's own KV cache holds its
+        K/V of `token_ids[i, :num_draft_computed[i]]` in the slot's blocks (the runner cuts it back when a token
+        it covers may change, and the proposer advances it).
     A freed slot is not cleared: taking it overwrites the counters, so `add` and `remove` cost O(new data).
     """
 
@@ -33,6 +36,7 @@ class RequestSlots:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_draft_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
@@ -81,6 +85,8 @@ class RequestSlots:
         )
         self.append_block_ids(index, block_ids)
         self.set_num_computed_tokens(index, num_computed_tokens)
+        # Prefix-hit blocks hold the draft's K/V too: the draft computes every position the target does.
+        self.num_draft_computed[index] = num_computed_tokens
         return index
 
     def _check_fits(
@@ -177,6 +183,25 @@ class RequestSlots:
         """The request's known tokens (a copy; for tests and preemption, not for the hot path)."""
         index = self.req_id_to_index[req_id]
         return self.token_ids[index, : self.num_tokens[index]].tolist()
+
+    def batch_block_tables(
+        self, slot_indices: np.ndarray, seq_lens: np.ndarray, block_size: int
+    ) -> np.ndarray:
+        """The block tables of a batch (slot `slot_indices[r]` reading `seq_lens[r]` positions), as wide as its
+        longest sequence needs; entries past a row's blocks are 0.
+
+        A slot's table keeps stale entries past its `num_blocks` (a previous holder's blocks); they are zeroed so
+        no model can read another request's KV through the padding.
+        """
+        # E.g., seq_lens [9, 5, 7] with block_size 4 -> width cdiv(9, 4) = 3 columns
+        width = int(-(-seq_lens.max() // block_size)) if seq_lens.size else 0
+        # Fancy indexing copies the rows, so zeroing the padding below leaves the slots' own tables intact.
+        # E.g., slots [3, 0, 1] -> [[5, 9, 1], [2, 6, 7], [8, 3, 7]] (7: a previous holder's block)
+        tables = self.block_table[slot_indices, :width]
+        # Column j is padding where j >= the row's block count.
+        # E.g., num_blocks [3, 2, 2] -> [[5, 9, 1], [2, 6, 0], [8, 3, 0]]
+        tables[np.arange(width)[None, :] >= self.num_blocks[slot_indices][:, None]] = 0
+        return tables
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table (a copy)."""

@@ -236,14 +236,20 @@ def _log_kv_cache_plan(
         )
 
 
-def _spec_proposer(engine_config: EngineConfig) -> DraftProposer | None:
-    """The speculative-decoding proposer the engine option names (`SPEC_PROPOSERS`), or None without one."""
+def _spec_proposer(
+    engine_config: EngineConfig, device: torch.device, vocab_size: int
+) -> DraftProposer | None:
+    """The speculative-decoding proposer the engine option names (`SPEC_PROPOSERS`), or None without one; a
+    proposer with a model of its own (`needs_kv_cache`) is loaded onto `device` here."""
     spec_config = getattr(engine_config, "speculative_config", None)
     if spec_config is None:
         return None
     from kvflow.spec_decode import SPEC_PROPOSERS
 
-    return SPEC_PROPOSERS.get(spec_config.method)(spec_config)
+    proposer = SPEC_PROPOSERS.get(spec_config.method)(spec_config)
+    if getattr(proposer, "needs_kv_cache", False):
+        proposer.load(engine_config, device, vocab_size)
+    return proposer
 
 
 class Worker:
@@ -277,7 +283,11 @@ class Worker:
             model_info if model_info is not None else resolve_model_info(model_config.model)
         )
         self.model = build_model(model_config, self.model_info, self.device, self.tp)
+        spec_proposer = _spec_proposer(engine_config, self.device, self.model_info.vocab_size)
         bytes_per_block = self.model.kv_cache_bytes_per_block(block_size)
+        if getattr(spec_proposer, "needs_kv_cache", False):
+            # A draft model's KV cache has the target's blocks: each block costs both.
+            bytes_per_block += spec_proposer.kv_cache_bytes_per_block(block_size)  # type: ignore[union-attr]
         self.kv_cache_plan = plan_kv_cache(
             engine_config, bytes_per_block, measure_device_memory(self.device), self.tp.size
         )
@@ -293,7 +303,7 @@ class Worker:
             device=self.device,
             eos_token_id=self.model_info.eos_token_id,
             seed=model_config.seed,
-            spec_proposer=_spec_proposer(engine_config),
+            spec_proposer=spec_proposer,
         )
 
     def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:

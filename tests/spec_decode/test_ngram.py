@@ -131,7 +131,7 @@ def test_needs_the_ngram_method() -> None:
         NgramProposer(SpeculativeConfig("draft_model", 2, model="/draft"))
 
 
-def test_draft_model_proposer_is_a_named_refusal() -> None:
+def test_the_draft_model_proposer_is_registered_and_drafts_with_a_kv_cache() -> None:
     draft_model_proposer = SPEC_PROPOSERS.get("draft_model")
-    with pytest.raises(NotImplementedError, match=r"'draft_model'.*not implemented yet"):
-        draft_model_proposer(SpeculativeConfig("draft_model", 2, model="/draft"))
+    proposer = draft_model_proposer(SpeculativeConfig("draft_model", 2, model="/draft"))
+    assert proposer.needs_kv_cache and proposer.num_speculative_tokens == 2

@@ -188,13 +188,12 @@ def test_a_bad_option_fails_at_engine_args() -> None:
         EngineArgs(model="hash", speculative_config={"method": "ngram", "k": 2})
 
 
-def test_draft_model_is_refused_by_name() -> None:
-    with pytest.raises(
-        ValueError, match=r"^speculative_config method 'draft_model' is not implemented yet"
-    ):
-        EngineArgs(
-            model="hash", speculative_config={"model": "/draft", "num_speculative_tokens": 2}
-        )
+def test_a_model_alone_means_draft_model() -> None:
+    args = EngineArgs(
+        model="hash", speculative_config={"model": "/draft", "num_speculative_tokens": 2}
+    )
+    config = args._speculative_config()
+    assert config is not None and (config.method, config.model) == ("draft_model", "/draft")
 
 
 def test_speculation_keeps_the_scheduling_mode_asked_for() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import itertools
 import logging
 import time
@@ -131,6 +132,7 @@ class Scheduler:
         compute_common_prefix_blocks: bool = False,
         has_structured_outputs: bool = False,
         num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
         if num_blocks is None:
@@ -182,6 +184,9 @@ class Scheduler:
         # Speculative decoding (the runner proposes drafts, `ModelRunnerOutput.spec_token_ids`): verification
         # counts since startup, None without speculation.
         self.num_speculative_tokens = num_speculative_tokens
+        # KV slots past each scheduled step's tokens that the worker may write without scheduling them: a draft
+        # model writes the K/V of its drafts there while proposing (`speculative_config` method "draft_model").
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = (
             SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens > 0 else None
         )
@@ -384,7 +389,14 @@ class Scheduler:
         # Runs once per running request per step: methods are looked up once, outside the loop.
         running = self.running  # preemption below deletes from this very list
         num_new_tokens_for_running = self._num_new_tokens_for_running
-        allocate_slots = self.kv_cache_manager.allocate_slots
+        allocate_slots = (
+            functools.partial(
+                self.kv_cache_manager.allocate_slots,
+                num_lookahead_tokens=self.num_lookahead_tokens,
+            )
+            if self.num_lookahead_tokens
+            else self.kv_cache_manager.allocate_slots
+        )
         append_cached = plan.cached.append
         num_scheduled_tokens = plan.num_scheduled_tokens
         req_to_new_blocks = plan.req_to_new_blocks
@@ -506,7 +518,11 @@ class Scheduler:
             return False
         num_new_tokens = min(num_new_tokens, plan.token_budget)
         new_blocks = self.kv_cache_manager.allocate_slots(
-            request, num_new_tokens, num_hit_tokens, computed_blocks
+            request,
+            num_new_tokens,
+            num_hit_tokens,
+            computed_blocks,
+            num_lookahead_tokens=self.num_lookahead_tokens,
         )
         if new_blocks is None:
             return False
