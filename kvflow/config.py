@@ -262,6 +262,7 @@ _SPECULATIVE_KEYS = (
     "prompt_lookup_max",
     "prompt_lookup_min",
     "model",
+    "disable_by_batch_size",
 )
 _PROMPT_LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 _DEFAULT_PROMPT_LOOKUP_MAX = 5
@@ -291,7 +292,12 @@ class SpeculativeConfig:
     down to `prompt_lookup_min`); "draft_model" drafts with the smaller model at `model` (same tokenizer).
 
     Invariants: `num_speculative_tokens >= 1`; `1 <= prompt_lookup_min <= prompt_lookup_max`; `model` is set
-    exactly when `method` is "draft_model". Every violation is a ValueError naming the `speculative_config` key.
+    exactly when `method` is "draft_model"; `disable_by_batch_size` is None or >= 1. Every violation is a
+    ValueError naming the `speculative_config` key.
+
+    `disable_by_batch_size` (vLLM's key) turns speculation off where it costs more than it gives: a step whose
+    batch holds at least that many requests proposes no drafts (a large batch is compute-bound, and verifying
+    drafts multiplies its work), so the next step verifies none; the worker logs each switch.
     """
 
     method: str
@@ -299,6 +305,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _DEFAULT_PROMPT_LOOKUP_MAX
     prompt_lookup_min: int = _DEFAULT_PROMPT_LOOKUP_MIN
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_spec_method(self.method)
@@ -321,6 +328,12 @@ class SpeculativeConfig:
         _require(
             self.model is None or isinstance(self.model, str),
             f"speculative_config model must be a path (a string), got {self.model!r}",
+        )
+        _require(
+            self.disable_by_batch_size is None
+            or (_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
+            "speculative_config disable_by_batch_size must be an integer >= 1 (or null), got "
+            f"{self.disable_by_batch_size!r}",
         )
         if self.method == "draft_model":
             _require(
@@ -384,6 +397,7 @@ class SpeculativeConfig:
             prompt_lookup_max=lookup_max,  # type: ignore[arg-type]
             prompt_lookup_min=lookup_min,  # type: ignore[arg-type]
             model=option.get("model"),  # type: ignore[arg-type]
+            disable_by_batch_size=option.get("disable_by_batch_size"),  # type: ignore[arg-type]
         )
 
 

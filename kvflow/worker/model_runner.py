@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
         SchedulerOutput,
     )
     from kvflow.models.interface import RunnerModel
+
+
+logger = logging.getLogger(__name__)
 
 
 class DraftProposer(Protocol):
@@ -124,8 +128,12 @@ class ModelRunner:
         eos_token_id: int | None = None,
         seed: int = 0,
         spec_proposer: DraftProposer | None = None,
+        spec_disable_by_batch_size: int | None = None,
     ) -> None:
         self.model = model
+        # A step with at least this many requests proposes no drafts (None: always propose); logged per switch.
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
+        self._spec_switched_off = False
         # Speculative decoding: proposes each decoding request's drafts after its tokens are sampled (None: off);
         # `slot_drafts[index]` are the drafts proposed for the request in that slot after its latest step.
         self.spec_proposer = spec_proposer
@@ -673,10 +681,13 @@ class ModelRunner:
         slots = self.slots
         wanted: dict[int, int] = {}  # slot -> room for drafts
         row_of: dict[int, int] = {}
+        switched_off = self._speculation_switched_off(len(sampled_token_ids))
         for row in set(arrays.sampled_rows.tolist()):
             index = int(arrays.slot_indices[row])
             self.slot_drafts[index] = []
             self.slot_draft_probs[index] = None
+            if switched_off:
+                continue
             params = slots.sampling_params[index]
             if not sampled_token_ids[row] or params is None or params.logprobs is not None:
                 continue
@@ -694,6 +705,20 @@ class ModelRunner:
             drafts[row] = self.spec_proposer.propose(slots.token_ids[index, :num_tokens], room)
             self.slot_drafts[index] = drafts[row]
         return drafts
+
+    def _speculation_switched_off(self, batch_size: int) -> bool:
+        """Whether a step of `batch_size` requests proposes nothing (`disable_by_batch_size`); logs each switch."""
+        limit = self.spec_disable_by_batch_size
+        switched_off = limit is not None and batch_size >= limit
+        if switched_off != self._spec_switched_off:
+            self._spec_switched_off = switched_off
+            logger.info(
+                "speculative decoding %s: %d requests in the step, disable_by_batch_size=%s",
+                "off" if switched_off else "back on",
+                batch_size,
+                limit,
+            )
+        return switched_off
 
     def _propose_with_model(
         self,

@@ -304,6 +304,9 @@ class Worker:
             eos_token_id=self.model_info.eos_token_id,
             seed=model_config.seed,
             spec_proposer=spec_proposer,
+            spec_disable_by_batch_size=getattr(
+                engine_config.speculative_config, "disable_by_batch_size", None
+            ),
         )
 
     def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:

@@ -63,6 +63,7 @@ def test_unknown_keys_are_named_with_the_accepted_ones() -> None:
         "prompt_lookup_max",
         "prompt_lookup_min",
         "model",
+        "disable_by_batch_size",
     ):
         assert repr(key) in message
 
@@ -112,6 +113,14 @@ def test_unknown_keys_are_named_with_the_accepted_ones() -> None:
             r"prompt_lookup_max applies to method 'ngram' only, not 'draft_model'",
         ),
         (["ngram"], r"must be a JSON object \(a dict\)"),
+        (
+            ngram_option(disable_by_batch_size=0),
+            r"disable_by_batch_size must be an integer >= 1 \(or null\), got 0",
+        ),
+        (
+            ngram_option(disable_by_batch_size="8"),
+            r"disable_by_batch_size must be an integer >= 1 \(or null\), got '8'",
+        ),
     ],
 )
 def test_every_bad_value_names_its_key(option: object, message: str) -> None:

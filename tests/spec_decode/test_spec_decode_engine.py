@@ -169,3 +169,21 @@ def test_the_hash_model_matches_its_oracle_with_drafts_rejected(async_scheduling
             assert spec_stats(llm).num_draft_tokens > 0
     finally:
         llm.shutdown()
+
+
+def test_disable_by_batch_size_turns_speculation_off_for_large_batches(plain: Plain) -> None:
+    """With `disable_by_batch_size` 2, four requests decoding together verify no drafts (outputs unchanged); one
+    request alone speculates again."""
+    llm = LLM(
+        **ENGINE,
+        async_scheduling=False,
+        speculative_config={**NGRAM, "disable_by_batch_size": 2},
+    )
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        assert outputs(llm, PROMPTS, params) == outputs(plain, PROMPTS, params)
+        assert spec_stats(llm).num_drafts == 0
+        assert outputs(llm, PROMPTS[2:3], params) == outputs(plain, PROMPTS[2:3], params)
+        assert spec_stats(llm).num_accepted_tokens > 0
+    finally:
+        llm.shutdown()
