@@ -127,30 +127,56 @@ class Settings:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """One engine of the comparison: a baseline (k None) or n-gram speculation with k drafts."""
+    """One engine of the comparison: a baseline (k None), n-gram speculation with k drafts, or with `draft` a
+    draft model's; `disable_by_batch_size` is speculative_config's key of that name."""
 
     name: str
     k: int | None
     async_scheduling: bool
+    draft: str | None = None
+    disable_by_batch_size: int | None = None
 
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"async_scheduling": self.async_scheduling}
         if self.k is not None:
-            kwargs["speculative_config"] = {
-                "method": "ngram",
-                "num_speculative_tokens": self.k,
-                **PROMPT_LOOKUP,
-            }
+            config: dict[str, Any] = (
+                {"method": "draft_model", "model": self.draft}
+                if self.draft is not None
+                else {"method": "ngram", **PROMPT_LOOKUP}
+            )
+            config["num_speculative_tokens"] = self.k
+            if self.disable_by_batch_size is not None:
+                config["disable_by_batch_size"] = self.disable_by_batch_size
+            kwargs["speculative_config"] = config
         return kwargs
 
 
-def engine_specs(ks: Sequence[int], async_spec: bool = False) -> list[EngineSpec]:
+def engine_specs(
+    ks: Sequence[int],
+    async_spec: bool = False,
+    draft: str | None = None,
+    disable_by_batch_size: int | None = None,
+) -> list[EngineSpec]:
     """The baselines, speculation with synchronous scheduling for each k, and with `async_spec` also with async
-    scheduling (which runs speculation since the commit "Speculative decoding under async scheduling")."""
+    scheduling (which runs speculation since the commit "Speculative decoding under async scheduling"); with
+    `draft`, "draft k=K" engines for each k; with `disable_by_batch_size` N, "ngram k=K off@N" for the largest k
+    (speculation that turns itself off in big batches)."""
     specs = [EngineSpec("async", None, True), EngineSpec("sync", None, False)]
     specs += [EngineSpec(f"ngram k={k}", k, False) for k in ks]
     if async_spec:
         specs += [EngineSpec(f"ngram k={k} async", k, True) for k in ks]
+    if draft is not None:
+        specs += [EngineSpec(f"draft k={k}", k, False, draft=draft) for k in ks]
+    if disable_by_batch_size is not None:
+        k = max(ks)
+        specs.append(
+            EngineSpec(
+                f"ngram k={k} off@{disable_by_batch_size}",
+                k,
+                False,
+                disable_by_batch_size=disable_by_batch_size,
+            )
+        )
     return specs
 
 
@@ -243,7 +269,9 @@ class StepProbe:
         self._wrap(runner.model, "forward", self._part("forward_s"))
         self._wrap(runner, "_sample", self._part("sample_s"))
         if runner.spec_proposer is not None:
-            self._wrap(runner.spec_proposer, "propose", self._part("propose_s"))
+            # A draft model drafts for the whole batch (its forward passes included), n-gram per request.
+            method = "propose_batch" if runner._drafts_with_model else "propose"
+            self._wrap(runner.spec_proposer, method, self._part("propose_s"))
 
     def take(self) -> list[StepRecord]:
         records, self.records = self.records, []
@@ -908,6 +936,7 @@ class ModelRun:
     """Everything measured on one model."""
 
     label: str
+    specs: Sequence[EngineSpec]
     single_stream: dict[str, dict[str, Series]]
     batch: dict[str, Series] | None = None
     # Row count -> seconds of the linear layers alone (`measure_linear_layers`).
@@ -931,7 +960,7 @@ def measure_model(
         tokenizer = engines[0].llm.get_tokenizer()
         workloads = make_workloads(tokenizer)
         with _stage(f"{label}: single stream"):
-            run = ModelRun(label, run_single_stream(engines, workloads, settings.rounds))
+            run = ModelRun(label, specs, run_single_stream(engines, workloads, settings.rounds))
         if batch_vocab_size is not None:
             with _stage(f"{label}: batch {settings.batch_size}"):
                 run.batch = run_batch(engines, settings, batch_vocab_size)
@@ -967,6 +996,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also run each k with async scheduling ('ngram k=K async')",
     )
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="also run 'draft k=K' engines with this draft model on the default model (e.g. default-draft)",
+    )
+    parser.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        default=None,
+        help="also run 'ngram k=MAX off@N' (speculative_config disable_by_batch_size N)",
+    )
     parser.add_argument("--json", type=Path, default=None, help="save every figure here")
     return parser.parse_args(argv)
 
@@ -975,7 +1015,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     ks = tuple(int(k) for k in args.k.split(",")) if args.k else None
     settings = Settings.make(args.quick, ks, args.rounds)
-    specs = engine_specs(settings.ks, args.async_spec)
+    specs = engine_specs(settings.ks, args.async_spec, args.draft, args.disable_by_batch_size)
     max_model_len = 2 * settings.prompt_len + settings.output_len + 64
 
     def default_workloads(tokenizer: Any) -> list[Workload]:
@@ -1034,7 +1074,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "num_kv_blocks": 2 * -(-max_model_len // 16),
             },
             bench_workloads,
-            specs,
+            [spec for spec in specs if spec.draft is None],  # a draft shares the default model's vocabulary
             settings,
         )
         runs.append(bench_run)
@@ -1061,12 +1101,12 @@ def report(
     argv_shown = argv if argv is not None else sys.argv[1:]
     threads = torch.get_num_threads()
     single = [
-        row for run in runs for row in single_stream_rows(run.label, run.single_stream, specs)
+        row for run in runs for row in single_stream_rows(run.label, run.single_stream, run.specs)
     ]
-    breakdowns = {run.label: step_breakdown(run.single_stream, specs) for run in runs}
+    breakdowns = {run.label: step_breakdown(run.single_stream, run.specs) for run in runs}
     batch_run = next(run for run in runs if run.batch is not None)
     assert batch_run.batch is not None
-    batch = batch_rows(batch_run.batch, specs)
+    batch = batch_rows(batch_run.batch, batch_run.specs)
     goals = goals_for(single, batch, [run.label for run in runs])
 
     print(f"# {COMMAND} {shlex.join(argv_shown)}")
@@ -1080,7 +1120,7 @@ def report(
     )
     print(format_single_stream(single))
     for run in runs:
-        print(format_breakdown(run.label, breakdowns[run.label], run.linear_s, specs))
+        print(format_breakdown(run.label, breakdowns[run.label], run.linear_s, run.specs))
     print(
         f"batch {settings.batch_size} ({batch_run.label} model, random prompts {settings.batch_prompt_range}, "
         f"temperature 1, {settings.batch_output_len} tokens each):"

@@ -6,6 +6,11 @@
 card); `tools/train_default_model.py` produced it. On first use it is copied into kvflow's cache folder
 (`$KVFLOW_CACHE_DIR`, else `~/.cache/kvflow`) and loaded from there through the same loader as any checkpoint.
 `kvflow.default_model.random_weights` builds the old random-weight model for tests that need a fixed shape.
+
+Beside it ships a draft for speculative decoding (`SHIPPED_DRAFT`, `kvflow/default_model/draft/`: a smaller Llama
+with the same tokenizer, trained by `tools/train_default_model.py --draft`), which
+`speculative_config={"method": "draft_model", "model": "default-draft", ...}` names (`DEFAULT_DRAFT_NAME`); it is
+loaded from the package folder.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ __all__ = [
     "BOS_TOKEN",
     "CHAT_TEMPLATE",
     "COMPLETE_MARKER",
+    "DEFAULT_DRAFT_NAME",
     "DEFAULT_MODEL_NAME",
     "END_OF_TEXT_TOKEN",
     "EOS_TOKEN",
@@ -49,6 +55,7 @@ __all__ = [
     "SAMPLE_DOCUMENTS",
     "SAMPLE_SEPARATOR",
     "SHIPPED_CHECKPOINT",
+    "SHIPPED_DRAFT",
     "SPECIAL_TOKENS",
     "build_default_model",
     "default_model_dir",
@@ -67,6 +74,9 @@ DEFAULT_MODEL_NAME = "default-model-v3"
 CACHE_DIR_ENV = "KVFLOW_CACHE_DIR"
 COMPLETE_MARKER = ".kvflow-complete"
 SHIPPED_CHECKPOINT = Path(__file__).resolve().parent / "checkpoint"
+# The built-in model's draft for speculative decoding, and the name `speculative_config` knows it by.
+SHIPPED_DRAFT = Path(__file__).resolve().parent / "draft"
+DEFAULT_DRAFT_NAME = "default-draft"
 # Files of the shipped folder that are not the checkpoint: the held-out sample is for kvflow's perplexity test,
 # eval.json is the training script's record. The model card (README.md) travels with the model.
 _NOT_COPIED = ("heldout_sample.txt", "eval.json")

@@ -1,6 +1,7 @@
 """Draft-model proposals: a smaller model with the target's tokenizer drafts the next tokens of every request.
 
-`speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": k}`. The worker builds the
+`speculative_config={"method": "draft_model", "model": PATH, "num_speculative_tokens": k}` ("default-draft" is
+the built-in model's draft, shipped in `kvflow/default_model/draft/`). The worker builds the
 draft beside the target (`load`), gives it a KV cache of its own with the target's block count and block size
 (`make_kv_cache`; the KV cache plan counts both), and after each step the runner asks it for drafts
 (`propose_batch`).
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from kvflow.batch import BatchInputs
+from kvflow.default_model import DEFAULT_DRAFT_NAME, SHIPPED_DRAFT
 from kvflow.utils import to_device
 from kvflow.worker.sampler import Sampler, build_sampling_metadata, mix_seed
 
@@ -78,6 +80,8 @@ class DraftModelProposer:
         from kvflow.models.registry import build_model
 
         model_path = self.config.model
+        if model_path == DEFAULT_DRAFT_NAME:
+            model_path = str(SHIPPED_DRAFT)
         try:
             info = resolve_model_info(model_path)
         except ValueError as error:
