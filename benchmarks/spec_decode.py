@@ -1074,7 +1074,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "num_kv_blocks": 2 * -(-max_model_len // 16),
             },
             bench_workloads,
-            [spec for spec in specs if spec.draft is None],  # a draft shares the default model's vocabulary
+            # A draft shares the default model's vocabulary, not this checkpoint's.
+            [spec for spec in specs if spec.draft is None],
             settings,
         )
         runs.append(bench_run)
