@@ -482,7 +482,11 @@ class ModelRunner:
                 self._num_real_drafts[row] = len(own)
                 request_drafts = own + [0] * (len(request_drafts) - len(own))
             draft_probs = self.slot_draft_probs[index]
-            if draft_probs is not None and request_drafts[: len(own)] == own:
+            params = self.slots.sampling_params[index]
+            # A request asking for logprobs verifies its drafts as point masses (exact too, if accepted less
+            # often): each token it emits is then a verification row's sample, whose logprobs that row holds.
+            wants_logprobs = params is not None and params.logprobs is not None
+            if draft_probs is not None and not wants_logprobs and request_drafts[: len(own)] == own:
                 self._draft_probs[row] = _pad_point_masses(
                     draft_probs[: len(own)], request_drafts[len(own) :]
                 )
@@ -629,11 +633,16 @@ class ModelRunner:
             req_ids=batch.req_ids,
             req_id_to_index=arrays.req_id_to_index,
             sampled_token_ids=sampled_token_ids,
-            logprobs=_spread_rows(
-                sampler_output.logprobs, arrays.sampled_rows.tolist(), batch.num_reqs
-            ),
             failed_req_ids=arrays.failed or None,
         )
+        if arrays.drafts and sampler_output.logprobs is not None:
+            output.logprobs, output.logprobs_row_starts = _rows_per_token(
+                sampler_output.logprobs, arrays.sampled_rows.tolist(), sampled_token_ids
+            )
+        else:
+            output.logprobs = _spread_rows(
+                sampler_output.logprobs, arrays.sampled_rows.tolist(), batch.num_reqs
+            )
         if self.spec_proposer is not None:
             output.spec_token_ids = self._propose_drafts(arrays, sampled_token_ids)
             if self._num_real_drafts:
@@ -674,8 +683,8 @@ class ModelRunner:
     def _propose_drafts(
         self, arrays: _StepArrays, sampled_token_ids: list[list[int]]
     ) -> list[list[int]]:
-        """Drafts for the next step of each request that sampled (none for those asking for logprobs or held to a
-        grammar, whose verification is not supported yet), from its buffer; never past `max_model_len`."""
+        """Drafts for the next step of each request that sampled (none for those held to a grammar, whose
+        verification is not supported yet), from its buffer; never past `max_model_len`."""
         assert self.spec_proposer is not None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         slots = self.slots
@@ -689,7 +698,7 @@ class ModelRunner:
             if switched_off:
                 continue
             params = slots.sampling_params[index]
-            if not sampled_token_ids[row] or params is None or params.logprobs is not None:
+            if not sampled_token_ids[row] or params is None:
                 continue
             if params.structured_outputs is not None:
                 continue
@@ -842,6 +851,26 @@ def _apply_grammar_bitmask(
         return logits.masked_fill_(mask, float("-inf"))
     index = torch.tensor(logits_rows, dtype=torch.int64, device=logits.device)
     return forbid_tokens(logits, (index, mask))
+
+
+def _rows_per_token(
+    logprobs: LogprobsLists, sampled_rows: list[int], sampled_token_ids: list[list[int]]
+) -> tuple[LogprobsLists, list[int]]:
+    """With drafts, one logprob row per emitted token: batch row r's tokens are the samples of its first
+    len(sampled_token_ids[r]) verification rows (point-mass verification emits the sampled tokens), so their
+    rows are kept in order. Returns the rows and where each batch row's rows start."""
+    positions: list[list[int]] = [[] for _ in sampled_token_ids]
+    for position, row in enumerate(sampled_rows):
+        positions[row].append(position)
+    result = LogprobsLists([], [], [])
+    starts: list[int] = []
+    for row, tokens in enumerate(sampled_token_ids):
+        starts.append(result.num_rows)
+        for position in positions[row][: len(tokens)]:
+            result.logprob_token_ids.append(logprobs.logprob_token_ids[position])
+            result.logprobs.append(logprobs.logprobs[position])
+            result.sampled_token_ranks.append(logprobs.sampled_token_ranks[position])
+    return result, starts
 
 
 def _spread_rows(

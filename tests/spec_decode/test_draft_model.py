@@ -123,6 +123,28 @@ def test_greedy_output_is_token_identical(
             stop_token_ids=[token_ids(baseline, PROMPTS[:1], params)[0][0][6]],
         )
         assert token_ids(llm, PROMPTS, stop_params) == token_ids(baseline, PROMPTS, stop_params)
+        # Logprobs: one entry per token, the target's (as plain decoding's, up to float rounding).
+        logprob_params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+        spec_outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], logprob_params, use_tqdm=False
+        )
+        base_outputs = baseline.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], logprob_params, use_tqdm=False
+        )
+        for got, want in zip(spec_outputs, base_outputs, strict=True):
+            got_out, want_out = got.outputs[0], want.outputs[0]
+            assert got_out.token_ids == want_out.token_ids
+            assert got_out.logprobs is not None and want_out.logprobs is not None
+            assert [
+                round(entry[token].logprob, 3)
+                for token, entry in zip(got_out.token_ids, got_out.logprobs, strict=True)
+            ] == pytest.approx(
+                [
+                    entry[token].logprob
+                    for token, entry in zip(want_out.token_ids, want_out.logprobs, strict=True)
+                ],
+                abs=2e-3,
+            )
     finally:
         llm.shutdown()
 

@@ -187,3 +187,27 @@ def test_disable_by_batch_size_turns_speculation_off_for_large_batches(plain: Pl
         assert spec_stats(llm).num_accepted_tokens > 0
     finally:
         llm.shutdown()
+
+
+def test_logprobs_come_per_accepted_token(plain: Plain, speculating: LLM) -> None:
+    """A request asking for logprobs speculates too: one entry per token, each the verification row's, equal to
+    plain decoding's (the same logits up to float rounding between a multi-token and a one-token pass)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    before = spec_stats(speculating).num_accepted_tokens
+    spec = speculating.generate(PROMPTS[2:], params, use_tqdm=False)
+    base = plain.generate(PROMPTS[2:], params)
+    assert spec_stats(speculating).num_accepted_tokens > before, "no draft was accepted"
+    for got, want in zip(spec, base, strict=True):
+        got_out, want_out = got.outputs[0], want.outputs[0]
+        assert got_out.token_ids == want_out.token_ids
+        assert got_out.logprobs is not None and want_out.logprobs is not None
+        assert len(got_out.logprobs) == len(got_out.token_ids)
+        for token, got_entry, want_entry in zip(
+            got_out.token_ids, got_out.logprobs, want_out.logprobs, strict=True
+        ):
+            assert token in got_entry
+            assert set(got_entry) == set(want_entry)
+            for token_id, entry in got_entry.items():
+                assert entry.logprob == pytest.approx(want_entry[token_id].logprob, abs=1e-3)
+                assert entry.rank == want_entry[token_id].rank
+        assert got_out.cumulative_logprob == pytest.approx(want_out.cumulative_logprob, abs=1e-2)

@@ -173,6 +173,9 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None
     prompt_logprobs_dict: dict[str, LogprobsLists] | None = None
     failed_req_ids: dict[str, str] | None = None
+    # With speculative drafts, `logprobs` holds one row per emitted token and batch row i's rows start at
+    # `logprobs_row_starts[i]` (None: row i of `logprobs` is batch row i's single token).
+    logprobs_row_starts: list[int] | None = None
     # Speculative decoding: the drafts the runner proposes for each batch row's next step (indexed like
     # `sampled_token_ids`; None when the runner does not speculate).
     spec_token_ids: list[list[int]] | None = None

@@ -753,7 +753,12 @@ class Scheduler:
                     num_cached_tokens=num_cached_tokens if num_cached_tokens > 0 else 0,
                     new_logprobs=None
                     if logprobs is None
-                    else _logprobs_row(logprobs, index, len(new_token_ids)),
+                    else _logprobs_rows(
+                        logprobs,
+                        index,
+                        len(new_token_ids),
+                        model_runner_output.logprobs_row_starts,
+                    ),
                 )
                 if request.events:
                     output.events, request.events = request.events, []
@@ -937,16 +942,19 @@ class Scheduler:
         return reset_ok
 
 
-def _logprobs_row(
-    logprobs: LogprobsLists | None, index: int, num_new_tokens: int
+def _logprobs_rows(
+    logprobs: LogprobsLists, index: int, num_new_tokens: int, row_starts: list[int] | None
 ) -> LogprobsLists | None:
-    """The batch row's logprobs for the tokens kept (a stop may have cut the step's tokens short)."""
-    if logprobs is None or not logprobs.logprob_token_ids[index] or num_new_tokens == 0:
+    """The batch row's logprobs for the tokens kept (a stop may have cut the step's tokens short): its one row,
+    or with drafts (`row_starts`) its first `num_new_tokens` rows."""
+    start = index if row_starts is None else row_starts[index]
+    if num_new_tokens == 0 or start >= logprobs.num_rows or not logprobs.logprob_token_ids[start]:
         return None
+    end = start + (1 if row_starts is None else num_new_tokens)
     return LogprobsLists(
-        [logprobs.logprob_token_ids[index]],
-        [logprobs.logprobs[index]],
-        [logprobs.sampled_token_ranks[index]],
+        logprobs.logprob_token_ids[start:end],
+        logprobs.logprobs[start:end],
+        logprobs.sampled_token_ranks[start:end],
     )
 
 
