@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from kvflow.core.sched.output import GrammarOutput
+from kvflow.core.sched.output import DRAFT_PLACEHOLDER, GrammarOutput
 from kvflow.reasoning import REASONING_PARSERS
 from kvflow.request import RequestStatus
 from kvflow.structured_output import STRUCTURED_OUTPUT_BACKENDS
@@ -180,13 +180,16 @@ class StructuredOutputManager:
         self, requests: Mapping[str, Request], scheduler_output: SchedulerOutput
     ) -> GrammarOutput:
         """The bitmask of the step's scheduled requests that have a matcher and are past their reasoning, in
-        schedule order (the runner masks only these rows; a request still in reasoning samples unmasked).
+        schedule order (the runner masks only these rows; a request still in reasoning samples unmasked). A
+        request verifying d speculative drafts has d + 1 consecutive rows (`fill_draft_bitmask`), its id repeated
+        for each.
 
-        A request that finished or whose matcher terminated since the step was planned gets an all-allowed row:
-        its token is discarded on arrival, so no constraint applies to it.
+        A request that finished or whose matcher terminated since the step was planned gets all-allowed rows:
+        its tokens are discarded on arrival, so no constraint applies to it.
         """
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         request_ids: list[str] = []
-        grammars = []
+        filled: list[tuple[StructuredOutputRequest | None, int, list[int]]] = []
         for request_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(request_id)
             so_request = None if request is None else request.structured_output_request
@@ -196,13 +199,15 @@ class StructuredOutputManager:
                 or so_request.reasoning_end is not None
             ):
                 continue
-            grammar = so_request.grammar
-            request_ids.append(request_id)
-            grammars.append(None if request.is_finished() or grammar.is_terminated() else grammar)
+            drafts = spec_tokens.get(request_id, []) if spec_tokens else []
+            assert DRAFT_PLACEHOLDER not in drafts, "constrained requests verify only known drafts"
+            live = not (request.is_finished() or so_request.grammar.is_terminated())
+            filled.append((so_request if live else None, len(request_ids), drafts))
+            request_ids.extend([request_id] * (1 + len(drafts)))
         bitmask = allocate_bitmask(len(request_ids), self.vocab_size)
-        for row, grammar in enumerate(grammars):
-            if grammar is not None:
-                grammar.fill_bitmask(bitmask, row)
+        for so_request, first_row, drafts in filled:
+            if so_request is not None:
+                so_request.fill_draft_bitmask(bitmask, first_row, drafts)
         return GrammarOutput(request_ids, bitmask)
 
     def shutdown(self) -> None:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from kvflow.request import Request
     from kvflow.sampling_params import StructuredOutputsParams
     from kvflow.structured_output.backend import StructuredOutputGrammar
@@ -85,6 +87,42 @@ class StructuredOutputRequest:
         if detector.accept(token_id):
             self.reasoning_end = None  # the constraint starts with the next token
         return True
+
+    def valid_draft_prefix(self, drafts: list[int]) -> int:
+        """How many leading `drafts` the constraint allows after the kept tokens (speculative decoding verifies
+        only those): all of them for a chunk without a constraint, none while the output is in reasoning (a draft
+        ending it would leave the ones after it unconstrained), else up to the first the matcher refuses or the
+        one that completes the constraint. The matcher is left as it was."""
+        if self.grammar is None:
+            return len(drafts)
+        if self.reasoning_end is not None:
+            return 0
+        grammar = self.grammar
+        num_valid = 0
+        for token_id in drafts:
+            if grammar.is_terminated() or not grammar.accept_tokens((token_id,)):
+                break
+            num_valid += 1
+        if num_valid:
+            grammar.rollback(num_valid)
+        return num_valid
+
+    def fill_draft_bitmask(self, bitmask: np.ndarray, first_row: int, drafts: list[int]) -> None:
+        """Rows `first_row .. first_row + len(drafts)` of `bitmask`: the tokens allowed after the kept tokens
+        and after each prefix of `drafts` (the target's d + 1 verification rows). Rows after a draft the matcher
+        refuses are left as they are: verification stops at that draft (its own row forbids it), so they are
+        never sampled from. The matcher is left as it was."""
+        grammar = self.grammar
+        assert grammar is not None and self.reasoning_end is None
+        grammar.fill_bitmask(bitmask, first_row)
+        num_accepted = 0
+        for offset, token_id in enumerate(drafts, 1):
+            if grammar.is_terminated() or not grammar.accept_tokens((token_id,)):
+                break
+            num_accepted += 1
+            grammar.fill_bitmask(bitmask, first_row + offset)
+        if num_accepted:
+            grammar.rollback(num_accepted)
 
     def is_terminated(self) -> bool:
         """The constraint is complete and its end accepted (never while in reasoning)."""

@@ -242,6 +242,9 @@ class ModelRunner:
                 num_prompt_tokens=len(new_req.prompt_token_ids),
             )
             self._track_prompt_logprobs(new_req.req_id, index)
+            # Drafts proposed for the slot's previous holder are not this request's.
+            self.slot_drafts[index] = []
+            self.slot_draft_probs[index] = None
 
     def _track_prompt_logprobs(self, req_id: str, index: int) -> None:
         """Add a request that just took slot `index` to `prompt_logprob_reqs` if it still needs prompt logprobs.
@@ -683,8 +686,8 @@ class ModelRunner:
     def _propose_drafts(
         self, arrays: _StepArrays, sampled_token_ids: list[list[int]]
     ) -> list[list[int]]:
-        """Drafts for the next step of each request that sampled (none for those held to a grammar, whose
-        verification is not supported yet), from its buffer; never past `max_model_len`."""
+        """Drafts for the next step of each request that sampled, from its buffer; never past `max_model_len`
+        (the scheduler cuts them to what max_tokens and a request's grammar allow)."""
         assert self.spec_proposer is not None
         drafts: list[list[int]] = [[] for _ in sampled_token_ids]
         slots = self.slots
@@ -699,8 +702,6 @@ class ModelRunner:
                 continue
             params = slots.sampling_params[index]
             if not sampled_token_ids[row] or params is None:
-                continue
-            if params.structured_outputs is not None:
                 continue
             room = slots.max_model_len - int(slots.num_tokens[index]) - 1
             if room > 0:
@@ -827,14 +828,21 @@ def _apply_grammar_bitmask(
     Only the sampled rows of the grammar's requests change; other rows stay bit-identical. A row whose bitmask
     allows nothing is left as it is: the scheduler then rejects whatever it samples, and ends that request.
     """
-    sampled_index = {req_ids[row]: i for i, row in enumerate(arrays.sampled_rows.tolist())}
+    # A request verifying d drafts has d + 1 sampled rows and d + 1 bitmask rows, matched in order.
+    sampled_index: dict[str, list[int]] = {}
+    for i, row in enumerate(arrays.sampled_rows.tolist()):
+        sampled_index.setdefault(req_ids[row], []).append(i)
     logits_rows: list[int] = []
     mask_rows: list[int] = []
+    seen: dict[str, int] = {}
     for mask_row, req_id in enumerate(grammar_output.structured_output_request_ids):
-        row = sampled_index.get(req_id)
-        if row is not None:  # a partial prefill samples nothing
-            logits_rows.append(row)
-            mask_rows.append(mask_row)
+        rows = sampled_index.get(req_id)
+        if rows is None:  # a partial prefill samples nothing
+            continue
+        nth = seen.get(req_id, 0)
+        seen[req_id] = nth + 1
+        logits_rows.append(rows[nth])
+        mask_rows.append(mask_row)
     if not logits_rows:
         return logits
     # Bit j of word w allows token 32 * w + j (little-endian words, so the bytes unpack in token order).

@@ -57,6 +57,10 @@ class AsyncScheduler(Scheduler):
         """Draft slots for a step planned while this request has steps in flight: as many as the worker proposed
         after the request's latest applied step (a guess: a request whose text gives the proposer nothing costs
         no wasted positions), within `_max_drafts`. Any count is exact: slots the worker cannot fill are padding."""
+        if request.structured_output_request is not None:
+            # A constrained request's bitmask rows follow its drafts, so it verifies only drafts the scheduler
+            # knows: those proposed after its latest step, when no step of it is in flight.
+            return []
         wanted = min(self.num_speculative_tokens, request.num_last_proposed_drafts)
         return [DRAFT_PLACEHOLDER] * min(wanted, self._max_drafts(request))
 

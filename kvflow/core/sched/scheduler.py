@@ -827,7 +827,12 @@ class Scheduler:
         request.spec_token_ids = self._next_drafts(request, drafts)
 
     def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        return drafts[: self._max_drafts(request)]
+        drafts = drafts[: self._max_drafts(request)]
+        so_request = request.structured_output_request
+        if drafts and so_request is not None:
+            # Drafts the constraint refuses would be rejected anyway: they are not verified at all.
+            drafts = drafts[: so_request.valid_draft_prefix(drafts)]
+        return drafts
 
     def _max_drafts(self, request: Request) -> int:
         """The most drafts `request`'s next step may verify without passing `max_tokens` or `max_model_len`, even
