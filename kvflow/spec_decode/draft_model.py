@@ -86,10 +86,6 @@ class DraftModelProposer:
             info = resolve_model_info(model_path)
         except ValueError as error:
             raise ValueError(f"speculative_config model: {error}") from None
-        if info.path is None:
-            raise ValueError(
-                f"speculative_config model {model_path!r} is a test model; the draft must be a checkpoint folder"
-            )
         if info.vocab_size != target_vocab_size:
             raise ValueError(
                 f"speculative_config model {model_path!r} has a vocabulary of {info.vocab_size} tokens, the "

@@ -107,6 +107,7 @@ def make_engine_core(
     model: str = "hash",
     structured_outputs_backend: str = "xgrammar",
     num_speculative_tokens: int = 0,
+    draft_model: str | None = None,
 ) -> EngineCore:
     """An EngineCore on the hash model with the real executor, worker and runner. The worker thread is on by
     default (on CPU "auto" would run steps inline), so overlapped runs really have a batch executing meanwhile."""
@@ -125,15 +126,18 @@ def make_engine_core(
             ),
             parallel_config=ParallelConfig(worker_thread=worker_thread),
             structured_outputs_config=StructuredOutputsConfig(backend=structured_outputs_backend),
-            speculative_config=_hash_oracle_config(num_speculative_tokens),
+            speculative_config=_spec_config(num_speculative_tokens, draft_model),
         )
     )  # type: ignore[arg-type]
 
 
-def _hash_oracle_config(num_speculative_tokens: int) -> SpeculativeConfig | None:
-    """Speculation with drafts whose accepted lengths vary (`HashOracleProposer`), or None for 0 tokens."""
+def _spec_config(num_speculative_tokens: int, draft_model: str | None) -> SpeculativeConfig | None:
+    """Speculation with drafts whose accepted lengths vary (`HashOracleProposer`), or with `draft_model`'s
+    drafts (method "draft_model"), or None for 0 tokens."""
     if not num_speculative_tokens:
         return None
+    if draft_model is not None:
+        return SpeculativeConfig("draft_model", num_speculative_tokens, model=draft_model)
     register_hash_oracle()
     return SpeculativeConfig(HASH_ORACLE_METHOD, num_speculative_tokens)
 
@@ -347,6 +351,10 @@ class EngineSimConfig:
     structured_outputs_backend: str = "xgrammar"
     # > 0: speculative decoding with this many drafts per step, from `HashOracleProposer` (varied acceptance).
     num_speculative_tokens: int = 0
+    # With num_speculative_tokens: draft with the hash-logits model itself as a draft model (method
+    # "draft_model", its own paged KV cache), the target being hash-logits too: every draft it proposes from
+    # correct K/V is the target's own next token, so anything short of full acceptance is a draft-cache bug.
+    draft_model: bool = False
 
 
 @dataclass
@@ -416,9 +424,12 @@ class EngineSimulation:
             max_model_len=self.max_model_len,
             policy=config.policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            model="hash-logits" if config.structured_fraction > 0 else "hash",
+            model="hash-logits"
+            if config.structured_fraction > 0 or config.draft_model
+            else "hash",
             structured_outputs_backend=config.structured_outputs_backend,
             num_speculative_tokens=config.num_speculative_tokens,
+            draft_model="hash-logits" if config.draft_model else None,
         )
         if config.structured_fraction > 0:
             # Compile the grammar once up front: the run then never waits on the compiler.

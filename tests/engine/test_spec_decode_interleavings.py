@@ -56,3 +56,23 @@ def test_random_configs_with_drafts(seed: int) -> None:
     """Configs drawn from the whole space the harness supports (`random_config`), with 1 to 5 drafts."""
     config = dataclasses.replace(random_config(seed), num_speculative_tokens=1 + seed % 5)
     EngineSimulation(config, 700 + seed).run()
+
+
+@pytest.mark.parametrize("scheduling", SCHEDULING)
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_draft_model_keeps_its_kv_cache_exact_under_every_event(protocol: str, scheduling: str) -> None:
+    """The hash-logits model drafting for itself through the draft-model proposer (its own paged KV cache, read
+    back through the block tables): preemptions, forced resets, aborts, pauses, streaming chunks and prefix-cache
+    hits must leave its cache holding exactly the request's tokens, so every draft it proposes is accepted."""
+    config = EngineSimConfig(
+        use_v2_model_runner=PROTOCOLS[protocol],
+        async_scheduling=SCHEDULING[scheduling],
+        num_speculative_tokens=3,
+        draft_model=True,
+    )
+    simulation = EngineSimulation(config, 1100)
+    stats = simulation.run()
+    assert stats.num_steps > 0 and stats.num_preemptions > 0
+    spec = simulation.core.scheduler.spec_decoding_stats
+    assert spec is not None and spec.num_drafts > 0
+    assert spec.num_accepted_tokens == spec.num_draft_tokens
