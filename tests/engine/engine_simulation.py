@@ -424,9 +424,7 @@ class EngineSimulation:
             max_model_len=self.max_model_len,
             policy=config.policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
-            model="hash-logits"
-            if config.structured_fraction > 0 or config.draft_model
-            else "hash",
+            model="hash-logits" if config.structured_fraction > 0 or config.draft_model else "hash",
             structured_outputs_backend=config.structured_outputs_backend,
             num_speculative_tokens=config.num_speculative_tokens,
             draft_model="hash-logits" if config.draft_model else None,

@@ -60,7 +60,9 @@ def test_random_configs_with_drafts(seed: int) -> None:
 
 @pytest.mark.parametrize("scheduling", SCHEDULING)
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_draft_model_keeps_its_kv_cache_exact_under_every_event(protocol: str, scheduling: str) -> None:
+def test_a_draft_model_keeps_its_kv_cache_exact_under_every_event(
+    protocol: str, scheduling: str
+) -> None:
     """The hash-logits model drafting for itself through the draft-model proposer (its own paged KV cache, read
     back through the block tables): preemptions, forced resets, aborts, pauses, streaming chunks and prefix-cache
     hits must leave its cache holding exactly the request's tokens, so every draft it proposes is accepted."""
