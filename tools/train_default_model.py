@@ -2,6 +2,7 @@
 
     python tools/train_default_model.py                         # fetch, train, write kvflow/default_model/checkpoint
     python tools/train_default_model.py --steps 40 --out /tmp/m   # a quick smoke run
+    python tools/train_default_model.py --draft                 # the draft model, kvflow/default_model/draft
 
 Deterministic for a given seed and machine: the corpus comes from fixed Debian packages
 (`tools/default_model_corpus.py`), the tokenizer is trained on it, the weights start from a seeded generator and see
@@ -17,6 +18,12 @@ Perplexity is defined once, in `kvflow.default_model.perplexity_windows`: each h
 BOS, cut into windows of `EVAL_WINDOW` tokens (each later window starts with BOS again), and every token after a
 window's first is scored given the tokens before it in the window. The script scores the saved bfloat16 weights in
 float32 with its own PyTorch model; kvflow's test scores them through the engine (prompt logprobs) and must agree.
+
+`--draft` trains a much smaller model (`DRAFT_SHAPE`, `DRAFT_STEPS`) to draft tokens for speculative decoding of the
+built-in model, on the same corpus and the same seeded windows. A draft must share its target's tokenizer, so it is
+not trained: the shipped `kvflow/default_model/checkpoint/tokenizer.json` is loaded and written out unchanged. It writes
+the same checkpoint files, `eval.json` and its own `README.md`, but no `heldout_sample.txt` (the main model's is the
+test's). About 22 minutes on 2 cores.
 """
 
 # ruff: noqa: E501  (the model card template has Markdown table rows, which cannot be wrapped)
@@ -88,6 +95,23 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     eval_every: int = 125
+
+
+# The draft model for speculative decoding of the built-in one: same vocabulary, context and RoPE, a quarter of the
+# parameters (2.6 M), a few MB in bfloat16.
+DRAFT_SHAPE = ModelShape(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
+# Fixed, like the main model's schedule (not a time budget): picked from the measured speed of the first steps,
+# 2.0-2.1 s a step on 2 idle cores, so about 22 minutes of training.
+DRAFT_STEPS = 625
+SHIPPED_CHECKPOINT = REPO / "kvflow/default_model/checkpoint"
+DRAFT_OUT = REPO / "kvflow/default_model/draft"
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -462,8 +486,114 @@ Held-out perplexity of the saved bfloat16 weights, computed in float32 over wind
     (out / "README.md").write_text(text, encoding="utf-8")
 
 
+def draft_model_card(
+    out: Path,
+    corpus: Corpus,
+    shape: ModelShape,
+    config: TrainConfig,
+    evaluation: dict,
+    samples: list[str],
+    command: str,
+) -> None:
+    """The draft model's card: what it is for, its shape and training, its perplexity next to the main model's."""
+    target = json.loads((SHIPPED_CHECKPOINT / "eval.json").read_text())
+    target_shape = ModelShape()
+    sources = "\n".join(
+        f"| `{source.package}` | {source.version} | `{source.sha256[:16]}…` |"
+        for source in corpus.sources
+    )
+    sample_text = "\n\n".join(
+        f"> **{prompt}**{sample}".replace("\n", " ")
+        for prompt, sample in zip(SAMPLE_PROMPTS, samples, strict=True)
+    )
+    tokens_seen = config.steps * config.batch_size * config.seq_len
+    note = f" {evaluation['train_note']}" if evaluation.get("train_note") else ""
+    text = f"""# kvflow default model: draft
+
+A draft model for speculative decoding of kvflow's built-in default model (`kvflow/default_model/checkpoint`): a much
+smaller Llama that proposes the next few tokens cheaply, for the built-in model to verify in one step (kvflow's
+`speculative_config={{"method": "draft_model", "model": ...}}`). Trained from scratch by
+`tools/train_default_model.py --draft` on the same text and the same seeded training windows as the built-in model,
+with the built-in model's tokenizer, unchanged: `tokenizer.json` is the shipped one byte for byte, so the two models
+agree on every token id. On its own it is a weaker toy than the built-in model; it is meant to be right often about
+the easy tokens.
+
+## Model
+| | |
+|---|---|
+| architecture | Llama (`LlamaForCausalLM`), tied input and output embeddings |
+| parameters | {evaluation["parameters"] / 1e6:.2f} M (built-in model: {target["parameters"] / 1e6:.1f} M) |
+| shape | hidden {shape.hidden_size}, {shape.num_hidden_layers} layers, {shape.num_attention_heads} query heads and {shape.num_key_value_heads} KV heads of {shape.head_dim}, MLP {shape.intermediate_size}, RoPE theta {shape.rope_theta:g} (built-in model: hidden {target_shape.hidden_size}, {target_shape.num_hidden_layers} layers, {target_shape.num_attention_heads} query heads, MLP {target_shape.intermediate_size}) |
+| context | {shape.max_position_embeddings} tokens, as the built-in model; trained on {config.seq_len}-token windows |
+| tokenizer | the built-in model's: byte-level BPE, {shape.vocab_size} tokens, same special tokens and chat template |
+| weights | bfloat16 safetensors; `torch_dtype` float32, so `dtype="auto"` computes in float32, as it was trained and evaluated |
+
+## Data
+The built-in model's: Jane Austen's novels, *The Devil's Dictionary*, the Jargon File and the Python 3.11 tutorial,
+FAQ and HOWTOs, from these Debian packages (`tools/default_model_corpus.py`; sources and licences are in the
+built-in model's card):
+
+| package | version | .deb SHA-256 |
+|---|---|---|
+{sources}
+
+## Training
+| | |
+|---|---|
+| command | `{command}` |
+| seed | {config.seed} (the same training windows as the built-in model) |
+| steps | {config.steps} of {config.batch_size} x {config.seq_len} tokens: {tokens_seen / 1e6:.1f} M tokens, {evaluation["epochs"]:.1f} passes over {evaluation["train_tokens"] / 1e6:.2f} M training tokens |
+| optimizer | AdamW (betas 0.9 / 0.95, weight decay {config.weight_decay} on matrices), gradient clipping {config.grad_clip} |
+| learning rate | peak {config.peak_lr}, {config.warmup_steps} warm-up steps, cosine decay to {config.min_lr_ratio:g} of the peak |
+| compute | float32 on CPU, {evaluation["machine"]}: {evaluation["train_seconds"] / 60:.1f} minutes of wall time, {evaluation["train_seconds"] / config.steps:.2f} s a step.{note} |
+
+## Evaluation
+Held-out perplexity of the saved bfloat16 weights, computed in float32 over windows of {evaluation["window"]} tokens
+(`kvflow.default_model.perplexity_windows`), on the same held-out text and tokens as the built-in model:
+
+| split | tokens scored | draft perplexity | built-in model perplexity |
+|---|---|---|---|
+| all held-out text | {evaluation["held_out_tokens"]} | {evaluation["held_out_ppl"]:.3f} | {target["held_out_ppl"]:.3f} |
+| `checkpoint/heldout_sample.txt` | {evaluation["sample_tokens"]} | {evaluation["sample_ppl"]:.3f} | {target["sample_ppl"]:.3f} |
+
+## Samples (greedy, 48 tokens)
+{sample_text}
+
+## Acceptance
+measured by benchmarks/spec_decode.py; see below
+"""
+    (out / "README.md").write_text(text, encoding="utf-8")
+
+
+def shipped_tokenizer(shape: ModelShape) -> Tokenizer:
+    """The built-in model's tokenizer, for its draft: speculative decoding compares token ids across the two models."""
+    tokenizer = Tokenizer.from_file(str(SHIPPED_CHECKPOINT / "tokenizer.json"))
+    target_config = json.loads((SHIPPED_CHECKPOINT / "config.json").read_text())
+    assert tokenizer.get_vocab_size() == shape.vocab_size == target_config["vocab_size"]
+    return tokenizer
+
+
+def check_same_vocabulary(out: Path) -> None:
+    """The draft written to `out` has the shipped model's vocabulary and special token ids."""
+    shipped = Tokenizer.from_file(str(SHIPPED_CHECKPOINT / "tokenizer.json"))
+    written = Tokenizer.from_file(str(out / "tokenizer.json"))
+    assert written.get_vocab(with_added_tokens=True) == shipped.get_vocab(with_added_tokens=True)
+    assert (out / "tokenizer.json").read_bytes() == (
+        SHIPPED_CHECKPOINT / "tokenizer.json"
+    ).read_bytes()
+    target_config = json.loads((SHIPPED_CHECKPOINT / "config.json").read_text())
+    draft_config = json.loads((out / "config.json").read_text())
+    for key in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"):
+        assert draft_config[key] == target_config[key], key
+
+
 def rewrite_card(
-    out: Path, corpus: Corpus, shape: ModelShape, config: TrainConfig, command: str
+    out: Path,
+    corpus: Corpus,
+    shape: ModelShape,
+    config: TrainConfig,
+    command: str,
+    draft: bool = False,
 ) -> None:
     """The model card again, from the checkpoint's eval.json and weights (samples recomputed, same as training's)."""
     from safetensors.torch import load_file
@@ -475,14 +605,25 @@ def rewrite_card(
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     samples = greedy_samples(model, tokenizer, list(SAMPLE_PROMPTS), 48)
     evaluation = json.loads((out / "eval.json").read_text())
-    model_card(out, corpus, shape, config, evaluation, samples, command)
+    card = draft_model_card if draft else model_card
+    card(out, corpus, shape, config, evaluation, samples, command)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=REPO / "kvflow/default_model/checkpoint")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default kvflow/default_model/checkpoint; with --draft, kvflow/default_model/draft",
+    )
     parser.add_argument("--data-dir", type=Path, default=REPO / ".cache/corpus")
-    parser.add_argument("--steps", type=int, default=TrainConfig.steps)
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"default {TrainConfig.steps}; with --draft, {DRAFT_STEPS}",
+    )
     parser.add_argument("--seed", type=int, default=TrainConfig.seed)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument(
@@ -490,20 +631,41 @@ def main() -> None:
         action="store_true",
         help="rewrite --out's README.md from its eval.json and weights (no training)",
     )
+    parser.add_argument(
+        "--draft",
+        action="store_true",
+        help="train the draft model for speculative decoding of the built-in one (DRAFT_SHAPE, "
+        "the shipped tokenizer)",
+    )
     args = parser.parse_args()
+    if args.out is None:
+        args.out = DRAFT_OUT if args.draft else REPO / "kvflow/default_model/checkpoint"
+    default_steps = DRAFT_STEPS if args.draft else TrainConfig.steps
+    if args.steps is None:
+        args.steps = default_steps
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     config = TrainConfig(seed=args.seed, steps=args.steps)
-    shape = ModelShape()
+    shape = DRAFT_SHAPE if args.draft else ModelShape()
 
     corpus = load_corpus(args.data_dir)
-    command = "python tools/train_default_model.py" + (
-        f" --steps {args.steps}" if args.steps != TrainConfig.steps else ""
-    )
+    if args.draft:  # the thread count is recorded: float32 sums on CPU can differ with it
+        command = "python tools/train_default_model.py --draft" + (
+            f" --steps {args.steps}" if args.steps != default_steps else ""
+        )
+        command += f" --threads {args.threads}"
+    else:
+        command = "python tools/train_default_model.py" + (
+            f" --steps {args.steps}" if args.steps != TrainConfig.steps else ""
+        )
     if args.card_only:
-        rewrite_card(args.out, corpus, shape, config, command)
+        rewrite_card(args.out, corpus, shape, config, command, draft=args.draft)
         return
-    tokenizer = train_tokenizer(corpus.train_text(), shape.vocab_size)
+    tokenizer = (
+        shipped_tokenizer(shape)
+        if args.draft
+        else train_tokenizer(corpus.train_text(), shape.vocab_size)
+    )
     stream = encode_stream(tokenizer, corpus.train_text())
     held_out = corpus.held_out_text()
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
@@ -541,11 +703,16 @@ def main() -> None:
         "log": log,
     }
     write_checkpoint(args.out, model, tokenizer)
-    (args.out / "heldout_sample.txt").write_text(
-        default_model.SAMPLE_SEPARATOR.join(sample_docs), encoding="utf-8"
-    )
-    _write_json(args.out / "eval.json", evaluation)
-    model_card(args.out, corpus, shape, config, evaluation, samples, command)
+    if args.draft:
+        check_same_vocabulary(args.out)
+        _write_json(args.out / "eval.json", evaluation)
+        draft_model_card(args.out, corpus, shape, config, evaluation, samples, command)
+    else:
+        (args.out / "heldout_sample.txt").write_text(
+            default_model.SAMPLE_SEPARATOR.join(sample_docs), encoding="utf-8"
+        )
+        _write_json(args.out / "eval.json", evaluation)
+        model_card(args.out, corpus, shape, config, evaluation, samples, command)
     print(
         f"held-out perplexity {held_out_ppl:.3f} ({held_out_tokens} tokens); sample {sample_ppl:.3f}"
     )
