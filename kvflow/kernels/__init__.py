@@ -36,6 +36,8 @@ __all__ = [
 
 # Up to this many rows the GEMV kernel beats torch's GEMM for the decode shapes (benchmarks/kernels.py).
 MAX_GEMV_ROWS = 8
+# float32 row counts (inclusive) the GEMV takes over from torch (`_float32_linear`).
+FLOAT32_GEMV_ROWS = (2, MAX_GEMV_ROWS)
 # The GEMM kernel's instruction set, and the native bf16 matmul instructions in whose presence oneDNN's bf16 GEMM
 # stays in charge.
 _GEMM_REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})
@@ -82,17 +84,18 @@ def linear(
     *,
     float_output: bool = False,
 ) -> torch.Tensor | None:
-    """`F.linear(hidden_states, weight, bias)` for bfloat16 rows on the CPU where a kernel wins, else None.
+    """`F.linear(hidden_states, weight, bias)` on the CPU where a kernel wins, else None: bfloat16 rows, and
+    float32 rows in `FLOAT32_GEMV_ROWS` (`_float32_linear`).
 
     At most `MAX_GEMV_ROWS` rows: the decode GEMV (AVX-512 builds). More rows: the blocked GEMM, only on CPUs where
     `gemm_kernel_wins`. With `float_output` the bfloat16-rounded result comes back as float32 (what
     `F.linear(...).float()` gives).
     """
-    if (
-        weight.dtype is not torch.bfloat16
-        or hidden_states.dtype is not torch.bfloat16
-        or hidden_states.device.type != "cpu"
-    ):
+    if hidden_states.device.type != "cpu" or weight.dtype is not hidden_states.dtype:
+        return None
+    if weight.dtype is torch.float32:
+        return _float32_linear(hidden_states, weight, bias)
+    if weight.dtype is not torch.bfloat16:
         return None
     input_size = weight.shape[1]
     num_rows = hidden_states.numel() // input_size if input_size else 0
@@ -109,6 +112,28 @@ def linear(
         rows = rows.contiguous()
     out = (ops.gemm if use_gemm else ops.linear)(rows, weight, bias, float_output)
     return out.view(*hidden_states.shape[:-1], weight.shape[0])
+
+
+def _float32_linear(
+    hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """float32 rows `FLOAT32_GEMV_ROWS[0]..[1]` through the GEMV (AVX2 or AVX-512 builds): torch's float32 GEMM
+    for a few rows costs ~2x its one-row GEMV, while the kernel streams each weight row once for all of them
+    (speculative verification steps, small decode batches; benchmarks/kernels.py). Else None."""
+    input_size = weight.shape[1]
+    num_rows = hidden_states.numel() // input_size if input_size else 0
+    low, high = FLOAT32_GEMV_ROWS
+    if not low <= num_rows <= high or not weight.is_contiguous():
+        return None
+    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_contiguous()):
+        return None
+    ops = load_cpu_kernels()
+    if ops is None or not ops.has_avx2():
+        return None
+    rows = hidden_states.reshape(num_rows, input_size)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return ops.linear(rows, weight, bias, False).view(*hidden_states.shape[:-1], weight.shape[0])
 
 
 def add_rms_norm(

@@ -84,7 +84,17 @@ def test_linear_dispatch(ops: object) -> None:
     _within_one_ulp(layer(large), F.linear(large, layer.weight, layer.bias), slack=1e-3)
     strided = torch.randn(3, 128).bfloat16()[:, ::2]
     _within_one_ulp(layer(strided), F.linear(strided, layer.weight, layer.bias), slack=1e-3)
-    assert kernels.linear(torch.randn(2, 64), layer.weight.float()) is None  # float32: torch
+    # float32: a few rows (speculative verification, small batches) through the GEMV, else torch.
+    weight32 = layer.weight.float().contiguous()
+    low, high = kernels.FLOAT32_GEMV_ROWS
+    for num_rows in (low - 1, low, high, high + 1):
+        rows32 = torch.randn(num_rows, 64)
+        out = kernels.linear(rows32, weight32)
+        if low <= num_rows <= high and ops.has_avx2():
+            assert out is not None and torch.equal(out, ops.linear(rows32, weight32, None, False))
+            torch.testing.assert_close(out, F.linear(rows32, weight32), rtol=1e-5, atol=1e-4)
+        else:
+            assert out is None
     head = LMHead(96, 64, dtype=torch.bfloat16, device="cpu")
     torch.nn.init.normal_(head.weight)
     logits = head(small[0])

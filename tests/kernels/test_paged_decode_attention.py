@@ -196,7 +196,7 @@ def test_strided_query_and_prefill_only_batches(ops: object) -> None:
     assert torch.equal(output, contiguous)
     assert torch.equal(strided_cache, step.cache)
     prefill = _make_step(
-        [(0, 5), (3, 4)],
+        [(0, 20), (3, 18)],  # longer than MAX_KERNEL_QUERY_LEN: the torch backend's prefill path
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
@@ -215,8 +215,9 @@ def test_decode_only_rows_are_the_whole_step_or_none(ops: object, window: int | 
     backend = CpuPagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
     for requests, decode_only in (
         ([(5, 1), (12, 1), (0, 1)], True),
-        ([(5, 1), (0, 3)], False),  # decode and prefill rows
-        ([(0, 5), (3, 4)], False),  # prefill rows only
+        ([(5, 1), (7, 3)], True),  # a short query (speculative verification): kernel rows too
+        ([(5, 1), (0, 20)], False),  # decode and prefill rows
+        ([(0, 20), (3, 18)], False),  # prefill rows only
     ):
         step = _make_step(
             requests,
@@ -232,7 +233,10 @@ def test_decode_only_rows_are_the_whole_step_or_none(ops: object, window: int | 
         assert (rows is not None) == decode_only
         if rows is not None:
             assert rows is metadata.decode and rows.window == (window or 0)
-            assert torch.equal(rows.seq_lens, step.batch.seq_lens)
+            # One kernel row per query token, each as long as its causal prefix.
+            expected = [c + j + 1 for c, q in requests for j in range(q)]
+            assert rows.seq_lens.tolist() == expected
+            assert rows.token_index.tolist() == list(range(len(expected)))
         assert metadata.slot_mapping.dtype == torch.int64
         assert torch.equal(metadata.slot_mapping, step.batch.slot_mapping)
 

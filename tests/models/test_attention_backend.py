@@ -1,4 +1,5 @@
-"""The "torch" paged attention backend against a dense per-token reference, on mixed batches."""
+"""The "torch" and "cpu" paged attention backends against a dense per-token reference, on mixed batches (the cpu
+backend's kernel takes requests of up to MAX_KERNEL_QUERY_LEN query tokens, one kernel row per token)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from kvflow.batch import BatchInputs
+from kvflow.kernels import load_cpu_kernels
 from kvflow.models.attention import (
     ATTENTION_BACKENDS,
     AttentionBackend,
@@ -15,6 +17,7 @@ from kvflow.models.attention import (
     available_attention_backends,
     get_attention_backend,
 )
+from kvflow.models.attention.cpu_paged import MAX_KERNEL_QUERY_LEN, CpuPagedAttention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 8, 4, 64
 
@@ -112,12 +115,18 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_dense_reference(case: str, window: int | None) -> None:
+def test_matches_dense_reference(case: str, window: int | None, backend_name: str) -> None:
     requests = CASES[case]
     batch, cache, keys, values, query, step_rows = _make_step(requests, seed=len(case))
-    backend = TorchPagedAttention(
+    if backend_name == "cpu":
+        if load_cpu_kernels() is None:
+            pytest.skip("the cpu backend needs the compiled kernels (tests/kernels checks they build)")
+        assert MAX_KERNEL_QUERY_LEN >= 5  # "mixed" and "uneven_prefills" give the kernel multi-token rows
+    backend_class = TorchPagedAttention if backend_name == "torch" else CpuPagedAttention
+    backend = backend_class(
         num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5
     )
     metadata = backend.build_metadata(batch, window)

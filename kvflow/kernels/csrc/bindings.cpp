@@ -300,6 +300,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer", &decode_layer, "one decoder layer of a decode-only step (returns out, residual)");
   // The most rows one decode_layer call takes: Python reads it here, so kernels.h stays the one source of truth.
   m.attr("MAX_DECODE_LAYER_ROWS") = py::int_(kvflow::kMaxDecodeLayerRows);
+  m.def("has_avx2", []() {
+#if (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)) || (defined(__AVX2__) && defined(__FMA__))
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;

@@ -1,7 +1,8 @@
 // Shared helpers for kvflow's CPU kernels: bf16 <-> fp32 conversion (scalar and AVX-512) and a vector exp.
 // bf16 is stored as uint16_t; every kernel is a template over the element type T in {float, uint16_t (bf16)}.
-// Code paths: __AVX512F__ (+ __AVX512BW__/__AVX512VL__ for masked 16-bit loads) and a portable scalar fallback
-// that the compiler auto-vectorises for AVX2 machines; the same source builds everywhere with -march=native.
+// Code paths: __AVX512F__ (+ __AVX512BW__/__AVX512VL__ for masked 16-bit loads), AVX2 + FMA (KVFLOW_AVX2: the
+// small-M GEMV only) and a portable scalar fallback that the compiler auto-vectorises; the same source builds
+// everywhere with -march=native.
 #pragma once
 
 #include <cmath>
@@ -10,6 +11,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVFLOW_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KVFLOW_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -50,6 +54,21 @@ inline bf16 from_float<bf16>(float value) { return float_to_bf16(value); }
 // Rounds a float to T's precision and back (the identity for float): emulates a tensor op's output rounding.
 template <typename T>
 inline float round_to(float value) { return to_float<T>(from_float<T>(value)); }
+
+#ifdef KVFLOW_AVX2
+// 8 elements as fp32 (bf16: widened by a 16-bit shift).
+inline __m256 load8(const float* source) { return _mm256_loadu_ps(source); }
+inline __m256 load8(const bf16* source) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float reduce8(__m256 values) {
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(values), _mm256_extractf128_ps(values, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+  return _mm_cvtss_f32(sum);
+}
+#endif
 
 #ifdef KVFLOW_AVX512
 inline __mmask16 tail_mask(int64_t count) {

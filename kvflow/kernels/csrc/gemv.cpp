@@ -42,6 +42,30 @@ void dot_block(const T* w, int64_t K, const float* xf, int64_t xf_stride, float 
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) out[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+#elif defined(KVFLOW_AVX2)
+  // 8 lanes: R * MT accumulators (16 at R = MT = 4, with the x and w vectors a few spill to L1, which costs far
+  // less than reading each weight row once per row of x).
+  __m256 acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(xf + m * xf_stride + k);
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kPrefetchBytes, _MM_HINT_T0);
+      __m256 wv = load8(w + r * K + k);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) {
+      float sum = reduce8(acc[r][m]);
+      const T* row = w + r * K;
+      const float* xr = xf + m * xf_stride;
+      for (int64_t kk = k; kk < K; ++kk) sum += to_float<T>(row[kk]) * xr[kk];
+      out[r][m] = sum;
+    }
 #else
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) {

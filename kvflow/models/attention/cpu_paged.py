@@ -1,6 +1,7 @@
 """Paged attention with a C++ decode kernel (`"cpu"`): the default on CPU when the kernels are available.
 
-In a step with decode rows, the K/V writes (`store_kv`) and the decode rows (one query token) run in C++:
+In a step with decode rows, the K/V writes (`store_kv`) and the decode rows run in C++ (a request with up to
+`MAX_KERNEL_QUERY_LEN` query tokens, e.g. a speculative verification, is one kernel row per token):
 `paged_decode_attention` reads K/V in place through the block table (no gather into a padded copy) with an fp32
 online softmax, each loaded K/V row shared by its GQA query group. Prefill rows, steps without decode rows and the
 cache layout are the torch backend's (this class extends it), and without the compiled kernels
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from kvflow.batch import BatchInputs
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+# Requests with at most this many query tokens (decode steps, speculative verification, tiny chunks) go through
+# the decode kernel, one kernel row per query token.
+MAX_KERNEL_QUERY_LEN = 16
 
 
 @dataclass
@@ -63,6 +67,33 @@ class CpuPagedMetadata:
         return self.decode if self.decode is not None and not self.torch_plan.prefills else None
 
 
+def _expanded_decode_rows(
+    batch: BatchInputs,
+    rows: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int,
+) -> CpuDecodeRows:
+    """One kernel row per query token of each request in `rows`: token j of a request with q query tokens and
+    sequence length S attends to the first S - q + 1 + j positions, exactly causal attention (every token's K/V
+    is written before any row attends). E.g., q 3, S 10: three rows of lengths 8, 9, 10."""
+    counts = query_lens[rows]
+    row_of_token = torch.repeat_interleave(rows, counts)
+    starts = torch.cumsum(counts, 0) - counts
+    offsets = torch.arange(int(counts.sum()), device=rows.device) - torch.repeat_interleave(
+        starts, counts
+    )
+    token_index = query_start_loc[row_of_token] + offsets
+    token_seq_lens = seq_lens[row_of_token] - query_lens[row_of_token] + 1 + offsets
+    return CpuDecodeRows(
+        token_index=token_index.contiguous(),
+        block_tables=batch.block_tables.index_select(0, row_of_token).to(torch.int32).contiguous(),
+        seq_lens=token_seq_lens.to(torch.int32).contiguous(),
+        window=window,
+    )
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """Torch backend with decode rows attended in C++ (see module docstring); same cache layout and K/V writes."""
 
@@ -77,32 +108,29 @@ class CpuPagedAttention(TorchPagedAttention):
         query_start_loc = batch.query_start_loc.to(torch.int64)
         seq_lens = batch.seq_lens.to(torch.int64)
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        decode_rows = torch.nonzero(query_lens == 1).flatten()
+        small = (query_lens >= 1) & (query_lens <= MAX_KERNEL_QUERY_LEN)
+        decode_rows = torch.nonzero(small).flatten()
         if decode_rows.numel() == 0:
             return CpuPagedMetadata(super().build_metadata(batch, sliding_window), None)
         builder = _GroupBuilder(
             batch, device, query_start_loc, seq_lens, seq_lens - query_lens, sliding_window
         )
-        prefill_rows = torch.nonzero(query_lens > 1).flatten()
+        prefill_rows = torch.nonzero(query_lens > MAX_KERNEL_QUERY_LEN).flatten()
         prefills = [
             builder.prefill_group(rows, query_lens[rows])
             for rows in _group_by_padding(prefill_rows, query_lens, seq_lens, batch.block_size)
         ]
-        all_decode = decode_rows.numel() == batch.num_reqs
-        decode = CpuDecodeRows(
-            token_index=query_start_loc[decode_rows].contiguous(),
-            block_tables=(
-                batch.block_tables
-                if all_decode
-                else batch.block_tables.index_select(0, decode_rows)
+        if decode_rows.numel() == batch.num_reqs and bool((query_lens == 1).all()):
+            decode = CpuDecodeRows(
+                token_index=query_start_loc[:-1].contiguous(),
+                block_tables=batch.block_tables.to(torch.int32).contiguous(),
+                seq_lens=batch.seq_lens.to(torch.int32).contiguous(),
+                window=sliding_window or 0,
             )
-            .to(torch.int32)
-            .contiguous(),
-            seq_lens=(batch.seq_lens if all_decode else batch.seq_lens.index_select(0, decode_rows))
-            .to(torch.int32)
-            .contiguous(),
-            window=sliding_window or 0,
-        )
+        else:
+            decode = _expanded_decode_rows(
+                batch, decode_rows, query_start_loc, query_lens, seq_lens, sliding_window or 0
+            )
         plan = TorchPagedMetadata(
             num_tokens=batch.num_tokens,
             slot_mapping=batch.slot_mapping.to(torch.int64),
