@@ -123,8 +123,9 @@ def test_matches_dense_reference(case: str, window: int | None, backend_name: st
     batch, cache, keys, values, query, step_rows = _make_step(requests, seed=len(case))
     if backend_name == "cpu":
         if load_cpu_kernels() is None:
-            pytest.skip("the cpu backend needs the compiled kernels (tests/kernels checks they build)")
-        assert MAX_KERNEL_QUERY_LEN >= 5  # "mixed" and "uneven_prefills" give the kernel multi-token rows
+            pytest.skip("the cpu backend needs the compiled kernels (tests/kernels builds them)")
+        # "mixed" and "uneven_prefills" give the kernel multi-token rows.
+        assert MAX_KERNEL_QUERY_LEN >= 5
     backend_class = TorchPagedAttention if backend_name == "torch" else CpuPagedAttention
     backend = backend_class(
         num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, scale=HEAD_DIM**-0.5
