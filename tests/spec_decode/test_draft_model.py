@@ -215,17 +215,31 @@ def assert_distributed_as(tokens: list[int], probs: torch.Tensor) -> None:
     )
 
 
-def test_sampled_output_is_distributed_as_the_target(checkpoints: dict[str, Path]) -> None:
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_sampled_output_is_distributed_as_the_target(
+    checkpoints: dict[str, Path], method: str
+) -> None:
     """1,200 seeded requests: output tokens 2 and 3 (verified with drafts: the first step after the prompt
-    proposes them) follow the target's exact marginals, and the draft's proposals are both accepted and rejected
-    (q differs from p). (Synchronous scheduling: under async scheduling a request's first draft slots come one
-    step later; the verification code is the same.)"""
+    proposes them) follow the target's exact marginals, and the proposals are both accepted and rejected: the
+    draft model's (q differs from p; min(1, p/q)) and n-gram lookup's (point masses; the prompt repeats its
+    tokens, so lookups hit). (Synchronous scheduling: under async scheduling a request's first draft slots come
+    one step later; the verification code is the same.)"""
     temperature = 1.5
-    prompt = [3, 9, 4]
+    prompt = [3, 9, 4, 3, 9, 4, 3]
+    spec = (
+        draft_config(checkpoints["small_draft"], k=2)
+        if method == "draft_model"
+        else {
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2,
+        }
+    )
     llm = LLM(
         str(checkpoints["small_target"]),
         **{**ENGINE, "max_num_seqs": 64, "async_scheduling": False},
-        speculative_config=draft_config(checkpoints["small_draft"], k=2),
+        speculative_config=spec,
     )
     try:
         params = [
