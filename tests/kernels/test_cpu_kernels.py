@@ -55,10 +55,10 @@ def linear_kernel(
     bias: torch.Tensor | None,
     float_output: bool = False,
 ) -> torch.Tensor:
-    """The GEMV kernel's product: through `kernels.linear` where the dispatch uses it (AVX-512 builds), else
-    straight from the portable build, which the dispatch leaves to PyTorch (it is not measured to win)."""
+    """The GEMV kernel's product: through `kernels.linear` where the dispatch uses it (AVX-512 and AVX2 builds),
+    else straight from the portable build, which the dispatch leaves to PyTorch (it is not measured to win)."""
     out = kernels.linear(rows, weight, bias, float_output=float_output)
-    if ops.has_avx512():  # type: ignore[attr-defined]
+    if ops.has_avx2():  # type: ignore[attr-defined]
         assert out is not None
         return out
     assert out is None
@@ -74,7 +74,7 @@ def test_linear_dispatch(ops: object) -> None:
     torch.nn.init.normal_(layer.bias)
     small = torch.randn(2, 3, 64).bfloat16()  # 6 rows, leading dims kept
     if (
-        ops.has_avx512()
+        ops.has_avx2()
     ):  # the layer dispatches decode rows to the GEMV kernel: bit for bit its output
         expected = ops.linear(small.reshape(6, 64), layer.weight, layer.bias, False).view(2, 3, 64)
         assert torch.equal(layer(small), expected)
