@@ -104,7 +104,9 @@ def test_fused_decode_layers_equal_the_per_op_path_bit_for_bit(
     ops: object, checkpoint: Path
 ) -> None:
     if not ops.has_avx512():  # type: ignore[attr-defined]
-        pytest.skip("the fused decode_layer runs on AVX-512 machines only (its AVX2 build is not measured)")
+        pytest.skip(
+            "the fused decode_layer runs on AVX-512 machines only (its AVX2 build is not measured)"
+        )
     fused_outputs, fused_logits, num_fused, _ = _run(checkpoint, fused=True)
     per_op_outputs, per_op_logits, num_per_op_fused, _ = _run(checkpoint, fused=False)
     assert num_per_op_fused == 0
