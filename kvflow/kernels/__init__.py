@@ -87,8 +87,8 @@ def linear(
     """`F.linear(hidden_states, weight, bias)` on the CPU where a kernel wins, else None: bfloat16 rows, and
     float32 rows in `FLOAT32_GEMV_ROWS` (`_float32_linear`).
 
-    At most `MAX_GEMV_ROWS` rows: the decode GEMV (AVX-512 or AVX2 builds). More rows: the blocked GEMM, only on CPUs where
-    `gemm_kernel_wins`. With `float_output` the bfloat16-rounded result comes back as float32 (what
+    At most `MAX_GEMV_ROWS` rows: the decode GEMV (AVX-512 or AVX2 builds). More rows: the blocked GEMM, only on
+    CPUs where `gemm_kernel_wins`. With `float_output` the bfloat16-rounded result comes back as float32 (what
     `F.linear(...).float()` gives).
     """
     if hidden_states.device.type != "cpu" or weight.dtype is not hidden_states.dtype:
