@@ -144,7 +144,7 @@ def test_generate_reads_prompts_from_stdin_one_per_line() -> None:
     assert samples[(1, 0)] == alone.stdout.splitlines()  # the same sample as on the command line
 
 
-def test_token_id_prompts_print_token_ids_and_stop_token_ids_and_min_tokens_apply() -> None:
+def test_token_id_prompts_print_token_ids_and_stop_token_ids_apply() -> None:
     prompt = [11, 22, 33]
     expected = reference_tokens(prompt, 8)
     ids = ",".join(map(str, prompt))
@@ -156,14 +156,23 @@ def test_token_id_prompts_print_token_ids_and_stop_token_ids_and_min_tokens_appl
     # Comma-separated and repeatable; the stop token is the last one printed.
     stopped = run_kvflow(*base, "--stop-token-ids", f"7,{expected[3]}", "--stop-token-ids", "9")
     assert stopped.stdout == ",".join(map(str, expected[:4])) + "\n"
+
+
+@pytest.mark.slow  # two more processes; min_tokens and the engine-core process are tested in tests/engine
+def test_token_id_prompts_with_min_tokens_and_over_an_engine_process() -> None:
+    prompt = [11, 22, 33]
+    expected = reference_tokens(prompt, 8)
+    base = ("generate", "--prompt-token-ids", ",".join(map(str, prompt)), *HASH_MODEL)
+    base = (*base, "--max-tokens", "8")
+    plain_stdout = ",".join(map(str, expected)) + "\n"
     # min_tokens holds the stop back; the sample runs to max_tokens (the stop id does not recur).
     held = run_kvflow(*base, "--stop-token-ids", str(expected[0]), "--min-tokens", "3")
     assert expected[0] not in expected[1:]
-    assert held.stdout == plain.stdout
+    assert held.stdout == plain_stdout
     # The same front end over an engine-core process.
     in_process = run_kvflow(*base, "--engine-process")
     assert in_process.returncode == 0, in_process.stderr
-    assert in_process.stdout == plain.stdout and "engine core process" in in_process.stderr
+    assert in_process.stdout == plain_stdout and "engine core process" in in_process.stderr
 
 
 @pytest.mark.slow  # three processes; LLM(data_parallel_size=2) itself is tested in tests/engine/test_dp_client.py

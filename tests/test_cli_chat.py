@@ -164,6 +164,7 @@ def _runs(indices: Iterable[int]) -> list[tuple[int, int]]:
     return [(first, last) for first, last in runs]
 
 
+@pytest.mark.slow  # copies the model and runs two chats; --chat-template files: tests/entrypoints (serve)
 def test_chat_template_file_for_a_checkpoint_without_one(tmp_path: Path) -> None:
     from kvflow.default_model import ensure_default_model
 

@@ -58,6 +58,7 @@ def test_an_id_missing_from_the_cache_is_one_line_naming_where_kvflow_looked(
     )
 
 
+@pytest.mark.slow  # a server start; resolving ids from the cache is the LLM test's, served names tests/entrypoints
 def test_serve_an_id_from_the_cache_under_the_id_as_its_model_name(hub_cache: Path) -> None:
     env = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
     with running_server("acme/tiny", "--revision", "v2", *DEFAULT_SERVER, env=env) as server:

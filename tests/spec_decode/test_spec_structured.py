@@ -30,7 +30,11 @@ PROMPTS = [
 ENGINE = {"max_model_len": 256, "max_num_seqs": 4}
 
 
-@pytest.fixture(scope="module", params=["xgrammar", "guidance"])
+@pytest.fixture(
+    scope="module",
+    # (guidance: the same scheduler and bitmask path through the other matcher, slow-marked for time)
+    params=["xgrammar", pytest.param("guidance", marks=pytest.mark.slow)],
+)
 def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
