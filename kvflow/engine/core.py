@@ -176,6 +176,12 @@ class EngineCore:
             self.abort_requests(added)
             raise
 
+    def add_request_groups(self, groups: list[list[Request]]) -> None:
+        """Queue several prompts' requests at once (`add_requests` for each group, in order): the step after this
+        call sees all of them. A refused group raises, with the groups before it queued (the caller aborts them)."""
+        for group in groups:
+            self.add_requests(group)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Finish requests with "abort", freeing their blocks and slots (unknown or finished ids are ignored)."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -95,6 +95,12 @@ class EngineCoreClient(ABC):
         """Queue a prompt's requests, or a streaming session's next chunk; all or nothing (ValueError)."""
         return self.call_utility("add_requests", requests)
 
+    def add_request_groups(self, groups: list[list[Request]]) -> Future[None]:
+        """Queue several prompts' requests (`LLM.generate`'s whole call), each group all or nothing; the Future
+        fails with the first refusal. Here one `add_requests` per group (a data-parallel client routes each group
+        on its own); the in-process client sends all of them in one message, so no step runs with only some."""
+        return _all_done([self.add_requests(group) for group in groups])
+
     def abort_requests(self, request_ids: list[str]) -> Future[None]:
         return self.call_utility("abort_requests", request_ids)
 
@@ -162,6 +168,9 @@ class InprocEngineCoreClient(EngineCoreClient):
     def call_utility(self, method: str, *args: Any) -> Future[Any]:
         return self.run(lambda core: getattr(core, method)(*args))
 
+    def add_request_groups(self, groups: list[list[Request]]) -> Future[None]:
+        return self.call_utility("add_request_groups", groups)
+
     def pause_generation(self, mode: str, clear_cache: bool) -> Future[None]:
         done: Future[None] = Future()
         self._send(LoopPause(mode, clear_cache, done))
@@ -193,3 +202,28 @@ class InprocEngineCoreClient(EngineCoreClient):
         with self._death.lock:
             self._death.raise_if_dead()
             self._loop.put(message)
+
+
+def _all_done(futures: list[Future[None]]) -> Future[None]:
+    """A Future that completes when every one of `futures` has: with the first exception among them (in order),
+    else None."""
+    done: Future[None] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def on_done(_: Future[None]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [future.exception() for future in futures if future.exception() is not None]
+        if errors:
+            done.set_exception(errors[0])
+        else:
+            done.set_result(None)
+
+    if not futures:
+        done.set_result(None)
+    for future in futures:
+        future.add_done_callback(on_done)
+    return done

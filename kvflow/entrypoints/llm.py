@@ -15,7 +15,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from tqdm.auto import tqdm
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
     from kvflow.engine.core_client import EngineCoreClient
     from kvflow.engine.output_processor import OutputProcessor
     from kvflow.outputs import RequestOutput
+    from kvflow.request import Request
     from kvflow.tokenizer import Tokenizer
 
 ChatMessages = list[dict[str, Any]]
@@ -130,12 +130,13 @@ class LLM:
         with DeferredInterrupt() as interrupt:
             call = _Call(use_tqdm)
             try:
-                added = [
-                    self._add_request(call, item, item_priority, request_ids)
+                # One submission for the call: the core sees every prompt before its next step.
+                groups = [
+                    self._make_requests(call, item, item_priority, request_ids)
                     for item, item_priority in zip(processed, priorities, strict=True)
                 ]
-                for each in added:
-                    each.result()  # a request the core refused fails the whole call
+                # A request the core refused fails the whole call.
+                self.engine_core_client.add_request_groups(groups).result()
                 self._outputs.wait(call, interrupt)
             except BaseException:
                 self._abandon(call, request_ids)
@@ -284,18 +285,18 @@ class LLM:
         policy = self.engine_config.scheduler_config.policy
         return [check_priority(value, policy) for value in priorities]
 
-    def _add_request(
+    def _make_requests(
         self, call: _Call, processed: ProcessedPrompt, priority: int, request_ids: list[str]
-    ) -> Future[None]:
-        """Queue one prompt (n child requests when `n > 1`) for `call`; its id joins `request_ids` first, so an
-        abandoned call aborts it whatever happens next."""
+    ) -> list[Request]:
+        """One prompt's requests (n children when `n > 1`) registered for `call`; its id joins `request_ids` first,
+        so an abandoned call aborts it whatever happens next."""
         request_id = str(next(self._request_counter))
         requests = self.input_processor.make_requests(
             request_id, processed, time.monotonic(), priority=priority
         )
         request_ids.append(request_id)
         self._outputs.register(call, request_id, processed, requests)
-        return self.engine_core_client.add_requests(requests)
+        return requests
 
     def _abandon(self, call: _Call, request_ids: list[str]) -> None:
         """Abort a failed or interrupted call's requests, and wait until the core has applied the aborts. When no
