@@ -33,7 +33,6 @@ The goals table at the end prints each latency goal as a ratio measured in this 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -50,23 +49,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# Sibling scripts (throughput.py) import as modules.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch.nn.functional as F
 
 COMMAND = "python benchmarks/latency.py"
 LOAD_RSS_KV_BLOCKS = (
     64  # the fixed KV cache of the load-RSS measurement (blocks of the default 16 tokens)
 )
-
-
-def _load_throughput_module() -> Any:
-    """benchmarks/throughput.py, for its checkpoint helper and shapes (benchmarks/ is not a package)."""
-    path = Path(__file__).resolve().parent / "throughput.py"
-    spec = importlib.util.spec_from_file_location("kvflow_benchmark_throughput", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
 
 
 # ------------------------------------------------------------------------------------------------ model shape
@@ -501,9 +492,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.load_rss_child is not None:
         print(json.dumps(load_rss_child(Path(args.load_rss_child[0]), args.load_rss_child[1])))
         return {}
+    import throughput  # a sibling script module (benchmarks/ is not a package)
+
     from kvflow import LLM
 
-    throughput = _load_throughput_module()
     quick = args.quick
     repeats = args.repeats or (2 if quick else 5)
     prompt_len, output_len = (16, 16) if quick else (32, 128)

@@ -49,7 +49,6 @@ measured / ideal >= 0.8 everywhere (the worst row per model); at batch 64 with r
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -65,6 +64,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# Sibling scripts (throughput.py) import as modules.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 COMMAND = "python benchmarks/spec_decode.py"
 REPEAT_INSTRUCTION = "Repeat the following passage exactly:\n\n"
@@ -833,17 +835,6 @@ def format_goals(goals: Sequence[Goal]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-def _load_throughput_module() -> Any:
-    """benchmarks/throughput.py, for its checkpoint helper and shapes (benchmarks/ is not a package)."""
-    path = Path(__file__).resolve().parent / "throughput.py"
-    spec = importlib.util.spec_from_file_location("kvflow_benchmark_throughput", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
 def write_quick_checkpoint(path: Path, shape: dict[str, int]) -> Path:
     """A random bfloat16 Qwen2 checkpoint of `shape` written with safetensors alone (seconds faster than
     building it through transformers, which matters to the smoke run); created once and reused."""
@@ -896,7 +887,8 @@ def write_quick_checkpoint(path: Path, shape: dict[str, int]) -> Path:
 
 
 def bench_checkpoint(quick: bool, checkpoint_dir: Path | None) -> Path:
-    throughput = _load_throughput_module()
+    import throughput  # a sibling script module (benchmarks/ is not a package)
+
     cache_root = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
     if quick:
         return write_quick_checkpoint(
