@@ -770,9 +770,16 @@ class ModelRunner:
         the residual or the bonus token); the result goes to `arrays.verified`. Seeded requests draw their
         uniforms from (seed, output position), others from the sampler's stream."""
         sampled_rows = arrays.sampled_rows
-        groups: list[tuple[int, np.ndarray]] = []
-        for row in arrays.draft_probs:
-            groups.append((row, np.flatnonzero(sampled_rows == row)))
+        # A row's d + 1 sampled rows are consecutive, and sampled rows ascend (batch order).
+        rows_with_probs = np.fromiter(arrays.draft_probs, np.int64, len(arrays.draft_probs))
+        begins = np.searchsorted(sampled_rows, rows_with_probs, side="left")
+        ends = np.searchsorted(sampled_rows, rows_with_probs, side="right")
+        groups = [
+            (row, np.arange(begin, end))
+            for row, begin, end in zip(
+                rows_with_probs.tolist(), begins.tolist(), ends.tolist(), strict=True
+            )
+        ]
         flat = np.concatenate([rows for _, rows in groups])
         slot_indices = arrays.slot_indices[sampled_rows[flat]]
         params = [self.slots.sampling_params[index] for index in slot_indices.tolist()]
