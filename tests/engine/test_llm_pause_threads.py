@@ -239,25 +239,15 @@ def test_abort_from_another_thread_and_a_generate_that_arrives_while_paused(
 ) -> None:
     llm = hash_llm(async_scheduling=SCHEDULING[scheduling])
     prompts, late_prompts = prompts_of(6, seed=2), prompts_of(3, seed=3)
+    gate = install_gate(llm, after_steps=5)
     queued = threading.Event()
     late_started = threading.Event()
 
     def num_unfinished(core: EngineCore) -> int:
         return core.scheduler.get_num_unfinished_requests()
 
-    # `generate` queues its prompts one message at a time, and the loop steps in between: on a busy machine the
-    # first ones could run to the gate (or past it) before the last is queued. So the engine holds every request
-    # until all six are queued, and the gate counts steps from then on.
-    llm.engine_core_client.pause_generation("keep", False).result(JOIN_TIMEOUT_S)
-    gates: list[StepGate] = []
-
     def controller() -> None:
-        wait_until(
-            lambda: llm.run_in_engine(num_unfinished) >= len(prompts), "the prompts are queued"
-        )
-        gates.append(install_gate(llm, after_steps=5))
-        llm.resume_generation()
-        pause_at_gate(llm, gates[0], "abort")
+        pause_at_gate(llm, gate, "abort")
         assert llm.run_in_engine(EngineCore.pause_effective)
         late_started.set()
         wait_until(
