@@ -40,6 +40,7 @@ _SOURCES = (
     "elementwise.cpp",
     "attention.cpp",
     "decode_layer.cpp",
+    "quant.cpp",
 )
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _LDFLAGS = ("-fopenmp",)

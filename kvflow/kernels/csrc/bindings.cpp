@@ -283,6 +283,72 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {out, residual_out};
 }
 
+// Quantized weights (quant.cpp): x [M, K] bfloat16/float32 with contiguous rows; the result is float32 [M, N].
+void check_quant_operands(const at::Tensor& x, const at::Tensor& weight, int64_t K,
+                          const c10::optional<at::Tensor>& bias) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) == K, "x must be 2-D [M, ", K,
+              "] with contiguous rows, got ", x.sizes());
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
+              "the weight must be a contiguous 2-D CPU tensor");
+  if (bias)
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == weight.size(0),
+                "bias must be contiguous float32 [N]");
+}
+
+int64_t ggml_columns(const at::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(type >= kvflow::kGgmlQ8_0 && type <= kvflow::kGgmlQ6_K, "unknown GGML type code ", type);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                  blocks.device().is_cpu(),
+              "blocks must be a contiguous uint8 CPU tensor [rows, row_bytes]");
+  const int64_t bytes = kvflow::ggml_block_bytes(static_cast<int>(type));
+  TORCH_CHECK(blocks.size(1) % bytes == 0, "rows must be whole blocks of ", bytes, " bytes, got ", blocks.size(1));
+  return blocks.size(1) / bytes * kvflow::ggml_block_elements(static_cast<int>(type));
+}
+
+at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t type) {
+  const int64_t columns = ggml_columns(blocks, type);
+  at::Tensor out = at::empty({blocks.size(0), columns}, blocks.options().dtype(at::kFloat));
+  kvflow::ggml_dequantize(ptr<uint8_t>(blocks), blocks.size(0), blocks.size(1), static_cast<int>(type),
+                          ptr<float>(out), at::get_num_threads());
+  return out;
+}
+
+at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                       const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows) {
+  const int64_t K = ggml_columns(blocks, type);
+  check_quant_operands(x, blocks, K, bias);
+  const int64_t M = x.size(0), N = blocks.size(0);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::ggml_linear<T>(ptr<T>(x), M, K, x.stride(0), ptr<uint8_t>(blocks), N, static_cast<int>(type),
+                           bias ? ptr<float>(*bias) : nullptr, ptr<float>(out), gemv_max_rows,
+                           at::get_num_threads());
+  });
+  return out;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows) {
+  TORCH_CHECK(qweight.scalar_type() == at::kChar, "qweight must be int8");
+  const int64_t K = qweight.dim() == 2 ? qweight.size(1) : -1;
+  check_quant_operands(x, qweight, K, bias);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == qweight.size(0),
+              "scale must be contiguous float32 [N]");
+  const int64_t M = x.size(0), N = qweight.size(0);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::int8_linear<T>(ptr<T>(x), M, K, x.stride(0), ptr<int8_t>(qweight), ptr<float>(scale), N,
+                           bias ? ptr<float>(*bias) : nullptr, ptr<float>(out), gemv_max_rows,
+                           at::get_num_threads());
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -298,6 +364,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
   m.def("store_kv", &store_kv, "write the step's K/V into the paged cache at slot_mapping");
   m.def("decode_layer", &decode_layer, "one decoder layer of a decode-only step (returns out, residual)");
+  m.def("ggml_dequantize", &ggml_dequantize, "GGUF blocks [rows, row_bytes] -> float32 [rows, columns]",
+        py::arg("blocks"), py::arg("type"));
+  m.def("ggml_linear", &ggml_linear, "x @ dequantize(blocks).T (+ bias), float32 out", py::arg("x"),
+        py::arg("blocks"), py::arg("type"), py::arg("bias"), py::arg("gemv_max_rows") = 8);
+  m.def("int8_linear", &int8_linear, "x @ (qweight * scale[:, None]).T (+ bias), float32 out", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias"), py::arg("gemv_max_rows") = 8);
   // The most rows one decode_layer call takes: Python reads it here, so kernels.h stays the one source of truth.
   m.attr("MAX_DECODE_LAYER_ROWS") = py::int_(kvflow::kMaxDecodeLayerRows);
   m.def("has_avx2", []() {

@@ -108,3 +108,27 @@ void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, 
           float* y_float, int num_threads);
 
 }  // namespace kvflow
+
+namespace kvflow {
+
+// Quantized weights (quant.cpp). GGUF block types, as kvflow/kernels/quant.py's _GGML_TYPE_CODES numbers them.
+enum GgmlType : int { kGgmlQ8_0 = 0, kGgmlQ4_0 = 1, kGgmlQ4_K = 2, kGgmlQ6_K = 3 };
+int64_t ggml_block_elements(int type);
+int64_t ggml_block_bytes(int type);
+
+// out [rows, columns] float32 = the rows of blocks ([rows, row_bytes], whole blocks) decoded exactly as
+// gguf.quants.dequantize does. Threads split the rows.
+void ggml_dequantize(const uint8_t* blocks, int64_t rows, int64_t row_bytes, int type, float* out, int num_threads);
+
+// y [M, N] float32 = x [M, K] (rows x_stride apart) times the dequantized weight [N, K] (+ bias [N] float32 or
+// nullptr), fp32 accumulation. M <= gemv_max_rows: the GEMV on the blocks; more: the tiled kernel.
+template <typename T>
+void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
+                 const float* bias, float* y, int64_t gemv_max_rows, int num_threads);
+
+// The same for int8 weights [N, K] with a float32 scale per row: y = (x . q[n]) * scale[n] (+ bias[n]).
+template <typename T>
+void int8_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_t* w, const float* scale, int64_t N,
+                 const float* bias, float* y, int64_t gemv_max_rows, int num_threads);
+
+}  // namespace kvflow

@@ -1,0 +1,330 @@
+"""Quantized weights on the CPU: llama.cpp's GGUF block formats (Q8_0, Q4_0, Q4_K, Q6_K) and weight-only int8.
+
+GGUF weights stay in their blocks: a tensor `[N, K]` is a uint8 tensor `[N, ggml_row_bytes(qtype, K)]`, each row
+the bytes of a GGUF tensor's row (whole blocks). `dequantize_reference` is the pure-PyTorch decoding, equal to
+`gguf.quants.dequantize` bit for bit: the kernels and the model tests are checked against it, and it is the path
+when the C++ kernels are off (`KVFLOW_CPU_KERNELS=0`, no compiler, no AVX2).
+
+Products (`ggml_linear`, `int8_linear`) run in the C++ extension (csrc/quant.cpp) when it is loaded on an AVX2 or
+AVX-512 build, chosen by the number of activation rows M:
+
+* M <= `QUANT_GEMV_MAX_ROWS` (decode, speculative verification): a GEMV on the blocks themselves, each weight byte
+  read once per call, nothing dequantized to memory.
+* M up to `QUANT_TILED_MAX_ROWS`: a tiled kernel that dequantizes a few weight rows at a time into a thread-local
+  fp32 tile (in cache) and multiplies every activation row against it: the weights still stream once per call.
+* Larger M (prefill): the whole weight dequantized in C++, then torch's fp32 GEMM (MKL), which outruns the tiled
+  kernel there. The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
+
+Every path computes each output element on one thread in a fixed order: results do not depend on the thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.kernels.build import load_cpu_kernels
+
+__all__ = [
+    "GGML_BLOCK_SIZES",
+    "QUANT_GEMV_MAX_ROWS",
+    "QUANT_TILED_MAX_ROWS",
+    "dequantize",
+    "dequantize_reference",
+    "ggml_linear",
+    "ggml_linear_for",
+    "ggml_row_bytes",
+    "int8_linear",
+    "int8_linear_for",
+    "int8_quantize",
+]
+
+# (elements per block, bytes per block), by gguf's GGMLQuantizationType name.
+GGML_BLOCK_SIZES: dict[str, tuple[int, int]] = {
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_K": (256, 144),
+    "Q6_K": (256, 210),
+}
+# The extension's type codes (csrc/kernels.h, `GgmlType`).
+_GGML_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
+
+# Up to this many activation rows the block GEMV runs (measured: benchmarks/quant_kernels.py).
+QUANT_GEMV_MAX_ROWS = 8
+# Up to this many rows the tiled kernel runs; above it, C++ dequantization then torch's fp32 GEMM.
+QUANT_TILED_MAX_ROWS = 64
+
+LinearFn = Callable[..., torch.Tensor]
+
+
+def ggml_row_bytes(qtype: str, num_columns: int) -> int:
+    """Bytes of one row of `num_columns` elements in `qtype`; ValueError for an unknown type or a partial block."""
+    if qtype not in GGML_BLOCK_SIZES:
+        raise ValueError(
+            f"unknown GGML quantization type {qtype!r} (known: {sorted(GGML_BLOCK_SIZES)})"
+        )
+    block_elements, block_bytes = GGML_BLOCK_SIZES[qtype]
+    if num_columns % block_elements:
+        raise ValueError(
+            f"{qtype} rows hold whole blocks of {block_elements} elements; {num_columns} columns is not a multiple"
+        )
+    return num_columns // block_elements * block_bytes
+
+
+def _num_columns(qtype: str, blocks: torch.Tensor) -> int:
+    """The element count of a row of `blocks` (uint8 `[rows, row_bytes]`), checking both."""
+    if qtype not in GGML_BLOCK_SIZES:
+        raise ValueError(
+            f"unknown GGML quantization type {qtype!r} (known: {sorted(GGML_BLOCK_SIZES)})"
+        )
+    block_elements, block_bytes = GGML_BLOCK_SIZES[qtype]
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % block_bytes:
+        raise ValueError(
+            f"{qtype} blocks must be uint8 [rows, a multiple of {block_bytes} bytes], "
+            f"got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    return blocks.shape[1] // block_bytes * block_elements
+
+
+def _fp16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte `start` of every block of `[rows, num_blocks, block_bytes]`, as float32 `[..., 1]`."""
+    return blocks[..., start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """`[..., n]` uint8 -> `[..., 2 n]`: the n low nibbles, then the n high nibbles."""
+    return torch.cat([packed & 0x0F, packed >> 4], dim=-1)
+
+
+def _dequantize_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks[..., 2:].contiguous().view(torch.int8).float() * _fp16_field(blocks, 0)
+
+
+def _dequantize_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    quants = _nibbles(blocks[..., 2:]).to(torch.int8) - 8
+    return _fp16_field(blocks, 0) * quants.float()
+
+
+def _q4_k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit scales and mins of each Q4_K block from its 12 packed bytes (`[..., 12]` -> `[..., 8]`)."""
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = torch.cat([low & 0x3F, (extra & 0x0F) | ((low >> 2) & 0x30)], dim=-1)
+    mins = torch.cat([high & 0x3F, (extra >> 4) | ((high >> 2) & 0x30)], dim=-1)
+    return scales, mins
+
+
+def _dequantize_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    scales, mins = _q4_k_scales_and_mins(blocks[..., 4:16])
+    step = (_fp16_field(blocks, 0) * scales.float()).unsqueeze(-1)  # [rows, blocks, 8, 1]
+    offset = (_fp16_field(blocks, 2) * mins.float()).unsqueeze(-1)
+    chunks = blocks[..., 16:].unflatten(-1, (4, 32))  # 64 weights per chunk: low nibbles, then high
+    quants = (
+        _nibbles(chunks).unflatten(-1, (2, 32)).flatten(-3, -2).float()
+    )  # [rows, blocks, 8, 32]
+    return (step * quants - offset).flatten(-2)
+
+
+def _dequantize_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    low_bits = _nibbles(blocks[..., 0:128].unflatten(-1, (2, 64)))  # [rows, blocks, half, 128]
+    high_bits = blocks[..., 128:192].unflatten(-1, (2, 1, 32))
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    high_bits = ((high_bits >> shifts) & 0x03).flatten(-2)  # [rows, blocks, half, 128]
+    quants = (low_bits | (high_bits << 4)).to(torch.int8) - 32
+    scales = blocks[..., 192:208].contiguous().view(torch.int8).float()
+    step = (_fp16_field(blocks, 208) * scales).unsqueeze(-1)  # [rows, blocks, 16, 1]
+    return (step * quants.float().flatten(-2).unflatten(-1, (16, 16))).flatten(-2)
+
+
+_DEQUANTIZERS = {
+    "Q8_0": _dequantize_q8_0,
+    "Q4_0": _dequantize_q4_0,
+    "Q4_K": _dequantize_q4_k,
+    "Q6_K": _dequantize_q6_k,
+}
+
+
+def dequantize_reference(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
+    """uint8 `[rows, row_bytes]` GGUF rows of `qtype` as float32 `[rows, columns]`, in pure PyTorch; equal to
+    `gguf.quants.dequantize` bit for bit (the same float32 products, in the same order)."""
+    columns = _num_columns(qtype, blocks)
+    _, block_bytes = GGML_BLOCK_SIZES[qtype]
+    rows = blocks.shape[0]
+    decoded = _DEQUANTIZERS[qtype](blocks.reshape(rows, -1, block_bytes))
+    return decoded.reshape(rows, columns)
+
+
+def _kernel_ops(require_simd: bool = True):
+    """The extension when loaded (and, with `require_simd`, built for AVX2 or AVX-512), else None."""
+    ops = load_cpu_kernels()
+    if ops is None or (require_simd and not ops.has_avx2()):
+        return None
+    return ops
+
+
+def dequantize(
+    qtype: str, blocks: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`dequantize_reference` (same floats) through the C++ kernel when loaded, cast to `dtype`; for embedding
+    rows (`dequantize(qtype, blocks[ids])`) and fallbacks."""
+    _num_columns(qtype, blocks)
+    ops = _kernel_ops(require_simd=False)
+    if ops is None or blocks.device.type != "cpu":
+        decoded = dequantize_reference(qtype, blocks)
+    else:
+        decoded = ops.ggml_dequantize(blocks.contiguous(), _GGML_TYPE_CODES[qtype])
+    return decoded if dtype is torch.float32 else decoded.to(dtype)
+
+
+def _reference_product(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear` in float32 of x against a float32 weight, cast back to x's dtype."""
+    return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+
+
+def _rows_of(x: torch.Tensor, num_columns: int) -> torch.Tensor:
+    """x `[..., K]` as a 2-D `[M, K]` view (copied only when its rows are not contiguous)."""
+    if x.shape[-1] != num_columns:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {num_columns} columns")
+    rows = x.reshape(-1, num_columns)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.float().contiguous()
+
+
+def _ggml_linear_reference(
+    x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return _reference_product(x, dequantize_reference(qtype, blocks), bias)
+
+
+def _ggml_linear_kernel(
+    x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    ops = load_cpu_kernels()
+    num_columns = _num_columns(qtype, blocks)
+    rows = _rows_of(x, num_columns)
+    code = _GGML_TYPE_CODES[qtype]
+    if rows.shape[0] > QUANT_TILED_MAX_ROWS:
+        out = F.linear(rows.float(), ops.ggml_dequantize(blocks, code), _float_bias(bias))
+    else:
+        out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), QUANT_GEMV_MAX_ROWS)
+    return out.to(x.dtype).view(*x.shape[:-1], blocks.shape[0])
+
+
+def _applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and packed.device.type == "cpu"
+        and packed.is_contiguous()
+    )
+
+
+def ggml_linear(
+    x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x.float(), dequantize_reference(qtype, blocks), bias.float()).to(x.dtype)` within fp32
+    accumulation error: x `[..., K]` (float32 or bfloat16), blocks uint8 `[N, ggml_row_bytes(qtype, K)]`
+    contiguous, bias `[N]` or None; `[..., N]` in x's dtype. The C++ kernels when they apply, else the reference."""
+    if _kernel_ops() is not None and _applies(x, blocks):
+        return _ggml_linear_kernel(x, qtype, blocks, bias)
+    return _ggml_linear_reference(x, qtype, blocks, bias)
+
+
+def ggml_linear_for(qtype: str) -> LinearFn:
+    """`ggml_linear` for `qtype` with the path chosen once (per layer, at load): `fn(x, blocks, bias)`. Its
+    `__name__` (and `.path`: "kernel" or "reference") says which, for logs."""
+    if qtype not in GGML_BLOCK_SIZES:
+        raise ValueError(
+            f"unknown GGML quantization type {qtype!r} (known: {sorted(GGML_BLOCK_SIZES)})"
+        )
+    use_kernel = _kernel_ops() is not None
+    implementation = _ggml_linear_kernel if use_kernel else _ggml_linear_reference
+
+    def linear(
+        x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if use_kernel and not _applies(x, blocks):
+            return _ggml_linear_reference(x, qtype, blocks, bias)
+        return implementation(x, qtype, blocks, bias)
+
+    path = "kernel" if use_kernel else "reference"
+    linear.__name__ = linear.__qualname__ = f"ggml_linear_{qtype}_{path}"
+    linear.path = path  # type: ignore[attr-defined]
+    return linear
+
+
+def int8_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric weight-only int8 with one float32 scale per output channel (row) of `weight` `[N, K]`:
+    scale = amax(|row|) / 127, q = round(w / scale) clamped to [-127, 127] (an all-zero row gets scale 1.0, so
+    its quants are 0 and nothing divides by zero). Returns int8 `[N, K]` contiguous and float32 `[N]`."""
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(
+            f"weight must be a floating-point [N, K] tensor, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    as_float = weight.float()
+    amax = (
+        as_float.abs().amax(dim=1) if as_float.shape[1] else as_float.new_zeros(as_float.shape[0])
+    )
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    quants = torch.round(as_float / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return quants, scale.contiguous()
+
+
+def _int8_linear_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return _reference_product(x, qweight.float() * scale.float()[:, None], bias)
+
+
+def _int8_linear_kernel(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    ops = load_cpu_kernels()
+    rows = _rows_of(x, qweight.shape[1])
+    scale = scale.float().contiguous()
+    if rows.shape[0] > QUANT_TILED_MAX_ROWS:
+        out = F.linear(rows.float(), qweight.float() * scale[:, None], _float_bias(bias))
+    else:
+        out = ops.int8_linear(rows, qweight, scale, _float_bias(bias), QUANT_GEMV_MAX_ROWS)
+    return out.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
+
+
+def _int8_applies(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    return _applies(x, qweight) and qweight.dtype == torch.int8 and qweight.dim() == 2
+
+
+def int8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x.float(), qweight.float() * scale[:, None], bias.float()).to(x.dtype)` within fp32 accumulation
+    error (qweight, scale from `int8_quantize`); the C++ kernels when they apply, else that reference."""
+    if _kernel_ops() is not None and _int8_applies(x, qweight):
+        return _int8_linear_kernel(x, qweight, scale, bias)
+    return _int8_linear_reference(x, qweight, scale, bias)
+
+
+def int8_linear_for() -> LinearFn:
+    """`int8_linear` with the path chosen once: `fn(x, qweight, scale, bias)`; `__name__` / `.path` say which."""
+    use_kernel = _kernel_ops() is not None
+    implementation = _int8_linear_kernel if use_kernel else _int8_linear_reference
+
+    def linear(
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if use_kernel and not _int8_applies(x, qweight):
+            return _int8_linear_reference(x, qweight, scale, bias)
+        return implementation(x, qweight, scale, bias)
+
+    path = "kernel" if use_kernel else "reference"
+    linear.__name__ = linear.__qualname__ = f"int8_linear_{path}"
+    linear.path = path  # type: ignore[attr-defined]
+    return linear
