@@ -36,7 +36,9 @@ class ModelConfig:
 
     `generation_config` says where requests without their own SamplingParams take their defaults from: "auto"
     (the checkpoint's generation_config.json), "kvflow" or "vllm" (kvflow's own defaults), or a folder holding a
-    generation_config.json. `max_logprobs` caps `SamplingParams.logprobs` (-1: no cap).
+    generation_config.json. `max_logprobs` caps `SamplingParams.logprobs` (-1: no cap). `quantization` is None,
+    "int8" (weight-only, quantized at load; `quantize_lm_head`: the LM head too) or "gguf" (`model` is a GGUF file;
+    `tokenizer` then names the tokenizer folder).
     """
 
     model: str | None = None
@@ -48,6 +50,8 @@ class ModelConfig:
     device: str = "auto"
     generation_config: str = "auto"
     max_logprobs: int = 20
+    quantization: str | None = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")

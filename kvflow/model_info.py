@@ -35,7 +35,8 @@ _INT_FIELDS = frozenset({"top_k", "max_tokens"})
 class ModelInfo:
     """A resolved model reference.
 
-    Invariants: `path` is an existing checkpoint folder (None only for the hash test model); `architecture` is
+    Invariants: `path` is an existing checkpoint folder or GGUF file (None only for the hash test model);
+    `architecture` is
     the key `kvflow.models.registry.build_model` builds the model by (the checkpoint's Hugging Face architecture, or
     `HASH_MODEL_ARCHITECTURE` exactly when `path` is None); `max_model_len` is the longest sequence the model
     supports (`max_position_embeddings`; sliding-window layers mask keys outside their window, so it is not capped
@@ -65,9 +66,9 @@ class ModelInfo:
 
 def resolve_model_path(model: str | None, revision: str | None = None) -> Path | None:
     """`None` -> the built-in default model (created on first use), "hash" / "hash-logits" -> None, an existing
-    folder -> itself, a Hugging Face id ("org/name") -> its snapshot in the local Hugging Face cache (`revision`:
-    a branch, tag or commit; default "main"). Nothing is downloaded; a miss is a ValueError saying where kvflow
-    looked."""
+    folder or *.gguf file -> itself, a Hugging Face id ("org/name") -> its snapshot in the local Hugging Face
+    cache (`revision`: a branch, tag or commit; default "main"). Nothing is downloaded; a miss is a ValueError
+    saying where kvflow looked."""
     if model in _HASH_ARCHITECTURES:
         return None
     if model is None:
@@ -75,13 +76,14 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path |
 
         return ensure_default_model()
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.suffix == ".gguf" and path.is_file()):
         return path
     if _looks_like_hub_id(model):
         return _cached_snapshot(model, revision)
     raise ValueError(
-        f"model={model!r}: not a checkpoint folder (kvflow loads Hugging Face checkpoint folders "
-        "from local disk, or an org/name id already in the local Hugging Face cache; nothing is downloaded)"
+        f"model={model!r}: not a checkpoint folder or .gguf file (kvflow loads Hugging Face checkpoint "
+        "folders and GGUF files from local disk, or an org/name id already in the local Hugging Face cache; "
+        "nothing is downloaded)"
     )
 
 
@@ -137,11 +139,17 @@ def resolve_model_info(model: str | None, revision: str | None = None) -> ModelI
             (DEFAULT_EOS_TOKEN_ID,),
             _HASH_ARCHITECTURES[model],
         )
-    from kvflow.models.hf_config import load_hf_config
+    if path.is_file():  # a GGUF file: the configuration is in its metadata
+        from kvflow.models.quantization.gguf_file import GGUFCheckpoint
 
-    config = load_hf_config(path)
+        config = GGUFCheckpoint(path).hf_config()
+        eos_token_ids = _as_id_tuple(config.eos_token_id)
+    else:
+        from kvflow.models.hf_config import load_hf_config
+
+        config = load_hf_config(path)
+        eos_token_ids = _generation_eos_token_ids(path) or _as_id_tuple(config.eos_token_id)
     max_model_len = config.max_position_embeddings
-    eos_token_ids = _generation_eos_token_ids(path) or _as_id_tuple(config.eos_token_id)
     return ModelInfo(
         str(model) if model is not None else "default",
         path,

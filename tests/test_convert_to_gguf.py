@@ -142,6 +142,13 @@ def test_qwen2_keeps_rows_writes_biases_ties_embeddings_and_the_bpe_vocabulary(
 
 
 def test_unsupported_checkpoints_are_refused_naming_the_field(tmp_path: Path) -> None:
-    checkpoint = make_tiny_checkpoint(tmp_path / "qwen3", "qwen3")
-    with pytest.raises(ValueError, match="model_type 'qwen3'"):
-        load_converter().convert(checkpoint, tmp_path / "qwen3.gguf")
+    checkpoint = make_tiny_checkpoint(tmp_path / "llama", "llama")
+    config_file = checkpoint / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "model_type": "phi3"}))
+    with pytest.raises(ValueError, match="model_type 'phi3'"):
+        load_converter().convert(checkpoint, tmp_path / "phi3.gguf")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    config_file.write_text(json.dumps({**config, "rope_scaling": yarn}))
+    with pytest.raises(ValueError, match="rope_scaling"):
+        load_converter().convert(checkpoint, tmp_path / "yarn.gguf")

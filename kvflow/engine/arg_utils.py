@@ -31,6 +31,7 @@ from kvflow.config import (
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from kvflow.models.quantization import QUANTIZATION_METHODS, check_quantization
 from kvflow.reasoning import REASONING_PARSERS
 from kvflow.utils import resolve_device
 
@@ -45,6 +46,7 @@ _DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 # The CPU KV cache budget in GiB (vLLM CPU's VLLM_CPU_KVCACHE_SPACE); unset, empty or 0: 4 GiB.
 CPU_KVCACHE_SPACE_ENV = "KVFLOW_CPU_KVCACHE_SPACE"
 REASONING_PARSER_NAMES = REASONING_PARSERS.names()
+QUANTIZATION_CHOICES = QUANTIZATION_METHODS.names()
 
 
 def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -62,11 +64,15 @@ class EngineArgs:
 
     model: str | None = _option(
         None,
-        "Hugging Face checkpoint folder, or an org/name id already in the local Hugging Face cache (nothing is "
-        "downloaded); default: the built-in default model (created locally on first use); 'hash': the "
-        "deterministic test model",
+        "Hugging Face checkpoint folder, a llama.cpp GGUF file (*.gguf; weights kept in their quantized "
+        "blocks), or an org/name id already in the local Hugging Face cache (nothing is downloaded); default: "
+        "the built-in default model (created locally on first use); 'hash': the deterministic test model",
     )
-    tokenizer: str | None = _option(None, "tokenizer folder (default: the model's)")
+    tokenizer: str | None = _option(
+        None,
+        "tokenizer folder (default: the model's; for a GGUF file the original checkpoint's folder, unless the "
+        "file holds a Hugging Face tokenizer)",
+    )
     revision: str | None = _option(
         None,
         "with a Hugging Face id as the model: the cached snapshot's branch, tag or commit (default: main)",
@@ -103,6 +109,16 @@ class EngineArgs:
     async_scheduling: bool = _option(True, "plan step N+1 while step N runs (overlapped steps)")
     scheduling_policy: str = _option("fcfs", "admission and preemption order", SCHEDULING_POLICIES)
     seed: int = _option(0, "engine seed: draws of requests without their own seed")
+    quantization: str | None = _option(
+        None,
+        "'int8': weight-only int8 with a float32 scale per output channel, quantized at load from a float "
+        "checkpoint (every linear layer; the embedding and the LM head stay in the model dtype); 'gguf': the "
+        "model is a GGUF file (implied by a .gguf path)",
+        QUANTIZATION_CHOICES,
+    )
+    quantize_lm_head: bool = _option(
+        False, "with --quantization int8: quantize the LM head too (an int8 copy when tied)"
+    )
     tensor_parallel_size: int = _option(
         1,
         "tensor-parallel ranks: each holds 1/N of the model's heads, MLP and vocabulary, and of the KV cache "
@@ -197,6 +213,16 @@ class EngineArgs:
                 f"max_model_len={self.max_model_len} is larger than the model supports "
                 f"({model_info.max_model_len})"
             )
+        from kvflow.models.quantization.gguf_file import GGUFCheckpoint, is_gguf_file
+
+        is_gguf = is_gguf_file(model_info.path)
+        check_quantization(
+            self.quantization, is_gguf=is_gguf, quantize_lm_head=self.quantize_lm_head
+        )
+        tokenizer = self.tokenizer
+        if is_gguf and tokenizer is None and not self.skip_tokenizer_init:
+            assert model_info.path is not None
+            tokenizer = str(GGUFCheckpoint(model_info.path).tokenizer_folder())
         # `is None`, not `or`: max_model_len=0 is a mistake to report, not "unset".
         max_model_len = (
             self.max_model_len if self.max_model_len is not None else model_info.max_model_len
@@ -204,9 +230,11 @@ class EngineArgs:
         return EngineConfig(
             model_config=ModelConfig(
                 model=str(model_info.path) if model_info.path else model_info.name,
-                tokenizer=self.tokenizer,
+                tokenizer=tokenizer,
                 skip_tokenizer_init=self.skip_tokenizer_init,
                 dtype=self.dtype,
+                quantization=self.quantization,
+                quantize_lm_head=self.quantize_lm_head,
                 max_model_len=max_model_len,
                 seed=self.seed,
                 device=self.device,

@@ -50,7 +50,11 @@ def build_frontend(
 ) -> FrontendParts:
     """The API side: tokenizer and processors. Needs no core: the KV cache is checked to hold `max_model_len` when
     the core is built, so the input processor's length checks hold for any KV capacity the core reports."""
-    tokenizer = _load_tokenizer(model_info, engine_args.tokenizer, engine_args.skip_tokenizer_init)
+    tokenizer = (
+        _load_tokenizer(  # the config's tokenizer: a GGUF file's may be resolved from the file
+            model_info, engine_config.model_config.tokenizer, engine_args.skip_tokenizer_init
+        )
+    )
     input_processor = InputProcessor(
         model_info,
         tokenizer,

@@ -32,6 +32,7 @@ from kvflow.models.loader import CheckpointModel
 if TYPE_CHECKING:
     from kvflow.batch import BatchInputs
     from kvflow.models.hf_config import TransformerConfig
+    from kvflow.models.quantization import QuantizationPlan
 
 
 def tp_head_ranges(
@@ -258,7 +259,7 @@ class LlamaForCausalLM(CheckpointModel):
     rank) nothing is split and no collective runs.
 
     `fused_decode` is the decode-only fast path (`FusedDecodeLayers`), chosen once here, or None when this model's
-    layers do not match it.
+    layers do not match it (always None under a `quantization` plan, which gives the layers their own kernels).
     """
 
     samples_own_tokens = False
@@ -275,6 +276,7 @@ class LlamaForCausalLM(CheckpointModel):
         device: torch.device | str = "cpu",
         attention_backend: str = "torch",
         tp: TensorParallelGroup | None = None,
+        quantization: QuantizationPlan | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp if tp is not None else TensorParallelGroup.single()
@@ -313,14 +315,23 @@ class LlamaForCausalLM(CheckpointModel):
         self._layer_windows = [
             config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
         ]
-        self.fused_decode = FusedDecodeLayers.select(
-            config,
-            list(self.model.layers),
-            self._layer_windows,
-            self.attention_backend,
-            dtype=dtype,
-            device=self.device,
-            tp=self.tp,
+        self.quantization = quantization
+        if (
+            quantization is not None
+        ):  # before any weight loads: the layers take the plan's storage and kernels
+            quantization.apply(self)
+        self.fused_decode = (
+            None
+            if quantization is not None
+            else FusedDecodeLayers.select(
+                config,
+                list(self.model.layers),
+                self._layer_windows,
+                self.attention_backend,
+                dtype=dtype,
+                device=self.device,
+                tp=self.tp,
+            )
         )
 
     # ------------------------------------------------------------------------------------------ KV cache

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
     from kvflow.model_info import ModelInfo
     from kvflow.models.hf_config import TransformerConfig
+    from kvflow.models.quantization import QuantizationPlan
 
 logger = logging.getLogger(__name__)
 
@@ -90,43 +91,79 @@ def load_model(
     device: torch.device | str = "cpu",
     attention_backend: str = "auto",
     tp: TensorParallelGroup | None = None,
+    quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> CheckpointModel:
     """Read the config, build the registered model class, load the weights, and return it in eval mode.
 
-    `attention_backend` "auto" is the C++ decode backend ("cpu") on a CPU with the kernels, else "torch". With `tp`
-    of several ranks the model holds this rank's shard of every tensor and only that shard is read.
+    `model_path` is a Hugging Face checkpoint folder or a GGUF file (its weights stay in their ggml blocks:
+    `kvflow.models.quantization`). `quantization="int8"` quantizes a folder's linear layers as they load
+    (`quantize_lm_head`: the LM head too). `attention_backend` "auto" is the C++ decode backend ("cpu") on a CPU with
+    the kernels, else "torch". With `tp` of several ranks the model holds this rank's shard of every tensor and only
+    that shard is read (a GGUF file is memory-mapped and each rank copies its part).
     """
+    from kvflow.models.quantization import QUANTIZATION_METHODS, check_quantization
+    from kvflow.models.quantization.gguf_file import GGUFCheckpoint, is_gguf_file
+
     started = time.perf_counter()
     attention_backend = resolve_attention_backend(attention_backend, torch.device(device))
-    config = load_hf_config(model_path)
+    is_gguf = is_gguf_file(model_path)
+    check_quantization(quantization, is_gguf=is_gguf, quantize_lm_head=quantize_lm_head)
+    sharded = tp is not None and tp.size > 1
+    weights: Iterable[tuple[str, Any]]
+    plan: QuantizationPlan | None = None
+    if is_gguf:
+        checkpoint = GGUFCheckpoint(model_path)
+        config = checkpoint.hf_config()
+        plan = QUANTIZATION_METHODS.get("gguf")(checkpoint.tensor_infos())  # type: ignore[call-arg]
+        weights, sliced, bytes_in_file = (
+            checkpoint.iterate_weights(),
+            False,
+            checkpoint.tensor_bytes(),
+        )
+    else:
+        config = load_hf_config(model_path)
+        if quantization is not None:
+            plan = QUANTIZATION_METHODS.get(quantization)(quantize_lm_head=quantize_lm_head)  # type: ignore[call-arg]
+        weights, sliced, bytes_in_file = None, sharded, 0
     model_class = get_model_class([config.architecture])
     torch_dtype = resolve_dtype(dtype, config)
     model = model_class(
-        config, dtype=torch_dtype, device=device, attention_backend=attention_backend, tp=tp
+        config,
+        dtype=torch_dtype,
+        device=device,
+        attention_backend=attention_backend,
+        tp=tp,
+        quantization=plan,
     )
     num_tensors = 0
     num_bytes = 0
 
-    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+    def counted(tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         nonlocal num_tensors, num_bytes
-        for name, tensor in iterate_safetensors_weights(model_path, select):
+        for name, tensor in tensors:
             num_tensors += 1
-            num_bytes += tensor.numel() * tensor.element_size()
+            num_bytes += (
+                tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
+            )
             yield name, tensor
 
-    sharded = tp is not None and tp.size > 1
-    select = model.checkpoint_index if sharded else None
-    model.load_weights(counted(), sliced=sharded)
+    if weights is None:
+        weights = iterate_safetensors_weights(
+            model_path, model.checkpoint_index if sharded else None
+        )
+    model.load_weights(counted(weights), sliced=sliced)
     model.eval()
-    num_params = sum(param.numel() for param in model.parameters())
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     logger.info(
-        "loaded %s (%s) from %s: %d tensors, %.1f MiB read, %.2fM parameters as %s on %s in %.2fs",
+        "loaded %s (%s%s) from %s: %d tensors, %.1f MiB read, %.1f MiB of weights held as %s on %s in %.2fs",
         config.architecture,
         attention_backend,
+        "" if plan is None else f", {plan.name}",
         model_path,
         num_tensors,
-        num_bytes / 2**20,
-        num_params / 1e6,
+        (bytes_in_file or num_bytes) / 2**20,
+        held / 2**20,
         torch_dtype,
         device,
         time.perf_counter() - started,
@@ -138,13 +175,15 @@ class CheckpointModel(nn.Module):
     """A model whose weights come from a Hugging Face checkpoint folder: what the worker, the registry and tensor
     parallelism need of it, on top of `RunnerModel`, implemented once here.
 
-    Invariants: a subclass is built as `cls(config, *, dtype, device, attention_backend, tp)` (as `load_model`
-    does), sets `self.tp` (its `TensorParallelGroup`), and names in `packed_modules_mapping` the checkpoint
+    Invariants: a subclass is built as `cls(config, *, dtype, device, attention_backend, tp, quantization)` (as
+    `load_model` does), sets `self.tp` (its `TensorParallelGroup`) and `self.quantization` (the plan it applied to
+    its layers before any weight loaded, or None), and names in `packed_modules_mapping` the checkpoint
     projections each of its fused modules stacks, in shard order; every parameter carries a `weight_loader`.
     """
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {}
     tp: TensorParallelGroup
+    quantization: QuantizationPlan | None = None
 
     @classmethod
     def build(
@@ -156,7 +195,14 @@ class CheckpointModel(nn.Module):
     ) -> CheckpointModel:
         """The checkpoint folder's model with its weights (this rank's shards), in `model_config.dtype`."""
         assert model_info.path is not None, f"model {model_info.name!r} has no checkpoint folder"
-        return load_model(model_info.path, dtype=model_config.dtype, device=device, tp=tp)
+        return load_model(
+            model_info.path,
+            dtype=model_config.dtype,
+            device=device,
+            tp=tp,
+            quantization=model_config.quantization,
+            quantize_lm_head=model_config.quantize_lm_head,
+        )
 
     def checkpoint_index(self, checkpoint_name: str) -> tuple[slice, ...]:
         """The part of checkpoint tensor `checkpoint_name` this rank loads: `()` for all of it (always, with one
@@ -171,8 +217,11 @@ class CheckpointModel(nn.Module):
     ) -> None:
         """Copy Hugging Face-named tensors in (fusing the packed ones, casting to the model's dtype): see
         `load_weights`. `strict` (a whole checkpoint) requires every parameter; `strict=False` updates just the
-        tensors given (a weight update); `sliced` says they are already this rank's parts."""
+        tensors given (a weight update); `sliced` says they are already this rank's parts. The quantization plan's
+        `after_loading` runs after every load."""
         load_weights(self, weights, strict=strict, sliced=sliced)
+        if self.quantization is not None:
+            self.quantization.after_loading(self)
 
 
 class PackedNames:

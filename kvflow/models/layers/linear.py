@@ -8,7 +8,7 @@ part out of a checkpoint tensor (`checkpoint_index`) and copies it into the rows
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,18 @@ from kvflow.models.layers.weights import CheckpointTensor, copy_checked, narrow,
 
 if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
+
+
+class LinearMethod(Protocol):
+    """How a layer whose weight is stored another way (quantized: `kvflow.models.quantization`) multiplies.
+
+    Built once per layer when the model is built, before its weights load: it replaces the layer's `weight` with its
+    own storage (and that parameter's `weight_loader`) and picks the kernel for this CPU; `apply` is then
+    `F.linear(hidden_states, dequantized weight, bias)` up to the kernel's accumulation error."""
+
+    name: str
+
+    def apply(self, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
 class Linear(nn.Module):
@@ -55,6 +67,8 @@ class Linear(nn.Module):
         )
         set_weight_loader(self.weight, self.weight_loader)
         set_weight_loader(self.bias, self.weight_loader)
+        # Set by a quantization method (`LinearMethod`) before loading; None: `weight` is a plain float matrix.
+        self.quant_method: LinearMethod | None = None
 
     def shard_rows(self, shard: int | None) -> slice:
         """The rows of `weight` (and entries of `bias`) that shard `shard` occupies (None: all of them)."""
@@ -72,8 +86,14 @@ class Linear(nn.Module):
         copy_checked(param.data[self.shard_rows(shard_id)], part)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = kernels.linear(hidden_states, self.weight, self.bias)  # CPU GEMV/GEMM, else None
-        return out if out is not None else F.linear(hidden_states, self.weight, self.bias)
+        return self.matmul(hidden_states, self.bias)
+
+    def matmul(self, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`hidden_states @ weight.T (+ bias)`: the quantization method's kernel, else the float one."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(hidden_states, bias)
+        out = kernels.linear(hidden_states, self.weight, bias)  # CPU GEMV/GEMM, else None
+        return out if out is not None else F.linear(hidden_states, self.weight, bias)
 
     def checkpoint_index(self, param_name: str, shard: int | None) -> tuple[slice, ...]:
         """The part of checkpoint shard `shard`'s tensor for `param_name` ("weight" or "bias") this layer holds:
@@ -141,8 +161,4 @@ class RowParallelLinear(Linear):
         return (slice(None), slice(start, start + length))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.adds_bias else None
-        out = kernels.linear(hidden_states, self.weight, bias)  # CPU GEMV/GEMM, else None
-        if out is None:
-            out = F.linear(hidden_states, self.weight, bias)
-        return self.tp.all_reduce(out)
+        return self.tp.all_reduce(self.matmul(hidden_states, self.bias if self.adds_bias else None))

@@ -10,7 +10,7 @@ from torch import nn
 
 from kvflow import kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 # Positions cached up front; longer sequences grow the cache (by doubling) on the forward that needs them.
 _INITIAL_CACHED_POSITIONS = 8192
 
@@ -21,6 +21,8 @@ def rope_inverse_frequencies(
     """The `[head_dim // 2]` float32 inverse frequencies, scaled as `scaling["rope_type"]` says.
 
     Matches transformers' `ROPE_INIT_FUNCTIONS` for the supported types; any other type is a ValueError naming it.
+    "freq_factors" divides each frequency by its entry of `factors` (llama.cpp's `rope_freqs` tensor, which GGUF
+    files of Llama 3.1+ carry instead of the scaling parameters).
     """
     scaling = scaling or {}
     rope_type = scaling.get("rope_type", "default")
@@ -38,6 +40,13 @@ def rope_inverse_frequencies(
         return inv_freq / float(_parameter(scaling, "factor"))
     if rope_type == "llama3":
         return _llama3_inverse_frequencies(inv_freq, scaling)
+    if rope_type == "freq_factors":
+        factors = torch.tensor(_parameter(scaling, "factors"), dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope freq_factors has {factors.numel()} entries for {inv_freq.numel()} frequencies"
+            )
+        return inv_freq / factors
     return inv_freq
 
 

@@ -4,13 +4,25 @@ several tensor-parallel ranks each rank holds a contiguous part of the vocabular
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvflow import kernels
 from kvflow.distributed.parallel_state import TensorParallelGroup, vocab_partition
+from kvflow.models.layers.linear import LinearMethod
 from kvflow.models.layers.weights import CheckpointTensor, copy_checked, narrow, set_weight_loader
+
+
+class EmbeddingMethod(Protocol):
+    """How an embedding whose table is stored another way (GGUF blocks: `kvflow.models.quantization`) looks rows
+    up: `lookup(ids)` is `F.embedding(ids, dequantized table)` in the model dtype."""
+
+    name: str
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class _VocabShard(nn.Module):
@@ -28,6 +40,8 @@ class _VocabShard(nn.Module):
         self.vocab_start, self.num_vocab_rows, self.padded_rows = vocab_partition(
             vocab_size, self.tp.size, self.tp.rank
         )
+        # Set by a quantization method before loading (the table stored another way); None: a float table.
+        self.quant_method: EmbeddingMethod | LinearMethod | None = None
 
     def _new_weight(
         self, hidden_size: int, dtype: torch.dtype, device: torch.device | str
@@ -76,12 +90,17 @@ class VocabEmbedding(_VocabShard):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local_ids = input_ids - self.vocab_start
         held = (local_ids >= 0) & (local_ids < self.num_vocab_rows)
-        embedded = F.embedding(local_ids.clamp(0, self.weight.shape[0] - 1), self.weight)
+        embedded = self._lookup(local_ids.clamp(0, self.weight.shape[0] - 1))
         embedded = embedded * held.unsqueeze(-1).to(embedded.dtype)
         return self.tp.all_reduce(embedded)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.lookup(input_ids)  # type: ignore[union-attr]
+        return F.embedding(input_ids, self.weight)
 
 
 class LMHead(_VocabShard):
@@ -113,8 +132,11 @@ class LMHead(_VocabShard):
         self.weight = embedding.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = kernels.linear(hidden_states, self.weight, float_output=True)  # CPU GEMV/GEMM kernel
-        logits = out if out is not None else F.linear(hidden_states, self.weight)
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(hidden_states, None)  # type: ignore[union-attr]
+        else:
+            out = kernels.linear(hidden_states, self.weight, float_output=True)  # CPU GEMV/GEMM
+            logits = out if out is not None else F.linear(hidden_states, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
         return logits.float()

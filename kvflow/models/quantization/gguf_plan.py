@@ -1,0 +1,270 @@
+"""GGUF weights kept in their ggml blocks: the linear layers', the embedding's and the LM head's storage and kernels.
+
+A layer whose checkpoint tensors are all float in the file (F32, F16, BF16) stays an ordinary float layer in the
+model dtype. Any other layer holds its weight as one flat uint8 `weight` parameter: the shards of a fused layer (q,
+k, v or gate, up) are grouped into runs of one type (Q4_K_M files mix Q4_K and Q6_K inside one fused QKV), each run a
+`[rows, row_bytes]` block matrix (float runs: a `[rows, columns]` matrix in the model dtype) at a 64-byte aligned
+offset, so a layer's bytes are its file tensors' bytes and no dequantized copy exists. `apply` runs one kernel per run
+(`kvflow.kernels.quant.ggml_linear_for`, chosen when the layer is built) and concatenates the runs' outputs.
+
+Weight updates (`strict=False` loads of float tensors) into quantized storage are refused with the tensor's name.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.kernels import quant
+from kvflow.models.layers.linear import Linear
+from kvflow.models.layers.vocab import LMHead, VocabEmbedding
+from kvflow.models.layers.weights import (
+    CheckpointTensor,
+    WeightShapeError,
+    copy_checked,
+    narrow,
+    set_weight_loader,
+)
+from kvflow.models.loader import EMBEDDING, LM_HEAD, PackedNames
+from kvflow.models.quantization import GGUF
+from kvflow.models.quantization.gguf_file import FLOAT_TYPES, GGUFTensor, GGUFTensorInfo
+
+logger = logging.getLogger(__name__)
+
+_ALIGNMENT = (
+    64  # bytes: each run's storage starts on a cache line (and a float run's on its element size)
+)
+GGMLLinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+@dataclass
+class _Run:
+    """Consecutive shards of one type: rows `[row_start, row_start + rows)` of the layer's output, stored at
+    `offset` of the flat weight as `rows` block rows (or float rows)."""
+
+    qtype: str
+    shards: list[int | None]
+    row_start: int
+    rows: int
+    columns: int
+    offset: int
+    num_bytes: int
+    matrix: torch.Tensor | None = None  # the view into the flat weight, set once it exists
+
+    @property
+    def is_float(self) -> bool:
+        return self.qtype in FLOAT_TYPES
+
+
+def _run_bytes(qtype: str, rows: int, columns: int, dtype: torch.dtype) -> int:
+    if qtype in FLOAT_TYPES:
+        return rows * columns * torch.empty((), dtype=dtype).element_size()
+    return rows * quant.ggml_row_bytes(qtype, columns)
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGNMENT) * _ALIGNMENT
+
+
+class GGUFLinear:
+    """The `LinearMethod` of a layer stored as GGUF blocks (see the module docstring)."""
+
+    name = GGUF
+
+    def __init__(self, layer: Linear, shard_types: list[tuple[int | None, str]], name: str) -> None:
+        self.layer = layer
+        self.layer_name = name
+        dtype = layer.weight.dtype
+        columns = layer.input_size
+        self.runs: list[_Run] = []
+        offset = row_start = 0
+        for shard, qtype in shard_types:
+            rows = layer.output_sizes[0 if shard is None else shard]
+            if self.runs and self.runs[-1].qtype == qtype:
+                run = self.runs[-1]
+                run.shards.append(shard)
+                run.rows += rows
+                run.num_bytes = _run_bytes(qtype, run.rows, columns, dtype)
+            else:
+                if self.runs:
+                    offset = _aligned(self.runs[-1].offset + self.runs[-1].num_bytes)
+                try:
+                    num_bytes = _run_bytes(qtype, rows, columns, dtype)
+                except ValueError as error:
+                    raise ValueError(f"{name}: {error}") from None
+                self.runs.append(_Run(qtype, [shard], row_start, rows, columns, offset, num_bytes))
+            row_start += rows
+        total = self.runs[-1].offset + self.runs[-1].num_bytes
+        layer.weight = nn.Parameter(
+            torch.zeros(total, dtype=torch.uint8, device=layer.weight.device), requires_grad=False
+        )
+        set_weight_loader(layer.weight, self.weight_loader)
+        for run in self.runs:
+            flat = layer.weight.data[run.offset : run.offset + run.num_bytes]
+            run.matrix = (
+                flat.view(dtype).view(run.rows, columns)
+                if run.is_float
+                else flat.view(run.rows, quant.ggml_row_bytes(run.qtype, columns))
+            )
+        self._kernels: list[GGMLLinearFn | None] = [
+            None if run.is_float else quant.ggml_linear_for(run.qtype) for run in self.runs
+        ]
+        self._dtype = dtype
+
+    @property
+    def kernel_names(self) -> list[str]:
+        return ["float" if fn is None else getattr(fn, "__name__", "?") for fn in self._kernels]
+
+    def _place(self, shard_id: int | None) -> tuple[_Run, slice]:
+        for run in self.runs:
+            if shard_id in run.shards:
+                before = sum(
+                    self.layer.output_sizes[0 if shard is None else shard]
+                    for shard in run.shards[: run.shards.index(shard_id)]
+                )
+                rows = self.layer.output_sizes[0 if shard_id is None else shard_id]
+                return run, slice(before, before + rows)
+        raise ValueError(
+            f"{self.layer_name}: the GGUF file's layout has no shard {shard_id} for this layer"
+        )
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | None = None
+    ) -> None:
+        """Copy this rank's rows (or block-aligned columns) of shard `shard_id`'s GGUF tensor into its run."""
+        run, rows = self._place(shard_id)
+        assert run.matrix is not None
+        part = narrow(loaded_weight, self.layer.checkpoint_index("weight", shard_id))
+        if run.is_float:
+            if isinstance(part, GGUFTensor):
+                raise WeightShapeError(f"expected a float tensor, got {part.qtype} blocks")
+            copy_checked(run.matrix[rows], part)
+            return
+        if not isinstance(part, GGUFTensor):
+            raise ValueError(
+                f"{self.layer_name}: its weight is stored as GGUF {run.qtype} blocks; loading float weights "
+                "into it (a weight update) is not supported"
+            )
+        if part.qtype != run.qtype:
+            raise WeightShapeError(f"file type {part.qtype}, model expects {run.qtype}")
+        destination = run.matrix[rows]
+        if (destination.shape[0], run.columns) != part.shape:
+            raise WeightShapeError(
+                f"checkpoint {part.shape}, model {(destination.shape[0], run.columns)}"
+            )
+        copy_checked(destination, part.data)
+
+    def apply(self, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outputs = []
+        for run, kernel in zip(self.runs, self._kernels, strict=True):
+            assert run.matrix is not None
+            run_bias = None if bias is None else bias[run.row_start : run.row_start + run.rows]
+            if kernel is None:
+                outputs.append(F.linear(hidden_states, run.matrix, run_bias))
+            else:
+                outputs.append(kernel(hidden_states, run.matrix, run_bias))
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+
+class GGUFVocab:
+    """The embedding table (and the LM head, tied or its own) stored as GGUF blocks: `weight` is uint8
+    `[rows, row_bytes]` laid out like the float table (this rank's vocabulary rows first); `lookup` dequantizes just
+    the looked-up rows, `apply` is the head's matmul on the blocks."""
+
+    name = GGUF
+
+    def __init__(self, vocab: VocabEmbedding | LMHead, qtype: str, dtype: torch.dtype) -> None:
+        self.vocab = vocab
+        self.qtype = qtype
+        self.dtype = dtype
+        rows, columns = vocab.weight.shape
+        vocab.weight = nn.Parameter(
+            torch.zeros(
+                rows,
+                quant.ggml_row_bytes(qtype, columns),
+                dtype=torch.uint8,
+                device=vocab.weight.device,
+            ),
+            requires_grad=False,
+        )
+        set_weight_loader(vocab.weight, self.weight_loader)
+        self._linear = quant.ggml_linear_for(qtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | None = None
+    ) -> None:
+        part = narrow(loaded_weight, self.vocab.checkpoint_index("weight", shard_id))
+        if not isinstance(part, GGUFTensor) or part.qtype != self.qtype:
+            raise ValueError(
+                f"the vocabulary table is stored as GGUF {self.qtype} blocks; got "
+                f"{getattr(part, 'qtype', 'float weights')} (weight updates are not supported)"
+            )
+        copy_checked(param.data[: self.vocab.num_vocab_rows], part.data)
+
+    def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.vocab.weight.index_select(0, input_ids.reshape(-1))
+        embedded = quant.dequantize(self.qtype, rows, self.dtype)
+        return embedded.view(*input_ids.shape, embedded.shape[-1])
+
+    def apply(self, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._linear(hidden_states, self.vocab.weight, bias)
+
+
+class GGUFPlan:
+    """Lays a model out as a GGUF file's tensors say (`infos`: Hugging Face name -> the file's tensor)."""
+
+    name = GGUF
+
+    def __init__(self, infos: dict[str, GGUFTensorInfo]) -> None:
+        self.infos = infos
+
+    def apply(self, model: nn.Module) -> None:
+        names = PackedNames(getattr(model, "packed_modules_mapping", {}))
+        counts: dict[str, int] = {}
+        for module_name, module in model.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            param_name = f"{module_name}.weight"
+            shard_types = []
+            for shard in names.shards(param_name):
+                checkpoint_name = names.checkpoint_name(param_name, shard)
+                info = self.infos.get(checkpoint_name)
+                if info is None:
+                    raise ValueError(f"the GGUF file has no tensor for {checkpoint_name}")
+                shard_types.append((shard, info.qtype))
+            for _, qtype in shard_types:
+                counts[qtype] = counts.get(qtype, 0) + 1
+            if all(qtype in FLOAT_TYPES for _, qtype in shard_types):
+                continue  # an ordinary float layer
+            module.quant_method = GGUFLinear(module, shard_types, module_name)
+        self._apply_vocab(model)
+        logger.info(
+            "GGUF weights kept in their blocks: %s",
+            ", ".join(f"{count} {qtype}" for qtype, count in sorted(counts.items())),
+        )
+
+    def _apply_vocab(self, model: nn.Module) -> None:
+        embedding = model.get_submodule("model.embed_tokens")
+        head = model.get_submodule("lm_head")
+        assert isinstance(embedding, VocabEmbedding) and isinstance(head, LMHead)
+        tied = head.weight is embedding.weight
+        dtype = embedding.weight.dtype
+        embedding_type = self.infos[EMBEDDING].qtype
+        if embedding_type not in FLOAT_TYPES:
+            embedding.quant_method = GGUFVocab(embedding, embedding_type, dtype)
+        if tied:
+            head.tie(embedding)
+            if embedding_type not in FLOAT_TYPES:
+                head.quant_method = embedding.quant_method
+            return
+        head_info = self.infos.get(LM_HEAD)
+        if head_info is not None and head_info.qtype not in FLOAT_TYPES:
+            head.quant_method = GGUFVocab(head, head_info.qtype, dtype)
+
+    def after_loading(self, model: nn.Module) -> None:
+        return None
