@@ -43,11 +43,15 @@ def held_out_documents() -> list[str]:
     )
 
 
-def kvflow_perplexity(llm: LLM, model_dir: Path) -> tuple[float, int]:
-    """exp(mean NLL) of the held-out sample's windows, from the engine's prompt logprobs."""
+def kvflow_perplexity(
+    llm: LLM, model_dir: Path, num_documents: int | None = None
+) -> tuple[float, int]:
+    """exp(mean NLL) of the held-out sample's windows (of its first `num_documents` documents; None: all), from
+    the engine's prompt logprobs."""
     tokenizer = load_tokenizer(model_dir)
     windows = perplexity_windows(
-        [tokenizer.encode(document) for document in held_out_documents()], tokenizer.bos_token_id
+        [tokenizer.encode(document) for document in held_out_documents()[:num_documents]],
+        tokenizer.bos_token_id,
     )
     outputs = llm.generate(
         [{"prompt_token_ids": window} for window in windows],
@@ -105,3 +109,66 @@ def test_greedy_continuations_are_printable_english_words() -> None:
         assert known >= 0.8 * len(words), (
             f"{prompt!r} -> {text!r}: {known} of {len(words)} words known"
         )
+
+
+# The issue's bounds for quantized forms of the model against float32 on the same windows (relative perplexity).
+QUANTIZED_PERPLEXITY_TOLERANCE = {"int8": 0.005, "Q8_0": 0.005, "Q4_0": 0.05, "Q4_K_M": 0.05}
+# The default suite scores the first document (~1/6 of the sample); the slow test all of them.
+QUICK_DOCUMENTS = 1
+
+
+def quantized_llm(kind: str, model_dir: Path, tmp_path: Path) -> LLM:
+    """The default model as `kind`: quantized at load (int8), or written as a GGUF file of that type (the 384-wide
+    rows take Q4_K_M's fallback, Q4_0; the 1024-wide down projection is Q4_K / Q6_K)."""
+    options = {"max_num_seqs": 16, "disable_log_stats": True}
+    if kind == "int8":
+        return LLM(str(model_dir), quantization="int8", **options)
+    from kvflow.testing.gguf_files import write_gguf
+
+    path = write_gguf(model_dir, tmp_path / f"default-{kind}.gguf", kind)
+    return LLM(str(path), tokenizer=str(model_dir), **options)
+
+
+@pytest.fixture(scope="module")
+def quick_float_perplexity() -> float:
+    model_dir = ensure_default_model()
+    llm = LLM(str(model_dir), max_num_seqs=16, disable_log_stats=True)
+    try:
+        return kvflow_perplexity(llm, model_dir, QUICK_DOCUMENTS)[0]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("kind", list(QUANTIZED_PERPLEXITY_TOLERANCE))
+def test_quantized_held_out_perplexity_stays_near_float32(
+    kind: str, tmp_path: Path, quick_float_perplexity: float
+) -> None:
+    model_dir = ensure_default_model()
+    llm = quantized_llm(kind, model_dir, tmp_path)
+    try:
+        perplexity, _ = kvflow_perplexity(llm, model_dir, QUICK_DOCUMENTS)
+    finally:
+        llm.shutdown()
+    drift = perplexity / quick_float_perplexity - 1
+    assert abs(drift) <= QUANTIZED_PERPLEXITY_TOLERANCE[kind], (
+        f"{kind}: held-out perplexity {perplexity:.3f}, float32 {quick_float_perplexity:.3f} "
+        f"({100 * drift:.2f} % apart)"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(QUANTIZED_PERPLEXITY_TOLERANCE))
+def test_quantized_perplexity_on_the_whole_sample(kind: str, tmp_path: Path) -> None:
+    """Against the training script's recorded float32 figure, on every window (the model card's measurement)."""
+    model_dir = ensure_default_model()
+    llm = quantized_llm(kind, model_dir, tmp_path)
+    try:
+        perplexity, count = kvflow_perplexity(llm, model_dir)
+    finally:
+        llm.shutdown()
+    recorded = recorded_evaluation()
+    assert count == recorded["sample_tokens"]
+    drift = perplexity / recorded["sample_ppl"] - 1
+    assert abs(drift) <= QUANTIZED_PERPLEXITY_TOLERANCE[kind], (
+        f"{kind}: held-out perplexity {perplexity:.3f}, float32 {recorded['sample_ppl']:.3f}"
+    )

@@ -313,10 +313,14 @@ class Worker:
         """Reload weights in place: a checkpoint folder (every parameter) or a state dict with Hugging Face names
         (just those tensors). The KV cache, slots and shapes stay; a bad update raises before touching the model
         only for unknown names or shapes found up front, so pass complete, checked tensors. A model without weights
-        (the hash model) raises ValueError."""
+        (the hash model) raises ValueError. A GGUF file reloads a GGUF model (its blocks; a quantized layer refuses
+        float tensors, naming itself)."""
         from kvflow.models.loader import iterate_safetensors_weights
+        from kvflow.models.quantization.gguf_file import GGUFCheckpoint, is_gguf_file
 
-        if isinstance(weights, str | Path):
+        if is_gguf_file(weights if isinstance(weights, str | Path) else None):
+            self.model.load_weights(GGUFCheckpoint(weights).iterate_weights())  # type: ignore[arg-type]
+        elif isinstance(weights, str | Path):
             select = getattr(self.model, "checkpoint_index", None) if self.tp.size > 1 else None
             if select is None:
                 self.model.load_weights(iterate_safetensors_weights(Path(weights)))
