@@ -177,12 +177,13 @@ inline void widen32(__m256i bytes, __m256 out[4]) {
   out[3] = widen8(_mm_srli_si128(high, 8));
 }
 
-// dot(x[0:32], q) as 8 lanes.
+// dot(x[0:32], q) as 8 lanes (two chains: a shorter latency per block).
 inline __m256 dot32(const float* x, const __m256 q[4]) {
-  __m256 t = _mm256_mul_ps(_mm256_loadu_ps(x), q[0]);
-  t = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), q[1], t);
-  t = _mm256_fmadd_ps(_mm256_loadu_ps(x + 16), q[2], t);
-  return _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), q[3], t);
+  __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(x), q[0]);
+  __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(x + 16), q[2]);
+  t0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), q[1], t0);
+  t1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + 24), q[3], t1);
+  return _mm256_add_ps(t0, t1);
 }
 
 inline __m256i low_nibbles(__m256i bytes) { return _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F)); }
@@ -446,7 +447,7 @@ void int8_gemv(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* 
 // ---- tiled product: dequantized weight tiles in cache, every x row against them ----
 
 constexpr int64_t kTileRows = 16;   // weight rows per tile (a multiple of kTileR)
-constexpr int64_t kTileK = 1024;    // columns per tile (a multiple of 256: whole blocks of every type)
+constexpr int64_t kTileK = 512;     // columns per tile (a multiple of 256: whole blocks of every type)
 constexpr int kTileR = 4;           // weight rows per register block
 constexpr int kTileMT = 3;          // x rows per register block: 4 x 3 accumulators + 3 x + 1 weight vectors
 
@@ -480,12 +481,14 @@ void tile_block(const float* w, const float* x, int64_t xs, int64_t width8, floa
 #endif
 }
 
-template <int R>
-void tile_rows(const float* w, const float* x, int64_t xs, int64_t width8, float* partial, int64_t M) {
-  int64_t m = 0;
-  for (; m + kTileMT <= M; m += kTileMT) tile_block<R, kTileMT>(w, x + m * xs, xs, width8, partial + m, M);
-  if (M - m == 2) tile_block<R, 2>(w, x + m * xs, xs, width8, partial + m, M);
-  if (M - m == 1) tile_block<R, 1>(w, x + m * xs, xs, width8, partial + m, M);
+// Every weight row of a tile (rows kTileK floats apart) against x rows [0, MT).
+template <int MT>
+void tile_rows(const float* tile, int64_t rows, const float* x, int64_t xs, int64_t width8, float* partial,
+               int64_t M) {
+  int64_t r = 0;
+  for (; r + kTileR <= rows; r += kTileR)
+    tile_block<kTileR, MT>(tile + r * kTileK, x, xs, width8, partial + r * M, M);
+  for (; r < rows; ++r) tile_block<1, MT>(tile + r * kTileK, x, xs, width8, partial + r * M, M);
 }
 
 // decode(n, k0, width, out) writes columns [k0, k0 + width) of weight row n as fp32; row_scale (or nullptr)
@@ -511,11 +514,13 @@ void tiled_product(const Decode& decode, const float* xf, int64_t M, int64_t K, 
           decode(n0 + r, k0, width, row);
           std::fill(row + width, row + width8, 0.f);
         }
+        // x rows outermost: a group of kTileMT x rows stays in L1 while the tile (L1/L2) runs past it.
         const float* x = xf + k0;
-        int64_t r = 0;
-        for (; r + kTileR <= rows; r += kTileR)
-          tile_rows<kTileR>(tile.data() + r * kTileK, x, xs, width8, partial.data() + r * M, M);
-        for (; r < rows; ++r) tile_rows<1>(tile.data() + r * kTileK, x, xs, width8, partial.data() + r * M, M);
+        int64_t m = 0;
+        for (; m + kTileMT <= M; m += kTileMT)
+          tile_rows<kTileMT>(tile.data(), rows, x + m * xs, xs, width8, partial.data() + m, M);
+        if (M - m == 2) tile_rows<2>(tile.data(), rows, x + m * xs, xs, width8, partial.data() + m, M);
+        if (M - m == 1) tile_rows<1>(tile.data(), rows, x + m * xs, xs, width8, partial.data() + m, M);
       }
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t m = 0; m < M; ++m)

@@ -1,0 +1,133 @@
+"""Microbenchmark of the quantized-weight kernels (kvflow/kernels/quant.py, csrc/quant.cpp).
+
+For each weight type and shape: M = 1 decode GEMV in GB/s of weight bytes against a plain memory read of the
+same bytes (the kernel's ceiling), and for larger M the three C++ products side by side: the block GEMV, the tiled
+kernel, and C++ dequantization + torch's fp32 GEMM, as same-run ratios (the machine may be noisy). Several
+copies of each weight are rotated so that they do not sit in the last-level cache.
+
+    .venv/bin/python benchmarks/quant_kernels.py [--types Q4_K int8] [--rows 1 16 64 512] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvflow.kernels import load_cpu_kernels
+from kvflow.kernels.quant import _GGML_TYPE_CODES, int8_quantize
+from kvflow.testing.ggml_quants import quantize
+
+SHAPES = ((2048, 8192), (8192, 2048))  # (K, N): a gate/up-like and a down-like projection
+ROTATION_BYTES = 160 * 2**20  # weights rotated per measurement: well past the last-level cache
+
+
+def _best_seconds(fn, copies: int, repeat: int) -> float:
+    """Best mean time of one call over `repeat` rounds, each round calling fn(i) on every copy once."""
+    fn(0)
+    best = float("inf")
+    for _ in range(repeat):
+        started = time.perf_counter()
+        for index in range(copies):
+            fn(index)
+        best = min(best, (time.perf_counter() - started) / copies)
+    return best
+
+
+def _weights(qtype: str, K: int, N: int) -> list:
+    """Copies of one random weight (as blocks, or int8 quants and scales) totalling about ROTATION_BYTES."""
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((N, K)).astype(np.float32)
+    if qtype == "int8":
+        packed = int8_quantize(torch.from_numpy(dense))
+        size = packed[0].numel()
+    else:
+        packed = torch.from_numpy(quantize(qtype, dense))
+        size = packed.numel()
+    copies = max(1, ROTATION_BYTES // size)
+    if qtype == "int8":
+        return [(packed[0].clone(), packed[1].clone()) for _ in range(copies)]
+    return [packed.clone() for _ in range(copies)]
+
+
+def _products(ops, qtype: str, weights: list):
+    """(gemv, tiled, dequantize + F.linear) as fn(x, i) over weight copy i."""
+    if qtype == "int8":
+
+        def run(x, i, gemv_max_rows):
+            return ops.int8_linear(x, weights[i][0], weights[i][1], None, gemv_max_rows)
+
+        def dense(x, i):
+            return F.linear(x, weights[i][0].float() * weights[i][1][:, None])
+
+    else:
+        code = _GGML_TYPE_CODES[qtype]
+
+        def run(x, i, gemv_max_rows):
+            return ops.ggml_linear(x, weights[i], code, None, gemv_max_rows)
+
+        def dense(x, i):
+            return F.linear(x, ops.ggml_dequantize(weights[i], code))
+
+    return (
+        lambda x, i: run(x, i, 1 << 30),
+        lambda x, i: run(x, i, 0),
+        dense,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16, 64, 512])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = load_cpu_kernels()
+    if ops is None:
+        raise SystemExit("the CPU kernels are not available")
+    print(f"threads={args.threads}")
+    for K, N in SHAPES:
+        for qtype in args.types:
+            weights = _weights(qtype, K, N)
+            weight_bytes = (weights[0][0] if qtype == "int8" else weights[0]).numel()
+            flat = [(w[0] if qtype == "int8" else w).view(-1).view(torch.uint8) for w in weights]
+            read = _best_seconds(
+                lambda i, flat=flat: ops.stream_read(flat[i]), len(flat), args.repeat
+            )
+            gemv, tiled, dense = _products(ops, qtype, weights)
+            for M in args.rows:
+                x = torch.randn(M, K)
+                copies = len(weights) if M <= 64 else 1
+                line = f"{qtype:5s} K={K:5d} N={N:5d} M={M:4d}"
+                products = {"gemv": gemv} if M <= 64 else {}
+                if M > 1:
+                    products.update({"tiled": tiled, "dequant+torch": dense})
+                times = {
+                    name: _best_seconds(functools.partial(product, x), copies, args.repeat)
+                    for name, product in products.items()
+                }
+                if M == 1:
+                    rate = weight_bytes / times["gemv"] / 1e9
+                    line += (
+                        f"  gemv {times['gemv'] * 1e3:7.3f} ms = {rate:5.1f} GB/s"
+                        f" (memory read {weight_bytes / read / 1e9:5.1f} GB/s, {rate * read * 1e9 / weight_bytes:.0%})"
+                    )
+                else:
+                    reference = times["dequant+torch"]
+                    line += "".join(
+                        f"  {name} {seconds * 1e3:8.2f} ms ({reference / seconds:4.2f}x)"
+                        for name, seconds in times.items()
+                    )
+                print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
