@@ -192,13 +192,13 @@ inline __m256i high_nibbles(__m256i bytes) {
 }
 
 // Each block kind accumulates one block of one weight row against MT rows of x (`x` at the block's first
-// column, rows `xs` floats apart): acc[m] gathers scaled dot products in 8 lanes, correction[m] a scalar that is
-// subtracted at the end. `sums` holds per-32-column sums of x (rows `ss` apart) at the block's first sub-block.
+// column, rows `xs` floats apart): acc[m] gathers scaled dot products in 8 lanes, correction[m] (8 lanes) what
+// is subtracted at the end. `sums` holds per-32-column sums of x (rows `ss` apart) at the block's first sub-block.
 struct Q8_0Block {
   static constexpr int kElements = 32, kBytes = 34, kSums = 0;
   template <int MT>
   static void accumulate(const uint8_t* block, const float* x, int64_t xs, const float*, int64_t, __m256* acc,
-                         float*) {
+                         __m256*) {
     const __m256 d = _mm256_set1_ps(fp16_to_float(block));
     __m256 q[4];
     widen32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)), q);
@@ -210,7 +210,7 @@ struct Q4_0Block {
   static constexpr int kElements = 32, kBytes = 18, kSums = 0;
   template <int MT>
   static void accumulate(const uint8_t* block, const float* x, int64_t xs, const float*, int64_t, __m256* acc,
-                         float*) {
+                         __m256*) {
     const __m256 d = _mm256_set1_ps(fp16_to_float(block));
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);  // elements 0-15 | 16-31
@@ -225,28 +225,29 @@ struct Q4_KBlock {
   static constexpr int kElements = 256, kBytes = 144, kSums = 8;
   template <int MT>
   static void accumulate(const uint8_t* block, const float* x, int64_t xs, const float* sums, int64_t ss,
-                         __m256* acc, float* correction) {
+                         __m256* acc, __m256* correction) {
     const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
     uint8_t scales[8], mins[8];
     q4_k_scales_and_mins(block + 4, scales, mins);
+    alignas(32) float steps[8];  // d * scale_j, broadcast per sub-block below
+    _mm256_store_ps(steps, _mm256_mul_ps(_mm256_set1_ps(d), widen8(_mm_loadl_epi64(
+                                                                 reinterpret_cast<const __m128i*>(scales)))));
     for (int c = 0; c < 4; ++c) {
       const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
       __m256 q[4];
       widen32(low_nibbles(packed), q);
-      const __m256 step_low = _mm256_set1_ps(d * static_cast<float>(scales[2 * c]));
+      const __m256 step_low = _mm256_broadcast_ss(steps + 2 * c);
       for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(step_low, dot32(x + m * xs + 64 * c, q), acc[m]);
       widen32(high_nibbles(packed), q);
-      const __m256 step_high = _mm256_set1_ps(d * static_cast<float>(scales[2 * c + 1]));
+      const __m256 step_high = _mm256_broadcast_ss(steps + 2 * c + 1);
       for (int m = 0; m < MT; ++m)
         acc[m] = _mm256_fmadd_ps(step_high, dot32(x + m * xs + 64 * c + 32, q), acc[m]);
     }
-    float offsets[8];
-    for (int j = 0; j < 8; ++j) offsets[j] = dmin * static_cast<float>(mins[j]);
-    for (int m = 0; m < MT; ++m) {
-      float total = 0.f;
-      for (int j = 0; j < 8; ++j) total += offsets[j] * sums[m * ss + j];
-      correction[m] += total;
-    }
+    // The min term: dmin * m_j * sum(x_j) over the 8 sub-blocks, one lane each.
+    const __m256 offsets =
+        _mm256_mul_ps(_mm256_set1_ps(dmin), widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins))));
+    for (int m = 0; m < MT; ++m)
+      correction[m] = _mm256_fmadd_ps(offsets, _mm256_loadu_ps(sums + m * ss), correction[m]);
   }
 };
 
@@ -271,7 +272,7 @@ struct Q6_KBlock {
 
   template <int MT>
   static void accumulate(const uint8_t* block, const float* x, int64_t xs, const float*, int64_t, __m256* acc,
-                         float*) {
+                         __m256*) {
     const float d = fp16_to_float(block + 208);
     const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
     float step[16];
@@ -303,13 +304,9 @@ void ggml_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const fl
   const float* x = xf + m0 * xs;
   const float* s = sums + m0 * ss;
   for (int64_t n = n_begin; n < n_end; n += R) {
-    __m256 acc[R][MT];
-    float correction[R][MT];
+    __m256 acc[R][MT], correction[R][MT];
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) {
-        acc[r][m] = _mm256_setzero_ps();
-        correction[r][m] = 0.f;
-      }
+      for (int m = 0; m < MT; ++m) acc[r][m] = correction[r][m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b)
       for (int r = 0; r < R; ++r) {
         const uint8_t* block = w + (n + r) * row_bytes + b * Block::kBytes;
@@ -319,7 +316,7 @@ void ggml_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const fl
       }
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MT; ++m)
-        y[(m0 + m) * N + n + r] = sum8(acc[r][m]) - correction[r][m] + (bias ? bias[n + r] : 0.f);
+        y[(m0 + m) * N + n + r] = sum8(acc[r][m]) - sum8(correction[r][m]) + (bias ? bias[n + r] : 0.f);
   }
 }
 
