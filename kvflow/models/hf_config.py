@@ -125,7 +125,7 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
             raise KeyError(key)
     num_layers = int(raw["num_hidden_layers"])
     num_heads = int(raw["num_attention_heads"])
-    rope_theta, rope_scaling = _rope(raw)
+    rope_theta, rope_scaling = rope_settings(raw)
     sliding_window, layer_types = _sliding_window(raw, architecture, num_layers)
     qkv_bias_always = architecture in _QKV_BIAS_ARCHITECTURES
     attention_bias = qkv_bias_always or bool(raw.get("attention_bias", False))
@@ -171,7 +171,7 @@ def _architecture(raw: dict[str, Any]) -> str:
     raise unsupported_architecture_error(names)
 
 
-def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, normalised scaling dict or None) from either the old or the transformers-5 keys."""
     parameters = raw.get("rope_parameters")
     if isinstance(parameters, dict) and parameters:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from kvflow.models.hf_config import rope_settings
 from kvflow.models.layers.rotary import rope_inverse_frequencies
 from kvflow.models.quantization.gguf_file import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
 
@@ -208,18 +209,15 @@ def write_tokenizer(
 
 def _llama3_rope_freqs(config: dict[str, Any], head_dim: int) -> np.ndarray | None:
     """llama.cpp's `rope_freqs` for Llama 3 scaling (plain inverse frequencies / scaled ones); None without
-    scaling; ValueError for a scaling llama.cpp's `llama` files do not express."""
-    scaling = config.get("rope_scaling")
-    if not scaling:
+    scaling; ValueError for a scaling llama.cpp's `llama` files do not express. Reads either spelling of the RoPE
+    keys (transformers 4's `rope_scaling`, 5's `rope_parameters`)."""
+    theta, scaling = rope_settings(config)
+    if scaling is None:
         return None
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-    if rope_type in (None, "default"):
-        return None
-    if rope_type != "llama3":
+    if scaling["rope_type"] != "llama3":
         raise ValueError(f"rope_scaling {scaling} is not supported by this converter")
-    theta = float(config.get("rope_theta", 10000.0))
     plain = rope_inverse_frequencies(head_dim, theta, None)
-    scaled = rope_inverse_frequencies(head_dim, theta, {**scaling, "rope_type": "llama3"})
+    scaled = rope_inverse_frequencies(head_dim, theta, scaling)
     return (plain / scaled).numpy().astype(np.float32)
 
 
@@ -238,7 +236,7 @@ def write_hparams(writer: Any, gguf: Any, config: dict[str, Any], file_type: Any
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(rope_settings(config)[0])
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_file_type(int(file_type))
 

@@ -42,19 +42,26 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf_checkpoints")
     return {
         arch: make_tiny_checkpoint(root / arch, arch, **SHAPE)
-        for arch in ("llama", "qwen2", "qwen3")
+        for arch in ("llama", "qwen2", "qwen3", "llama3")
     }
 
 
 @pytest.mark.parametrize(
     ("arch", "tensor_type"),
-    [("llama", "Q8_0"), ("qwen2", "Q4_K_M"), ("qwen3", "Q4_0"), ("llama", "Q6_K")],
+    [
+        ("llama", "Q8_0"),
+        ("qwen2", "Q4_K_M"),
+        ("qwen3", "Q4_0"),
+        ("llama", "Q6_K"),
+        ("llama3", "F16"),
+    ],
 )
 def test_a_quantized_file_decodes_like_its_weights_dequantized_to_float32(
     checkpoints: dict[str, Path], tmp_path: Path, arch: str, tensor_type: str
 ) -> None:
     """llama: q/k rows un-interleaved; qwen2: biases, a tied head on blocks, Q4_K and Q6_K runs inside one fused
-    layer; qwen3: q/k norms."""
+    layer; qwen3: q/k norms; llama3: Llama 3 rope scaling read back from llama.cpp's `rope_freqs` tensor (the
+    float checkpoint has it as config.json's rope_scaling)."""
     path = write_gguf(checkpoints[arch], tmp_path / f"{arch}.gguf", tensor_type)
     dequantized = dequantized_checkpoint(path, checkpoints[arch], tmp_path / "dequantized")
     assert greedy_tokens(path) == greedy_tokens(dequantized)
