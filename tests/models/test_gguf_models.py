@@ -21,20 +21,10 @@ from kvflow.models.quantization.gguf_file import GGUFCheckpoint, GGUFTensor
 from kvflow.models.quantization.gguf_plan import GGUFLinear
 from kvflow.testing.gguf_files import dequantized_checkpoint, write_gguf
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
+from tests.models.greedy import GREEDY, PROMPTS, greedy_tokens
 
 # Row lengths multiple of 256, so every K-quant applies without a fallback.
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
-PROMPTS = [[1, 5, 9, 33, 7], [1, 100, 200], [1, 42, 42, 42, 300, 17, 250, 3, 99, 12, 64]]
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-
-
-def greedy_tokens(model: Path | str, **options: object) -> list[list[int]]:
-    llm = LLM(str(model), skip_tokenizer_init=True, disable_log_stats=True, **options)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        return [list(output.outputs[0].token_ids) for output in outputs]
-    finally:
-        llm.shutdown()
 
 
 @pytest.fixture(scope="module")

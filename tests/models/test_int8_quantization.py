@@ -14,27 +14,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvflow import LLM, SamplingParams
+from kvflow import LLM
 from kvflow.kernels.quant import int8_quantize
 from kvflow.models.loader import load_model
 from kvflow.models.quantization.int8 import Int8Head, Int8Linear
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
+from tests.models.greedy import GREEDY, PROMPTS, greedy_tokens
 
-PROMPTS = [[1, 5, 9, 33, 7], [1, 100, 200], [1, 42, 42, 42, 300, 17, 250, 3, 99, 12, 64]]
-GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 LINEAR_SUFFIXES = tuple(
     f"{name}.weight"
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 )
-
-
-def greedy_tokens(model: Path, **options: object) -> list[list[int]]:
-    llm = LLM(str(model), skip_tokenizer_init=True, disable_log_stats=True, **options)
-    try:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-        return [list(output.outputs[0].token_ids) for output in outputs]
-    finally:
-        llm.shutdown()
 
 
 def round_trip(weight: torch.Tensor) -> torch.Tensor:
