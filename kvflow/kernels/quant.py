@@ -10,10 +10,11 @@ AVX-512 build, chosen by the number of activation rows M:
 
 * M <= `QUANT_GEMV_MAX_ROWS` (decode, speculative verification): a GEMV on the blocks themselves, each weight byte
   read once per call, nothing dequantized to memory.
-* M up to `QUANT_TILED_MAX_ROWS`: a tiled kernel that dequantizes a few weight rows at a time into a thread-local
-  fp32 tile (in cache) and multiplies every activation row against it: the weights still stream once per call.
-* Larger M (prefill): the whole weight dequantized in C++, then torch's fp32 GEMM (MKL), which outruns the tiled
-  kernel there. The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
+* M up to `QUANT_TILED_MAX_ROWS` (int8: `INT8_TILED_MAX_ROWS`): a tiled kernel that dequantizes a few weight
+  rows at a time into a thread-local fp32 tile (in cache) and multiplies every activation row against it: the
+  weights still stream once per call.
+* Larger M (prefill): the whole weight dequantized (GGUF: in C++), then torch's fp32 GEMM (MKL), which outruns
+  the tiled kernel there. The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
 
 Every path computes each output element on one thread in a fixed order: results do not depend on the thread count.
 """
@@ -29,6 +30,7 @@ from kvflow.kernels.build import load_cpu_kernels
 
 __all__ = [
     "GGML_BLOCK_SIZES",
+    "INT8_TILED_MAX_ROWS",
     "QUANT_GEMV_MAX_ROWS",
     "QUANT_TILED_MAX_ROWS",
     "dequantize",
@@ -51,10 +53,16 @@ GGML_BLOCK_SIZES: dict[str, tuple[int, int]] = {
 # The extension's type codes (csrc/kernels.h, `GgmlType`).
 _GGML_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
 
-# Up to this many activation rows the block GEMV runs (measured: benchmarks/quant_kernels.py).
+# Up to this many activation rows the block GEMV runs (decode; above it the GEMV would re-read the weights per
+# 8 rows).
 QUANT_GEMV_MAX_ROWS = 8
-# Up to this many rows the tiled kernel runs; above it, C++ dequantization then torch's fp32 GEMM.
-QUANT_TILED_MAX_ROWS = 64
+# Up to this many rows the tiled kernel runs; above it, dequantization then torch's fp32 GEMM. Measured with
+# `benchmarks/quant_kernels.py` (2-core AVX2 EPYC, 2 threads, noisy; tiled time vs dequant + torch, same run) on
+# K=2048,N=8192 / K=8192,N=2048: GGUF types at M=16 1.6-4.8x faster, M=64 0.7-2.3x (0.85-0.97x on the quieter
+# K=8192 half), M=128 0.56-1.2x, M=512 0.41-0.86x (one 1.58x); int8 (whose dense path is two torch passes) at
+# M=64 2-3x, M=128 1.2-1.8x, M=512 0.56-0.8x.
+QUANT_TILED_MAX_ROWS = 32
+INT8_TILED_MAX_ROWS = 128
 
 LinearFn = Callable[..., torch.Tensor]
 
@@ -288,7 +296,7 @@ def _int8_linear_kernel(
     ops = load_cpu_kernels()
     rows = _rows_of(x, qweight.shape[1])
     scale = scale.float().contiguous()
-    if rows.shape[0] > QUANT_TILED_MAX_ROWS:
+    if rows.shape[0] > INT8_TILED_MAX_ROWS:
         out = F.linear(rows.float(), qweight.float() * scale[:, None], _float_bias(bias))
     else:
         out = ops.int8_linear(rows, qweight, scale, _float_bias(bias), QUANT_GEMV_MAX_ROWS)
