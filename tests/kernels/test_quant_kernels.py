@@ -156,9 +156,8 @@ def test_ggml_linear_matches_reference(
     ops: object, qtype: str, dtype: torch.dtype, two_threads: None
 ) -> None:
     generator = torch.Generator().manual_seed(7)
-    columns = (
-        1280 if qtype in ("Q4_K", "Q6_K") else 1120
-    )  # crosses the tiled kernel's 1024-column tiles
+    # Columns crossing the tiled kernel's 512-column tiles, with a partial last tile.
+    columns = 1280 if qtype in ("Q4_K", "Q6_K") else 1120
     linear = quant.ggml_linear_for(qtype)
     assert linear.path == ("kernel" if ops.has_avx2() else "reference")  # type: ignore[attr-defined]
     for num_rows in (7, 67):
