@@ -16,6 +16,18 @@ AVX-512 build, chosen by the number of activation rows M:
 * Larger M (prefill): the whole weight dequantized (GGUF: in C++), then torch's fp32 GEMM (MKL), which outruns
   the tiled kernel there. The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
 
+Activations: Q4_0, Q4_K and Q6_K products quantize x to int8 first, as llama.cpp does (its `vec_dot_type`: Q8_0
+blocks for Q4_0, Q8_K super-blocks for the K-quants), per block of the weight type: one float32 scale
+d = amax / 127 per 32 (Q4_0) or 256 (Q4_K, Q6_K) elements, q = round(x / d) (`quantize_activations_reference`).
+The GEMV then multiplies integers (u8 x s8 pairs into int16, then int32 with the sub-block scales as int16
+multipliers) and converts to float once per block or super-block: widening every 4-bit quant to fp32 cost ~3
+instructions per 8 weights and held those GEMVs at ~4-7 G weights/s per thread, below memory speed (figures at
+`QUANT_GEMV_MAX_ROWS`). Every M computes dot(dequantized W, fake-quantized x), the tiled and dequantize + torch
+paths on the fake-quantized x (`fake_quantize_activations`), so a request's numbers do not depend on how many rows
+share its step (up to fp32 summation order); the reference (`KVFLOW_CPU_KERNELS=0`) does the same. Q8_0 and int8
+keep fp32 x: their GEMVs already run near memory speed, and a Q8_0 model decodes exactly like its float32
+dequantization.
+
 Every path computes each output element on one thread in a fixed order: results do not depend on the thread count.
 """
 
@@ -29,18 +41,21 @@ import torch.nn.functional as F
 from kvflow.kernels.build import load_cpu_kernels
 
 __all__ = [
+    "ACTIVATION_BLOCK_SIZES",
     "GGML_BLOCK_SIZES",
     "INT8_TILED_MAX_ROWS",
     "QUANT_GEMV_MAX_ROWS",
     "QUANT_TILED_MAX_ROWS",
     "dequantize",
     "dequantize_reference",
+    "fake_quantize_activations",
     "ggml_linear",
     "ggml_linear_for",
     "ggml_row_bytes",
     "int8_linear",
     "int8_linear_for",
     "int8_quantize",
+    "quantize_activations_reference",
 ]
 
 # (elements per block, bytes per block), by gguf's GGMLQuantizationType name.
@@ -50,6 +65,8 @@ GGML_BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "Q4_K": (256, 144),
     "Q6_K": (256, 210),
 }
+# Elements per activation scale for the weight types whose products quantize x to int8 (Q8_0 keeps fp32 x).
+ACTIVATION_BLOCK_SIZES: dict[str, int] = {"Q4_0": 32, "Q4_K": 256, "Q6_K": 256}
 # The extension's type codes (csrc/kernels.h, `GgmlType`).
 _GGML_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
 
@@ -163,6 +180,40 @@ def dequantize_reference(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     return decoded.reshape(rows, columns)
 
 
+def quantize_activations_reference(
+    qtype: str, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation quantization llama.cpp applies before a `qtype` product (Q4_0: per 32 elements, Q4_K and
+    Q6_K: per 256), in PyTorch: x `[..., K]` (any float dtype, taken as float32) in blocks of
+    `ACTIVATION_BLOCK_SIZES[qtype]`, each with scale d = amax(|x|) / 127 and quants q = round(x / d)
+    (round half to even, within [-127, 127]; an all-zero block gets d = 0 and q = 0). Returns int8 `[..., K]` and
+    float32 `[..., K / block]`, equal to the C++ kernels' (the same float32 operations). ValueError for Q8_0 (and
+    unknown types), whose products keep fp32 x, or K not a multiple of the block."""
+    if qtype not in ACTIVATION_BLOCK_SIZES:
+        raise ValueError(
+            f"{qtype!r} products do not quantize activations (those that do: {sorted(ACTIVATION_BLOCK_SIZES)})"
+        )
+    block = ACTIVATION_BLOCK_SIZES[qtype]
+    if x.shape[-1] % block:
+        raise ValueError(
+            f"{qtype} quantizes x in blocks of {block}; {x.shape[-1]} features is not a multiple"
+        )
+    blocks = x.float().unflatten(-1, (-1, block))
+    scales = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    quants = torch.where(scales > 0, torch.round(blocks / scales), 0.0).clamp_(-127, 127)
+    return quants.to(torch.int8).flatten(-2), scales.squeeze(-1)
+
+
+def fake_quantize_activations(qtype: str, x: torch.Tensor) -> torch.Tensor:
+    """x `[..., K]` as a `qtype` product sees it, float32: `quantize_activations_reference`'s q * d for Q4_0, Q4_K
+    and Q6_K (what the tiled and dense paths multiply), x.float() for the other types."""
+    if qtype not in ACTIVATION_BLOCK_SIZES:
+        return x.float()
+    quants, scales = quantize_activations_reference(qtype, x)
+    block = ACTIVATION_BLOCK_SIZES[qtype]
+    return (quants.float().unflatten(-1, (-1, block)) * scales.unsqueeze(-1)).flatten(-2)
+
+
 def _kernel_ops(require_simd: bool = True):
     """The extension when loaded (and, with `require_simd`, built for AVX2 or AVX-512), else None."""
     ops = load_cpu_kernels()
@@ -207,7 +258,9 @@ def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
 def _ggml_linear_reference(
     x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    return _reference_product(x, dequantize_reference(qtype, blocks), bias)
+    weight = dequantize_reference(qtype, blocks)
+    product = F.linear(fake_quantize_activations(qtype, x), weight, _float_bias(bias))
+    return product.to(x.dtype)
 
 
 def _ggml_linear_kernel(
@@ -218,7 +271,8 @@ def _ggml_linear_kernel(
     rows = _rows_of(x, num_columns)
     code = _GGML_TYPE_CODES[qtype]
     if rows.shape[0] > QUANT_TILED_MAX_ROWS:
-        out = F.linear(rows.float(), ops.ggml_dequantize(blocks, code), _float_bias(bias))
+        weight = ops.ggml_dequantize(blocks, code)
+        out = F.linear(fake_quantize_activations(qtype, rows), weight, _float_bias(bias))
     else:
         out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), QUANT_GEMV_MAX_ROWS)
     return out.to(x.dtype).view(*x.shape[:-1], blocks.shape[0])
@@ -236,9 +290,10 @@ def _applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
 def ggml_linear(
     x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`F.linear(x.float(), dequantize_reference(qtype, blocks), bias.float()).to(x.dtype)` within fp32
-    accumulation error: x `[..., K]` (float32 or bfloat16), blocks uint8 `[N, ggml_row_bytes(qtype, K)]`
-    contiguous, bias `[N]` or None; `[..., N]` in x's dtype. The C++ kernels when they apply, else the reference."""
+    """`F.linear(fake_quantize_activations(qtype, x), dequantize_reference(qtype, blocks), bias.float())` in x's
+    dtype, within fp32 accumulation error (x itself, as float32, for Q8_0; int8-quantized per block for Q4_0,
+    Q4_K and Q6_K): x `[..., K]` (float32 or bfloat16), blocks uint8 `[N, ggml_row_bytes(qtype, K)]` contiguous,
+    bias `[N]` or None; `[..., N]` in x's dtype. The C++ kernels when they apply, else that reference."""
     if _kernel_ops() is not None and _applies(x, blocks):
         return _ggml_linear_kernel(x, qtype, blocks, bias)
     return _ggml_linear_reference(x, qtype, blocks, bias)

@@ -1,11 +1,14 @@
 """Quantized weights (kvflow/kernels/quant.py, csrc/quant.cpp): the pure-PyTorch GGUF decoding against the gguf
-package, the test-file quantizer's round trip, and the C++ dequantization, GEMV and tiled products against the
-reference over odd shapes, both activation dtypes, with and without bias, on 1 and 2 threads.
+package, the test-file quantizer's round trip, the activation quantization of the Q4_0 / Q4_K / Q6_K products,
+and the C++ dequantization, GEMV and tiled products against the reference over odd shapes, both activation
+dtypes, with and without bias, on 1 and 2 threads.
 
-Tolerances: dequantization is exact (the same float32 operations as gguf). Products differ from
-`F.linear(x.float(), dequantized, bias)` only by float32 summation order, bounded by 1e-5 of sum |x| |w| per
-output (1e-4 for the bound's own rounding slack below); bfloat16 outputs additionally by one bfloat16 rounding.
-A wrong nibble order, scale or a missing min term is off by a large fraction of that sum, so the checks catch it.
+Tolerances: dequantization and the activation quantization are exact (the same float32 operations as gguf, and
+as the C++ kernels). Products differ from `F.linear(fake_quantize_activations(qtype, x), dequantized, bias)` (x
+itself for Q8_0 and int8) only by float32 summation order, bounded by 1e-5 of sum |x| |w| per output (1e-4 for
+the bound's own rounding slack below); bfloat16 outputs additionally by one bfloat16 rounding. A wrong nibble
+order, scale or a missing min term is off by a large fraction of that sum, so the checks catch it (asserted for
+the Q4_K min term and the Q6_K -32 offset in `test_integer_gemv_keeps_the_min_term_and_the_offset`).
 """
 
 from __future__ import annotations
@@ -103,7 +106,9 @@ def test_kernels_off_gives_reference(kernels_off: None) -> None:
     x = torch.randn(3, 256)
     linear = quant.ggml_linear_for("Q4_K")
     assert linear.path == "reference" and "reference" in linear.__name__  # type: ignore[attr-defined]
-    expected = F.linear(x, quant.dequantize_reference("Q4_K", blocks))
+    xq = quant.fake_quantize_activations("Q4_K", x)
+    assert not torch.equal(xq, x)
+    expected = F.linear(xq, quant.dequantize_reference("Q4_K", blocks))
     assert torch.equal(linear(x, blocks, None), expected)
     assert torch.equal(quant.ggml_linear(x, "Q4_K", blocks), expected)
     assert torch.equal(quant.dequantize("Q4_K", blocks), quant.dequantize_reference("Q4_K", blocks))
@@ -115,17 +120,69 @@ def test_kernels_off_gives_reference(kernels_off: None) -> None:
     )
 
 
+@pytest.mark.parametrize("qtype", sorted(quant.ACTIVATION_BLOCK_SIZES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_activations_reference(qtype: str, dtype: torch.dtype) -> None:
+    """Against a direct NumPy computation of llama.cpp's rule (d = amax / 127, q = round half to even of x / d);
+    the round trip q * d is within d / 2 of x, and each nonzero block uses the full [-127, 127] range."""
+    block = quant.ACTIVATION_BLOCK_SIZES[qtype]
+    x = torch.randn(2, 3, 4 * block, generator=torch.Generator().manual_seed(block)).to(dtype) * 5
+    x[0, 1, block : 2 * block] = 0  # an all-zero block: d = 0, q = 0
+    quants, scales = quant.quantize_activations_reference(qtype, x)
+    assert quants.dtype == torch.int8 and quants.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == (2, 3, 4)
+    values = x.float().numpy().reshape(2, 3, 4, block)
+    expected_scales = np.abs(values).max(axis=-1) / np.float32(127)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        expected_quants = np.where(
+            expected_scales[..., None] > 0, np.round(values / expected_scales[..., None]), 0
+        )
+    np.testing.assert_array_equal(scales.numpy(), expected_scales)
+    np.testing.assert_array_equal(quants.numpy().reshape(values.shape), expected_quants)
+    assert scales[0, 1, 1] == 0 and not quants[0, 1, block : 2 * block].any()
+    assert bool((quants.view(2, 3, 4, block).abs().amax(-1) == 127).sum() == 2 * 3 * 4 - 1)
+    round_trip = quant.fake_quantize_activations(qtype, x)
+    error = (round_trip - x.float()).abs()
+    rounding = x.float().abs() * 2.0**-23  # q * d and the difference, each rounded to float32
+    bound = (scales / 2).repeat_interleave(block, dim=-1) + rounding
+    assert bool((error <= bound).all())
+    with pytest.raises(ValueError, match="Q8_0"):
+        quant.quantize_activations_reference("Q8_0", x)
+    assert torch.equal(quant.fake_quantize_activations("Q8_0", x), x.float())  # Q8_0: fp32 x
+
+
 # ---- the C++ kernels ----
 
 
-def _check_product(
-    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+@pytest.mark.parametrize("qtype", sorted(quant.ACTIVATION_BLOCK_SIZES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_activation_quantization_is_exact(
+    ops: object, qtype: str, dtype: torch.dtype
 ) -> None:
-    """out (x's dtype) against the float32 reference within fp32 summation error (+ bf16 output rounding)."""
+    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(9)).to(dtype) * 3
+    x[2, :256] = 0
+    x[3, 7] = 1e-30  # a block of one tiny value
+    x[3, 8:256] = 0
+    code = quant._GGML_TYPE_CODES[qtype]
+    quants, scales = ops.ggml_quantize_activations(x, code)  # type: ignore[attr-defined]
+    expected_quants, expected_scales = quant.quantize_activations_reference(qtype, x)
+    assert torch.equal(quants, expected_quants) and torch.equal(scales, expected_scales)
+
+
+def _check_product(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    qtype: str = "int8",
+) -> None:
+    """out (x's dtype) against the float32 reference (x quantized as `qtype`'s products quantize it) within fp32
+    summation error (+ bf16 output rounding)."""
     assert out.dtype == x.dtype
-    expected = F.linear(x.float(), weight, None if bias is None else bias.float())
-    bound = 1e-4 * (x.float().abs() @ weight.abs().T + (0 if bias is None else bias.float().abs()))
-    if x.dtype is torch.bfloat16:
+    x = quant.fake_quantize_activations(qtype, x)
+    expected = F.linear(x, weight, None if bias is None else bias.float())
+    bound = 1e-4 * (x.abs() @ weight.abs().T + (0 if bias is None else bias.float().abs()))
+    if out.dtype is torch.bfloat16:
         bound = bound + expected.abs() * BF16_ROUNDING
     difference = (out.float() - expected).abs()
     assert bool((difference <= bound + 1e-30).all()), float((difference - bound).max())
@@ -167,11 +224,11 @@ def test_ggml_linear_matches_reference(
         for m in (1, 2, 3, 8, 9, 33, 70):
             x = torch.randn(m, columns, generator=generator).to(dtype)
             for b in (None, bias):
-                _check_product(_on_threads(linear, x, blocks, b), x, weight, b)
+                _check_product(_on_threads(linear, x, blocks, b), x, weight, b, qtype)
         x = torch.randn(2, 3, columns, generator=generator).to(dtype)  # leading dims kept
         out = quant.ggml_linear(x, qtype, blocks, bias.float())
         assert out.shape == (2, 3, num_rows)
-        _check_product(out.view(6, -1), x.view(6, -1), weight, bias.float())
+        _check_product(out.view(6, -1), x.view(6, -1), weight, bias.float(), qtype)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -186,7 +243,7 @@ def test_gemv_and_tiled_kernels(ops: object, qtype: str, two_threads: None) -> N
     for gemv_max_rows in (0, 64):
         for rows in (x[:1], x[:4], x):
             out = _on_threads(ops.ggml_linear, rows, blocks, code, bias, gemv_max_rows)  # type: ignore[attr-defined]
-            _check_product(out, rows, weight, bias)
+            _check_product(out, rows, weight, bias, qtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -209,3 +266,33 @@ def test_int8_linear_matches_reference(
             x = torch.randn(10, columns, generator=generator).to(dtype)
             out = _on_threads(ops.int8_linear, x, qweight, scale, None, gemv_max_rows)  # type: ignore[attr-defined]
             _check_product(out.to(dtype), x, weight, None)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_integer_gemv_keeps_the_min_term_and_the_offset(
+    ops: object, qtype: str, two_threads: None
+) -> None:
+    """x with a large mean (large sums of its quants) against Gaussian weights: the Q4_K min term (dmin * m_j per
+    sub-block, against per-32 sums of x's quants) or the Q6_K -32 offset (against per-16 sums) shifts every output
+    by far more than the tolerance, so an integer path that dropped it, or took the sums per the wrong group,
+    fails here."""
+    _, blocks = _blocks(qtype, 24, 1024, seed=4)
+    weight = quant.dequantize_reference(qtype, blocks)
+    per_block = blocks.view(24, 4, -1)
+    if qtype == "Q4_K":  # the same blocks with dmin = 0: step * q only
+        without = per_block.clone()
+        without[..., 2:4] = 0
+        without = quant.dequantize_reference(qtype, without.view(24, -1))
+    else:  # q instead of q - 32: + 32 * d * scale_g per group of 16
+        steps = per_block[..., 192:208].contiguous().view(torch.int8).float()
+        steps = steps * per_block[..., 208:210].contiguous().view(torch.float16).float()
+        without = weight + 32 * steps.repeat_interleave(16, dim=-1).view(24, 1024)
+    generator = torch.Generator().manual_seed(6)
+    linear = quant.ggml_linear_for(qtype)
+    for m in (1, 3, 8, 9):
+        x = torch.rand(m, 1024, generator=generator) * torch.linspace(0.5, 3.0, 1024) + 1.0
+        xq = quant.fake_quantize_activations(qtype, x)
+        shift = (F.linear(xq, weight) - F.linear(xq, without)).abs()
+        bound = 1e-4 * (xq.abs() @ weight.abs().T)
+        assert bool((shift > 100 * bound).all())
+        _check_product(_on_threads(linear, x, blocks, None), x, weight, None, qtype)

@@ -330,6 +330,24 @@ at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ty
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> ggml_quantize_activations(const at::Tensor& x, int64_t type) {
+  TORCH_CHECK(type >= kvflow::kGgmlQ8_0 && type <= kvflow::kGgmlQ6_K, "unknown GGML type code ", type);
+  const int64_t block = kvflow::ggml_activation_block(static_cast<int>(type));
+  TORCH_CHECK(block > 0, "GGML type ", type, " keeps float activations");
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % block == 0,
+              "x must be 2-D [M, a multiple of ", block, "] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor quants = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor scales = at::empty({M, K / block}, x.options().dtype(at::kFloat));
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::ggml_quantize_activations<T>(ptr<T>(x), M, K, x.stride(0), static_cast<int>(type),
+                                         ptr<int8_t>(quants), ptr<float>(scales));
+  });
+  return {quants, scales};
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "qweight must be int8");
@@ -368,6 +386,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("blocks"), py::arg("type"));
   m.def("ggml_linear", &ggml_linear, "x @ dequantize(blocks).T (+ bias), float32 out", py::arg("x"),
         py::arg("blocks"), py::arg("type"), py::arg("bias"), py::arg("gemv_max_rows") = 8);
+  m.def("ggml_quantize_activations", &ggml_quantize_activations,
+        "x [M, K] -> (int8 quants [M, K], float32 scales [M, K / block]) as the Q4_0 / Q4_K / Q6_K products use",
+        py::arg("x"), py::arg("type"));
   m.def("int8_linear", &int8_linear, "x @ (qweight * scale[:, None]).T (+ bias), float32 out", py::arg("x"),
         py::arg("qweight"), py::arg("scale"), py::arg("bias"), py::arg("gemv_max_rows") = 8);
   // The most rows one decode_layer call takes: Python reads it here, so kernels.h stays the one source of truth.

@@ -120,11 +120,19 @@ int64_t ggml_block_bytes(int type);
 // gguf.quants.dequantize does. Threads split the rows.
 void ggml_dequantize(const uint8_t* blocks, int64_t rows, int64_t row_bytes, int type, float* out, int num_threads);
 
-// y [M, N] float32 = x [M, K] (rows x_stride apart) times the dequantized weight [N, K] (+ bias [N] float32 or
-// nullptr), fp32 accumulation. M <= gemv_max_rows: the GEMV on the blocks; more: the tiled kernel.
+// y [M, N] float32 = x [M, K] (rows x_stride apart; for Q4_0 / Q4_K / Q6_K quantized as below) times the
+// dequantized weight [N, K] (+ bias [N] float32 or nullptr), fp32 accumulation. M <= gemv_max_rows: the GEMV on the blocks; more: the tiled kernel.
 template <typename T>
 void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
                  const float* bias, float* y, int64_t gemv_max_rows, int num_threads);
+
+// Q4_0, Q4_K and Q6_K products quantize x as llama.cpp does, per block of ggml_activation_block(type) columns
+// (32, 256, 256; 0 for Q8_0, whose products keep fp32 x): d = amax / 127, q = round-half-even(x / d) (0 when
+// d = 0). ggml_quantize_activations writes quants [M, K] and scales [M, K / block] (x rows x_stride apart).
+int64_t ggml_activation_block(int type);
+template <typename T>
+void ggml_quantize_activations(const T* x, int64_t M, int64_t K, int64_t x_stride, int type, int8_t* quants,
+                               float* scales);
 
 // The same for int8 weights [N, K] with a float32 scale per row: y = (x . q[n]) * scale[n] (+ bias[n]).
 template <typename T>

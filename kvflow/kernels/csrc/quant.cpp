@@ -3,12 +3,16 @@
 // * Dequantization (ggml_dequantize): the same float32 operations, in the same order, as gguf.quants.dequantize
 //   (and kvflow/kernels/quant.py's dequantize_reference), so the floats are identical; -ffp-contract=off keeps
 //   `step * q - offset` from being fused.
+// * Activations: Q4_0, Q4_K and Q6_K products quantize x as llama.cpp does (per 32 / 256 / 256 columns:
+//   d = amax / 127, q = round-half-even(x / d)); Q8_0 and int8 keep fp32 x. The GEMV multiplies the int8 quants;
+//   the tiled product (and quant.py's dequantize + torch path) runs on q * d, so every M computes the same sum.
 // * GEMV (M <= gemv_max_rows activation rows, decode): works on the blocks, never writing dequantized weights.
-//   x is widened to fp32 once; per block the quants are widened to fp32 in registers and dotted with each x row,
-//   then scaled once per block (or sub-block): Q8_0 d * dot(x, q); Q4_0 d * dot(x, q - 8) (the -8 applied to the
-//   bytes); Q4_K d * sc_j * dot(x_j, q_j) - dmin * m_j * sum(x_j), the per-32 sums of x computed once per call and
-//   shared by all weight rows; Q6_K d * sc_g * dot(x_g, q_g - 32) per 16 weights; int8 dot(x, q) * scale[n] at
-//   the end. Threads split the weight rows into contiguous bands, so each weight byte streams from memory once.
+//   Q8_0: x widened to fp32 once, each block's quants widened in registers, d * dot(x, q). Q4_0 / Q4_K / Q6_K:
+//   integer dots (maddubs: u8 x s8 pairs -> int16; madd: int16 x int16 multipliers -> int32) converted to float
+//   once per block: Q4_0 d_w d_x sum((q - 8) q_x); Q4_K d_w d_x sum_j sc_j dot(q_j, q_x_j) - dmin d_x sum_j m_j
+//   sum(q_x_j) (the scales as madd multipliers, the per-16 sums of q_x computed once per call); Q6_K d_w d_x
+//   sum_g sc_g (dot(q_g, q_x_g) - 32 sum(q_x_g)). int8: dot(x, q) * scale[n] at the end. Threads split the
+//   weight rows into contiguous bands, so each weight byte streams from memory once.
 // * Tiled product (more rows, prefill): per thread, tiles of kTileRows weight rows and kTileK columns are
 //   dequantized into a thread-local fp32 buffer (L1/L2) and every x row runs against it in 4 x 3 register
 //   blocks: the weights are read from memory once per call whatever M is.
@@ -149,6 +153,66 @@ std::vector<float> widen_rows(const T* x, int64_t M, int64_t K, int64_t x_stride
 
 inline int64_t padded8(int64_t count) { return (count + 7) / 8 * 8; }
 
+// ---- activation quantization (Q4_0, Q4_K, Q6_K) ----
+
+// Elements per activation scale for `type`: its weight block (32 for Q4_0, 256 for the K-quants); 0 for Q8_0,
+// whose products keep fp32 activations.
+int64_t activation_block(int type) {
+  switch (type) {
+    case kGgmlQ4_0: return 32;
+    case kGgmlQ4_K:
+    case kGgmlQ6_K: return kQK;
+    default: return 0;
+  }
+}
+
+// x[0:count] as int8 quants; returns the scale d = amax / 127 (q = round-half-even(x / d), 0 when d = 0): the
+// same float32 operations as quant.py's quantize_activations_reference, so the quants are identical.
+float quantize_block(const float* x, int64_t count, int8_t* quants) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < count; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.f;
+  for (int64_t i = 0; i < count; ++i)
+    quants[i] = d > 0.f ? static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / d)))) : 0;
+  return d;
+}
+
+// The rows of x (fp32, `xs` floats apart) quantized per `block` columns, with the per-16 sums of the quants
+// (Q4_K's min term, Q6_K's -32 offset).
+struct QuantizedActivations {
+  int64_t K, block;
+  std::vector<int8_t> quants;  // [M, K]
+  std::vector<float> scales;   // [M, K / block]
+  std::vector<int16_t> sums;   // [M, K / 16]; |sum| <= 16 * 127
+
+  QuantizedActivations(const float* xf, int64_t M, int64_t K_, int64_t xs, int64_t block_)
+      : K(K_), block(block_), quants(static_cast<size_t>(M * K_)), scales(static_cast<size_t>(M * K_ / block_)),
+        sums(static_cast<size_t>(M * K_ / 16)) {
+    for (int64_t m = 0; m < M; ++m) {
+      int8_t* q = quants.data() + m * K;
+      for (int64_t b = 0; b < K / block; ++b)
+        scales[m * (K / block) + b] = quantize_block(xf + m * xs + b * block, block, q + b * block);
+      for (int64_t j = 0; j < K / 16; ++j) {
+        int total = 0;
+        for (int i = 0; i < 16; ++i) total += q[16 * j + i];
+        sums[m * (K / 16) + j] = static_cast<int16_t>(total);
+      }
+    }
+  }
+};
+
+// Replaces x's rows (fp32, `xs` floats apart) by their quantized values q * d: what the integer GEMV computes
+// with, for the products that run in fp32.
+void fake_quantize_rows(float* xf, int64_t M, int64_t K, int64_t xs, int64_t block) {
+  std::vector<int8_t> quants(static_cast<size_t>(block));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / block; ++b) {
+      float* x = xf + m * xs + b * block;
+      const float d = quantize_block(x, block, quants.data());
+      for (int64_t i = 0; i < block; ++i) x[i] = static_cast<float>(quants[i]) * d;
+    }
+}
+
 // Splits `count` units among up to `num_threads` threads: thread t of nt gets [begin, end).
 inline void thread_range(int64_t count, int t, int nt, int64_t& begin, int64_t& end) {
   begin = count * t / nt;
@@ -191,154 +255,191 @@ inline __m256i high_nibbles(__m256i bytes) {
   return _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
 }
 
-// Each block kind accumulates one block of one weight row against MT rows of x (`x` at the block's first
-// column, rows `xs` floats apart): acc[m] gathers scaled dot products in 8 lanes, correction[m] (8 lanes) what
-// is subtracted at the end. `sums` holds per-32-column sums of x (rows `ss` apart) at the block's first sub-block.
+// x rows in fp32 (Q8_0's GEMV): `x` at row m0's first column, rows `stride` floats apart.
+struct FloatRows {
+  const float* x;
+  int64_t stride;
+  FloatRows at(int64_t m0) const { return {x + m0 * stride, stride}; }
+};
+
+// x rows quantized (QuantizedActivations below) for the integer GEMVs, from row m0 on.
+struct QuantRows {
+  const int8_t* quants;  // rows quant_stride apart
+  const float* scales;   // one per activation block, rows scale_stride apart
+  const int16_t* sums;   // per 16 quants, rows sum_stride apart
+  int64_t quant_stride, scale_stride, sum_stride;
+  QuantRows at(int64_t m0) const {
+    return {quants + m0 * quant_stride, scales + m0 * scale_stride, sums + m0 * sum_stride, quant_stride,
+            scale_stride, sum_stride};
+  }
+};
+
+// Each block kind accumulates block b of one weight row (`block`) against MT rows of x into acc[m] (8 lanes).
 struct Q8_0Block {
-  static constexpr int kElements = 32, kBytes = 34, kSums = 0;
+  static constexpr int kElements = 32, kBytes = 34;
   template <int MT>
-  static void accumulate(const uint8_t* block, const float* x, int64_t xs, const float*, int64_t, __m256* acc,
-                         __m256*) {
+  static void accumulate(const uint8_t* block, const FloatRows& rows, int64_t b, __m256* acc) {
     const __m256 d = _mm256_set1_ps(fp16_to_float(block));
     __m256 q[4];
     widen32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2)), q);
-    for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(d, dot32(x + m * xs, q), acc[m]);
+    const float* x = rows.x + b * kElements;
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(d, dot32(x + m * rows.stride, q), acc[m]);
   }
 };
 
+// 16 int16 lanes of u8 x s8 pair sums (no saturation: |u| <= 63, |s| <= 127) times int16 multipliers, pairs
+// summed: 8 int32 lanes.
+inline __m256i dot_scaled(__m256i unsigned_bytes, const int8_t* signed_bytes, __m256i multipliers) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(signed_bytes));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_bytes, x), multipliers);
+}
+
+// Q4_0 against x quantized per 32: d_w * d_x * sum((q_w - 8) * q_x), the -8 applied to the weight bytes and
+// the product taken as |q_w - 8| * (q_x with q_w - 8's sign), maddubs needing one unsigned operand (the same
+// integer as sum(q_w * q_x) - 8 * sum(q_x)).
 struct Q4_0Block {
-  static constexpr int kElements = 32, kBytes = 18, kSums = 0;
+  static constexpr int kElements = 32, kBytes = 18;
   template <int MT>
-  static void accumulate(const uint8_t* block, const float* x, int64_t xs, const float*, int64_t, __m256* acc,
-                         __m256*) {
-    const __m256 d = _mm256_set1_ps(fp16_to_float(block));
+  static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m256* acc) {
+    const float d = fp16_to_float(block);
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);  // elements 0-15 | 16-31
     const __m256i quants = _mm256_sub_epi8(low_nibbles(both), _mm256_set1_epi8(8));
-    __m256 q[4];
-    widen32(quants, q);
-    for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(d, dot32(x + m * xs, q), acc[m]);
-  }
-};
-
-struct Q4_KBlock {
-  static constexpr int kElements = 256, kBytes = 144, kSums = 8;
-  template <int MT>
-  static void accumulate(const uint8_t* block, const float* x, int64_t xs, const float* sums, int64_t ss,
-                         __m256* acc, __m256* correction) {
-    const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
-    uint8_t scales[8], mins[8];
-    q4_k_scales_and_mins(block + 4, scales, mins);
-    alignas(32) float steps[8];  // d * scale_j, broadcast per sub-block below
-    _mm256_store_ps(steps, _mm256_mul_ps(_mm256_set1_ps(d), widen8(_mm_loadl_epi64(
-                                                                 reinterpret_cast<const __m128i*>(scales)))));
-    for (int c = 0; c < 4; ++c) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
-      __m256 q[4];
-      widen32(low_nibbles(packed), q);
-      const __m256 step_low = _mm256_broadcast_ss(steps + 2 * c);
-      for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(step_low, dot32(x + m * xs + 64 * c, q), acc[m]);
-      widen32(high_nibbles(packed), q);
-      const __m256 step_high = _mm256_broadcast_ss(steps + 2 * c + 1);
-      for (int m = 0; m < MT; ++m)
-        acc[m] = _mm256_fmadd_ps(step_high, dot32(x + m * xs + 64 * c + 32, q), acc[m]);
-    }
-    // The min term: dmin * m_j * sum(x_j) over the 8 sub-blocks, one lane each.
-    const __m256 offsets =
-        _mm256_mul_ps(_mm256_set1_ps(dmin), widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mins))));
-    for (int m = 0; m < MT; ++m)
-      correction[m] = _mm256_fmadd_ps(offsets, _mm256_loadu_ps(sums + m * ss), correction[m]);
-  }
-};
-
-struct Q6_KBlock {
-  static constexpr int kElements = 256, kBytes = 210, kSums = 0;
-
-  // Groups g, g + 1 (32 quants - 32 as int8) against x.
-  template <int MT>
-  static void accumulate32(__m256i quants, float step0, float step1, const float* x, int64_t xs, __m256* acc) {
-    __m256 q[4];
-    widen32(_mm256_sub_epi8(quants, _mm256_set1_epi8(32)), q);
-    const __m256 s0 = _mm256_set1_ps(step0), s1 = _mm256_set1_ps(step1);
+    const __m256i magnitudes = _mm256_abs_epi8(quants), ones = _mm256_set1_epi16(1);
     for (int m = 0; m < MT; ++m) {
-      const float* xm = x + m * xs;
-      __m256 t0 = _mm256_mul_ps(_mm256_loadu_ps(xm), q[0]);
-      t0 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), q[1], t0);
-      __m256 t1 = _mm256_mul_ps(_mm256_loadu_ps(xm + 16), q[2]);
-      t1 = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 24), q[3], t1);
-      acc[m] = _mm256_fmadd_ps(s1, t1, _mm256_fmadd_ps(s0, t0, acc[m]));
+      const __m256i x = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(rows.quants + m * rows.quant_stride + b * kElements));
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x, quants)), ones);
+      const __m256 scale = _mm256_set1_ps(d * rows.scales[m * rows.scale_stride + b]);
+      acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[m]);
     }
   }
+};
 
+// int16 multipliers selecting byte pairs (2j, 2j + 1) of each 128-bit lane: one int16 broadcast per lane.
+inline __m256i int16_lane(int j) { return _mm256_set1_epi16(static_cast<int16_t>(((2 * j + 1) << 8) | (2 * j))); }
+
+// Q4_K against x quantized per 256: d_w * d_x * sum_j sc_j * dot(q_j, q_x_j) - dmin * d_x * sum_j m_j * sum(q_x_j)
+// over the 8 sub-blocks j of 32, both sums integer (the scales as int16 multipliers, the mins against the
+// per-16 sums of the quants), two float conversions per super-block.
+struct Q4_KBlock {
+  static constexpr int kElements = 256, kBytes = 144;
   template <int MT>
-  static void accumulate(const uint8_t* block, const float* x, int64_t xs, const float*, int64_t, __m256* acc,
-                         __m256*) {
+  static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m256* acc) {
+    const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
+    // The 6-bit scales and mins, four to a word (q4_k_scales_and_mins on whole words).
+    uint32_t packed[3];
+    std::memcpy(packed, block + 4, sizeof(packed));
+    const uint32_t scales_low = packed[0] & 0x3F3F3F3Fu, mins_low = packed[1] & 0x3F3F3F3Fu;
+    const uint32_t scales_high = (packed[2] & 0x0F0F0F0Fu) | ((packed[0] >> 2) & 0x30303030u);
+    const uint32_t mins_high = ((packed[2] >> 4) & 0x0F0F0F0Fu) | ((packed[1] >> 2) & 0x30303030u);
+    const __m128i scales8 = _mm_set_epi32(0, 0, static_cast<int>(scales_high), static_cast<int>(scales_low));
+    const __m128i mins8 = _mm_set_epi32(0, 0, static_cast<int>(mins_high), static_cast<int>(mins_low));
+    const __m256i scales16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales8));  // s0..s7 in each lane
+    const __m256i mins_per16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));  // m0 m0 m1 m1 .. m7 m7
+    __m256i sums[MT];
+    for (int m = 0; m < MT; ++m) sums[m] = _mm256_setzero_si256();
+    const int8_t* x = rows.quants + b * kElements;
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c));
+      const __m256i low = low_nibbles(bytes), high = high_nibbles(bytes);
+      const __m256i scale_low = _mm256_shuffle_epi8(scales16, int16_lane(2 * c));
+      const __m256i scale_high = _mm256_shuffle_epi8(scales16, int16_lane(2 * c + 1));
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xm = x + m * rows.quant_stride + 64 * c;
+        sums[m] = _mm256_add_epi32(sums[m], _mm256_add_epi32(dot_scaled(low, xm, scale_low),
+                                                             dot_scaled(high, xm + 32, scale_high)));
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const float dx = rows.scales[m * rows.scale_stride + b];
+      const __m256i x_sums = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(rows.sums + m * rows.sum_stride + b * (kElements / 16)));
+      const __m256i min_terms = _mm256_madd_epi16(mins_per16, x_sums);  // m_j * sum(q_x_j), lane j
+      acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sums[m]), acc[m]);
+      acc[m] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(min_terms), acc[m]);
+    }
+  }
+};
+
+// Q6_K against x quantized per 256: d_w * d_x * sum_g sc_g * (dot(q_g, q_x_g) - 32 * sum(q_x_g)) over the 16
+// groups g of 16, all integer (the int8 scales as int16 multipliers; the -32 offset against the per-16 sums of
+// the quants), one float conversion per super-block.
+struct Q6_KBlock {
+  static constexpr int kElements = 256, kBytes = 210;
+  template <int MT>
+  static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m256* acc) {
     const float d = fp16_to_float(block + 208);
-    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
-    float step[16];
-    for (int g = 0; g < 16; ++g) step[g] = d * static_cast<float>(scales[g]);
+    const __m128i scales8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    __m256i sums[MT];
+    for (int m = 0; m < MT; ++m) sums[m] = _mm256_setzero_si256();
     const __m256i mask = _mm256_set1_epi8(0x30);
+    const int8_t* x = rows.quants + b * kElements;
     for (int h = 0; h < 2; ++h) {
       const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h));
       const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * h + 32));
       const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h));
-      const __m256i q0 = _mm256_or_si256(low_nibbles(ql0), _mm256_and_si256(_mm256_slli_epi16(qh, 4), mask));
-      const __m256i q1 = _mm256_or_si256(low_nibbles(ql1), _mm256_and_si256(_mm256_slli_epi16(qh, 2), mask));
-      const __m256i q2 = _mm256_or_si256(high_nibbles(ql0), _mm256_and_si256(qh, mask));
-      const __m256i q3 = _mm256_or_si256(high_nibbles(ql1), _mm256_and_si256(_mm256_srli_epi16(qh, 2), mask));
-      const float* xh = x + 128 * h;
-      const float* s = step + 8 * h;
-      accumulate32<MT>(q0, s[0], s[1], xh, xs, acc);
-      accumulate32<MT>(q1, s[2], s[3], xh + 32, xs, acc);
-      accumulate32<MT>(q2, s[4], s[5], xh + 64, xs, acc);
-      accumulate32<MT>(q3, s[6], s[7], xh + 96, xs, acc);
+      const __m256i quants[4] = {
+          _mm256_or_si256(low_nibbles(ql0), _mm256_and_si256(_mm256_slli_epi16(qh, 4), mask)),
+          _mm256_or_si256(low_nibbles(ql1), _mm256_and_si256(_mm256_slli_epi16(qh, 2), mask)),
+          _mm256_or_si256(high_nibbles(ql0), _mm256_and_si256(qh, mask)),
+          _mm256_or_si256(high_nibbles(ql1), _mm256_and_si256(_mm256_srli_epi16(qh, 2), mask))};
+      for (int p = 0; p < 4; ++p) {  // quants[p]: elements 128 h + 32 p + [0, 32), groups g = 8 h + 2 p, g + 1
+        const int g = 8 * h + 2 * p;
+        const __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (g + 1), 0x0101010101010101LL * g);
+        const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales8, pick));  // sc_g x 8 | sc_g+1 x 8
+        for (int m = 0; m < MT; ++m)
+          sums[m] = _mm256_add_epi32(sums[m],
+                                     dot_scaled(quants[p], x + m * rows.quant_stride + 128 * h + 32 * p, scale));
+      }
+    }
+    const __m256i scales16 = _mm256_cvtepi8_epi16(scales8);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i x_sums = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(rows.sums + m * rows.sum_stride + b * (kElements / 16)));
+      const __m256i offsets = _mm256_slli_epi32(_mm256_madd_epi16(scales16, x_sums), 5);  // 32 sc_g sum(q_x_g)
+      const __m256 scale = _mm256_set1_ps(d * rows.scales[m * rows.scale_stride + b]);
+      acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(sums[m], offsets)), acc[m]);
     }
   }
 };
 
-// Weight rows [n_begin, n_end) against x rows [m0, m0 + MT), R weight rows at a time (independent FMA chains).
-template <class Block, int R, int MT>
-void ggml_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const float* xf, int64_t xs,
-               const float* sums, int64_t ss, int64_t m0, int64_t n_begin, int64_t n_end, const float* bias,
-               float* y, int64_t N) {
-  const float* x = xf + m0 * xs;
-  const float* s = sums + m0 * ss;
+// Weight rows [n_begin, n_end) against x rows [m0, m0 + MT), R weight rows at a time (independent chains).
+template <class Block, int R, int MT, class Rows>
+void ggml_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const Rows& x, int64_t m0, int64_t n_begin,
+               int64_t n_end, const float* bias, float* y, int64_t N) {
+  const Rows rows = x.at(m0);
   for (int64_t n = n_begin; n < n_end; n += R) {
-    __m256 acc[R][MT], correction[R][MT];
+    __m256 acc[R][MT];
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) acc[r][m] = correction[r][m] = _mm256_setzero_ps();
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < num_blocks; ++b)
       for (int r = 0; r < R; ++r) {
         const uint8_t* block = w + (n + r) * row_bytes + b * Block::kBytes;
         _mm_prefetch(reinterpret_cast<const char*>(block) + kPrefetchBytes, _MM_HINT_T0);
-        Block::template accumulate<MT>(block, x + b * Block::kElements, xs, s + b * Block::kSums, ss, acc[r],
-                                       correction[r]);
+        Block::template accumulate<MT>(block, rows, b, acc[r]);
       }
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m)
-        y[(m0 + m) * N + n + r] = sum8(acc[r][m]) - sum8(correction[r][m]) + (bias ? bias[n + r] : 0.f);
+      for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n + r] = sum8(acc[r][m]) + (bias ? bias[n + r] : 0.f);
   }
 }
 
-template <class Block, int MT>
-void ggml_band(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const float* xf, int64_t xs,
-               const float* sums, int64_t ss, int64_t m0, int64_t n_begin, int64_t n_end, const float* bias,
-               float* y, int64_t N) {
+template <class Block, int MT, class Rows>
+void ggml_band(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const Rows& x, int64_t m0, int64_t n_begin,
+               int64_t n_end, const float* bias, float* y, int64_t N) {
   constexpr int R = MT <= 4 ? 2 : 1;
   const int64_t paired_end = n_begin + (n_end - n_begin) / R * R;
-  ggml_rows<Block, R, MT>(w, row_bytes, num_blocks, xf, xs, sums, ss, m0, n_begin, paired_end, bias, y, N);
-  ggml_rows<Block, 1, MT>(w, row_bytes, num_blocks, xf, xs, sums, ss, m0, paired_end, n_end, bias, y, N);
+  ggml_rows<Block, R, MT>(w, row_bytes, num_blocks, x, m0, n_begin, paired_end, bias, y, N);
+  ggml_rows<Block, 1, MT>(w, row_bytes, num_blocks, x, m0, paired_end, n_end, bias, y, N);
 }
 
-template <class Block>
-void ggml_band_any_m(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const float* xf, int64_t xs,
-                     const float* sums, int64_t ss, int64_t M, int64_t n_begin, int64_t n_end, const float* bias,
-                     float* y, int64_t N) {
+template <class Block, class Rows>
+void ggml_band_any_m(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const Rows& x, int64_t M,
+                     int64_t n_begin, int64_t n_end, const float* bias, float* y, int64_t N) {
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8)
-    ggml_band<Block, 8>(w, row_bytes, num_blocks, xf, xs, sums, ss, m, n_begin, n_end, bias, y, N);
+  for (; m + 8 <= M; m += 8) ggml_band<Block, 8>(w, row_bytes, num_blocks, x, m, n_begin, n_end, bias, y, N);
 #define KVFLOW_QUANT_CASE(rows) \
-  case rows: ggml_band<Block, rows>(w, row_bytes, num_blocks, xf, xs, sums, ss, m, n_begin, n_end, bias, y, N); break;
+  case rows: ggml_band<Block, rows>(w, row_bytes, num_blocks, x, m, n_begin, n_end, bias, y, N); break;
   switch (M - m) {
     KVFLOW_QUANT_CASE(1)
     KVFLOW_QUANT_CASE(2)
@@ -352,25 +453,16 @@ void ggml_band_any_m(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, co
 #undef KVFLOW_QUANT_CASE
 }
 
-template <class Block>
-void ggml_gemv(const float* xf, int64_t M, int64_t K, int64_t xs, const uint8_t* w, int64_t N,
-               const float* bias, float* y, int num_threads) {
+template <class Block, class Rows>
+void ggml_gemv(const Rows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
+               int num_threads) {
   const int64_t num_blocks = K / Block::kElements, row_bytes = num_blocks * Block::kBytes;
-  // Per-32-column sums of x, once per call (Q4_K's min term), summed in column order.
-  const int64_t ss = Block::kSums ? K / 32 : 0;
-  std::vector<float> sums(static_cast<size_t>(std::max<int64_t>(1, M * ss)), 0.f);
-  for (int64_t m = 0; m < M && ss; ++m)
-    for (int64_t j = 0; j < ss; ++j) {
-      float total = 0.f;
-      for (int i = 0; i < 32; ++i) total += xf[m * xs + 32 * j + i];
-      sums[m * ss + j] = total;
-    }
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / 2)));
 #pragma omp parallel num_threads(threads)
   {
     int64_t begin, end;
     thread_range(N, omp_get_thread_num(), omp_get_num_threads(), begin, end);
-    ggml_band_any_m<Block>(w, row_bytes, num_blocks, xf, xs, sums.data(), ss, M, begin, end, bias, y, N);
+    ggml_band_any_m<Block>(w, row_bytes, num_blocks, x, M, begin, end, bias, y, N);
   }
 }
 
@@ -600,11 +692,38 @@ void ggml_dequantize(const uint8_t* blocks, int64_t rows, int64_t row_bytes, int
   }
 }
 
+int64_t ggml_activation_block(int type) { return activation_block(type); }
+
+template <typename T>
+void ggml_quantize_activations(const T* x, int64_t M, int64_t K, int64_t x_stride, int type, int8_t* quants,
+                               float* scales) {
+  const int64_t xs = padded8(K), block = activation_block(type);
+  const std::vector<float> xf = widen_rows<T>(x, M, K, x_stride, xs);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / block; ++b)
+      scales[m * (K / block) + b] = quantize_block(xf.data() + m * xs + b * block, block, quants + m * K + b * block);
+}
+
 template <typename T>
 void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
                  const float* bias, float* y, int64_t gemv_max_rows, int num_threads) {
-  const int64_t xs = padded8(K);
-  const std::vector<float> xf = widen_rows<T>(x, M, K, x_stride, xs);
+  const int64_t xs = padded8(K), block = activation_block(type);
+  std::vector<float> xf = widen_rows<T>(x, M, K, x_stride, xs);
+#ifdef KVFLOW_QUANT_SIMD
+  if (M <= gemv_max_rows && block) {
+    const QuantizedActivations quantized(xf.data(), M, K, xs, block);
+    const QuantRows rows{quantized.quants.data(), quantized.scales.data(), quantized.sums.data(), K, K / block,
+                         K / 16};
+    switch (type) {
+      case kGgmlQ4_0: ggml_gemv<Q4_0Block>(rows, M, K, w, N, bias, y, num_threads); break;
+      case kGgmlQ4_K: ggml_gemv<Q4_KBlock>(rows, M, K, w, N, bias, y, num_threads); break;
+      default: ggml_gemv<Q6_KBlock>(rows, M, K, w, N, bias, y, num_threads); break;
+    }
+    return;
+  }
+#endif
+  // The fp32 products see the values the integer GEMV computes with: every M gives the same numbers.
+  if (block) fake_quantize_rows(xf.data(), M, K, xs, block);
   const int64_t elements = ggml_block_elements(type), bytes = ggml_block_bytes(type);
   if (M > gemv_max_rows) {
     const GgmlDecode decode{w, K / elements * bytes, elements, bytes, block_dequantizer(type)};
@@ -612,12 +731,7 @@ void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8
     return;
   }
 #ifdef KVFLOW_QUANT_SIMD
-  switch (type) {
-    case kGgmlQ8_0: ggml_gemv<Q8_0Block>(xf.data(), M, K, xs, w, N, bias, y, num_threads); break;
-    case kGgmlQ4_0: ggml_gemv<Q4_0Block>(xf.data(), M, K, xs, w, N, bias, y, num_threads); break;
-    case kGgmlQ4_K: ggml_gemv<Q4_KBlock>(xf.data(), M, K, xs, w, N, bias, y, num_threads); break;
-    default: ggml_gemv<Q6_KBlock>(xf.data(), M, K, xs, w, N, bias, y, num_threads); break;
-  }
+  ggml_gemv<Q8_0Block>(FloatRows{xf.data(), xs}, M, K, w, N, bias, y, num_threads);
 #else
   ggml_gemv_portable(xf.data(), M, K, xs, w, N, type, bias, y, num_threads);
 #endif
@@ -641,6 +755,8 @@ template void ggml_linear<float>(const float*, int64_t, int64_t, int64_t, const 
                                  float*, int64_t, int);
 template void ggml_linear<bf16>(const bf16*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int, const float*,
                                 float*, int64_t, int);
+template void ggml_quantize_activations<float>(const float*, int64_t, int64_t, int64_t, int, int8_t*, float*);
+template void ggml_quantize_activations<bf16>(const bf16*, int64_t, int64_t, int64_t, int, int8_t*, float*);
 template void int8_linear<float>(const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t,
                                  const float*, float*, int64_t, int);
 template void int8_linear<bf16>(const bf16*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t,
