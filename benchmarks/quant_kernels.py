@@ -6,19 +6,29 @@ kernel, and C++ dequantization + torch's fp32 GEMM, as same-run ratios (the mach
 copies of each weight are rotated so that they do not sit in the last-level cache.
 
     .venv/bin/python benchmarks/quant_kernels.py [--types Q4_K int8] [--rows 1 16 64 512] [--threads 2]
+
+`--baseline REV` instead compares the M = 1 GEMV of the working tree's kernels with those of git revision REV
+(its csrc built into the kernel cache dir, both loaded in this process), on 1 and 2 threads, measurements of the
+two builds and thread counts interleaved round by round: G weights/s and GB/s of weight bytes of the fastest and
+the median call, a plain memory read of the same bytes, new / old, and each build's 2-thread / 1-thread speed-up.
+
+    .venv/bin/python benchmarks/quant_kernels.py --baseline 7010c1b --types Q4_0 Q4_K Q6_K Q8_0 int8
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import subprocess
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from kvflow.kernels import load_cpu_kernels
+from kvflow.kernels.build import _CFLAGS, _LDFLAGS, kernels_build_dir
 from kvflow.kernels.quant import _GGML_TYPE_CODES, int8_quantize
 from kvflow.testing.ggml_quants import quantize
 
@@ -80,6 +90,89 @@ def _products(ops, qtype: str, weights: list):
     )
 
 
+def _baseline_kernels(revision: str):
+    """The CPU kernels of git `revision` (its kvflow/kernels/csrc), built once into the kernel cache dir."""
+    from torch.utils.cpp_extension import load
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout
+
+    commit = git("rev-parse", revision).strip()
+    build_dir = kernels_build_dir() / f"baseline_{commit[:12]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    sources = []
+    for name in git("ls-tree", "--name-only", commit, "kvflow/kernels/csrc/").split():
+        path = build_dir / Path(name).name
+        path.write_text(git("show", f"{commit}:{name}"))
+        if path.suffix == ".cpp":
+            sources.append(str(path))
+    return load(
+        name=f"kvflow_baseline_{commit[:12]}",
+        sources=sources,
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=list(_LDFLAGS),
+        build_directory=str(build_dir),
+    )
+
+
+def _call_seconds(fn, count: int) -> list[float]:
+    """Seconds of each of `count` calls fn(i) (i over the weight copies)."""
+    seconds = []
+    for index in range(count):
+        started = time.perf_counter()
+        fn(index)
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def compare_gemv(ops, baseline, types: list[str], repeat: int) -> None:
+    """M = 1 GEMV of `ops` (new) and `baseline` (old) on 1 and 2 threads, interleaved round by round. Per call
+    (each on the next weight copy, from memory): the fastest call (the kernel when it has the cores) and the
+    median (what the machine gives now: on a shared machine a 2-thread call that waits for a descheduled thread
+    takes a scheduler slice)."""
+    print(
+        f"M=1 GEMV, new (working tree) vs old (baseline): fastest / median call over {repeat} rounds"
+    )
+    for K, N in SHAPES:
+        for qtype in types:
+            weights = _weights(qtype, K, N)
+            weight_bytes = (weights[0][0] if qtype == "int8" else weights[0]).numel()
+            flat = [(w[0] if qtype == "int8" else w).view(-1).view(torch.uint8) for w in weights]
+            x = torch.randn(1, K)
+            gemvs = {
+                "new": functools.partial(_products(ops, qtype, weights)[0], x),
+                "old": functools.partial(_products(baseline, qtype, weights)[0], x),
+                "read": lambda i, flat=flat: ops.stream_read(flat[i]),
+            }
+            calls: dict[tuple[str, int], list[float]] = {}
+            for _ in range(repeat):
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    for name, gemv in gemvs.items():
+                        gemv(0)
+                        seconds = _call_seconds(gemv, len(weights))
+                        calls.setdefault((name, threads), []).extend(seconds)
+            fastest = {key: min(seconds) for key, seconds in calls.items()}
+            median = {key: float(np.median(seconds)) for key, seconds in calls.items()}
+            for threads in (1, 2):
+                line = f"{qtype:5s} K={K:5d} N={N:5d} t={threads}"
+                for name in ("new", "old"):
+                    best, typical = fastest[(name, threads)], median[(name, threads)]
+                    line += (
+                        f"  {name} {K * N / best / 1e9:5.1f} G/s {weight_bytes / best / 1e9:5.1f} GB/s"
+                        f" (median {weight_bytes / typical / 1e9:5.1f})"
+                    )
+                line += f"  read {weight_bytes / fastest[('read', threads)] / 1e9:5.1f} GB/s"
+                line += f"  new/old {fastest[('old', threads)] / fastest[('new', threads)]:4.2f}x"
+                if threads == 2:
+                    line += "  2t/1t " + " ".join(
+                        f"{name} {fastest[(name, 1)] / fastest[(name, 2)]:4.2f}x"
+                        f" (median {median[(name, 1)] / median[(name, 2)]:4.2f}x)"
+                        for name in gemvs
+                    )
+                print(line, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -88,11 +181,15 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16, 64, 512])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--baseline", metavar="REV", help="compare the M=1 GEMV with revision REV")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = load_cpu_kernels()
     if ops is None:
         raise SystemExit("the CPU kernels are not available")
+    if args.baseline:
+        compare_gemv(ops, _baseline_kernels(args.baseline), args.types, args.repeat)
+        return
     print(f"threads={args.threads}")
     for K, N in SHAPES:
         for qtype in args.types:
