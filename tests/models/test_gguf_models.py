@@ -9,6 +9,7 @@ compute in float32 on the same weight values (only the summation order differs).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -36,22 +37,26 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+def mixed_types(name: str, shape: tuple[int, int]) -> str:
+    """Q8_0 and float tensors inside the same fused layers (q, k | v and gate | up in separate runs), the embedding
+    (tied head) in Q8_0 blocks: every run kind, each with an exact kernel."""
+    return "F16" if name.endswith(("attn_v.weight", "ffn_up.weight")) else "Q8_0"
+
+
 @pytest.mark.parametrize(
     ("arch", "tensor_type"),
-    [
-        ("llama", "Q8_0"),
-        ("qwen2", "Q4_K_M"),
-        ("qwen3", "Q4_0"),
-        ("llama", "Q6_K"),
-        ("llama3", "F16"),
-    ],
+    [("llama", "Q8_0"), ("qwen2", mixed_types), ("qwen3", "Q8_0"), ("llama3", "F16")],
+    ids=["llama-Q8_0", "qwen2-mixed", "qwen3-Q8_0", "llama3-F16"],
 )
-def test_a_quantized_file_decodes_like_its_weights_dequantized_to_float32(
-    checkpoints: dict[str, Path], tmp_path: Path, arch: str, tensor_type: str
+def test_a_gguf_file_decodes_like_its_weights_dequantized_to_float32(
+    checkpoints: dict[str, Path], tmp_path: Path, arch: str, tensor_type: Any
 ) -> None:
-    """llama: q/k rows un-interleaved; qwen2: biases, a tied head on blocks, Q4_K and Q6_K runs inside one fused
-    layer; qwen3: q/k norms; llama3: Llama 3 rope scaling read back from llama.cpp's `rope_freqs` tensor (the
-    float checkpoint has it as config.json's rope_scaling)."""
+    """Exact for types whose kernels keep float32 activations (Q8_0 and floats): greedy tokens equal. llama: q/k
+    rows un-interleaved; qwen2: biases, a tied head on blocks, Q8_0 and F16 runs inside one fused layer; qwen3:
+    q/k norms; llama3: Llama 3 rope scaling read back from llama.cpp's `rope_freqs` tensor (the float checkpoint
+    has it as config.json's rope_scaling). The 4-bit types quantize activations (as llama.cpp does): their
+    end-to-end check is the default model's perplexity against its dequantized weights
+    (tests/test_default_model_quality.py)."""
     path = write_gguf(checkpoints[arch], tmp_path / f"{arch}.gguf", tensor_type)
     dequantized = dequantized_checkpoint(path, checkpoints[arch], tmp_path / "dequantized")
     assert greedy_tokens(path) == greedy_tokens(dequantized)
@@ -69,6 +74,11 @@ def test_a_q4_k_m_file_keeps_its_type_mix_per_fused_layer(
     qkv = model.model.layers[1].self_attn.qkv_proj.quant_method
     assert isinstance(qkv, GGUFLinear)
     assert [(run.qtype, run.shards) for run in qkv.runs] == [("Q4_K", [0, 1]), ("Q6_K", [2])]
+    mixed = load_model(write_gguf(checkpoints["qwen2"], tmp_path / "mixed.gguf", mixed_types))
+    gate_up = mixed.model.layers[0].mlp.gate_up_proj.quant_method
+    assert isinstance(gate_up, GGUFLinear)
+    assert [(run.qtype, run.shards) for run in gate_up.runs] == [("Q8_0", [0]), ("F16", [1])]
+    assert gate_up.kernel_names == ["ggml_linear_Q8_0_kernel", "float"]
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, on the same blocks
     assert model.model.embed_tokens.weight.dtype == torch.uint8
 
