@@ -17,16 +17,16 @@ AVX-512 build, chosen by the number of activation rows M:
   the tiled kernel there. The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
 
 Activations: Q4_0, Q4_K and Q6_K products quantize x to int8 first, as llama.cpp does (its `vec_dot_type`: Q8_0
-blocks for Q4_0, Q8_K super-blocks for the K-quants), per block of the weight type: one float32 scale
-d = amax / 127 per 32 (Q4_0) or 256 (Q4_K, Q6_K) elements, q = round(x / d) (`quantize_activations_reference`).
-The GEMV then multiplies integers (u8 x s8 pairs into int16, then int32 with the sub-block scales as int16
-multipliers) and converts to float once per block or super-block: widening every 4-bit quant to fp32 cost ~3
-instructions per 8 weights and held those GEMVs at ~4-7 G weights/s per thread, below memory speed (figures at
-`QUANT_GEMV_MAX_ROWS`). Every M computes dot(dequantized W, fake-quantized x), the tiled and dequantize + torch
-paths on the fake-quantized x (`fake_quantize_activations`), so a request's numbers do not depend on how many rows
-share its step (up to fp32 summation order); the reference (`KVFLOW_CPU_KERNELS=0`) does the same. Q8_0 and int8
-keep fp32 x: their GEMVs already run near memory speed, and a Q8_0 model decodes exactly like its float32
-dequantization.
+blocks for Q4_0, Q8_K super-blocks for the K-quants), per block of the weight type: one float32 scale d = amax / 127
+per 32 (Q4_0) or 256 (Q4_K, Q6_K) elements, q = round(x / d) (`quantize_activations_reference`). The GEMV then
+multiplies integers (u8 x s8 pairs into int16, then int32 with the sub-block scales as int16 multipliers) and
+converts to float once per block or super-block: widening every 4-bit quant to fp32 cost ~3 instructions per 8
+weights and held those GEMVs at ~5-8 G weights/s per thread, below memory speed; the integer form runs 1.9-3.5x
+faster (figures at `QUANT_GEMV_MAX_ROWS`). Every M computes dot(dequantized W, fake-quantized x), the tiled and
+dequantize + torch paths on the fake-quantized x (`fake_quantize_activations`), so a request's numbers do not depend
+on how many rows share its step (up to fp32 summation order); the reference (`KVFLOW_CPU_KERNELS=0`) does the same.
+Q8_0 and int8 keep fp32 x: their 8-bit quants widen in one instruction and their GEMVs reach ~20 GB/s on 2
+threads, near this machine's memory speed, and a Q8_0 model decodes exactly like its float32 dequantization.
 
 Every path computes each output element on one thread in a fixed order: results do not depend on the thread count.
 """
@@ -71,7 +71,13 @@ ACTIVATION_BLOCK_SIZES: dict[str, int] = {"Q4_0": 32, "Q4_K": 256, "Q6_K": 256}
 _GGML_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
 
 # Up to this many activation rows the block GEMV runs (decode; above it the GEMV would re-read the weights per
-# 8 rows).
+# 8 rows). Its Q4_0 / Q4_K / Q6_K form on int8 activations against the fp32-widening one it replaced (commit
+# 7010c1b), `benchmarks/quant_kernels.py --baseline 7010c1b --repeat 5` (2-core AVX2 EPYC shared with another
+# benchmark: fastest call of each path, same run, M=1, K=2048,N=8192 / K=8192,N=2048), G weights/s per thread:
+# Q4_0 16.3 / 17.7 (old 8.4 / 8.5, 1.9-2.1x), Q4_K 11.3 / 23.9 (old 5.8 / 6.9, 1.9-3.5x; other runs 19.7 / 29.4),
+# Q6_K 15.5 / 16.9 (old 5.2 / 6.3, 2.7-3.0x); Q8_0 8.8 / 10.1 and int8 11.7 / 11.7 unchanged (0.98-1.01x). At
+# K=N=4096, 1 thread, M = 1, 2, 4, 8: new/old 1.74, 1.63, 1.34, 1.44x (Q4_0), 2.03, 1.34, 1.98, 2.40x (Q4_K),
+# 2.37, 1.27, 1.71, 1.65x (Q6_K): the integer form wins at every GEMV row count.
 QUANT_GEMV_MAX_ROWS = 8
 # Up to this many rows the tiled kernel runs; above it, dequantization then torch's fp32 GEMM. Measured with
 # `benchmarks/quant_kernels.py` (2-core AVX2 EPYC, 2 threads, noisy; tiled time vs dequant + torch, same run) on
