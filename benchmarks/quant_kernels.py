@@ -13,6 +13,14 @@ two builds and thread counts interleaved round by round: G weights/s and GB/s of
 the median call, a plain memory read of the same bytes, new / old, and each build's 2-thread / 1-thread speed-up.
 
     .venv/bin/python benchmarks/quant_kernels.py --baseline 7010c1b --types Q4_0 Q4_K Q6_K Q8_0 int8
+
+2-thread scaling of the Q8_0 / int8 GEMV (this 2-core EPYC while another benchmark ran 2 busy threads): fastest
+calls 1.54-2.05x the 1-thread ones (the row bands split evenly; the kernel scales when it has both cores), medians
+0.15-0.3x, and the same for a plain memory read (stream_read: median 0.06-0.2x): an OpenMP region ends when its
+last thread does, and the pool worker, having spun (libgomp's default wait policy) through its share of the cores,
+is often descheduled when the next region starts, so the call waits ~8 ms (two scheduler ticks). With
+OMP_WAIT_POLICY=passive in the environment the medians were 0.6-1.0x (never that stall), on a quiet machine the
+spinning worker is what makes back-to-back regions cheap: a process setting, not a kernel one.
 """
 
 from __future__ import annotations
