@@ -752,9 +752,14 @@ def measure_prefill(llm: Any, vocab_size: int, prompt_len: int, repeat: int) -> 
 
 def kvflow_model_kwargs(fmt: str, files: dict[str, Path], checkpoint: Path) -> dict[str, Any]:
     """What `LLM(...)` / `kvflow serve` get for a format: the GGUF file and the tokenizer folder, or the folder
-    with `quantization="int8"`."""
+    with `quantization="int8"` and the (tied) LM head quantized too, as llama.cpp's Q8_0 file holds it."""
     if fmt == "int8":
-        return {"model": str(checkpoint), "quantization": "int8", "dtype": "bfloat16"}
+        return {
+            "model": str(checkpoint),
+            "quantization": "int8",
+            "quantize_lm_head": True,
+            "dtype": "bfloat16",
+        }
     return {"model": str(files[fmt]), "tokenizer": str(checkpoint)}
 
 
@@ -825,8 +830,10 @@ def kvflow_serve_command(
 ) -> list[str]:
     command = [sys.executable, "-m", "kvflow", "serve", model_kwargs["model"]]
     for key, value in model_kwargs.items():
-        if key != "model":
-            command += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        if key == "model" or value is False:
+            continue
+        command += [flag] if value is True else [flag, str(value)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     return [*command, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs)]
 
