@@ -2,13 +2,15 @@
 
 Run them after building the binaries:
 
-    tools/build_llama_cpp.sh llama-bench llama-completion
-    .venv/bin/python -m pytest tools/llama_cpp_checks.py
+    tools/build_llama_cpp.sh llama-bench llama-completion llama-perplexity
+    .venv/bin/python -m pytest -s tools/llama_cpp_checks.py
 
 * llama-bench decodes a tiny Qwen2 checkpoint converted by tools/convert_to_gguf.py (the latency benchmark's
   `--llama-bench` path parses its JSON);
 * llama.cpp's greedy continuation of the default model (converted to float32) is kvflow's, token for token: the
-  converter's names, rotary row order, norms and tokenizer all line up.
+  converter's names, rotary row order, norms and tokenizer all line up;
+* llama-perplexity's perplexity of the default model's held-out sample, on GGUF files of it in Q8_0, Q4_0 and
+  Q4_K_M, is kvflow's on the same files and the same chunks within 1 % (issue 24).
 A missing binary fails with the command that builds it.
 """
 
@@ -20,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 
@@ -42,7 +46,7 @@ def binary(name: str) -> Path:
     """The built llama.cpp tool `name`; an AssertionError saying how to build it when it is missing."""
     path = LLAMA_CPP_BIN / name
     assert path.is_file(), (
-        f"{path} is not built: run tools/build_llama_cpp.sh llama-bench llama-completion"
+        f"{path} is not built: run tools/build_llama_cpp.sh llama-bench llama-completion llama-perplexity"
     )
     return path
 
@@ -106,3 +110,102 @@ def test_llama_cpp_continues_the_default_model_greedily_as_kvflow_does(tmp_path:
         timeout=120,
     )
     assert completed.stdout.strip() == output.outputs[0].text.strip(), completed.stderr[-2000:]
+
+
+# kvflow's perplexity of a quantized file and llama-perplexity's on the same file agree within this (the issue's
+# bound); both score the same token windows, so what remains is arithmetic (llama.cpp quantizes Q8_0 activations,
+# kvflow does not) and any tokenization difference of the joined sample.
+LLAMA_PERPLEXITY_TOLERANCE = 0.01
+LLAMA_PERPLEXITY_CONTEXT = 256  # the default model's training window
+
+
+def llama_perplexity_windows(
+    token_ids: list[int], bos_token_id: int, n_ctx: int
+) -> list[list[int]]:
+    """llama-perplexity's chunks: consecutive n_ctx-token slices of the whole text's tokens (a partial last one
+    dropped), each one's first token replaced by BOS."""
+    return [
+        [bos_token_id, *token_ids[start + 1 : start + n_ctx]]
+        for start in range(0, len(token_ids) - n_ctx + 1, n_ctx)
+    ]
+
+
+def kvflow_chunk_perplexity(model: Path, tokenizer_dir: Path, windows: list[list[int]]) -> float:
+    """exp(mean NLL) over the second half of every window, as llama-perplexity scores: in a window of n tokens,
+    the tokens at positions n/2 + 1 .. n - 1 given all before them (prompt logprobs)."""
+    import math
+
+    from kvflow import LLM, SamplingParams
+
+    llm = LLM(str(model), tokenizer=str(tokenizer_dir), max_num_seqs=8, disable_log_stats=True)
+    try:
+        outputs = llm.generate(
+            [{"prompt_token_ids": window} for window in windows],
+            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0),
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    total, count = 0.0, 0
+    for window, output in zip(windows, outputs, strict=True):
+        assert output.prompt_logprobs is not None
+        for position in range(len(window) // 2 + 1, len(window)):
+            total -= output.prompt_logprobs[position][window[position]].logprob
+            count += 1
+    return math.exp(total / count)
+
+
+def llama_cpp_perplexity(gguf_path: Path, text_path: Path, n_ctx: int) -> tuple[float, str]:
+    """llama-perplexity's final estimate on the text file, and its output's tail (for messages)."""
+    import re
+
+    completed = subprocess.run(
+        [
+            str(binary("llama-perplexity")),
+            "-m",
+            str(gguf_path),
+            "-f",
+            str(text_path),
+            "-c",
+            str(n_ctx),
+            "-b",
+            str(n_ctx),
+            "-t",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    output = completed.stdout + completed.stderr
+    match = re.search(r"Final estimate: PPL = ([0-9.]+)", output)
+    assert match, output[-2000:]
+    return float(match.group(1)), output[-600:]
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_K_M"])
+def test_llama_perplexity_agrees_with_kvflow_on_the_same_gguf(kind: str, tmp_path: Path) -> None:
+    """The default model's held-out sample through llama-perplexity and through kvflow, on one GGUF file: the same
+    chunks (n_ctx = the training window, each chunk's first token BOS, its second half scored)."""
+    from kvflow.default_model import SAMPLE_SEPARATOR, SHIPPED_CHECKPOINT, ensure_default_model
+    from kvflow.testing.gguf_files import write_gguf
+    from kvflow.tokenizer import load_tokenizer
+
+    model_dir = ensure_default_model()
+    gguf_path = write_gguf(model_dir, tmp_path / f"default-{kind}.gguf", kind)
+    sample = SHIPPED_CHECKPOINT / "heldout_sample.txt"
+    documents = sample.read_text(encoding="utf-8").split(SAMPLE_SEPARATOR)
+    text = "\n\n".join(documents)
+    text_path = tmp_path / "heldout.txt"
+    text_path.write_text(text, encoding="utf-8")
+    tokenizer = load_tokenizer(model_dir)
+    windows = llama_perplexity_windows(
+        tokenizer.encode(text), tokenizer.bos_token_id, LLAMA_PERPLEXITY_CONTEXT
+    )
+    ours = kvflow_chunk_perplexity(gguf_path, model_dir, windows)
+    theirs, tail = llama_cpp_perplexity(gguf_path, text_path, LLAMA_PERPLEXITY_CONTEXT)
+    print(f"{kind}: kvflow {ours:.4f}, llama-perplexity {theirs:.4f} over {len(windows)} chunks")
+    assert abs(ours / theirs - 1) <= LLAMA_PERPLEXITY_TOLERANCE, (
+        f"{kind}: kvflow {ours:.4f}, llama-perplexity {theirs:.4f} ({len(windows)} chunks)\n{tail}"
+    )
