@@ -449,8 +449,9 @@ def format_goals(goals: Sequence[Goal]) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ main
-def describe_cpu() -> str:
-    """The CPU's model name and whether it has the bf16 matrix instructions that decide bf16 GEMV speed."""
+def cpu_name_and_flags() -> tuple[str, set[str]]:
+    """The CPU's model name and feature flags from /proc/cpuinfo (the platform's processor name and no flags where
+    there is none)."""
     name, flags = platform.processor() or platform.machine(), set()
     try:
         with open("/proc/cpuinfo") as cpuinfo:
@@ -463,6 +464,12 @@ def describe_cpu() -> str:
                     break
     except OSError:
         pass
+    return name, flags
+
+
+def describe_cpu() -> str:
+    """The CPU's model name and whether it has the bf16 matrix instructions that decide bf16 GEMV speed."""
+    name, flags = cpu_name_and_flags()
     features = [flag for flag in ("avx512f", "avx512_bf16", "amx_bf16") if flag in flags]
     return f"{name} ({', '.join(features) or 'no avx512'})"
 

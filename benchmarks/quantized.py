@@ -47,7 +47,6 @@ import itertools
 import json
 import math
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -196,18 +195,9 @@ def llama_cpp_format(fmt: str) -> str:
 
 def cpu_description() -> tuple[str, list[str]]:
     """The CPU's model name and which of CPU_FLAGS it has."""
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    name = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                    break
-    except OSError:
-        pass
+    import latency  # a sibling script module (benchmarks/ is not a package)
+
+    name, flags = latency.cpu_name_and_flags()
     return name, [flag for flag in CPU_FLAGS if flag in flags]
 
 

@@ -233,17 +233,25 @@ def test_ggml_linear_matches_reference(
 
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_gemv_and_tiled_kernels(ops: object, qtype: str, two_threads: None) -> None:
-    """Both C++ products on the same rows whatever the dispatch thresholds: the GEMV (any M, in groups of 8) and
-    the tiled kernel (gemv_max_rows=0), float32 out."""
+    """Both C++ products on the same rows whatever the dispatch thresholds: the GEMV (any M: one pass up to 8 rows,
+    above that blocked in 16-row weight tiles against 64-row blocks of x, 8 rows at a time) and the tiled kernel
+    (gemv_max_rows=0), float32 out; 37 weight rows (a partial tile per thread) and up to 75 x rows (a partial
+    second block). The GEMV sums each row alone, so a row's output does not depend on how many rows share the
+    call: bit for bit the same in every batch."""
     code = quant._GGML_TYPE_CODES[qtype]
     _, blocks = _blocks(qtype, 37, 512, seed=11)
     weight = quant.dequantize_reference(qtype, blocks)
-    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(75, 512, generator=torch.Generator().manual_seed(5))
     bias = torch.randn(37)
-    for gemv_max_rows in (0, 64):
-        for rows in (x[:1], x[:4], x):
+    for gemv_max_rows in (0, 100):
+        outputs = []
+        for rows in (x[:1], x[:4], x[:11], x):
             out = _on_threads(ops.ggml_linear, rows, blocks, code, bias, gemv_max_rows)  # type: ignore[attr-defined]
             _check_product(out, rows, weight, bias, qtype)
+            outputs.append(out)
+        if gemv_max_rows:
+            for out in outputs[:-1]:
+                assert torch.equal(out, outputs[-1][: out.shape[0]])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -25,6 +25,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -466,25 +467,37 @@ void ggml_band(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const Ro
   }
 }
 
+// f(std::integral_constant<int, MT>, m0) over x rows [0, M) in register passes of MT <= 8 rows: the row count is
+// a template argument of every pass.
+template <class F>
+void by_row_passes(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) f(std::integral_constant<int, 8>{}, m);
+  switch (M - m) {
+    case 1: f(std::integral_constant<int, 1>{}, m); break;
+    case 2: f(std::integral_constant<int, 2>{}, m); break;
+    case 3: f(std::integral_constant<int, 3>{}, m); break;
+    case 4: f(std::integral_constant<int, 4>{}, m); break;
+    case 5: f(std::integral_constant<int, 5>{}, m); break;
+    case 6: f(std::integral_constant<int, 6>{}, m); break;
+    case 7: f(std::integral_constant<int, 7>{}, m); break;
+    default: break;
+  }
+}
+
 template <class Block, class Rows>
 void ggml_band_any_m(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const Rows& x, int64_t M,
                      int64_t n_begin, int64_t n_end, const float* bias, float* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) ggml_band<Block, 8>(w, row_bytes, num_blocks, x, m, n_begin, n_end, bias, y, N);
-#define KVFLOW_QUANT_CASE(rows) \
-  case rows: ggml_band<Block, rows>(w, row_bytes, num_blocks, x, m, n_begin, n_end, bias, y, N); break;
-  switch (M - m) {
-    KVFLOW_QUANT_CASE(1)
-    KVFLOW_QUANT_CASE(2)
-    KVFLOW_QUANT_CASE(3)
-    KVFLOW_QUANT_CASE(4)
-    KVFLOW_QUANT_CASE(5)
-    KVFLOW_QUANT_CASE(6)
-    KVFLOW_QUANT_CASE(7)
-    default: break;
-  }
-#undef KVFLOW_QUANT_CASE
+  by_row_passes(M, [&](auto rows, int64_t m) {
+    ggml_band<Block, decltype(rows)::value>(w, row_bytes, num_blocks, x, m, n_begin, n_end, bias, y, N);
+  });
 }
+
+// More x rows than one register pass holds (8): blocked so that a weight tile (kGemvTileRows rows, L1/L2) runs
+// against every group of 8 rows of an x block (kGemvBlockRows rows, L2) before the next tile streams in, and the
+// weights are read from memory once per x block. Up to 8 rows this is the plain one-stream GEMV.
+constexpr int64_t kGemvTileRows = 16;
+constexpr int64_t kGemvBlockRows = 64;
 
 template <class Block, class Rows>
 void ggml_gemv(const Rows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
@@ -495,7 +508,16 @@ void ggml_gemv(const Rows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
   {
     int64_t begin, end;
     thread_range(N, omp_get_thread_num(), omp_get_num_threads(), begin, end);
-    ggml_band_any_m<Block>(w, row_bytes, num_blocks, x, M, begin, end, bias, y, N);
+    if (M <= 8) {
+      ggml_band_any_m<Block>(w, row_bytes, num_blocks, x, M, begin, end, bias, y, N);
+    } else {
+      for (int64_t m0 = 0; m0 < M; m0 += kGemvBlockRows) {
+        const int64_t rows = std::min(kGemvBlockRows, M - m0);
+        for (int64_t n = begin; n < end; n += kGemvTileRows)
+          ggml_band_any_m<Block>(w, row_bytes, num_blocks, x.at(m0), rows, n, std::min(end, n + kGemvTileRows),
+                                 bias, y + m0 * N, N);
+      }
+    }
   }
 }
 
@@ -584,21 +606,9 @@ void int8_gemv(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* 
   {
     int64_t begin, end;
     thread_range(N, omp_get_thread_num(), omp_get_num_threads(), begin, end);
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) int8_band<8>(w, K, xf, xs, scale, m, begin, end, bias, y, N);
-#define KVFLOW_QUANT_CASE(rows) \
-  case rows: int8_band<rows>(w, K, xf, xs, scale, m, begin, end, bias, y, N); break;
-    switch (M - m) {
-      KVFLOW_QUANT_CASE(1)
-      KVFLOW_QUANT_CASE(2)
-      KVFLOW_QUANT_CASE(3)
-      KVFLOW_QUANT_CASE(4)
-      KVFLOW_QUANT_CASE(5)
-      KVFLOW_QUANT_CASE(6)
-      KVFLOW_QUANT_CASE(7)
-      default: break;
-    }
-#undef KVFLOW_QUANT_CASE
+    by_row_passes(M, [&](auto rows, int64_t m) {
+      int8_band<decltype(rows)::value>(w, K, xf, xs, scale, m, begin, end, bias, y, N);
+    });
   }
 }
 #endif  // KVFLOW_QUANT_SIMD
