@@ -50,8 +50,6 @@ import os
 import random
 import shlex
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -502,45 +500,15 @@ def run_llama_bench(
     return parse_llama_bench(completed.stdout, shlex.join(command))
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def running_server(
     command: list[str], base_url: str, env: dict[str, str] | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """A server process until its /health answers 200; stopped with SIGINT (then killed) on exit."""
-    log = open(f"/tmp/qb_server_{os.getpid()}.log", "wb")  # noqa: SIM115 (closed below)
-    server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        import httpx
+    """`serving.healthy_process` with this benchmark's start timeout (a 1B model loads for minutes here)."""
+    import serving  # a sibling script module
 
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                log.flush()
-                tail = Path(log.name).read_bytes()[-3000:].decode(errors="replace")
-                raise RuntimeError(f"{shlex.join(command)} exited:\n{tail}")
-            try:
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{shlex.join(command)} did not become healthy")
-            time.sleep(0.5)
+    with serving.healthy_process(command, base_url, env, SERVER_START_TIMEOUT_S) as server:
         yield server
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
 
 
 def llama_server_command(
@@ -656,8 +624,9 @@ def bench_llama_server(
 ) -> BatchedResult:
     """The workload through llama-server with `parallel` slots (`-c` = 64 slots of `max_model_len`)."""
     import httpx
+    import serving
 
-    port = free_port()
+    port = serving.free_port()
     base_url = f"http://127.0.0.1:{port}"
     context = max(parallel, len(workload.prompts)) * max_model_len
     command = llama_server_command(binary, gguf, port, threads, parallel, context)
@@ -833,8 +802,9 @@ def bench_kvflow_serve(
 ) -> BatchedResult:
     """The workload as concurrent /v1/completions requests to `kvflow serve` (after a warm-up request)."""
     import httpx
+    import serving
 
-    port = free_port()
+    port = serving.free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = kvflow_serve_command(model_kwargs, port, max_model_len, len(workload.prompts))
     env = {**os.environ, "KVFLOW_LOGGING_LEVEL": "WARNING"}

@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,6 +45,47 @@ def free_port() -> int:
 
 
 @contextmanager
+def healthy_process(
+    command: list[str],
+    base_url: str,
+    env: dict[str, str] | None = None,
+    start_timeout_s: float = SERVER_START_TIMEOUT_S,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`command` (an HTTP server) started with its output in a temporary file, yielded once `base_url`/health
+    answers 200; stopped with SIGINT (then killed) on exit. A RuntimeError with the output's tail when it exits
+    first or is not healthy within `start_timeout_s`."""
+    with tempfile.TemporaryFile() as output:
+        server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+
+        def failure(what: str) -> RuntimeError:
+            output.seek(0)
+            tail = output.read()[-3000:].decode(errors="replace")
+            return RuntimeError(f"{shlex.join(command)} {what}:\n{tail}")
+
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                if server.poll() is not None:
+                    raise failure("exited")
+                try:
+                    if httpx.get(base_url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise failure("did not become healthy")
+                time.sleep(0.2)
+            yield server
+        finally:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+@contextmanager
 def running_server(model_args: list[str], engine_args: list[str]) -> Iterator[tuple[str, int]]:
     """`kvflow serve` on a free port; yields (base URL, API process pid); stops it (SIGINT, then kill)."""
     port = free_port()
@@ -57,29 +100,9 @@ def running_server(model_args: list[str], engine_args: list[str]) -> Iterator[tu
         *engine_args,
     ]
     env = {**os.environ, "KVFLOW_LOGGING_LEVEL": "WARNING"}
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"kvflow serve exited: {server.stderr.read().decode()[-2000:]}")
-            try:
-                if httpx.get(base_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvflow serve did not become healthy")
-            time.sleep(0.2)
+    with healthy_process(command, base_url, env) as server:
         yield base_url, server.pid
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def process_cpu_seconds(pid: int) -> float:

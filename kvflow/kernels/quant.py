@@ -24,9 +24,10 @@ per 32 (Q4_0) or 256 (Q4_K, Q6_K) elements, q = round(x / d) (`quantize_activati
 multiplies integers (u8 x s8 pairs into int16, then int32 with the sub-block scales as int16 multipliers) and
 converts to float once per block or super-block: widening every 4-bit quant to fp32 cost ~3 instructions per 8
 weights and held those GEMVs at ~5-8 G weights/s per thread, below memory speed; the integer form runs 1.9-3.5x
-faster (figures at `QUANT_GEMV_MAX_ROWS`). Every M computes dot(dequantized W, fake-quantized x), the tiled and
-dequantize + torch paths on the fake-quantized x (`fake_quantize_activations`), so a request's numbers do not depend
-on how many rows share its step (up to fp32 summation order); the reference (`KVFLOW_CPU_KERNELS=0`) does the same.
+faster (figures at `QUANT_GEMV_MAX_ROWS`). The integer kernel sums each activation row alone, so a request's numbers
+do not depend on how many rows share its step (bit for bit); the C++ tiled kernel (reachable directly) and the
+reference (`KVFLOW_CPU_KERNELS=0`) multiply the fake-quantized x (`fake_quantize_activations`), the same sum up to
+fp32 summation order.
 Q8_0 and int8 keep fp32 x: their 8-bit quants widen in one instruction and their GEMVs reach ~20 GB/s on 2
 threads, near this machine's memory speed, and a Q8_0 model decodes exactly like its float32 dequantization.
 
@@ -80,8 +81,8 @@ INTEGER_PRODUCT_TYPES = frozenset(ACTIVATION_BLOCK_SIZES)
 # The extension's type codes (csrc/kernels.h, `GgmlType`).
 _GGML_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
 
-# Up to this many activation rows the block GEMV runs (decode; above it the GEMV would re-read the weights per
-# 8 rows). Its Q4_0 / Q4_K / Q6_K form on int8 activations against the fp32-widening one it replaced (commit
+# Up to this many activation rows the Q8_0 / int8 GEMV runs (decode); above it, the tiled kernel. The Q4_0 / Q4_K /
+# Q6_K form on int8 activations against the fp32-widening one it replaced (commit
 # 7010c1b), `benchmarks/quant_kernels.py --baseline 7010c1b --repeat 5` (2-core AVX2 EPYC shared with another
 # benchmark: fastest call of each path, same run, M=1, K=2048,N=8192 / K=8192,N=2048), G weights/s per thread:
 # Q4_0 16.3 / 17.7 (old 8.4 / 8.5, 1.9-2.1x), Q4_K 11.3 / 23.9 (old 5.8 / 6.9, 1.9-3.5x; other runs 19.7 / 29.4),
@@ -288,9 +289,8 @@ def _ggml_linear_kernel(
     code = _GGML_TYPE_CODES[qtype]
     if qtype in INTEGER_PRODUCT_TYPES:
         out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), rows.shape[0])
-    elif rows.shape[0] > QUANT_TILED_MAX_ROWS:
-        weight = ops.ggml_dequantize(blocks, code)
-        out = F.linear(fake_quantize_activations(qtype, rows), weight, _float_bias(bias))
+    elif rows.shape[0] > QUANT_TILED_MAX_ROWS:  # Q8_0: float32 x
+        out = F.linear(rows.float(), ops.ggml_dequantize(blocks, code), _float_bias(bias))
     else:
         out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), QUANT_GEMV_MAX_ROWS)
     return out.to(x.dtype).view(*x.shape[:-1], blocks.shape[0])

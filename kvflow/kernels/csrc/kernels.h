@@ -121,7 +121,8 @@ int64_t ggml_block_bytes(int type);
 void ggml_dequantize(const uint8_t* blocks, int64_t rows, int64_t row_bytes, int type, float* out, int num_threads);
 
 // y [M, N] float32 = x [M, K] (rows x_stride apart; for Q4_0 / Q4_K / Q6_K quantized as below) times the
-// dequantized weight [N, K] (+ bias [N] float32 or nullptr), fp32 accumulation. M <= gemv_max_rows: the GEMV on the blocks; more: the tiled kernel.
+// dequantized weight [N, K] (+ bias [N] float32 or nullptr), fp32 accumulation. M <= gemv_max_rows: the GEMV on
+// the blocks (blocked over weight tiles and 64-row x blocks above 8 rows); more: the tiled kernel.
 template <typename T>
 void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
                  const float* bias, float* y, int64_t gemv_max_rows, int num_threads);

@@ -521,83 +521,66 @@ void ggml_gemv(const Rows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
   }
 }
 
-// int8 rows [n_begin, n_end) against x rows [m0, m0 + MT): dot(x, q) per 32 columns, scaled once per row.
+// int8 rows [n_begin, n_end) against x rows [m0, m0 + MT), one weight row at a time (one stream: see ggml_band),
+// scaled once per row.
 #ifdef KVFLOW_AVX512
 // AVX-512: 16 quants sign-extended to int32 from memory per fused multiply-add; the last K % 16 columns masked.
-template <int R, int MT>
-void int8_rows(const int8_t* w, int64_t K, const float* xf, int64_t xs, const float* scale, int64_t m0,
-               int64_t n_begin, int64_t n_end, const float* bias, float* y, int64_t N) {
-  const float* x = xf + m0 * xs;
-  const __mmask16 tail = tail_mask(K % 16);
-  for (int64_t n = n_begin; n < n_end; n += R) {
-    __m512 acc[R][MT];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32)
-      for (int r = 0; r < R; ++r) {
-        const int8_t* row = w + (n + r) * K + k;
-        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-        const __m512 q0 =
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row))));
-        const __m512 q1 =
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16))));
-        for (int m = 0; m < MT; ++m)
-          acc[r][m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * xs + k + 16), q1,
-                                      _mm512_fmadd_ps(_mm512_loadu_ps(x + m * xs + k), q0, acc[r][m]));
-      }
-    for (; k < K; k += 16) {
-      const __mmask16 mask = k + 16 <= K ? static_cast<__mmask16>(0xffff) : tail;
-      for (int r = 0; r < R; ++r) {
-        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + (n + r) * K + k)));
-        for (int m = 0; m < MT; ++m)
-          acc[r][m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * xs + k), q, acc[r][m]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m)
-        y[(m0 + m) * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) * scale[n + r] + (bias ? bias[n + r] : 0.f);
-  }
-}
-#else
-template <int R, int MT>
-void int8_rows(const int8_t* w, int64_t K, const float* xf, int64_t xs, const float* scale, int64_t m0,
-               int64_t n_begin, int64_t n_end, const float* bias, float* y, int64_t N) {
-  const float* x = xf + m0 * xs;
-  for (int64_t n = n_begin; n < n_end; n += R) {
-    __m256 acc[R][MT];
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32)
-      for (int r = 0; r < R; ++r) {
-        const int8_t* row = w + (n + r) * K + k;
-        _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-        __m256 q[4];
-        widen32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)), q);
-        for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_add_ps(acc[r][m], dot32(x + m * xs + k, q));
-      }
-    for (; k + 8 <= K; k += 8)
-      for (int r = 0; r < R; ++r) {
-        const __m256 q = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + (n + r) * K + k)));
-        for (int m = 0; m < MT; ++m) acc[r][m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * xs + k), q, acc[r][m]);
-      }
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MT; ++m) {
-        float total = sum8(acc[r][m]);
-        for (int64_t kk = k; kk < K; ++kk) total += x[m * xs + kk] * static_cast<float>(w[(n + r) * K + kk]);
-        y[(m0 + m) * N + n + r] = total * scale[n + r] + (bias ? bias[n + r] : 0.f);
-      }
-  }
-}
-
-#endif
-
 template <int MT>
 void int8_band(const int8_t* w, int64_t K, const float* xf, int64_t xs, const float* scale, int64_t m0,
                int64_t n_begin, int64_t n_end, const float* bias, float* y, int64_t N) {
-  int8_rows<1, MT>(w, K, xf, xs, scale, m0, n_begin, n_end, bias, y, N);  // one stream: see ggml_band
+  const float* x = xf + m0 * xs;
+  const __mmask16 tail = tail_mask(K % 16);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const int8_t* row = w + n * K;
+    __m512 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+      const __m128i* quants = reinterpret_cast<const __m128i*>(row + k);
+      const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(quants)));
+      const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(quants + 1)));
+      for (int m = 0; m < MT; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * xs + k + 16), q1,
+                                 _mm512_fmadd_ps(_mm512_loadu_ps(x + m * xs + k), q0, acc[m]));
+    }
+    for (; k < K; k += 16) {
+      const __mmask16 mask = k + 16 <= K ? static_cast<__mmask16>(0xffff) : tail;
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row + k)));
+      for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * xs + k), q, acc[m]);
+    }
+    for (int m = 0; m < MT; ++m)
+      y[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m]) * scale[n] + (bias ? bias[n] : 0.f);
+  }
 }
+#else
+template <int MT>
+void int8_band(const int8_t* w, int64_t K, const float* xf, int64_t xs, const float* scale, int64_t m0,
+               int64_t n_begin, int64_t n_end, const float* bias, float* y, int64_t N) {
+  const float* x = xf + m0 * xs;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const int8_t* row = w + n * K;
+    __m256 acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+      __m256 q[4];
+      widen32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)), q);
+      for (int m = 0; m < MT; ++m) acc[m] = _mm256_add_ps(acc[m], dot32(x + m * xs + k, q));
+    }
+    for (; k + 8 <= K; k += 8) {
+      const __m256 q = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)));
+      for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * xs + k), q, acc[m]);
+    }
+    for (int m = 0; m < MT; ++m) {
+      float total = sum8(acc[m]);
+      for (int64_t kk = k; kk < K; ++kk) total += x[m * xs + kk] * static_cast<float>(row[kk]);
+      y[(m0 + m) * N + n] = total * scale[n] + (bias ? bias[n] : 0.f);
+    }
+  }
+}
+#endif
 
 void int8_gemv(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,
                const float* bias, float* y, int num_threads) {
