@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvflow.engine.core_client import EngineCoreClient
     from kvflow.engine.death import DeadHandler
     from kvflow.engine.loop import OutputHandler
+    from kvflow.engine.shared_engines import EngineAttachment
     from kvflow.tokenizer import Tokenizer
 
 
@@ -95,8 +96,16 @@ def start_engine_core_client(
     """The engine core behind its client, and the KV blocks a request can count on (with several cores, the
     smallest core's). With `data_parallel_size > 1`, that many cores, each in its own process; else with
     `engine_process`, one core in its own process (this process then runs no torch compute); else one core on a
-    thread of this process. `output_handler` and `dead_handler` are the front end's (see `EngineCoreClient`)."""
+    thread of this process. `output_handler` and `dead_handler` are the front end's (see `EngineCoreClient`).
+
+    Inside `kvflow.engine.shared_engines.attached_engines(...)` (an API server of `kvflow serve --api-server-count
+    N`), the client attaches to the running cores given there instead of starting any."""
+    from kvflow.engine.shared_engines import current_attachments
+
     config, model_info = frontend.engine_config, frontend.model_info
+    attachments = current_attachments()
+    if attachments is not None:
+        return _attach_engine_core_client(frontend, output_handler, dead_handler, attachments)
     if data_parallel_size > 1:
         from kvflow.engine.dp_client import DPEngineCoreClient
 
@@ -114,6 +123,34 @@ def start_engine_core_client(
     engine_core = build_engine_core(config, model_info)
     client = InprocEngineCoreClient(engine_core, output_handler, dead_handler)
     return client, engine_core.executor.num_kv_blocks
+
+
+def _attach_engine_core_client(
+    frontend: FrontendParts,
+    output_handler: OutputHandler,
+    dead_handler: DeadHandler,
+    attachments: tuple[EngineAttachment, ...],
+) -> tuple[EngineCoreClient, int]:
+    """A client of engine cores that run already (one per data-parallel rank), shared with other front ends."""
+    config, model_info = frontend.engine_config, frontend.model_info
+    if len(attachments) > 1:
+        from kvflow.engine.dp_client import DPEngineCoreClient
+
+        dp_client = DPEngineCoreClient(
+            config,
+            model_info,
+            output_handler,
+            dead_handler,
+            len(attachments),
+            attachments=attachments,
+        )
+        return dp_client, min(dp_client.num_kv_blocks_per_engine)
+    from kvflow.engine.mp_client import MPEngineCoreClient
+
+    mp_client = MPEngineCoreClient(
+        config, model_info, output_handler, dead_handler, attachment=attachments[0]
+    )
+    return mp_client, mp_client.num_kv_blocks
 
 
 def _load_tokenizer(

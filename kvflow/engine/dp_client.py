@@ -18,6 +18,10 @@ step of lag: a burst of requests arriving between two steps spreads evenly, and 
 once (an abort produces no step, so the stats would keep counting it until the core's next output). Ties go round
 the cores in turn.
 
+With `attachments` (`kvflow serve --api-server-count N`), the cores already run, shared with other front ends: each
+`MPEngineCoreClient` attaches to its core instead of starting one, and stopping detaches (the launcher stops the
+cores). Routing is per front end: each balances its own requests by its own counts.
+
 A core that dies takes the whole engine down, as a single core's death does (`MPEngineCoreClient`): every stream
 in flight ends once with an `EngineDeadError` naming the core, `/health` turns 503, the other cores are stopped,
 and every later call raises the error.
@@ -28,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
     from kvflow.config import EngineConfig
     from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
     from kvflow.engine.core import EngineCore
+    from kvflow.engine.shared_engines import EngineAttachment
     from kvflow.model_info import ModelInfo
     from kvflow.request import Request
 
@@ -75,7 +80,13 @@ class DPEngineCoreClient(EngineCoreClient):
         dead_handler: DeadHandler,
         data_parallel_size: int,
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        attachments: Sequence[EngineAttachment] | None = None,
     ) -> None:
+        """`attachments`: the running cores to attach to, one per rank (None: start them)."""
+        if attachments is not None and len(attachments) != data_parallel_size:
+            raise ValueError(
+                f"{len(attachments)} engine cores to attach to for data_parallel_size={data_parallel_size}"
+            )
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self._output_handler = output_handler
@@ -89,7 +100,7 @@ class DPEngineCoreClient(EngineCoreClient):
         self._next_on_tie = 0
         self._stopper: threading.Thread | None = None
         self._clients: list[MPEngineCoreClient] = self._start_cores(
-            engine_config, model_info, data_parallel_size, startup_timeout_s
+            engine_config, model_info, data_parallel_size, startup_timeout_s, attachments
         )
         if self._death.is_dead:  # a core died while the others were starting
             self._stop_cores()
@@ -109,10 +120,16 @@ class DPEngineCoreClient(EngineCoreClient):
         model_info: ModelInfo | None,
         data_parallel_size: int,
         startup_timeout_s: float,
+        attachments: Sequence[EngineAttachment] | None = None,
     ) -> list[MPEngineCoreClient]:
-        """Start every core at once; if any fails, stop the others and raise the first core's error."""
+        """Start every core at once (or attach to each); if any fails, stop the others and raise the first core's
+        error."""
 
-        devices = core_devices(engine_config, data_parallel_size)
+        devices = (
+            core_devices(engine_config, data_parallel_size)
+            if attachments is None
+            else [None] * data_parallel_size
+        )
 
         def start(index: int) -> MPEngineCoreClient:
             return MPEngineCoreClient(
@@ -124,6 +141,7 @@ class DPEngineCoreClient(EngineCoreClient):
                 data_parallel_rank=index,
                 data_parallel_size=data_parallel_size,
                 visible_devices=devices[index],
+                attachment=None if attachments is None else attachments[index],
             )
 
         with ThreadPoolExecutor(data_parallel_size, thread_name_prefix="kvflow-dp-start") as pool:

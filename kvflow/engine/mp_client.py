@@ -16,6 +16,11 @@ process, the input and output processors work on Python lists. It does import to
 device with it), so a process that only serves, like `kvflow serve`, should call `torch.set_num_threads(1)`; a library
 object leaves that process-wide setting to its owner.
 
+Attached (`attachment=`, `kvflow serve --api-server-count N`, see `kvflow.engine.shared_engines`): the core already
+runs, started by another process and shared with other front ends. The client binds the addresses it is given, waits
+for the same handshake, and watches the engine process through a pidfd (it is not this process's child); its
+shutdown only detaches (the launcher stops the engine), and its death is the engine process's exit as above.
+
 Payloads that are not typed messages (utility arguments and results, `run` and `collective_rpc` callables) travel
 with cloudpickle: this is a channel between a front end and the process it started, never a network endpoint.
 `update_weights` therefore takes a checkpoint folder only; a state dict of tensors is for in-process engines.
@@ -28,6 +33,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import select
 import shutil
 import signal
 import tempfile
@@ -69,6 +75,7 @@ from kvflow.engine.messages import (
     loads,
     make_output_decoder,
 )
+from kvflow.engine.shared_engines import EngineAttachment
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -108,8 +115,9 @@ class MPEngineCoreClient(EngineCoreClient):
         handler raises; then, once, every pending Future fails with `EngineDeadError` and `dead_handler` is called;
         every later call raises it;
       * `shutdown()` stops the process (asks, then terminates, then kills), joins the output thread, closes the
-        sockets and removes the ipc folder. A client never shut down does the same at interpreter exit (an atexit
-        hook, which runs before multiprocessing's own, which would wait for the process), or once collected after
+        sockets and removes the ipc folder (attached: it only detaches: wakes the output thread, closes its
+        sockets). A client never shut down does the same at interpreter exit (an atexit hook, which runs before
+        multiprocessing's own, which would wait for the process), or once collected after
         its engine died (a live output thread keeps it referenced); and the engine process exits by itself when
         this process dies.
     """
@@ -124,10 +132,12 @@ class MPEngineCoreClient(EngineCoreClient):
         data_parallel_rank: int = 0,
         data_parallel_size: int = 1,
         visible_devices: str | None = None,
+        attachment: EngineAttachment | None = None,
     ) -> None:
         """`data_parallel_rank` / `data_parallel_size`: this core's place among the engine cores of one front end
         (`kvflow.engine.dp_client`); the core takes its share of the CPU threads. `visible_devices`: the
-        process's `CUDA_VISIBLE_DEVICES` (None: this process's)."""
+        process's `CUDA_VISIBLE_DEVICES` (None: this process's). `attachment`: attach to that running core
+        instead of starting one (the other options are then the running core's business)."""
         self._output_handler = output_handler
         self._death = EngineDeath(dead_handler)
         self._lock = self._death.lock
@@ -136,8 +146,12 @@ class MPEngineCoreClient(EngineCoreClient):
         self._handler_calls: list[bytes] | None = None  # calls made by the running output handler
         self._output_thread: threading.Thread | None = None
         self._encoder = msgspec.msgpack.Encoder()
-        self._resources = _ProcessResources(
-            engine_config, model_info, data_parallel_rank, data_parallel_size, visible_devices
+        self._resources: _ProcessResources | _AttachedResources = (
+            _ProcessResources(
+                engine_config, model_info, data_parallel_rank, data_parallel_size, visible_devices
+            )
+            if attachment is None
+            else _AttachedResources(attachment)
         )
         self._finalizer = weakref.finalize(self, self._resources.close)
         self._finalizer.atexit = False  # the resources register their own atexit hook
@@ -196,7 +210,7 @@ class MPEngineCoreClient(EngineCoreClient):
 
     def is_alive(self) -> bool:
         """Whether the engine-core process runs."""
-        return self._resources.process.is_alive()
+        return self._resources.engine_alive()
 
     def shutdown(self) -> None:
         """Stop the engine process and release everything (idempotent; returns once the process is gone). Calls
@@ -229,15 +243,20 @@ class MPEngineCoreClient(EngineCoreClient):
     # ------------------------------------------------------------------------------------------------ output thread
     def _receive_events(self) -> None:
         socket = self._resources.output_socket
-        sentinel = self._resources.process.sentinel
+        sentinel = self._resources.sentinel
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(sentinel, zmq.POLLIN)
+        wake = self._resources.wake_fd  # attached: written when the client detaches
+        if wake is not None:
+            poller.register(wake, zmq.POLLIN)
         decoder = make_output_decoder()
         cause: BaseException | None = None
         try:
             while cause is None:
                 events = dict(poller.poll())
+                if wake is not None and wake in events:
+                    break  # detached (shutdown): nothing more to receive
                 if socket in events:
                     cause = self._handle_available(socket, decoder)
                 if cause is None and sentinel in events:  # what it sent before it exited, then why
@@ -303,12 +322,11 @@ class MPEngineCoreClient(EngineCoreClient):
 
     def _exit_cause(self) -> BaseException | None:
         """Why the process exited: None when we asked it to (shutdown), else an error naming it."""
-        process = self._resources.process
-        process.join(_STOP_TIMEOUT_S)  # the sentinel fired: reaping is immediate
+        status = self._resources.reap()
         if self._death.error is not None:
             return None
         return EngineProcessExitedError(
-            f"{_describe(process)} exited unexpectedly ({_exit_status(process)})"
+            f"{self._resources.describe()} exited unexpectedly ({status})"
         )
 
     def _die(self, cause: BaseException | None) -> None:
@@ -349,6 +367,7 @@ class _ProcessResources:
         self.input_socket = self.context.socket(zmq.PUSH)
         self.output_socket = self.context.socket(zmq.PULL)
         self.output_thread: threading.Thread | None = None
+        self.wake_fd: int | None = None  # the process's exit (sentinel) ends the output thread
         self.send_lock = threading.Lock()
         self._input_open = True
         self._closed = False
@@ -376,6 +395,22 @@ class _ProcessResources:
         self._started = False
         atexit.register(self.close)  # before the process exists: no way to leave it behind
 
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that turns readable once the engine process has exited."""
+        return self.process.sentinel
+
+    def engine_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def describe(self) -> str:
+        return _describe(self.process)
+
+    def reap(self) -> str:
+        """Once the sentinel fired: collect the process and say how it ended."""
+        self.process.join(_STOP_TIMEOUT_S)  # the sentinel fired: reaping is immediate
+        return _exit_status(self.process)
+
     def start(self) -> None:
         self.process.start()
         self._started = True
@@ -383,45 +418,12 @@ class _ProcessResources:
 
     def wait_until_ready(self, timeout_s: float) -> EngineReady:
         """The handshake: the core's `EngineReady`, or its startup error raised here."""
-        poller = zmq.Poller()
-        poller.register(self.output_socket, zmq.POLLIN)
-        poller.register(self.process.sentinel, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            events = dict(poller.poll(remaining_ms))
-            if self.output_socket in events:
-                event = make_output_decoder().decode(self.output_socket.recv())
-                if isinstance(event, EngineReady):
-                    logger.info(
-                        "%s is ready: %d KV blocks", _describe(self.process), event.num_kv_blocks
-                    )
-                    return event
-                if isinstance(event, EngineStartupFailed):
-                    raise _startup_error(event, self.process)
-                raise RuntimeError(f"{_describe(self.process)} sent {type(event).__name__} first")
-            if self.process.sentinel in events:
-                self.process.join(_STOP_TIMEOUT_S)
-                raise RuntimeError(
-                    f"{_describe(self.process)} exited during startup ({_exit_status(self.process)}); "
-                    "its log above says why"
-                )
-            if not events:
-                raise RuntimeError(
-                    f"{_describe(self.process)} was not ready within {timeout_s:.0f} s"
-                )
+        return _wait_until_ready(
+            self, timeout_s, lambda failed: _startup_error(failed, self.process)
+        )
 
     def send(self, frames: list[bytes]) -> bool:
-        """Send one message (multipart: a batch) without blocking; False when the process is not connected (dead
-        or dying)."""
-        with self.send_lock:
-            if not self._input_open:
-                return False
-            try:
-                self.input_socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return False
-        return True
+        return _send(self, frames)
 
     def request_stop(self) -> None:
         """Ask the engine loop to stop after what is queued (no wait)."""
@@ -461,6 +463,137 @@ class _ProcessResources:
             logger.warning("%s did not stop: %s", _describe(process), stop.__name__)
             stop()
             process.join(_STOP_TIMEOUT_S)
+
+
+class _AttachedResources:
+    """The sockets of a client attached to a running engine core it did not start (`EngineAttachment`), and a pidfd
+    on that engine's process; `close()` releases them, once, and leaves the engine (and the ipc folder, which is
+    its launcher's) alone. Same interface as `_ProcessResources` for the client.
+
+    Invariant: `send_lock` serializes the input socket (sends, and closing it)."""
+
+    def __init__(self, attachment: EngineAttachment) -> None:
+        self.pid = attachment.pid
+        try:
+            self._pidfd = os.pidfd_open(attachment.pid)
+        except (AttributeError, OSError) as error:
+            raise RuntimeError(
+                f"cannot watch the engine core process {attachment.pid} (os.pidfd_open: {error}); "
+                "attaching to a shared engine needs Linux 5.3 or later"
+            ) from error
+        self.context = zmq.Context()
+        self.input_socket = self.context.socket(zmq.PUSH)
+        self.output_socket = self.context.socket(zmq.PULL)
+        self.output_thread: threading.Thread | None = None
+        self.send_lock = threading.Lock()
+        self._input_open = True
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self.wake_fd, self._wake_writer = os.pipe()  # written once: the output thread stops
+        for socket in (self.input_socket, self.output_socket):
+            socket.setsockopt(zmq.LINGER, 0)
+        self.input_socket.setsockopt(zmq.SNDHWM, 0)
+        self.output_socket.setsockopt(zmq.RCVHWM, 0)
+        self.input_socket.bind(attachment.input_address)
+        self.output_socket.bind(attachment.output_address)
+        atexit.register(self.close)
+
+    @property
+    def sentinel(self) -> int:
+        return self._pidfd
+
+    def engine_alive(self) -> bool:
+        with self._close_lock:
+            if self._closed:
+                return False
+            readable, _, _ = select.select([self._pidfd], [], [], 0)
+        return not readable
+
+    def describe(self) -> str:
+        return f"the engine core process (pid {self.pid})"
+
+    def reap(self) -> str:
+        return "its exit status is its launcher's to collect"
+
+    def start(self) -> None:
+        logger.info("attaching to %s", self.describe())
+
+    def wait_until_ready(self, timeout_s: float) -> EngineReady:
+        return _wait_until_ready(self, timeout_s, lambda failed: failed.error.to_exception())
+
+    def send(self, frames: list[bytes]) -> bool:
+        return _send(self, frames)
+
+    def request_stop(self) -> None:
+        """Nothing: the engine is shared; its launcher stops it."""
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)
+        with self.send_lock:
+            self._input_open = False
+            self.input_socket.close()
+        os.write(self._wake_writer, b"x")
+        thread = self.output_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_STOP_TIMEOUT_S)
+            if (
+                thread.is_alive()
+            ):  # it waits on a socket the engine still serves: leave it to the exit
+                logger.warning("the engine core client's output thread did not stop")
+                return
+        elif thread is threading.current_thread():
+            return
+        self.output_socket.close()
+        self.context.term()
+        for fd in (self._pidfd, self.wake_fd, self._wake_writer):
+            os.close(fd)
+
+
+def _wait_until_ready(
+    resources: _ProcessResources | _AttachedResources,
+    timeout_s: float,
+    startup_error: Callable[[EngineStartupFailed], BaseException],
+) -> EngineReady:
+    """The handshake on `resources`' output socket: the core's `EngineReady`, or its startup error raised here."""
+    poller = zmq.Poller()
+    poller.register(resources.output_socket, zmq.POLLIN)
+    poller.register(resources.sentinel, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        events = dict(poller.poll(remaining_ms))
+        if resources.output_socket in events:
+            event = make_output_decoder().decode(resources.output_socket.recv())
+            if isinstance(event, EngineReady):
+                logger.info("%s is ready: %d KV blocks", resources.describe(), event.num_kv_blocks)
+                return event
+            if isinstance(event, EngineStartupFailed):
+                raise startup_error(event)
+            raise RuntimeError(f"{resources.describe()} sent {type(event).__name__} first")
+        if resources.sentinel in events:
+            raise RuntimeError(
+                f"{resources.describe()} exited during startup ({resources.reap()}); "
+                "its log above says why"
+            )
+        if not events:
+            raise RuntimeError(f"{resources.describe()} was not ready within {timeout_s:.0f} s")
+
+
+def _send(resources: _ProcessResources | _AttachedResources, frames: list[bytes]) -> bool:
+    """Send one message (multipart: a batch) without blocking; False when the process is not connected (dead or
+    dying)."""
+    with resources.send_lock:
+        if not resources._input_open:
+            return False
+        try:
+            resources.input_socket.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+    return True
 
 
 def _startup_error(failed: EngineStartupFailed, process: BaseProcess) -> Exception:
