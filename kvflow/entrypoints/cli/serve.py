@@ -3,6 +3,9 @@
 The port is bound before the model loads, so a port in use fails at once; the server is ready when
 `GET /health` answers 200. SIGINT or SIGTERM stop it with status 0 once requests in flight have ended
 (finish_reason "abort") and the engine has shut down.
+
+`--api-server-count N` (N > 1) runs N API server processes on the one port in front of shared engine cores
+(`kvflow.entrypoints.openai.api_servers`); this process then supervises them.
 """
 
 from __future__ import annotations
@@ -134,6 +137,15 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
             help=what,
         )
     server.add_argument(
+        "--api-server-count",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="API server processes sharing the port and the engine core(s): each runs the HTTP server, "
+        "tokenizer and output processing for the connections it accepts. Raise it when one process's CPU "
+        "limits throughput (many concurrent streams); needs the engine core in its own process",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="warning",
         choices=UVICORN_LOG_LEVELS,
@@ -191,18 +203,33 @@ def run_serve(args: argparse.Namespace) -> None:
             "--enable-auto-tool-choice needs --tool-call-parser NAME (how this model writes its calls: "
             f"{', '.join(TOOL_PARSERS.names())})"
         )
+    if args.api_server_count > 1 and not args.engine_process:
+        raise CommandError(
+            f"--api-server-count {args.api_server_count} needs the engine core in its own process (shared by "
+            "the API servers): drop --no-engine-process"
+        )
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as error:
         raise CommandError(
             f"cannot listen on {args.host}:{args.port}: {error.strerror or error}"
         ) from error
-    # The server's modules import torch and FastAPI (seconds): only once the port is ours.
-    from kvflow.entrypoints.openai.api_server import run_server
-    from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
+    try:
+        config = _server_config(args)
+        if args.api_server_count > 1:
+            from kvflow.entrypoints.openai.api_servers import run_api_servers
+
+            run_api_servers(args, config, sock)
+        else:
+            _serve_in_this_process(args, config, sock)
+    finally:
+        sock.close()
+
+
+def _server_config(args: argparse.Namespace) -> ServerConfig:
     from kvflow.entrypoints.openai.serving_models import DEFAULT_MODEL_NAME
 
-    config = ServerConfig(
+    return ServerConfig(
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
@@ -215,6 +242,16 @@ def run_serve(args: argparse.Namespace) -> None:
         timeout_keep_alive_s=args.timeout_keep_alive,
         uvicorn_log_level=args.uvicorn_log_level,
     )
+
+
+def _serve_in_this_process(
+    args: argparse.Namespace, config: ServerConfig, sock: socket.socket
+) -> None:
+    """One API server: this process (the engine core in its own process unless --no-engine-process)."""
+    # The server's modules import torch and FastAPI (seconds): only once the port is ours.
+    from kvflow.entrypoints.openai.api_server import run_server
+    from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
+
     if (
         args.engine_process or args.data_parallel_size > 1
     ):  # data-parallel cores always run in processes
@@ -223,20 +260,17 @@ def run_serve(args: argparse.Namespace) -> None:
         torch.set_num_threads(
             1
         )  # the API process runs no torch compute: leave the cores to the engine
+    stat_logger = PrometheusStatLogger(
+        config.served_model_name, num_engines=args.data_parallel_size
+    )
+    engine = make_async_llm(args, stat_loggers=[stat_logger])
     try:
-        stat_logger = PrometheusStatLogger(
-            config.served_model_name, num_engines=args.data_parallel_size
+        config = dataclasses.replace(
+            config, chat_template=load_server_chat_template(args.chat_template, engine)
         )
-        engine = make_async_llm(args, stat_loggers=[stat_logger])
-        try:
-            config = dataclasses.replace(
-                config, chat_template=load_server_chat_template(args.chat_template, engine)
-            )
-            run_server(engine, config, stat_logger, sock)
-        finally:
-            engine.shutdown()
+        run_server(engine, config, stat_logger, sock)
     finally:
-        sock.close()
+        engine.shutdown()
 
 
 def load_server_chat_template(value: str | None, engine: AsyncLLM) -> str | None:

@@ -15,6 +15,11 @@ connection usable (middleware.py). With an API key, every path except /health, /
 response. The socket is bound and listening before the engine starts (`kvflow.entrypoints.cli.serve`); the address
 is announced once uvicorn serves it. SIGINT and SIGTERM stop the server: requests in flight end (finish_reason
 "abort"), the engine shuts down, and the process exits with status 0.
+
+As one of several API server processes (`kvflow serve --api-server-count N`, `api_servers.py`), the same app runs
+with `api_server_index` set: every response carries `X-Kvflow-Api-Server: <index>` (which process answered), the
+admin endpoints act on the shared engine cores (see `rl.RLControl`), the address is announced by the launcher once
+every process serves, and shutting down detaches this process from the engine cores (the launcher stops them).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import resource
 import signal
 import socket
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
@@ -37,6 +42,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvflow.engine.async_llm import EngineDeadError
 from kvflow.entrypoints.openai.chat_prompt import ChatPromptRenderer
@@ -87,6 +93,8 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 # After SIGINT/SIGTERM requests in flight are aborted at once; this bounds the wait for their responses to drain.
 GRACEFUL_SHUTDOWN_S = 10.0
+# The response header naming the API server process that answered (several API server processes only).
+API_SERVER_HEADER = "X-Kvflow-Api-Server"
 
 
 # ---------------------------------------------------------------------------------------------------- routes
@@ -160,8 +168,14 @@ def _reasoning_parser(engine: AsyncLLM) -> ReasoningParser | None:
     return None if name is None else REASONING_PARSERS.get(name)()
 
 
-def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger) -> FastAPI:
-    """The FastAPI app serving `engine` (which must be the engine `stat_logger` is registered with)."""
+def build_app(
+    engine: AsyncLLM,
+    config: ServerConfig,
+    stat_logger: PrometheusStatLogger,
+    api_server_index: int | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `engine` (which must be the engine `stat_logger` is registered with).
+    `api_server_index`: this process's index among several API server processes (None: the only one)."""
     template_sandbox = TemplateSandbox() if config.trust_request_chat_template else None
 
     @contextlib.asynccontextmanager
@@ -189,7 +203,9 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
         reasoning_parser=_reasoning_parser(engine),
     )
     app.state.serving_tokenization = OpenAIServingTokenization(engine, models, chat_prompt)
-    app.state.rl_control = RLControl(engine, live_requests)
+    app.state.rl_control = RLControl(
+        engine, live_requests, shared_engine=api_server_index is not None
+    )
     app.include_router(router)
     app.include_router(control_router)
     if config.enable_admin_endpoints:
@@ -201,7 +217,29 @@ def build_app(engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusSta
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.limits.max_request_body_bytes)
     app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(RequestIdMiddleware)
+    if api_server_index is not None:
+        app.add_middleware(ApiServerHeaderMiddleware, index=api_server_index)
     return app
+
+
+class ApiServerHeaderMiddleware:
+    """Adds `X-Kvflow-Api-Server: <index>` to every HTTP response (plain ASGI: streams pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, index: int) -> None:
+        self.app = app
+        self.header = (API_SERVER_HEADER.lower().encode(), str(index).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -241,16 +279,24 @@ class _Server(uvicorn.Server):
     (finish_reason "abort") instead of holding the shutdown until they finish."""
 
     def __init__(
-        self, config: uvicorn.Config, engine: AsyncLLM, server_config: ServerConfig
+        self,
+        config: uvicorn.Config,
+        engine: AsyncLLM,
+        server_config: ServerConfig,
+        on_started: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
         self.engine = engine
         self.server_config = server_config
+        self.on_started = on_started
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        """Start serving, then say so: the address is announced only once the socket accepts connections."""
+        """Start serving, then say so: the address is announced only once the socket accepts connections (with
+        `on_started`, that is its business: one of several API server processes)."""
         await super().startup(sockets)
-        if self.started:
+        if self.started and self.on_started is not None:
+            self.on_started()
+        elif self.started:
             logger.info(
                 "kvflow serve: model %r at http://%s (OpenAI API under /v1)",
                 self.server_config.served_model_name,
@@ -278,17 +324,23 @@ class _Server(uvicorn.Server):
 
 
 def run_server(
-    engine: AsyncLLM, config: ServerConfig, stat_logger: PrometheusStatLogger, sock: socket.socket
+    engine: AsyncLLM,
+    config: ServerConfig,
+    stat_logger: PrometheusStatLogger,
+    sock: socket.socket,
+    api_server_index: int | None = None,
+    on_started: Callable[[], None] | None = None,
 ) -> None:
     """Serve on `sock` (bound and listening) until SIGINT/SIGTERM; returns once the engine has shut down and every
-    response has ended. RuntimeError if the server could not start."""
+    response has ended. RuntimeError if the server could not start. `api_server_index`: see `build_app`;
+    `on_started` is called once the socket is served (instead of announcing the address)."""
     _route_uvicorn_logs()
     raise_open_files_limit()
     # No `*_created` series next to every counter and histogram, as in vLLM (a process-wide prometheus_client
     # setting, fine in the server's own process).
     prometheus_client.disable_created_metrics()
     config = dataclasses.replace(config, port=sock.getsockname()[1])
-    app = build_app(engine, config, stat_logger)
+    app = build_app(engine, config, stat_logger, api_server_index)
     uvicorn_config = uvicorn.Config(
         app,
         log_config=None,
@@ -297,7 +349,7 @@ def run_server(
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         timeout_keep_alive=config.timeout_keep_alive_s,
     )
-    server = _Server(uvicorn_config, engine, config)
+    server = _Server(uvicorn_config, engine, config, on_started)
     server.run(sockets=[sock])
     if not server.started:
         raise RuntimeError("the HTTP server did not start (its error is logged above)")

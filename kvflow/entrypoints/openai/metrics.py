@@ -17,11 +17,23 @@ Under speculative decoding (`SchedulerStats.spec_decoding_stats`), counters `spe
 `spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total` and
 `spec_decode_num_accepted_tokens_per_pos{position}` (drafts whose first position+1 tokens were accepted, position
 from 0), created with the first snapshot that carries them.
+
+Several API server processes (`kvflow serve --api-server-count N`): prometheus_client's multiprocess mode
+(`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before any API process imports prometheus_client, to a private
+folder it removes at exit). Each process writes its own samples there, and `/metrics` from any process renders them
+all: counters and histograms summed over processes (each request is recorded by the process that served it, so the
+sums are exact); the load gauges (`num_requests_running`, `num_requests_waiting`, `kv_cache_usage_perc`) as the most
+recently set value of any process (each engine core's snapshot is the same whoever reads it, and the /metrics
+handler refreshes the asking process's from the scheduler); `engine_alive` as the minimum (0 once any process saw the
+core die). The scheduler's running totals (prefix-cache tokens, preemptions, speculative-decoding counts) are
+counted by API server 0 only, which gets every step's snapshot from the core: counted by every process they would
+add up N times. A dead engine's load gauges are set to 0 there (multiprocess mode cannot remove a sample).
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -32,6 +44,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -74,26 +87,46 @@ def token_buckets(max_tokens: int) -> list[int]:
 class PrometheusStatLogger:
     """The server's metrics, in a `CollectorRegistry` of its own (no process-global state).
 
+    `multiprocess`: one of several API server processes (see the module docstring); `counts_scheduler_totals`
+    whether this process counts the scheduler's running totals (exactly one of them does).
+
     Invariants: every sample carries the `engine` label of the core it counts (`SchedulerStats.engine_index`;
     a step's iteration stats belong to the core whose step it was); counters only grow; each of a core's scheduler
     running totals (prefix-cache tokens, preemptions, speculative-decoding counts) is counted exactly once
     whatever the order its snapshots arrive in (a snapshot adds only what its total exceeds the largest seen from
     that core); the gauges never go back to a snapshot older than one already shown. `_lock` serializes the
-    engines' output threads (`record`) and the /metrics handler (`refresh`).
+    engines' output threads (`record`) and the /metrics handler (`refresh`). `_children[engine]` holds that core's
+    labelled samples, made once: `record` runs after every engine step and looks none up.
     """
 
-    def __init__(self, model_name: str, max_model_len: int = 1 << 20, num_engines: int = 1) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int = 1 << 20,
+        num_engines: int = 1,
+        multiprocess: bool = False,
+        counts_scheduler_totals: bool = True,
+    ) -> None:
         """`num_engines`: the data-parallel engine cores, whose samples exist (at 0) before their first step."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.multiprocess = multiprocess
+        self._counts_scheduler_totals = counts_scheduler_totals
+        self._render_registry = self.registry
+        if multiprocess:  # renders what every API process wrote
+            self._render_registry = CollectorRegistry()
+            MultiProcessCollector(self._render_registry)
         self._lock = threading.Lock()
         self._num_records = 0  # steps recorded so far
-        # (running total, its labels) -> how much of it is counted
-        self._counted_totals: dict[tuple[Counter, tuple[str, ...]], int] = {}
+        # (running total, its labels) -> its sample and how much of it is counted
+        self._counted_totals: dict[tuple[Counter, tuple[str, ...]], _CountedTotal] = {}
+        self._children: dict[int, _EngineSamples] = {}
         labels = ["model_name", "engine"]
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=self.registry)
+        def gauge(name: str, doc: str, multiprocess_mode: str = "mostrecent") -> Gauge:
+            return Gauge(
+                name, doc, labels, registry=self.registry, multiprocess_mode=multiprocess_mode
+            )
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, [*labels, *extra], registry=self.registry)
@@ -107,7 +140,7 @@ class PrometheusStatLogger:
             "kvflow:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = 100%)"
         )
         self.engine_alive = gauge(
-            "kvflow:engine_alive", "1 while the engine core serves, 0 once it has died"
+            "kvflow:engine_alive", "1 while the engine core serves, 0 once it has died", "min"
         )
         self._num_engines = num_engines
         self._engine_dead = False
@@ -186,38 +219,64 @@ class PrometheusStatLogger:
             "Generated tokens per request",
             token_buckets(max_model_len),
         )
-        for engine in map(
-            str, range(num_engines)
-        ):  # present (at 0) before the first request, as in vLLM
-            for reason in FINISHED_REASONS:
-                self.request_success.labels(model_name, engine, reason)
-            for metric in (self.prompt_tokens, self.generation_tokens, self.preemptions):
-                metric.labels(model_name, engine)
-            for metric in (self.prefix_cache_queries, self.prefix_cache_hits):
-                metric.labels(model_name, engine)
-            for gauge in (self.running, self.waiting, self.kv_cache_usage):
-                gauge.labels(model_name, engine)
-            self.engine_alive.labels(model_name, engine).set(1)
+        for engine in range(num_engines):  # present (at 0) before the first request, as in vLLM
+            self._samples(engine)
+            for metric in (self.preemptions, self.prefix_cache_queries, self.prefix_cache_hits):
+                metric.labels(model_name, str(engine))
+            self.engine_alive.labels(model_name, str(engine)).set(1)
+
+    def _samples(self, engine_index: int) -> _EngineSamples:
+        """Core `engine_index`'s labelled samples, made on first use."""
+        samples = self._children.get(engine_index)
+        if samples is None:
+            name = self.model_name, str(engine_index)
+            samples = self._children[engine_index] = _EngineSamples(
+                engine_label=name[1],
+                running=self.running.labels(*name),
+                waiting=self.waiting.labels(*name),
+                kv_cache_usage=self.kv_cache_usage.labels(*name),
+                prompt_tokens=self.prompt_tokens.labels(*name),
+                generation_tokens=self.generation_tokens.labels(*name),
+                time_to_first_token=self.time_to_first_token.labels(*name),
+                inter_token_latency=self.inter_token_latency.labels(*name),
+                e2e_latency=self.e2e_latency.labels(*name),
+                phases=(
+                    ("queue_time", self.queue_time.labels(*name)),
+                    ("prefill_time", self.prefill_time.labels(*name)),
+                    ("decode_time", self.decode_time.labels(*name)),
+                    ("inference_time", self.inference_time.labels(*name)),
+                ),
+                time_per_output_token=self.time_per_output_token.labels(*name),
+                request_prompt_tokens=self.request_prompt_tokens.labels(*name),
+                request_generation_tokens=self.request_generation_tokens.labels(*name),
+                request_success={
+                    reason: self.request_success.labels(*name, reason)
+                    for reason in FINISHED_REASONS
+                },
+            )
+        return samples
 
     # ------------------------------------------------------------------------------------------------ StatLogger
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         """One engine step (called on the engine's output thread)."""
-        name = self.model_name, str(scheduler_stats.engine_index)
         with self._lock:
             self._num_records += 1
-            self._apply(scheduler_stats)
+            samples = self._samples(scheduler_stats.engine_index)
+            self._apply(scheduler_stats, samples)
         if iteration_stats.num_prompt_tokens:
-            self.prompt_tokens.labels(*name).inc(iteration_stats.num_prompt_tokens)
+            samples.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
         if iteration_stats.num_generation_tokens:
-            self.generation_tokens.labels(*name).inc(iteration_stats.num_generation_tokens)
-        ttft = self.time_to_first_token.labels(*name)
-        for seconds in iteration_stats.time_to_first_tokens:
-            ttft.observe(seconds)
-        itl = self.inter_token_latency.labels(*name)
-        for seconds in iteration_stats.inter_token_latencies:
-            itl.observe(seconds)
+            samples.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        if iteration_stats.time_to_first_tokens:
+            ttft = samples.time_to_first_token
+            for seconds in iteration_stats.time_to_first_tokens:
+                ttft.observe(seconds)
+        if iteration_stats.inter_token_latencies:
+            itl = samples.inter_token_latency
+            for seconds in iteration_stats.inter_token_latencies:
+                itl.observe(seconds)
         for finished in iteration_stats.finished_requests:
-            self._record_finished(finished, name)
+            self._record_finished(finished, samples)
 
     def refresh_token(self) -> int:
         """Call before asking the engine for a snapshot to `refresh` with."""
@@ -230,7 +289,7 @@ class PrometheusStatLogger:
         with self._lock:
             if token == self._num_records:
                 for each in scheduler_stats:
-                    self._apply(each)
+                    self._apply(each, self._samples(each.engine_index))
 
     def mark_engine_dead(self) -> None:
         """The engine died: `engine_alive` is 0 and the load gauges, which nothing updates any more, are removed
@@ -242,17 +301,21 @@ class PrometheusStatLogger:
             for engine in map(str, range(self._num_engines)):
                 self.engine_alive.labels(self.model_name, engine).set(0)
                 for gauge in (self.running, self.waiting, self.kv_cache_usage):
-                    gauge.remove(self.model_name, engine)
+                    if self.multiprocess:  # no removal there: the last value would stay
+                        gauge.labels(self.model_name, engine).set(0)
+                    else:
+                        gauge.remove(self.model_name, engine)
 
-    def _apply(self, scheduler_stats: SchedulerStats) -> None:
+    def _apply(self, scheduler_stats: SchedulerStats, samples: _EngineSamples) -> None:
         """The gauges, and what the scheduler's running totals grew by (caller holds `_lock`)."""
         if self._engine_dead:
             return
-        engine = str(scheduler_stats.engine_index)
-        name = self.model_name, engine
-        self.running.labels(*name).set(scheduler_stats.num_running_reqs)
-        self.waiting.labels(*name).set(scheduler_stats.num_waiting_reqs)
-        self.kv_cache_usage.labels(*name).set(scheduler_stats.kv_cache_usage)
+        samples.running.set(scheduler_stats.num_running_reqs)
+        samples.waiting.set(scheduler_stats.num_waiting_reqs)
+        samples.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+        if not self._counts_scheduler_totals:
+            return
+        name = self.model_name, str(scheduler_stats.engine_index)
         for counter, total in (
             (self.prefix_cache_queries, scheduler_stats.prefix_cache_query_tokens),
             (self.prefix_cache_hits, scheduler_stats.prefix_cache_hit_tokens),
@@ -282,35 +345,65 @@ class PrometheusStatLogger:
         key = (counter, labels)
         counted = self._counted_totals.get(key)
         if counted is None:
-            counter.labels(*labels)
-            counted = self._counted_totals[key] = 0
-        if total > counted:
-            counter.labels(*labels).inc(total - counted)
-            self._counted_totals[key] = total
+            counted = self._counted_totals[key] = _CountedTotal(counter.labels(*labels))
+        if total > counted.total:
+            counted.sample.inc(total - counted.total)
+            counted.total = total
 
-    def _record_finished(self, finished: FinishedRequestStats, name: tuple[str, str]) -> None:
-        if finished.finish_reason is not None:
-            self.request_success.labels(*name, finished.finish_reason).inc()
-        self.e2e_latency.labels(*name).observe(finished.e2e_latency)
-        self.request_prompt_tokens.labels(*name).observe(finished.num_prompt_tokens)
-        self.request_generation_tokens.labels(*name).observe(finished.num_generation_tokens)
+    def _record_finished(self, finished: FinishedRequestStats, samples: _EngineSamples) -> None:
+        reason = finished.finish_reason
+        if reason is not None:
+            success = samples.request_success.get(reason)
+            if success is None:  # a reason beyond FINISHED_REASONS
+                name = self.model_name, samples.engine_label
+                success = samples.request_success[reason] = self.request_success.labels(
+                    *name, reason
+                )
+            success.inc()
+        samples.e2e_latency.observe(finished.e2e_latency)
+        samples.request_prompt_tokens.observe(finished.num_prompt_tokens)
+        samples.request_generation_tokens.observe(finished.num_generation_tokens)
         # Lifecycle times: reported by newer front ends only.
-        for histogram, field_name in (
-            (self.queue_time, "queue_time"),
-            (self.prefill_time, "prefill_time"),
-            (self.decode_time, "decode_time"),
-            (self.inference_time, "inference_time"),
-        ):
+        for field_name, histogram in samples.phases:
             seconds = getattr(finished, field_name, None)
             if seconds is not None:
-                histogram.labels(*name).observe(seconds)
+                histogram.observe(seconds)
         decode_time = getattr(finished, "decode_time", None)
         if decode_time is not None and finished.num_generation_tokens > 1:
-            self.time_per_output_token.labels(*name).observe(
+            samples.time_per_output_token.observe(
                 decode_time / (finished.num_generation_tokens - 1)
             )
 
     # ------------------------------------------------------------------------------------------------ export
     def render(self) -> bytes:
-        """The registry in Prometheus' text format (`CONTENT_TYPE_LATEST`)."""
-        return generate_latest(self.registry)
+        """The metrics in Prometheus' text format (`CONTENT_TYPE_LATEST`): this registry's, or in multiprocess
+        mode every API process's."""
+        return generate_latest(self._render_registry)
+
+
+@dataclass
+class _CountedTotal:
+    """A scheduler running total's sample and how much of the total it has counted."""
+
+    sample: Counter
+    total: int = 0
+
+
+@dataclass
+class _EngineSamples:
+    """One engine core's labelled samples (prometheus_client children), looked up once."""
+
+    engine_label: str
+    running: Gauge
+    waiting: Gauge
+    kv_cache_usage: Gauge
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    time_to_first_token: Histogram
+    inter_token_latency: Histogram
+    e2e_latency: Histogram
+    phases: tuple[tuple[str, Histogram], ...]  # (FinishedRequestStats field, its histogram)
+    time_per_output_token: Histogram
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    request_success: dict[str, Counter]

@@ -23,6 +23,7 @@ means mode "wait".
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from fastapi import APIRouter, Request
 from fastapi.encoders import jsonable_encoder
 
 from kvflow.engine.core import PAUSE_MODES, EngineNotPausedError
+from kvflow.engine.core_proc import ABORT_EVERYWHERE
 from kvflow.entrypoints.openai.errors import OpenAIServingError
 from kvflow.entrypoints.openai.protocol import (
     AbortRequestsRequest,
@@ -40,6 +42,7 @@ from kvflow.entrypoints.openai.protocol import (
 
 if TYPE_CHECKING:
     from kvflow.engine.async_llm import AsyncLLM
+    from kvflow.engine.core import EngineCore
     from kvflow.entrypoints.openai.serving_engine import LiveRequests
 
 logger = logging.getLogger(__name__)
@@ -53,11 +56,20 @@ class RLControl:
 
     Invariant: `weight_version` is the engine's weight version (0 at start; only `update_weights` changes it, and
     it goes through here).
+
+    `shared_engine` (one of several API server processes, `kvflow serve --api-server-count N`): the engine cores
+    serve other API processes too, so pause / resume / is_paused / reset_prefix_cache / update_weights act on
+    every process's requests already (the cores are shared); `abort_requests` also aborts what the other
+    processes run (`ABORT_EVERYWHERE`: each owner's streams end with finish_reason "abort"), and
+    `current_weight_version` asks the cores, since an update may have gone through another process.
     """
 
-    def __init__(self, engine: AsyncLLM, live_requests: LiveRequests) -> None:
+    def __init__(
+        self, engine: AsyncLLM, live_requests: LiveRequests, shared_engine: bool = False
+    ) -> None:
         self.engine = engine
         self.live_requests = live_requests
+        self.shared_engine = shared_engine
         self.weight_version = 0
 
     async def pause(self, mode: str, clear_cache: bool) -> None:
@@ -81,10 +93,36 @@ class RLControl:
             )
 
     async def abort_requests(self, request_ids: list[str] | None) -> list[str]:
-        """Abort the live requests among `request_ids` (all live ones for None or []); returns those aborted."""
+        """Abort the live requests among `request_ids` (all live ones for None or []); returns those aborted.
+        With a shared engine, also those of the other API processes: the ids given that another process held
+        (matched by the server's id conventions, `core_proc.matching_request_ids`), or, for all, the engine
+        request ids of every other process's requests."""
         found = self.live_requests.resolve(request_ids or None)
         await self.engine.abort([engine_id for ids in found.values() for engine_id in ids])
-        return list(found)
+        aborted = list(found)
+        if self.shared_engine:
+            others = (
+                None if not request_ids else [each for each in request_ids if each not in found]
+            )
+            if others is None or others:
+                for each in await self._abort_everywhere(others):
+                    if each not in found:
+                        aborted.append(each)
+        return list(dict.fromkeys(aborted))
+
+    async def _abort_everywhere(self, request_ids: list[str] | None) -> list[str]:
+        """`ABORT_EVERYWHERE` on every engine core; the ids they report, once each."""
+        results = await asyncio.wrap_future(
+            self.engine.engine_core_client.call_utility(ABORT_EVERYWHERE, request_ids)
+        )
+        per_core = results if self.engine.data_parallel_size > 1 else [results]
+        return list(dict.fromkeys(each for core in per_core for each in core))
+
+    async def current_weight_version(self) -> int:
+        """The weight version: the engine cores' own with a shared engine, else `weight_version`."""
+        if not self.shared_engine:
+            return self.weight_version
+        return max(await self.engine.run_in_each_engine(_engine_weight_version))
 
     async def update_weights(self, path: str) -> int:
         if not await self.engine.is_paused():
@@ -117,6 +155,10 @@ class RLControl:
         except (AttributeError, TypeError, ValueError) as error:
             raise OpenAIServingError(f"{type(error).__name__}: {error}", param="method") from error
         return [_jsonable(result) for result in results]
+
+
+def _engine_weight_version(engine_core: EngineCore) -> int:
+    return engine_core.weight_version
 
 
 def _jsonable(value: Any) -> Any:
@@ -181,7 +223,7 @@ async def update_weights(raw_request: Request, body: UpdateWeightsRequest) -> di
 
 @admin_router.get("/weight_version")
 async def weight_version(raw_request: Request) -> dict[str, int]:
-    return {"weight_version": _control(raw_request).weight_version}
+    return {"weight_version": await _control(raw_request).current_weight_version()}
 
 
 @admin_router.post("/collective_rpc")
