@@ -27,7 +27,7 @@ from kvflow.engine.builder import build_frontend, resolve_engine_config, start_e
 from kvflow.engine.core import PAUSE_MODES
 from kvflow.engine.death import EngineDeadError, fresh_dead_error
 from kvflow.engine.input_processor import check_priority
-from kvflow.engine.output_stream import OutputStream
+from kvflow.engine.output_stream import OutputStream, Wakeups
 from kvflow.engine.sessions import SessionFeeder, StreamingInput
 from kvflow.engine.stat_logger import LoggingStatLogger
 from kvflow.sampling_params import SamplingParams
@@ -164,6 +164,7 @@ class AsyncLLM:
                 raise ValueError("a streaming-input session needs SamplingParams with n=1")
         else:
             processed = self.input_processor.process(prompt, sampling_params)  # type: ignore[arg-type]
+            stream.delta = processed.sampling_params.output_kind == "delta"
         request_id = self._claim_request_id(request_id)
         input_task: asyncio.Task[None] | None = None
         ended = False
@@ -175,7 +176,7 @@ class AsyncLLM:
                     self._sessions.feed(request_id, prompt, sampling_params, stream)  # type: ignore[arg-type]
                 )
             while not ended:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
@@ -468,8 +469,9 @@ class AsyncLLM:
                     ]
                 )
             ]
+            wakeups = Wakeups()  # one wake-up per consumer event loop for the whole step
             for request_output in processed[0].request_outputs:
-                self._deliver(request_output)
+                self._deliver(request_output, wakeups)
             if any(in_sessions):
                 processed.append(
                     self._sessions.process_outputs(
@@ -483,6 +485,8 @@ class AsyncLLM:
             reqs_to_abort = [request_id for each in processed for request_id in each.reqs_to_abort]
             if reqs_to_abort:  # stop strings (this ends a session, too)
                 self.engine_core_client.abort_requests(reqs_to_abort)
+            for loop in wakeups.flush():
+                self._abort_streams_of(loop)
             if self._stat_loggers:
                 iteration_stats = processed[0].iteration_stats
                 for each in processed[1:]:
@@ -490,18 +494,32 @@ class AsyncLLM:
                 for stat_logger in self._stat_loggers:
                     stat_logger.record(stats, iteration_stats)
 
-    def _deliver(self, request_output: RequestOutput) -> None:
+    def _deliver(self, request_output: RequestOutput, wakeups: Wakeups | None = None) -> None:
+        """Hand an output to its stream; with `wakeups`, its consumer is woken when the caller flushes them."""
         request_id = request_output.request_id
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        if not stream.put(request_output):
+        delivered = (
+            stream.put(request_output)
+            if wakeups is None
+            else stream.put_deferred(request_output, wakeups)
+        )
+        if not delivered:
             logger.warning("the event loop of request %s is closed: aborting it", request_id)
             self._forget(request_id)
             self._abort_request(request_id)
             return
         if request_output.finished:
             self._forget(request_id)
+
+    def _abort_streams_of(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Abort the requests whose consumers ran on `loop`, which has closed. Caller holds the lock."""
+        for request_id, stream in list(self._streams.items()):
+            if stream.loop is loop:
+                logger.warning("the event loop of request %s is closed: aborting it", request_id)
+                self._forget(request_id)
+                self._abort_request(request_id)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -179,6 +179,8 @@ class SessionFeeder:
             request.arrival_time,
         )
         session.output_kind = request.sampling_params.output_kind
+        # The previous chunk's outputs are never merged with this one's (its last has a finish reason).
+        session.stream.delta = session.output_kind == "delta"
         session.chunk_running = True
         added = self._call(session, lambda: self.client.add_requests([request]))
         if added is not None:

@@ -56,7 +56,8 @@ def test_bench_serve_prints_the_table_saves_json_and_plots(
     assert (
         saved["completed"] == 24 and saved["output_lens"] == [6] * 24 and saved["model"] == "hash"
     )
-    assert all(len(itls) == 5 for itls in saved["itls"])  # one gap per token after the first
+    # One gap per chunk after the first: at most one per token (a chunk carries several for a client behind).
+    assert all(len(itls) <= 5 for itls in saved["itls"]) and any(saved["itls"])
     assert plot_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert server.metric("kvflow:num_requests_running", model_name="hash") == 0
 

@@ -485,3 +485,72 @@ def test_text_content_parts_are_joined(server: RemoteServer) -> None:
     assert tokens[0] == tokens[1]
     response = server.post("/v1/chat/completions", json={"messages": parts, "max_tokens": 2})
     assert response.status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------ chunk bytes
+STREAMED_BODIES = [
+    (
+        "/v1/completions",
+        {"prompt": PROMPTS, "n": 2, "max_tokens": 6, "temperature": 0.8, "seed": 3},
+    ),
+    (
+        "/v1/completions",
+        {
+            "prompt": PROMPTS[0],
+            "max_tokens": 5,
+            "echo": True,
+            "logprobs": 2,
+            "prompt_logprobs": 1,
+            "return_token_ids": True,
+            "stop": ["is"],
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": MESSAGES,
+            "max_tokens": 6,
+            "n": 2,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "max_tokens": 4, "stream_options": {"include_usage": True}},
+    ),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body"), STREAMED_BODIES)
+def test_stream_chunks_are_the_response_models_json_byte_for_byte(
+    server: RemoteServer, endpoint: str, body: dict[str, Any]
+) -> None:
+    """Chunks are encoded from dicts (msgspec), not from the pydantic response models: each event's bytes must be
+    what the model would write for the same fields (key order, number format, nested models), and carry the fields
+    every chunk of its kind has."""
+    from kvflow.entrypoints.openai.protocol import (
+        ChatCompletionStreamResponse,
+        CompletionStreamResponse,
+    )
+
+    model = (
+        CompletionStreamResponse if endpoint == "/v1/completions" else ChatCompletionStreamResponse
+    )
+    response = server.post(endpoint, json={"model": "default", "stream": True, **body})
+    assert response.status_code == 200, response.text
+    events = response.content.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    chunks = [event.removeprefix(b"data: ") for event in events[:-2]]
+    assert chunks and all(event.startswith(b"data: ") for event in events[:-2])
+    for raw in chunks:
+        parsed = json.loads(raw)
+        assert list(parsed)[:5] == ["id", "object", "created", "model", "choices"]
+        assert model.model_validate(parsed).model_dump_json(exclude_unset=True).encode() == raw
+        for choice in parsed["choices"]:
+            assert {"index", "logprobs", "finish_reason", "stop_reason"} <= set(choice)
+    usage_on = body.get("stream_options", {}).get("include_usage", False)
+    assert ("usage" in json.loads(chunks[-1])) == usage_on

@@ -32,8 +32,6 @@ from kvflow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
     ChatMessage,
     DeltaMessage,
 )
@@ -48,7 +46,13 @@ from kvflow.entrypoints.openai.serving_engine import (
     raise_if_failed,
     run_until_disconnected,
 )
-from kvflow.entrypoints.openai.streaming import StreamChunk, StreamUsage, sse_response, sse_stream
+from kvflow.entrypoints.openai.streaming import (
+    StreamChunk,
+    StreamUsage,
+    chunk_body,
+    sse_response,
+    sse_stream,
+)
 from kvflow.entrypoints.openai.tool_calls import ToolChoice, resolve_tool_choice
 from kvflow.structured_output.validation import validate_structured_outputs
 
@@ -61,6 +65,7 @@ if TYPE_CHECKING:
 
 _FIELDS = frozenset(ChatCompletionRequest.model_fields)
 ASSISTANT = "assistant"
+CHUNK_OBJECT = "chat.completion.chunk"
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -269,7 +274,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt: PromptInput,
         echo: str,
         reply: ReplyParser,
-    ) -> AsyncGenerator[str, None]:
+    ) -> AsyncGenerator[bytes, None]:
         """Server-sent events (`sse_stream`): per choice a first chunk with the role (and one with the echoed
         text), then one chunk per new piece, the last carrying `finish_reason`."""
         created = int(time.time())
@@ -279,12 +284,8 @@ class OpenAIServingChat(OpenAIServing):
             stream_options=request.stream_options,
             usage=StreamUsage([len(prompt.token_ids)], request.n),
             build_chunks=_ChatChunks(self, request, response_id, created, prompt, echo, reply),
-            usage_chunk=lambda: ChatCompletionStreamResponse(
-                id=response_id,
-                object="chat.completion.chunk",
-                created=created,
-                model=self.models.served_model_name,
-                choices=[],
+            usage_chunk=lambda: chunk_body(
+                response_id, CHUNK_OBJECT, created, self.models.served_model_name, []
             ),
         )
 
@@ -293,25 +294,22 @@ class OpenAIServingChat(OpenAIServing):
         response_id: str,
         created: int,
         index: int,
-        delta: DeltaMessage,
+        delta: dict[str, Any] | DeltaMessage,
         logprobs: Any = None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
-    ) -> ChatCompletionStreamResponse:
-        return ChatCompletionStreamResponse(
-            id=response_id,
-            object="chat.completion.chunk",
-            created=created,
-            model=self.models.served_model_name,
-            choices=[
-                ChatCompletionResponseStreamChoice(
-                    index=index,
-                    delta=delta,
-                    logprobs=logprobs,
-                    finish_reason=finish_reason,
-                    stop_reason=stop_reason,
-                )
-            ],
+    ) -> dict[str, Any]:
+        """A `ChatCompletionStreamResponse` with one choice, as the dict `sse_event` sends (the choice's keys in
+        `ChatCompletionResponseStreamChoice`'s order; `delta` a `DeltaMessage` or its dict)."""
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+        return chunk_body(
+            response_id, CHUNK_OBJECT, created, self.models.served_model_name, [choice]
         )
 
 
@@ -366,13 +364,13 @@ class _ChatChunks:
                 stop_reason=output.stop_reason,
             )
             if self.request.return_token_ids:
-                chunk.choices[0].token_ids = list(output.token_ids)
+                chunk["choices"][0]["token_ids"] = list(output.token_ids)
             yield StreamChunk(chunk, output.index, len(output.token_ids))
 
-    def _delta(self, output: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+    def _delta(self, output: CompletionOutput) -> tuple[dict[str, Any] | DeltaMessage, str | None]:
         """The output's delta and finish_reason, through the reply parser when there is one to run."""
         if self.reply.is_plain:
-            return DeltaMessage(content=output.text), output.finish_reason
+            return {"content": output.text}, output.finish_reason
         stream = self.streams.get(output.index)
         if stream is None:
             stream = self.streams[output.index] = self.reply.stream()
@@ -384,16 +382,16 @@ class _ChatChunks:
 
     def _openings(self) -> Iterator[StreamChunk]:
         for index in range(self.request.n):
-            chunk = self._chunk(index, DeltaMessage(role=ASSISTANT, content=""))
+            chunk = self._chunk(index, {"role": ASSISTANT, "content": ""})
             if self.request.return_token_ids:
-                chunk.prompt_token_ids = self.prompt.token_ids
+                chunk["prompt_token_ids"] = self.prompt.token_ids
             yield StreamChunk(chunk, index)
             if self.echo:  # no usage on this one, as before the skeleton was shared
-                yield StreamChunk(self._chunk(index, DeltaMessage(content=self.echo)), None)
+                yield StreamChunk(self._chunk(index, {"content": self.echo}), None)
 
     def _chunk(
-        self, index: int, delta: DeltaMessage, **fields: Any
-    ) -> ChatCompletionStreamResponse:
+        self, index: int, delta: dict[str, Any] | DeltaMessage, **fields: Any
+    ) -> dict[str, Any]:
         return self.serving.stream_chunk(self.response_id, self.created, index, delta, **fields)
 
 

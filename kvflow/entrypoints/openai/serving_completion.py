@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 
@@ -28,8 +28,6 @@ from kvflow.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
-    CompletionResponseStreamChoice,
-    CompletionStreamResponse,
 )
 from kvflow.entrypoints.openai.serving_beam_search import beam_search_results
 from kvflow.entrypoints.openai.serving_engine import (
@@ -44,7 +42,13 @@ from kvflow.entrypoints.openai.serving_engine import (
     raise_if_failed,
     run_until_disconnected,
 )
-from kvflow.entrypoints.openai.streaming import StreamChunk, StreamUsage, sse_response, sse_stream
+from kvflow.entrypoints.openai.streaming import (
+    StreamChunk,
+    StreamUsage,
+    chunk_body,
+    sse_response,
+    sse_stream,
+)
 
 if TYPE_CHECKING:
     from fastapi import Request
@@ -222,7 +226,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id: str,
         response_id: str,
         prompts: list[PromptInput],
-    ) -> AsyncGenerator[str, None]:
+    ) -> AsyncGenerator[bytes, None]:
         """Server-sent events (`sse_stream`): one chunk per new piece of a choice, never an empty one."""
         created = int(time.time())
         return sse_stream(
@@ -235,14 +239,11 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     def stream_chunk(
-        self, response_id: str, created: int, choices: list[CompletionResponseStreamChoice]
-    ) -> CompletionStreamResponse:
-        return CompletionStreamResponse(
-            id=response_id,
-            object="text_completion",
-            created=created,
-            model=self.models.served_model_name,
-            choices=choices,
+        self, response_id: str, created: int, choices: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """A `CompletionStreamResponse` as the dict `sse_event` sends."""
+        return chunk_body(
+            response_id, "text_completion", created, self.models.served_model_name, choices
         )
 
 
@@ -289,10 +290,11 @@ class _CompletionChunks:
             if not text and not token_ids and output.finish_reason is None:
                 continue
             self.started[index] = True
-            choice = CompletionResponseStreamChoice(
-                index=index,
-                text=text,
-                logprobs=None
+            # `CompletionResponseStreamChoice`'s fields, in its order, where the model would have them set.
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": text,
+                "logprobs": None
                 if request.logprobs is None
                 else completion_logprobs(
                     token_ids,
@@ -301,15 +303,15 @@ class _CompletionChunks:
                     self.texts,
                     self.streamed_text_len[index],
                 ),
-                finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason,
-            )
-            if request.return_token_ids:
-                choice.token_ids = token_ids
-                if first:
-                    choice.prompt_token_ids = prompt.token_ids
+                "finish_reason": output.finish_reason,
+                "stop_reason": output.stop_reason,
+            }
             if first and request.prompt_logprobs is not None:
-                choice.prompt_logprobs = prompt_logprobs_body(prompt_logprobs)
+                choice["prompt_logprobs"] = prompt_logprobs_body(prompt_logprobs)
+            if request.return_token_ids:
+                if first:
+                    choice["prompt_token_ids"] = prompt.token_ids
+                choice["token_ids"] = token_ids
             self.streamed_text_len[index] += len(text)
             chunk = self.serving.stream_chunk(self.response_id, self.created, [choice])
             yield StreamChunk(chunk, index, len(output.token_ids))

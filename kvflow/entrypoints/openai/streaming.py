@@ -6,6 +6,12 @@ chunk with `continuous_usage_stats`, a last chunk with only `usage` with `includ
 ends a stream that fails after it started, and `data: [DONE]`. An endpoint supplies only its chunk builder: for each
 engine output, the chunks to send (`StreamChunk`). `bounded_stream` then carries the events to the client through
 a bounded buffer.
+
+Chunks are plain dicts serialised by msgspec, not pydantic models: per streamed token that is the API process's
+main cost. Their keys are set in the order of the response models' fields (`protocol.py`) and only where the models'
+fields would be set, so the JSON is what `model_dump_json(exclude_unset=True)` of those models gives (floats of
+magnitude 1e16 and above aside, which msgspec writes as `1e16` and pydantic as `1e+16`). Parts that are rare on the
+hot path (logprobs, tool-call deltas) may stay pydantic models inside the dict: they are dumped the same way.
 """
 
 from __future__ import annotations
@@ -20,30 +26,30 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from kvflow.engine.async_llm import EngineDeadError
 from kvflow.entrypoints.openai.errors import OpenAIServingError, error_body
-from kvflow.entrypoints.openai.serving_engine import cached_tokens, make_usage, raise_if_failed
+from kvflow.entrypoints.openai.serving_engine import cached_tokens, raise_if_failed
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
-
-    from kvflow.entrypoints.openai.protocol import StreamOptions, UsageInfo
+    from kvflow.entrypoints.openai.protocol import StreamOptions
     from kvflow.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
-SSE_DONE = "data: [DONE]\n\n"
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
 class StreamChunk:
-    """One chunk to send: `payload` (a response chunk with a `usage` field), the choice whose token counts
+    """One chunk to send: `payload` (a response chunk as a dict, `chunk_body`), the choice whose token counts
     `continuous_usage_stats` attaches to it (None: no usage on this chunk), and how many new tokens of that
     choice it carries."""
 
-    payload: Any
+    payload: dict[str, Any]
     choice_index: int | None
     num_new_tokens: int = 0
 
@@ -69,18 +75,52 @@ class StreamUsage:
         self.completion_tokens = [0] * (len(self.prompt_tokens) * self.n)
         self.cached_tokens = [0] * len(self.prompt_tokens)
 
-    def of_choice(self, choice_index: int) -> UsageInfo:
+    def of_choice(self, choice_index: int) -> dict[str, Any]:
         prompt_index = choice_index // self.n
-        return make_usage(
+        return usage_body(
             self.prompt_tokens[prompt_index],
             self.completion_tokens[choice_index],
             self.cached_tokens[prompt_index],
         )
 
-    def total(self) -> UsageInfo:
-        return make_usage(
+    def total(self) -> dict[str, Any]:
+        return usage_body(
             sum(self.prompt_tokens), sum(self.completion_tokens), sum(self.cached_tokens)
         )
+
+
+def usage_body(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
+) -> dict[str, Any]:
+    """`serving_engine.make_usage(...)` as the dict a chunk carries (`UsageInfo`'s field order)."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "completion_tokens": num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def chunk_body(
+    response_id: str, object_name: str, created: int, model: str, choices: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A stream chunk (`CompletionStreamResponse` / `ChatCompletionStreamResponse`) with the fields every chunk
+    sets; `usage` and (chat) `prompt_token_ids` are added to it as the models order them (`with_usage`)."""
+    return {
+        "id": response_id,
+        "object": object_name,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+
+
+def with_usage(payload: dict[str, Any], usage: dict[str, Any]) -> None:
+    """Set a chunk's `usage`, which the chat chunk model declares before `prompt_token_ids`."""
+    prompt_token_ids = payload.pop("prompt_token_ids", None)
+    payload["usage"] = usage
+    if prompt_token_ids is not None:
+        payload["prompt_token_ids"] = prompt_token_ids
 
 
 async def sse_stream(
@@ -90,8 +130,8 @@ async def sse_stream(
     stream_options: StreamOptions | None,
     usage: StreamUsage,
     build_chunks: ChunkBuilder,
-    usage_chunk: Callable[[], BaseModel],
-) -> AsyncGenerator[str, None]:
+    usage_chunk: Callable[[], dict[str, Any]],
+) -> AsyncGenerator[bytes, None]:
     """The events of one streamed response: `build_chunks`'s chunks for each `(prompt index, output)` of
     `results`, with `usage` per `stream_options`; then, with `include_usage`, `usage_chunk()` (a chunk without
     choices) carrying the totals; an error event if anything fails after the start; always `[DONE]` last.
@@ -109,11 +149,11 @@ async def sse_stream(
                     if chunk.choice_index is not None:
                         usage.completion_tokens[chunk.choice_index] += chunk.num_new_tokens
                         if continuous_usage:
-                            chunk.payload.usage = usage.of_choice(chunk.choice_index)
+                            with_usage(chunk.payload, usage.of_choice(chunk.choice_index))
                     yield sse_event(chunk.payload)
         if include_usage:
             final = usage_chunk()
-            final.usage = usage.total()  # type: ignore[attr-defined]
+            with_usage(final, usage.total())
             yield sse_event(final)
     except Exception as error:
         yield stream_error_event(error, request_id)
@@ -121,7 +161,7 @@ async def sse_stream(
 
 
 def sse_response(
-    events: AsyncGenerator[str, None], max_buffered_bytes: int, request_id: str
+    events: AsyncGenerator[bytes, None], max_buffered_bytes: int, request_id: str
 ) -> StreamingResponse:
     """The HTTP response that sends `events` (through `bounded_stream`)."""
     return StreamingResponse(
@@ -129,16 +169,27 @@ def sse_response(
     )
 
 
-def sse_event(payload: BaseModel) -> str:
+def _dump_model(value: Any) -> Any:
+    """msgspec's hook for what it cannot encode itself: a pydantic model inside a chunk, dumped as the chunk's
+    model would dump it (fields never set left out)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(exclude_unset=True)
+    raise NotImplementedError(f"a stream chunk cannot hold a {type(value).__name__}")
+
+
+_ENCODER = msgspec.json.Encoder(enc_hook=_dump_model)
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
     """One server-sent event; chunks leave out fields never set, as vLLM's do."""
-    return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
+    return b"data: " + _ENCODER.encode(payload) + b"\n\n"
 
 
 async def bounded_stream(
-    events: AsyncGenerator[str, None], max_buffered_bytes: int, request_id: str
-) -> AsyncIterator[str]:
-    """`events` as the response body, through a buffer of at most `max_buffered_bytes` (about: characters of
-    mostly-ASCII JSON) between the task that produces them and the writes to the client.
+    events: AsyncGenerator[bytes, None], max_buffered_bytes: int, request_id: str
+) -> AsyncIterator[bytes]:
+    """`events` as the response body, through a buffer of at most `max_buffered_bytes` between the task that
+    produces them and the writes to the client. Events that wait in the buffer together go out in one write.
 
     The writes wait for a client that does not read (TCP backpressure); the producer does not, so an unread stream
     shows as a full buffer. Past the bound the request is aborted (closing `events` aborts its engine requests,
@@ -146,7 +197,7 @@ async def bounded_stream(
     client ever reads again. A consumer that is merely slow (a busy event loop) keeps draining the buffer and is
     never cut off: only writes that stall fill it.
     """
-    buffer: deque[str] = deque()
+    buffer: deque[bytes] = deque()
     num_buffered = 0
     produced = asyncio.Event()
     finished = False
@@ -179,10 +230,11 @@ async def bounded_stream(
         while True:
             await produced.wait()
             produced.clear()
-            while buffer:
-                event = buffer.popleft()
-                num_buffered -= len(event)
-                yield event
+            if buffer:
+                events_now = b"".join(buffer) if len(buffer) > 1 else buffer[0]
+                buffer.clear()
+                num_buffered = 0
+                yield events_now
             if finished and not buffer:
                 break
     finally:
@@ -201,7 +253,7 @@ class StreamBufferFullError(OpenAIServingError):
         )
 
 
-def stream_error_event(error: BaseException, request_id: str) -> str:
+def stream_error_event(error: BaseException, request_id: str) -> bytes:
     """The event that ends a stream that failed after it started: OpenAI's error body, then `[DONE]` follows. An
     unexpected error (a 500) is logged once, with the request id and traceback."""
     if isinstance(error, OpenAIServingError):
@@ -213,4 +265,4 @@ def stream_error_event(error: BaseException, request_id: str) -> str:
     else:
         logger.error("the stream of request %s failed", request_id, exc_info=error)
         body = error_body(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
-    return f"data: {json.dumps(body.model_dump())}\n\n"
+    return f"data: {json.dumps(body.model_dump())}\n\n".encode()
