@@ -41,13 +41,14 @@ async def run_benchmark(
     config: BenchmarkConfig, samples: list[SampleRequest]
 ) -> tuple[list[RequestResult], float]:
     """Send every sample and wait for all of them; returns the results (in sample order) and the duration."""
-    import httpx
+    import aiohttp
 
     url = config.base_url.rstrip("/") + config.endpoint
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     rng = random.Random(config.seed)
-    connections = httpx.Limits(max_connections=config.max_concurrency or len(samples))
-    async with httpx.AsyncClient(timeout=config.timeout_s, limits=connections) as client:
+    connector = aiohttp.TCPConnector(limit=config.max_concurrency or len(samples))
+    timeout = aiohttp.ClientTimeout(total=config.timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
 
         async def one(sample: SampleRequest) -> RequestResult:
             body = request_body(config.endpoint, config.model, sample, config.ignore_eos)

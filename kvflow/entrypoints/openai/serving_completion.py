@@ -319,7 +319,10 @@ class _CompletionChunks:
 
 def _is_heavy(prompt: str | list[str] | list[int] | list[list[int]]) -> bool:
     """Whether preparing this `prompt` may take long enough to stall the event loop: many prompts, or long text."""
-    items = [prompt] if isinstance(prompt, str) else prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        items: list = [prompt]  # one prompt (text, or token ids)
+    else:
+        items = prompt
     if len(items) > MANY_PROMPTS:
         return True
     return any(isinstance(item, str) and len(item) >= LONG_TEXT_CHARS for item in items)
