@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -24,7 +25,13 @@ import pytest
 from kvflow import LLM, SamplingParams
 from kvflow.testing.hash_model import reference_tokens
 from kvflow.testing.waiting import wait_until
-from tests.entrypoints.server import RemoteServer, child_pids, parse_metrics, running_server
+from tests.entrypoints.server import (
+    RemoteServer,
+    child_pids,
+    kvflow_command,
+    parse_metrics,
+    running_server,
+)
 from tests.entrypoints.test_serve_rl import prompt_ids
 
 TIMEOUT_S = 120.0
@@ -305,3 +312,23 @@ def test_data_parallel_cores_behind_two_api_processes_and_an_api_process_death()
         os.kill(names["kvflow-api-1"], signal.SIGKILL)
         assert server.process.wait(TIMEOUT_S) != 0
         assert server.leftover_processes() == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--api-server-count", "0"], "--api-server-count: must be >= 1"),
+        (["--api-server-count", "2", "--no-engine-process"], "--no-engine-process"),
+    ],
+)
+def test_impossible_api_server_counts_are_errors_naming_the_flag(
+    flags: list[str], message: str
+) -> None:
+    result = subprocess.run(
+        [*kvflow_command(), "serve", "hash", *flags, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr and "--api-server-count" in result.stderr

@@ -56,6 +56,9 @@ METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # How long an API process may take to end its responses after SIGTERM before it is killed.
 API_SERVER_STOP_TIMEOUT_S = 20.0
 _READY = "ready"
+# An API process that exits on its own this soon before the launcher's own stop signal was stopped by it too
+# (Ctrl-C signals the whole process group).
+_STOP_SIGNAL_GRACE_S = 1.0
 
 
 def run_api_servers(args: argparse.Namespace, config: ServerConfig, sock: socket.socket) -> None:
@@ -159,6 +162,8 @@ def _supervise(api_servers: list[BaseProcess], engines: SharedEngines, stop_read
             return
         for each in ready:
             if each in api_sentinels:
+                if wait([stop_reader], _STOP_SIGNAL_GRACE_S):  # Ctrl-C reached the whole group
+                    return
                 raise _exited(api_sentinels[each], "while serving")
             if each in engine_sentinels:
                 process = engine_sentinels.pop(each)  # type: ignore[arg-type]
