@@ -8,10 +8,16 @@ Every figure is measured in the same run on the same machine, against a baseline
 1. **Serving overhead** on the built-in default model: the same random prompts (token ids, `--input-len` /
    `--output-len`, greedy, `ignore_eos`) at concurrency 64, through `kvflow serve` (HTTP + the engine-core process)
    and through an in-process `AsyncLLM`; output tokens/s of each and their ratio.
-2. **Where the overhead goes**, on `kvflow serve hash` (the hash model costs ~nothing): requests/s through the
-   server and in-process, and the API server process's CPU time per output token (from /proc/<pid>/stat).
+2. **The API process's cost**, on `kvflow serve hash` (the hash model costs ~nothing, so the API process and the
+   client are what limit it): 1,024 requests x 64 in / 128 out at concurrency 64 and 256, streamed and not, with
+   one API process and with `--api-server-count 2`: output tokens/s through the server, the API processes' CPU
+   time per output token (from /proc/<pid>/stat; the engine core's and the client's beside it), and the same
+   requests through an in-process `AsyncLLM` (its default layout: the engine core on a thread; and with
+   `engine_process=True`, the server's layout without HTTP), with the ratio serve / in-process.
 3. **Latency under load** on the default model: TTFT and TPOT (mean / median / P99) at request rates 1, 4, 16 and
    inf (`kvflow bench serve`'s client, Poisson arrivals).
+
+The client (`kvflow bench serve`'s, on aiohttp) runs in this process, on the same cores as the server.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import shlex
 import signal
 import socket
@@ -87,7 +94,7 @@ def healthy_process(
 
 @contextmanager
 def running_server(model_args: list[str], engine_args: list[str]) -> Iterator[tuple[str, int]]:
-    """`kvflow serve` on a free port; yields (base URL, API process pid); stops it (SIGINT, then kill)."""
+    """`kvflow serve` on a free port; yields (base URL, its pid); stops it (SIGINT, then kill)."""
     port = free_port()
     command = [
         sys.executable,
@@ -111,11 +118,54 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in map(int, (task / "children").read_text().split()):
+            found += [child, *descendants(child)]
+    return found
+
+
+def server_processes(pid: int) -> tuple[list[int], list[int]]:
+    """The API processes and engine-core processes of the `kvflow serve` at `pid`: with `--api-server-count`
+    above 1 they are named `kvflow-api-<i>` / `kvflow-engine-<i>`; with one API process, it is `pid` itself and
+    its engine cores are its spawned children (not multiprocessing's resource tracker)."""
+    below = descendants(pid)
+    names = {child: _comm(child) for child in below}
+    api = [child for child, name in names.items() if name.startswith("kvflow-api-")]
+    engines = [child for child, name in names.items() if name.startswith("kvflow-engine-")]
+    if api:
+        return api, engines
+    spawned = [
+        child
+        for child in below
+        if "resource_tracker" not in Path(f"/proc/{child}/cmdline").read_text()
+    ]
+    return [pid], engines or spawned
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def bench_server(
-    base_url: str, samples: list[SampleRequest], rate: float, concurrency: int | None
+    base_url: str,
+    samples: list[SampleRequest],
+    rate: float,
+    concurrency: int | None,
+    stream: bool = True,
 ) -> dict:
     config = BenchmarkConfig(
-        base_url, "/v1/completions", _model_name(base_url), rate, concurrency, seed=0
+        base_url, "/v1/completions", _model_name(base_url), rate, concurrency, seed=0, stream=stream
     )
     results, duration = asyncio.run(run_benchmark(config, samples))
     return summarize(results, duration)
@@ -126,9 +176,14 @@ def _model_name(base_url: str) -> str:
 
 
 def bench_in_process(
-    model: str | None, engine_kwargs: dict, samples: list[SampleRequest], concurrency: int
+    model: str | None,
+    engine_kwargs: dict,
+    samples: list[SampleRequest],
+    concurrency: int,
+    stream: bool = True,
 ) -> dict:
-    """The same prompts through an in-process AsyncLLM, `concurrency` at a time: output tokens/s, requests/s."""
+    """The same prompts through an in-process AsyncLLM, `concurrency` at a time, each consumed as a stream of
+    delta outputs (or, not streamed, as its final output only): output tokens/s, requests/s."""
     from kvflow import AsyncLLM, SamplingParams
 
     async def main() -> dict:
@@ -137,16 +192,18 @@ def bench_in_process(
 
             async def one(index: int, sample: SampleRequest) -> int:
                 params = SamplingParams(
-                    temperature=0.0, max_tokens=sample.expected_output_len, ignore_eos=True
+                    temperature=0.0,
+                    max_tokens=sample.expected_output_len,
+                    ignore_eos=True,
+                    output_kind="delta" if stream else "final_only",
                 )
                 async with limit:
-                    outputs = [
-                        output
-                        async for output in llm.generate(
-                            {"prompt_token_ids": list(sample.prompt)}, params, f"bench-{index}"
-                        )
-                    ]
-                return len(outputs[-1].outputs[0].token_ids)
+                    num_tokens = 0
+                    async for output in llm.generate(
+                        {"prompt_token_ids": list(sample.prompt)}, params, f"bench-{index}"
+                    ):
+                        num_tokens += len(output.outputs[0].token_ids)
+                return num_tokens
 
             start = time.perf_counter()
             tokens = await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
@@ -182,30 +239,54 @@ def overhead(args: argparse.Namespace) -> None:
     print(f"serve / in-process: {served['output_throughput'] / local['output_throughput']:.3f}x")
 
 
+HASH_ENGINE = {"max_num_seqs": 256, "num_kv_blocks": 16384, "max_model_len": 1024}
+
+
 def hash_overhead(args: argparse.Namespace) -> None:
-    samples = random_requests(args.hash_prompts, 64, 32, 0.0, seed=1)
-    engine = ["--max-num-seqs", "64", "--num-kv-blocks", "8192", "--max-model-len", "1024"]
-    with running_server(["hash"], engine) as (base_url, pid):
-        cpu_before = process_cpu_seconds(pid)
-        served = bench_server(base_url, samples, float("inf"), 64)
-        api_cpu = process_cpu_seconds(pid) - cpu_before
-    local = bench_in_process(
-        "hash", {"max_num_seqs": 64, "num_kv_blocks": 8192, "max_model_len": 1024}, samples, 64
-    )
-    tokens = served["total_output_tokens"]
+    samples = random_requests(args.hash_prompts, 64, args.hash_output_len, 0.0, seed=1)
+    engine = [f"--{name.replace('_', '-')}={value}" for name, value in HASH_ENGINE.items()]
+    cases = [(c, stream) for c in args.hash_concurrency for stream in (True, False)]
+    in_process = {
+        (c, stream, layout): bench_in_process(
+            "hash", {**HASH_ENGINE, "engine_process": layout == "process"}, samples, c, stream
+        )["output_throughput"]
+        for c, stream in cases
+        for layout in ("thread", "process")
+    }
     print(
-        f"\n2. Hash model (model cost ~0), concurrency 64, {args.hash_prompts} requests x 64 in / 32 out"
-    )
-    print(f"{'system':<28}{'req/s':>10}{'output tok/s':>14}")
-    print(
-        f"{'kvflow serve hash':<28}{served['request_throughput']:>10.1f}{served['output_throughput']:>14.1f}"
+        f"\n2. Hash model (model cost ~0), {args.hash_prompts} requests x 64 in / "
+        f"{args.hash_output_len} out; in-process AsyncLLM: engine core on a thread (its default) / in its own "
+        "process"
     )
     print(
-        f"{'in-process AsyncLLM':<28}{local['request_throughput']:>10.1f}{local['output_throughput']:>14.1f}"
+        f"{'API procs':>9}{'conc':>6}{'stream':>8}{'serve tok/s':>13}{'in-proc':>10}{'ratio':>7}"
+        f"{'in-proc (proc)':>16}{'ratio':>7}{'API us/tok':>12}{'engine':>8}{'client':>8}"
     )
-    print(
-        f"API server process CPU: {api_cpu:.2f} s, {1e6 * api_cpu / max(tokens, 1):.0f} us per output token"
-    )
+    for api_server_count in args.api_server_counts:
+        extra = [] if api_server_count == 1 else ["--api-server-count", str(api_server_count)]
+        with running_server(["hash"], [*engine, *extra]) as (base_url, pid):
+            api_pids, engine_pids = server_processes(pid)
+            for concurrency, stream in cases:
+                api_before = sum(map(process_cpu_seconds, api_pids))
+                engine_before = sum(map(process_cpu_seconds, engine_pids))
+                client_before = own_cpu_seconds()
+                served = bench_server(base_url, samples, float("inf"), concurrency, stream)
+                tokens = max(served["total_output_tokens"], 1)
+                api_us = 1e6 * (sum(map(process_cpu_seconds, api_pids)) - api_before) / tokens
+                engine_us = (
+                    1e6 * (sum(map(process_cpu_seconds, engine_pids)) - engine_before) / tokens
+                )
+                client_us = 1e6 * (own_cpu_seconds() - client_before) / tokens
+                thread = in_process[(concurrency, stream, "thread")]
+                process = in_process[(concurrency, stream, "process")]
+                throughput = served["output_throughput"]
+                failed = f"  ({served['failed']} FAILED)" if served["failed"] else ""
+                print(
+                    f"{api_server_count:>9}{concurrency:>6}{'yes' if stream else 'no':>8}"
+                    f"{throughput:>13.0f}{thread:>10.0f}{throughput / thread:>7.2f}{process:>16.0f}"
+                    f"{throughput / process:>7.2f}{api_us:>12.1f}{engine_us:>8.1f}{client_us:>8.1f}"
+                    f"{failed}"
+                )
 
 
 def latency_sweep(args: argparse.Namespace) -> None:
@@ -228,21 +309,33 @@ def latency_sweep(args: argparse.Namespace) -> None:
             )
 
 
+SECTIONS = {"overhead": overhead, "hash": hash_overhead, "latency": latency_sweep}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run with tiny workloads")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="which sections to run (default: all, in order)",
+    )
     args = parser.parse_args(argv)
     args.input_len, args.output_len = (16, 8) if args.quick else (128, 128)
     args.num_prompts = 16 if args.quick else 256
     args.hash_prompts = 32 if args.quick else 1024
+    args.hash_output_len = 16 if args.quick else 128
+    args.hash_concurrency = [8] if args.quick else [64, 256]
+    args.api_server_counts = [1, 2]
     args.sweep_prompts = 8 if args.quick else 64
     args.kv_blocks = 1024 if args.quick else 4096
     args.rates = [float("inf")] if args.quick else [1.0, 4.0, 16.0, float("inf")]
-    overhead(args)
-    hash_overhead(args)
-    latency_sweep(args)
+    for name in args.sections:
+        SECTIONS[name](args)
 
 
 if __name__ == "__main__":

@@ -41,17 +41,19 @@ class RequestResult:
 
 
 def request_body(
-    endpoint: str, model: str, sample: SampleRequest, ignore_eos: bool
+    endpoint: str, model: str, sample: SampleRequest, ignore_eos: bool, stream: bool = True
 ) -> dict[str, Any]:
-    """The JSON body for `sample`: a completions prompt (text or token ids) or a one-message chat."""
+    """The JSON body for `sample`: a completions prompt (text or token ids) or a one-message chat, streamed (with
+    usage on the last chunk) or not."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": sample.expected_output_len,
         "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": stream,
         "ignore_eos": ignore_eos,  # vLLM's extra field: every request generates exactly max_tokens
     }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     if endpoint.endswith("/chat/completions"):
         if not isinstance(sample.prompt, str):
             raise ValueError(
@@ -69,7 +71,8 @@ def request_body(
 async def send_request(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], sample: SampleRequest
 ) -> RequestResult:
-    """POST `body` and read the server-sent events until `data: [DONE]`; never raises for a failed request.
+    """POST `body` and read the server-sent events until `data: [DONE]` (or, for a body that does not stream, the
+    whole response: its time to first token is its latency); never raises for a failed request.
 
     The client is aiohttp (vLLM's benchmark client too), reading the body as it comes and splitting it into
     events itself: on a small machine the client shares the cores with the server it measures, so it must cost
@@ -83,6 +86,14 @@ async def send_request(
         async with session.post(url, json=body) as response:
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.read()).decode()[:200]}"
+                return result
+            if not body.get("stream"):
+                whole = _DECODER.decode(await response.read())
+                result.latency = result.ttft = time.perf_counter() - start
+                result.output_tokens = int(whole["usage"]["completion_tokens"])
+                result.success = result.output_tokens > 0
+                if not result.success:
+                    result.error = "the response carried no output"
                 return result
             async for data in response.content.iter_any():
                 events = (pending + data).split(b"\n\n")

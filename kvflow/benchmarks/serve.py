@@ -35,6 +35,7 @@ class BenchmarkConfig:
     seed: int
     ignore_eos: bool = True
     timeout_s: float = 600.0
+    stream: bool = True  # False: whole responses (their TTFT is their latency)
 
 
 async def run_benchmark(
@@ -51,7 +52,9 @@ async def run_benchmark(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
 
         async def one(sample: SampleRequest) -> RequestResult:
-            body = request_body(config.endpoint, config.model, sample, config.ignore_eos)
+            body = request_body(
+                config.endpoint, config.model, sample, config.ignore_eos, config.stream
+            )
             if limit is None:
                 return await send_request(client, url, body, sample)
             async with limit:

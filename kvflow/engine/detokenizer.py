@@ -29,10 +29,19 @@ def decode_token(tokenizer: Tokenizer, token_id: int) -> str:
 class IncrementalDetokenizer:
     """One request's output text, decoded as tokens arrive, with stop-string detection.
 
+    Every operation costs O(its new text), whatever the length of the output: the text is kept as a list of pieces
+    (never one string grown by copying), stop strings are searched in the new text plus the few characters before
+    it where a match could begin (`_recent`), and a delta is read from the pieces after a cursor. Only a cumulative
+    output (the whole text, by definition) costs the text's length.
+
     Invariants:
-      * `output_text` only ever grows (until a stop string truncates it once) and never ends inside a character
-        that a later token may still complete; `_window_ids[:_read_index]` decodes to `_prefix_text`, and the
-        window's text beyond it is in `output_text` up to `_window_emitted` characters.
+      * the text (`"".join(_pieces)`, `_length` characters) only ever grows (until a stop string truncates it once)
+        and never ends inside a character that a later token may still complete; `_window_ids[:_read_index]`
+        decodes to `_prefix_text`, and the window's text beyond it is in the text up to `_window_emitted`
+        characters.
+      * `_recent` is the text's last `_match_context` characters (fewer while the text is shorter).
+      * `_delta_end` characters have been returned as deltas; they start in `_pieces[_cursor_piece]` at offset
+        `_cursor_offset` (`_cursor_piece == len(_pieces)` once all were).
       * A stop string is searched only in text that arrived in this update (plus the `len(stop) - 1` characters
         before it, where a match could begin); among matches, the one that completes first wins (ties: the
         longer one), so the result does not depend on how tokens are grouped into updates.
@@ -52,13 +61,16 @@ class IncrementalDetokenizer:
         self.stop: list[str] = list(sampling_params.stop or [])
         self.include_stop_str_in_output = sampling_params.include_stop_str_in_output
         self.min_tokens = sampling_params.min_tokens
-        self.stop_buffer_length = (
-            max(map(len, self.stop)) - 1 if self.stop and not self.include_stop_str_in_output else 0
-        )
+        self._match_context = max(map(len, self.stop)) - 1 if self.stop else 0
+        self.stop_buffer_length = 0 if self.include_stop_str_in_output else self._match_context
         self.num_output_tokens = 0
         self.stop_string: str | None = None  # the stop string that matched, once one has
-        self._text = ""
-        self._last_output_text_offset = 0
+        self._pieces: list[str] = []
+        self._length = 0
+        self._recent = ""
+        self._delta_end = 0
+        self._cursor_piece = 0
+        self._cursor_offset = 0
         self._finished = False
         self._window_ids, self._prefix_text = self._initial_context(prompt_token_ids)
         self._read_index = len(self._window_ids)
@@ -67,7 +79,7 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """All text decoded so far (complete characters only until the request finishes; no stop hold-back)."""
-        return self._text
+        return "".join(self._pieces)
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Append a step's tokens; returns the stop string that ended the request, if one matched now.
@@ -79,19 +91,32 @@ class IncrementalDetokenizer:
             self.num_output_tokens += len(new_token_ids)
             return None
         skip_last = stop_terminated and not self.include_stop_str_in_output
-        stop_check_offset = len(self._text)
+        length_before = self._length
+        stop_check_offset = length_before  # no stop string may end within the first min_tokens
+        new_pieces = []
         for token_id in new_token_ids[:-1] if skip_last else new_token_ids:
             self.num_output_tokens += 1
-            self._text += self._decode_next(token_id)
+            piece = self._decode_next(token_id)
+            if piece:
+                new_pieces.append(piece)
+                self._length += len(piece)
             if self.num_output_tokens <= self.min_tokens:
-                stop_check_offset = len(
-                    self._text
-                )  # no stop string may end within the first min_tokens
+                stop_check_offset = self._length
         if skip_last:
             self.num_output_tokens += 1
-        if not self.stop or len(self._text) == stop_check_offset:
+        if not new_pieces:
             return None
-        return self._check_stop_strings(len(self._text) - stop_check_offset)
+        self._pieces.extend(new_pieces)
+        if not self.stop:
+            return None
+        # The new text and the characters before it where a match could begin (at least up to the check offset).
+        window = self._recent + "".join(new_pieces)
+        self._recent = window[-self._match_context :] if self._match_context else ""
+        if self._length == stop_check_offset:
+            return None
+        return self._check_stop_strings(
+            window, self._length - len(window), self._length - stop_check_offset
+        )
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to show: cumulative, or (`delta`) only what is new since the last delta call.
@@ -102,14 +127,28 @@ class IncrementalDetokenizer:
         if finished:
             self._finish()
         held_back = 0 if (finished or self.stop_string is not None) else self.stop_buffer_length
-        end = max(len(self._text) - held_back, 0)
+        end = max(self._length - held_back, 0)
         if not delta:
-            return self._text[:end]
-        start = self._last_output_text_offset
-        if start >= end:
+            return "".join(self._pieces)[:end]
+        if self._delta_end >= end:
             return ""
-        self._last_output_text_offset = end
-        return self._text[start:end]
+        return self._take_delta(end)
+
+    def _take_delta(self, end: int) -> str:
+        """The text from `_delta_end` to `end`, read from the pieces after the cursor, which moves to `end`."""
+        parts = []
+        needed = end - self._delta_end
+        pieces, index, offset = self._pieces, self._cursor_piece, self._cursor_offset
+        while needed:
+            piece = pieces[index]
+            taken = piece[offset : offset + needed]
+            parts.append(taken)
+            needed -= len(taken)
+            offset += len(taken)
+            if offset == len(piece):
+                index, offset = index + 1, 0
+        self._cursor_piece, self._cursor_offset, self._delta_end = index, offset, end
+        return parts[0] if len(parts) == 1 else "".join(parts)
 
     # ------------------------------------------------------------------------------------------------ decoding
     def _initial_context(self, prompt_token_ids: list[int]) -> tuple[list[int], str]:
@@ -149,21 +188,37 @@ class IncrementalDetokenizer:
         if self.stop_string is not None:
             return
         window_text = self._decode(self._window_ids)
-        self._text += window_text[len(self._prefix_text) + self._window_emitted :]
+        rest = window_text[len(self._prefix_text) + self._window_emitted :]
+        if rest:
+            self._pieces.append(rest)
+            self._length += len(rest)
 
     # ------------------------------------------------------------------------------------------------ stop strings
-    def _check_stop_strings(self, new_char_count: int) -> str | None:
-        match = find_stop_string(self._text, new_char_count, self.stop)
+    def _check_stop_strings(
+        self, window: str, window_start: int, new_char_count: int
+    ) -> str | None:
+        """Search `window` (the text from character `window_start` on) for a stop string completing in its last
+        `new_char_count` characters; on a match, cut the text there (keeping the stop string if asked)."""
+        match = find_stop_string(window, new_char_count, self.stop)
         if match is None:
             return None
         stop_string, start = match
-        self._text = (
-            self._text[: start + len(stop_string)]
-            if self.include_stop_str_in_output
-            else self._text[:start]
-        )
+        cut = window_start + start + (len(stop_string) if self.include_stop_str_in_output else 0)
+        self._truncate(cut)
         self.stop_string = stop_string
         return stop_string
+
+    def _truncate(self, length: int) -> None:
+        """Cut the text to its first `length` characters (never before what deltas returned: a partial stop
+        string is held back, so a match starts after it)."""
+        pieces = self._pieces
+        while self._length > length:
+            last = pieces.pop()
+            if self._length - len(last) < length:
+                pieces.append(last[: length - (self._length - len(last))])
+                self._length = length
+            else:
+                self._length -= len(last)
 
 
 def find_stop_string(text: str, new_char_count: int, stop: list[str]) -> tuple[str, int] | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from dataclasses import replace
 
 from kvflow.outputs import CompletionOutput, RequestOutput
 
@@ -141,9 +140,13 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput, delta: bool) -> Re
             completions.append(completion)
         else:
             completions[i] = _concatenate(completions[i], completion)
-    return replace(
-        newer,
+    return RequestOutput(
+        request_id=newer.request_id,
+        prompt=newer.prompt,
+        prompt_token_ids=newer.prompt_token_ids,
         outputs=completions,
+        finished=newer.finished,
+        metrics=newer.metrics,
         prompt_logprobs=older.prompt_logprobs
         if older.prompt_logprobs is not None
         else newer.prompt_logprobs,
@@ -157,9 +160,13 @@ def _concatenate(older: CompletionOutput, newer: CompletionOutput) -> Completion
         logprobs = older.logprobs
     else:
         logprobs = older.logprobs + newer.logprobs
-    return replace(
-        newer,
+    return CompletionOutput(
+        index=newer.index,
         text=older.text + newer.text,
         token_ids=older.token_ids + newer.token_ids,
+        finish_reason=newer.finish_reason,
+        stop_reason=newer.stop_reason,
         logprobs=logprobs,
+        cumulative_logprob=newer.cumulative_logprob,
+        weight_versions=newer.weight_versions,
     )

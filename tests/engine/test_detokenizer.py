@@ -379,3 +379,35 @@ def test_works_with_a_loaded_path(tmp_path: Path, tokenizer: Tokenizer) -> None:
     token_ids = [*_ids(tokenizer, "x"), IM_END_ID]
     _, deltas, _ = _stream(bare, token_ids, SamplingParams())
     assert "".join(deltas) == "x"
+
+
+# ---------------------------------------------------------------------------------------------------- cost per token
+def test_per_token_work_does_not_grow_with_the_output(tokenizer: Tokenizer) -> None:
+    """A long output (thousands of tokens, stop strings armed, one delta read per token) never decodes more than a
+    small window of ids per token, and the stop-string search never looks at more than the new text and the
+    characters before it where a match could begin: each token costs the same at the start and at the end."""
+    decoded_lengths: list[int] = []
+    backend = tokenizer.backend
+
+    class CountingBackend:
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            decoded_lengths.append(len(ids))
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    rng = random.Random(7)
+    token_ids = [rng.randrange(1000) for _ in range(6000)]
+    params = SamplingParams(stop=["\x00never\x00", "zz"], max_tokens=10)
+    detokenizer = IncrementalDetokenizer(tokenizer, [BOS_ID], params)
+    detokenizer._backend = CountingBackend()  # type: ignore[assignment]
+    windows: list[int] = []
+    deltas = []
+    for token_id in token_ids:
+        if detokenizer.update([token_id], False) is not None:
+            break
+        deltas.append(detokenizer.get_next_output_text(False, delta=True))
+        windows.append(len(detokenizer._recent))
+    assert len(deltas) > 3000, "the random text must not stop early"
+    assert max(decoded_lengths) <= 16
+    assert max(windows) <= len("\x00never\x00") - 1
+    full = tokenizer.decode(token_ids[: len(deltas)], skip_special_tokens=True)
+    assert "".join(deltas) + detokenizer.get_next_output_text(True, delta=True) == full
