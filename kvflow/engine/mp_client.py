@@ -519,7 +519,23 @@ class _AttachedResources:
         logger.info("attaching to %s", self.describe())
 
     def wait_until_ready(self, timeout_s: float) -> EngineReady:
-        return _wait_until_ready(self, timeout_s, lambda failed: failed.error.to_exception())
+        """The handshake, then the engine's connection to the input socket: the engine connected to both
+        addresses before this client bound them, and retries the input one on its own schedule; until it has, a
+        send would find no peer (and fail)."""
+        deadline = time.monotonic() + timeout_s
+        ready = _wait_until_ready(self, timeout_s, lambda failed: failed.error.to_exception())
+        poller = zmq.Poller()
+        poller.register(self.input_socket, zmq.POLLOUT)
+        poller.register(self.sentinel, zmq.POLLIN)
+        while True:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            events = dict(poller.poll(remaining_ms))
+            if self.input_socket in events:
+                return ready
+            if self.sentinel in events:
+                raise RuntimeError(f"{self.describe()} exited while this client attached")
+            if not events:
+                raise RuntimeError(f"{self.describe()} did not connect within {timeout_s:.0f} s")
 
     def send(self, frames: list[bytes]) -> bool:
         return _send(self, frames)
