@@ -57,12 +57,15 @@ def healthy_process(
     base_url: str,
     env: dict[str, str] | None = None,
     start_timeout_s: float = SERVER_START_TIMEOUT_S,
+    cwd: str | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`command` (an HTTP server) started with its output in a temporary file, yielded once `base_url`/health
     answers 200; stopped with SIGINT (then killed) on exit. A RuntimeError with the output's tail when it exits
     first or is not healthy within `start_timeout_s`."""
     with tempfile.TemporaryFile() as output:
-        server = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            command, env=env, stdout=output, stderr=subprocess.STDOUT, cwd=cwd
+        )
 
         def failure(what: str) -> RuntimeError:
             output.seek(0)
@@ -92,9 +95,14 @@ def healthy_process(
                 server.wait()
 
 
+# `--server-source DIR`: the kvflow source tree `kvflow serve` runs from (None: this one).
+SERVER_SOURCE: str | None = None
+
+
 @contextmanager
 def running_server(model_args: list[str], engine_args: list[str]) -> Iterator[tuple[str, int]]:
-    """`kvflow serve` on a free port; yields (base URL, its pid); stops it (SIGINT, then kill)."""
+    """`kvflow serve` on a free port (from `SERVER_SOURCE` when set); yields (base URL, its pid); stops it
+    (SIGINT, then kill)."""
     port = free_port()
     command = [
         sys.executable,
@@ -107,8 +115,10 @@ def running_server(model_args: list[str], engine_args: list[str]) -> Iterator[tu
         *engine_args,
     ]
     env = {**os.environ, "KVFLOW_LOGGING_LEVEL": "WARNING"}
+    if SERVER_SOURCE is not None:
+        env["PYTHONPATH"] = SERVER_SOURCE
     base_url = f"http://127.0.0.1:{port}"
-    with healthy_process(command, base_url, env) as server:
+    with healthy_process(command, base_url, env, cwd=SERVER_SOURCE) as server:
         yield base_url, server.pid
 
 
@@ -324,13 +334,26 @@ def main(argv: list[str] | None = None) -> None:
         default=list(SECTIONS),
         help="which sections to run (default: all, in order)",
     )
+    parser.add_argument(
+        "--api-server-counts",
+        nargs="+",
+        type=int,
+        default=[1, 2],
+        help="section 2: the --api-server-count values to serve with (default: 1 2)",
+    )
+    parser.add_argument(
+        "--server-source",
+        help="run `kvflow serve` from this kvflow source tree (e.g. `git worktree add /tmp/before <commit>`), "
+        "to compare servers before and after a change with the same client and baselines",
+    )
     args = parser.parse_args(argv)
+    global SERVER_SOURCE
+    SERVER_SOURCE = args.server_source
     args.input_len, args.output_len = (16, 8) if args.quick else (128, 128)
     args.num_prompts = 16 if args.quick else 256
     args.hash_prompts = 32 if args.quick else 1024
     args.hash_output_len = 16 if args.quick else 128
     args.hash_concurrency = [8] if args.quick else [64, 256]
-    args.api_server_counts = [1, 2]
     args.sweep_prompts = 8 if args.quick else 64
     args.kv_blocks = 1024 if args.quick else 4096
     args.rates = [float("inf")] if args.quick else [1.0, 4.0, 16.0, float("inf")]
