@@ -1,4 +1,5 @@
-"""OS-level names for kvflow's processes, so that `ps`, `top` and benchmarks can tell them apart.
+"""OS-level names for kvflow's processes, so that `ps`, `top` and benchmarks can tell them apart, and the other
+process-level helpers of a supervisor: dying with the parent, stopping a group of children.
 
 `set_process_name("kvflow-api-0")` sets the calling thread's name (the main thread's is the process name shown in
 `/proc/<pid>/comm` and by `ps -o comm`) with Linux's `prctl(PR_SET_NAME)`, through ctypes. The kernel keeps at most
@@ -14,6 +15,11 @@ import ctypes
 import logging
 import signal
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
 
 logger = logging.getLogger(__name__)
 
@@ -44,3 +50,18 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
     whose supervisor was killed does not outlive it."""
     if not _prctl(_PR_SET_PDEATHSIG, signum):
         logger.debug("could not ask for a signal on the parent's death")
+
+
+def stop_processes(processes: Sequence[BaseProcess], timeout_s: float, what: str) -> None:
+    """SIGTERM every started process still running, wait up to `timeout_s` for each, then SIGKILL (and reap) those
+    still running; `what` names them in the warning about a kill."""
+    started = [process for process in processes if process.pid is not None]
+    for process in started:
+        if process.exitcode is None:
+            process.terminate()
+    for process in started:
+        process.join(timeout_s)
+        if process.exitcode is None:
+            logger.warning("%s process %d did not stop: killing it", what, process.pid)
+            process.kill()
+            process.join(timeout_s)

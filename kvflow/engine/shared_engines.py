@@ -40,6 +40,7 @@ from kvflow.engine.core_proc import (
     run_engine_core,
 )
 from kvflow.engine.messages import EngineReady, EngineStartupFailed, make_output_decoder
+from kvflow.engine.process_names import stop_processes
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -208,16 +209,7 @@ class SharedEngines:
         if self._stopped:
             return
         self._stopped = True
-        started = [process for process in self.processes if process.pid is not None]
-        for process in started:
-            if process.exitcode is None:
-                process.terminate()
-        for process in started:
-            process.join(STOP_TIMEOUT_S)
-            if process.exitcode is None:
-                logger.warning("engine core process %d did not stop: killing it", process.pid)
-                process.kill()
-                process.join(STOP_TIMEOUT_S)
+        stop_processes(self.processes, STOP_TIMEOUT_S, "engine core")
         for socket in self._handshakes:
             socket.close()
         self._context.term()

@@ -41,7 +41,7 @@ import tempfile
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING
 
-from kvflow.engine.process_names import die_with_parent, set_process_name
+from kvflow.engine.process_names import die_with_parent, set_process_name, stop_processes
 from kvflow.entrypoints.cli.engine import CommandError
 
 if TYPE_CHECKING:
@@ -189,15 +189,7 @@ def _exited(process: BaseProcess, when: str) -> CommandError:
 def _stop_api_servers(api_servers: list[BaseProcess]) -> None:
     """SIGTERM every API process (each ends its requests in flight and detaches from the engine cores), then
     SIGKILL those still running past `API_SERVER_STOP_TIMEOUT_S`."""
-    for process in api_servers:
-        if process.exitcode is None:
-            process.terminate()
-    for process in api_servers:
-        process.join(API_SERVER_STOP_TIMEOUT_S)
-        if process.exitcode is None:
-            logger.warning("API server process %d did not stop: killing it", process.pid)
-            process.kill()
-            process.join()
+    stop_processes(api_servers, API_SERVER_STOP_TIMEOUT_S, "API server")
 
 
 def _display_address(host: str, port: int) -> str:
