@@ -506,9 +506,7 @@ class AsyncLLM:
             else stream.put_deferred(request_output, wakeups)
         )
         if not delivered:
-            logger.warning("the event loop of request %s is closed: aborting it", request_id)
-            self._forget(request_id)
-            self._abort_request(request_id)
+            self._abort_orphan(request_id)
             return
         if request_output.finished:
             self._forget(request_id)
@@ -517,9 +515,13 @@ class AsyncLLM:
         """Abort the requests whose consumers ran on `loop`, which has closed. Caller holds the lock."""
         for request_id, stream in list(self._streams.items()):
             if stream.loop is loop:
-                logger.warning("the event loop of request %s is closed: aborting it", request_id)
-                self._forget(request_id)
-                self._abort_request(request_id)
+                self._abort_orphan(request_id)
+
+    def _abort_orphan(self, request_id: str) -> None:
+        """Abort a request whose consumer's event loop is closed (nobody reads its stream)."""
+        logger.warning("the event loop of request %s is closed: aborting it", request_id)
+        self._forget(request_id)
+        self._abort_request(request_id)
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

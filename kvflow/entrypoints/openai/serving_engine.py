@@ -35,7 +35,7 @@ from kvflow.engine.input_processor import check_priority
 from kvflow.entrypoints.openai.errors import OpenAIServingError, bad_request
 from kvflow.entrypoints.openai.logprobs import TokenTexts
 from kvflow.entrypoints.openai.middleware import REQUEST_ID_HEADER
-from kvflow.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
+from kvflow.entrypoints.openai.protocol import UsageInfo
 from kvflow.entrypoints.openai.server_config import ServingLimits
 from kvflow.entrypoints.openai.unsupported import UnknownFields, refuse_unsupported_fields
 from kvflow.model_info import load_sampling_defaults
@@ -586,14 +586,24 @@ def raise_if_failed(output: RequestOutput) -> None:
             )
 
 
+def usage_body(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
+) -> dict[str, Any]:
+    """A response's `usage` as JSON-ready data, in `UsageInfo`'s field order (stream chunks send it as is)."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "completion_tokens": num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
 def make_usage(
     num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
 ) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=num_completion_tokens,
-        total_tokens=num_prompt_tokens + num_completion_tokens,
-        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached_tokens),
+    """`usage_body` as the model a whole response carries."""
+    return UsageInfo.model_validate(
+        usage_body(num_prompt_tokens, num_completion_tokens, num_cached_tokens)
     )
 
 

@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from kvflow.engine.async_llm import EngineDeadError
 from kvflow.entrypoints.openai.errors import OpenAIServingError, error_body
-from kvflow.entrypoints.openai.serving_engine import cached_tokens, raise_if_failed
+from kvflow.entrypoints.openai.serving_engine import cached_tokens, raise_if_failed, usage_body
 
 if TYPE_CHECKING:
     from kvflow.entrypoints.openai.protocol import StreamOptions
@@ -87,18 +87,6 @@ class StreamUsage:
         return usage_body(
             sum(self.prompt_tokens), sum(self.completion_tokens), sum(self.cached_tokens)
         )
-
-
-def usage_body(
-    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
-) -> dict[str, Any]:
-    """`serving_engine.make_usage(...)` as the dict a chunk carries (`UsageInfo`'s field order)."""
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-        "completion_tokens": num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
-    }
 
 
 def chunk_body(
