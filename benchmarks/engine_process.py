@@ -14,8 +14,8 @@ Two workloads, each run on both clients, alternating (in-process, engine process
    loop: for the engine process, msgspec encoding, the ZMQ hops, and the two processes working in parallel.
 2. **Default model, long outputs: output tokens/s.** `--text-requests` concurrent requests (64), each a distinct
    short text prompt generating exactly `--text-max-tokens` tokens (128; greedy, `ignore_eos`), streamed. Here the
-   model's forward pass dominates; on CPU the engine process runs torch on all cores but one, which it leaves to
-   the front end (see `kvflow.engine.core_proc.reserve_a_core_for_the_front_end`).
+   model's forward pass dominates; on CPU the engine process runs torch on every core, like the in-process engine
+   (see `kvflow.engine.core_proc.share_the_cores_between_engine_cores`).
 
 Each engine is built and warmed up (a few requests) before its timed rounds; building is not timed. Wall time runs
 from submitting the first request to the last output. Stats logging is off for both. The machine's load is not

@@ -200,7 +200,7 @@ class EngineCoreProc:
         from kvflow.engine.builder import build_engine_core
 
         try:
-            reserve_a_core_for_the_front_end(
+            share_the_cores_between_engine_cores(
                 self._config.engine_config.model_config.device, self._config.data_parallel_size
             )
             engine_core = build_engine_core(self._config.engine_config, self._config.model_info)
@@ -471,12 +471,13 @@ class EngineCoreProc:
         return True
 
 
-def reserve_a_core_for_the_front_end(device: str, num_engine_cores: int = 1) -> None:
-    """On CPU, run torch on every core this process may use but one, left to the front end (like vLLM's
-    VLLM_CPU_NUM_OF_RESERVED_CPU=1), shared out between the `num_engine_cores` data-parallel engine cores (each
-    gets its share, at least one thread). An OpenMP team sharing its cores with a busy front-end process (or with
-    another engine core) stalls at every barrier whenever one of its threads is descheduled: decoding the default
-    model on 2 cores ran 20x slower with 2 threads than with 1. An explicit OMP_NUM_THREADS is left alone."""
+def share_the_cores_between_engine_cores(device: str, num_engine_cores: int = 1) -> None:
+    """On CPU, run torch on every core this process may use, shared out between the `num_engine_cores`
+    data-parallel engine cores (each gets its share, at least one thread), so that two OpenMP teams never compete
+    for one core (each would stall at every barrier whenever one of its threads is descheduled). No core is kept
+    back for the front end: it costs ~35 us of CPU per streamed token (benchmarks/RESULTS.md, "The serving hot
+    path"), and on a 2-core machine keeping one back cost the default model 20-30% of its throughput under load
+    and raised its TPOT at every request rate. An explicit OMP_NUM_THREADS is left alone."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     from kvflow.utils import resolve_device
@@ -486,12 +487,12 @@ def reserve_a_core_for_the_front_end(device: str, num_engine_cores: int = 1) -> 
     import torch
 
     num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    num_threads = max(1, ((num_cores or 1) - 1) // num_engine_cores)
+    num_threads = max(1, (num_cores or 1) // num_engine_cores)
     torch.set_num_threads(num_threads)
     logger.info(
-        "engine core process: %d torch threads (one core left to the front end, the rest shared by %d "
-        "engine cores)",
+        "engine core process: %d torch threads (%d cores shared by %d engine cores)",
         num_threads,
+        num_cores,
         num_engine_cores,
     )
 

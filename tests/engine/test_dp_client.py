@@ -158,10 +158,10 @@ def test_collective_rpc_and_run_reach_every_core_in_order(llm: AsyncLLM) -> None
     assert [each.engine_index for each in stats] == [0, 1]
     with pytest.raises(ValueError, match="run_in_each_engine"):
         run(llm.run_in_engine(lambda core: None))
-    if "OMP_NUM_THREADS" not in os.environ:  # each core takes its share of the cores but one
+    if "OMP_NUM_THREADS" not in os.environ:  # each core takes its share of the cores
         num_cores = len(os.sched_getaffinity(0))
         threads = run(llm.run_in_each_engine(lambda core: __import__("torch").get_num_threads()))
-        assert threads == [max(1, (num_cores - 1) // 2)] * 2
+        assert threads == [max(1, num_cores // 2)] * 2
 
 
 def test_llm_with_data_parallelism_spreads_requests_and_stays_exact() -> None:
