@@ -97,6 +97,7 @@ def healthy_process(
 
 # `--server-source DIR`: the kvflow source tree `kvflow serve` runs from (None: this one).
 SERVER_SOURCE: str | None = None
+ENGINE_THREADS: int | None = None  # OMP_NUM_THREADS for the server only (None: its own policy)
 
 
 @contextmanager
@@ -117,6 +118,8 @@ def running_server(model_args: list[str], engine_args: list[str]) -> Iterator[tu
     env = {**os.environ, "KVFLOW_LOGGING_LEVEL": "WARNING"}
     if SERVER_SOURCE is not None:
         env["PYTHONPATH"] = SERVER_SOURCE
+    if ENGINE_THREADS is not None:
+        env["OMP_NUM_THREADS"] = str(ENGINE_THREADS)
     base_url = f"http://127.0.0.1:{port}"
     with healthy_process(command, base_url, env, cwd=SERVER_SOURCE) as server:
         yield base_url, server.pid
@@ -346,9 +349,16 @@ def main(argv: list[str] | None = None) -> None:
         help="run `kvflow serve` from this kvflow source tree (e.g. `git worktree add /tmp/before <commit>`), "
         "to compare servers before and after a change with the same client and baselines",
     )
+    parser.add_argument(
+        "--engine-threads",
+        type=int,
+        help="torch threads of the server's engine process (OMP_NUM_THREADS for the server only; default: the "
+        "server's own policy, every core); in-process baselines keep this process's",
+    )
     args = parser.parse_args(argv)
-    global SERVER_SOURCE
+    global SERVER_SOURCE, ENGINE_THREADS
     SERVER_SOURCE = args.server_source
+    ENGINE_THREADS = args.engine_threads
     args.input_len, args.output_len = (16, 8) if args.quick else (128, 128)
     args.num_prompts = 16 if args.quick else 256
     args.hash_prompts = 32 if args.quick else 1024
