@@ -19,7 +19,8 @@ Figures, one after the other in this process (only ratios within one run compare
    a 32-token random prompt, 128 greedy tokens with `ignore_eos`, decode time only as in `latency.py` (first to last
    token, from the request's metrics; warm-up first, median of `--repeat`) against `llama-bench -p 0 -n 128 -t 2`
    (tg128). Format `int8` is kvflow's `LLM(model=FOLDER, quantization="int8")` on the bf16 checkpoint, against
-   llama.cpp's Q8_0 file.
+   llama.cpp's Q8_0 file. Right after, the same decode with the fused decode layer turned off (every layer per op,
+   `kvflow.models.fused_decode`): the row "fused layers vs per-op" is that same-run A/B.
 2. **prefill** pp512: kvflow's time to first token of one fresh 512-token prompt (`max_tokens=1`, prefix cache
    reset), 512 / seconds, against `llama-bench -p 512 -n 0` (pp512).
 3. **memory**: kvflow's resident weight bytes (every parameter and buffer of the model, each storage once; the KV
@@ -659,10 +660,18 @@ class KvflowResult:
     prefill_s: list[float] = field(default_factory=list)
     weight_bytes: int = 0
     model_dtype: str = ""
+    # the same decode with the fused decode layer off (every layer per op), measured after it; empty: no fused path
+    per_op_decode_ms_per_token: list[float] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:
         return 1000.0 / statistics.median(self.decode_ms_per_token)
+
+    @property
+    def per_op_decode_tokens_per_s(self) -> float | None:
+        if not self.per_op_decode_ms_per_token:
+            return None
+        return 1000.0 / statistics.median(self.per_op_decode_ms_per_token)
 
     def prefill_tokens_per_s(self, prefill_len: int) -> float:
         return prefill_len / statistics.median(self.prefill_s)
@@ -742,12 +751,34 @@ def run_kvflow_single(
         decode = latency.measure_decode(
             llm, vocab_size, settings.prompt_len, settings.output_len, settings.repeat
         )
+        per_op: list[float] = []
+        if llm.collective_rpc(set_fused_decode(False)) == [
+            True
+        ]:  # the same decode per op: the baseline
+            per_op = latency.measure_decode(
+                llm, vocab_size, settings.prompt_len, settings.output_len, settings.repeat
+            ).ms_per_token
+            llm.collective_rpc(set_fused_decode(True))
         prefill_s = measure_prefill(llm, vocab_size, settings.prefill_len, settings.repeat)
         (weights,) = llm.collective_rpc(resident_weight_bytes)
         (dtypes,) = llm.collective_rpc(model_dtype)
     finally:
         llm.shutdown()
-    return KvflowResult(decode.ms_per_token, prefill_s, weights, dtypes)
+    return KvflowResult(decode.ms_per_token, prefill_s, weights, dtypes, per_op)
+
+
+def set_fused_decode(enabled: bool) -> Callable[[Any], bool]:
+    """A `collective_rpc` callable that turns the model's fused decode layer off (or back on); it returns whether
+    the model has one."""
+
+    def switch(worker: Any) -> bool:
+        model = worker.model_runner.model
+        if not hasattr(model, "_bench_fused_decode"):
+            model._bench_fused_decode = model.fused_decode
+        model.fused_decode = model._bench_fused_decode if enabled else None
+        return model._bench_fused_decode is not None
+
+    return switch
 
 
 def run_kvflow_generate(
@@ -870,6 +901,15 @@ def markdown_table(
             f"| decode tg{output_len} tok/s | {label} | {_cell(kv_decode)} | {_cell(ll_decode)} | "
             f"{_cell(_ratio(kv_decode, ll_decode))} | {floor:.2f} | {_cell(_ratio(kv_decode, floor))} | "
             f"{_cell(_ratio(ll_decode, floor))} |"
+        )
+    for report in reports:
+        per_op = report.kvflow.per_op_decode_tokens_per_s if report.kvflow else None
+        if per_op is None:
+            continue
+        fused = report.kvflow.decode_tokens_per_s  # type: ignore[union-attr]
+        lines.append(
+            f"| decode tg{output_len} tok/s, fused layers vs per-op | {report.fmt} | {fused:.2f} | "
+            f"{per_op:.2f} (kvflow per-op) | {_ratio(fused, per_op):.2f} | | | |"
         )
     for report in reports:
         kv_prefill = report.kvflow.prefill_tokens_per_s(prefill_len) if report.kvflow else None

@@ -143,15 +143,19 @@ def add_rms_norm(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
+    *,
+    float32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`(rms_norm(hidden + residual), hidden + residual)` in one pass (residual None: `(rms_norm(hidden), hidden)`)
-    for contiguous CPU bfloat16 tensors, else None. Inputs are not modified.
+    for contiguous CPU bfloat16 tensors (and float32 ones when `float32`), else None. Inputs are not modified.
 
-    bfloat16 only: float32 RMSNorm must equal transformers bit for bit, and its mean's summation order is torch's.
+    bfloat16 by default: float32 RMSNorm must equal transformers bit for bit, and its mean's summation order is
+    torch's. `float32` is for models whose per-op layers must equal the fused decode layer instead.
     """
     if (
         hidden_states.device.type != "cpu"
-        or hidden_states.dtype is not torch.bfloat16
+        or hidden_states.dtype
+        not in ((torch.bfloat16, torch.float32) if float32 else (torch.bfloat16,))
         or weight.dtype is not hidden_states.dtype
         or not hidden_states.is_contiguous()
         or (

@@ -56,6 +56,7 @@ __all__ = [
     "ggml_linear",
     "ggml_linear_for",
     "ggml_row_bytes",
+    "ggml_type_code",
     "int8_linear",
     "int8_linear_for",
     "int8_quantize",
@@ -99,6 +100,11 @@ QUANT_TILED_MAX_ROWS = 32
 INT8_TILED_MAX_ROWS = 128
 
 LinearFn = Callable[..., torch.Tensor]
+
+
+def ggml_type_code(qtype: str) -> int:
+    """The C++ extension's code for a GGUF block type (csrc/kernels.h `GgmlType`)."""
+    return _GGML_TYPE_CODES[qtype]
 
 
 def ggml_row_bytes(qtype: str, num_columns: int) -> int:

@@ -1,16 +1,20 @@
 """The fused decode path: a decode-only step runs each Llama-family decoder layer as one C++ `decode_layer` call.
 
 `FusedDecodeLayers.select(...)` decides once, when the model is built, whether the model can take this path at all
-(bfloat16 on a CPU with the AVX-512 kernels, the "cpu" attention backend, one rank, no per-head q/k norm); a model
-that cannot holds None and never asks again. Per step, `run` takes the step only when every row is a decode row
-(one token each, every one sampled) and there are at most `max_rows` of them; otherwise it returns None and the
-model runs its per-op layers.
+(a CPU with the C++ kernels, the "cpu" attention backend, one rank, no per-head q/k norm, and either bfloat16
+float weights on AVX-512 or quantized weights: GGUF blocks or int8 in every layer's four products, float32 or
+bfloat16 activations); a model that cannot holds None and never asks again. Per step, `run` takes the step only when
+every row is a decode row (one token each, every one sampled) and there are at most `max_rows` of them; otherwise it
+returns None and the model runs its per-op layers.
 
 Invariants: `decode_layer` chains the very kernels the per-op path calls, in the same order, so a fused step's
 results equal the per-op path's bit for bit. That is why `max_rows` is `MAX_GEMV_ROWS` unless `kernels.linear`
 itself sends more rows to the kernel's GEMM (`gemm_kernel_wins_here`), and then the extension's own limit
-(`kernels.decode_layer_max_rows()`, its `kMaxDecodeLayerRows`). The layer weights are gathered once: weight loaders
-copy into the parameters in place, so the tensors gathered here always hold the loaded values.
+(`kernels.decode_layer_max_rows()`, its `kMaxDecodeLayerRows`); for quantized weights it stops where the per-op
+product leaves the kernels (`QUANT_TILED_MAX_ROWS` with Q8_0 runs, `INT8_TILED_MAX_ROWS` with int8). A float32
+quantized model's per-op norms run the C++ RMSNorm too (`RMSNorm.float32_kernel`, set here), which the fused layer
+calls: torch's float32 RMSNorm sums in another order. The layer weights are gathered once: weight loaders copy into
+the parameters in place, so the tensors gathered here always hold the loaded values.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow import kernels
-from kvflow.kernels import load_cpu_kernels
+from kvflow.kernels import load_cpu_kernels, quant
 from kvflow.models.attention.cpu_paged import CpuPagedAttention, CpuPagedMetadata
 
 if TYPE_CHECKING:
@@ -54,6 +58,81 @@ def decode_layer_weights(layer: nn.Module) -> LayerWeights:
     )
 
 
+# Type code of an int8 run for `decode_layer_quantized` (kernels.h `kInt8Weights`); GGUF runs use quant's codes.
+_INT8_RUN = -1
+_NO_TENSOR = torch.empty(0)
+
+
+class QuantizedLayerArgs:
+    """One layer's arguments for `decode_layer_quantized`, gathered once: the norms, then per run of the four
+    products (qkv, o, gate_up, down) its weight, type code, int8 scale (else empty) and bias (float32, else empty).
+    A bias in another dtype is converted per call (`biases`), as the per-op path does, so weight updates show."""
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        runs: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]],
+        runs_per_product: list[int],
+    ) -> None:
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.weights = [weight for weight, _, _, _ in runs]
+        self.types = [code for _, code, _, _ in runs]
+        self.scales = [scale for _, _, scale, _ in runs]
+        self._biases = [bias for _, _, _, bias in runs]
+        self._convert = any(
+            bias is not None and bias.dtype is not torch.float32 for bias in self._biases
+        )
+        self._float_biases = [_NO_TENSOR if bias is None else bias for bias in self._biases]
+        self.runs_per_product = runs_per_product
+        self.intermediate = layer.mlp.down_proj.input_size
+
+    def biases(self) -> list[torch.Tensor]:
+        if not self._convert:
+            return self._float_biases
+        return [_NO_TENSOR if bias is None else bias.float().contiguous() for bias in self._biases]
+
+
+def _quantized_runs(
+    linear: nn.Module,
+) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] | None:
+    """A quantized linear layer's runs for `decode_layer_quantized`, or None when its product is not the kernels'
+    (float runs, the PyTorch reference path, another method)."""
+    from kvflow.models.quantization.gguf_plan import GGUFLinear
+    from kvflow.models.quantization.int8 import Int8Linear
+
+    method = getattr(linear, "quant_method", None)
+    bias = linear.bias
+    if not isinstance(method, (Int8Linear, GGUFLinear)) or not all(
+        name.endswith("_kernel") for name in method.kernel_names
+    ):
+        return None
+    if isinstance(method, Int8Linear):
+        return [(linear.weight, _INT8_RUN, linear.weight_scale, bias)]
+    if isinstance(method, GGUFLinear):
+        runs = []
+        for run in method.runs:
+            assert run.matrix is not None
+            run_bias = None if bias is None else bias[run.row_start : run.row_start + run.rows]
+            runs.append((run.matrix, quant.ggml_type_code(run.qtype), _NO_TENSOR, run_bias))
+        return runs
+    return None
+
+
+def quantized_layer_args(layer: nn.Module) -> QuantizedLayerArgs | None:
+    """`QuantizedLayerArgs` for a decoder layer whose four products are all quantized on the kernels, else None."""
+    attention, mlp = layer.self_attn, layer.mlp
+    runs: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
+    runs_per_product = []
+    for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        product_runs = _quantized_runs(linear)
+        if product_runs is None:
+            return None
+        runs.extend(product_runs)
+        runs_per_product.append(len(product_runs))
+    return QuantizedLayerArgs(layer, runs, runs_per_product)
+
+
 class FusedDecodeLayers:
     """Runs a decode-only step's decoder layers through `decode_layer`, one call per layer (see module docstring)."""
 
@@ -67,15 +146,23 @@ class FusedDecodeLayers:
         eps: float,
         scale: float,
         max_rows: int,
+        quantized: Sequence[QuantizedLayerArgs] | None = None,
     ) -> None:
         self._ops = ops
         # Module attribute lookups cost ~1.5 ms a step, so the weights are gathered once.
-        self._weights = [decode_layer_weights(layer) for layer in layers]
+        self._weights = (
+            None if quantized is not None else [decode_layer_weights(layer) for layer in layers]
+        )
+        self._quantized = None if quantized is None else list(quantized)
         self._layer_windows = tuple(layer_windows)
         self.num_heads = num_heads
         self.eps = eps
         self.scale = scale
         self.max_rows = max_rows
+
+    @property
+    def is_quantized(self) -> bool:
+        return self._quantized is not None
 
     @classmethod
     def select(
@@ -88,11 +175,13 @@ class FusedDecodeLayers:
         dtype: torch.dtype,
         device: torch.device,
         tp: TensorParallelGroup,
+        quantized: bool = False,
     ) -> FusedDecodeLayers | None:
-        """The fused path for a model built this way, or None when its layers do not match `decode_layer`."""
+        """The fused path for a model built this way, or None when its layers do not match `decode_layer`.
+        `quantized`: the model's linear layers belong to a quantization plan (call once its layers exist)."""
         if (
             device.type != "cpu"
-            or dtype is not torch.bfloat16
+            or dtype not in (torch.bfloat16, torch.float32)
             or tp.size != 1
             or config.qk_norm
             or not isinstance(backend, CpuPagedAttention)
@@ -100,21 +189,51 @@ class FusedDecodeLayers:
         ):
             return None
         ops = load_cpu_kernels()
-        if ops is None or not ops.has_avx512():
+        if ops is None:
+            return None
+        shared = dict(num_heads=backend.num_heads, eps=config.rms_norm_eps, scale=backend.scale)
+        if quantized:
+            return cls._select_quantized(ops, layers, layer_windows, dtype, **shared)
+        if dtype is not torch.bfloat16 or not ops.has_avx512():
             return None
         max_rows = (
             kernels.decode_layer_max_rows()
             if kernels.gemm_kernel_wins_here()
             else kernels.MAX_GEMV_ROWS
         )
+        return cls(ops, layers, layer_windows, max_rows=max_rows, **shared)
+
+    @classmethod
+    def _select_quantized(
+        cls,
+        ops: ModuleType,
+        layers: Sequence[nn.Module],
+        layer_windows: Sequence[int | None],
+        dtype: torch.dtype,
+        **shared: float,
+    ) -> FusedDecodeLayers | None:
+        if not ops.has_avx2():
+            return None
+        args = [quantized_layer_args(layer) for layer in layers]
+        if any(each is None for each in args):
+            return None
+        types = {code for each in args for code in each.types}  # type: ignore[union-attr]
+        max_rows = kernels.decode_layer_max_rows()
+        if quant.ggml_type_code("Q8_0") in types:
+            max_rows = min(max_rows, quant.QUANT_TILED_MAX_ROWS)
+        if _INT8_RUN in types:
+            max_rows = min(max_rows, quant.INT8_TILED_MAX_ROWS)
+        if dtype is torch.float32:  # the per-op norms must be the C++ ones decode_layer calls
+            for layer in layers:
+                layer.input_layernorm.float32_kernel = True
+                layer.post_attention_layernorm.float32_kernel = True
         return cls(
             ops,
             layers,
             layer_windows,
-            num_heads=backend.num_heads,
-            eps=config.rms_norm_eps,
-            scale=backend.scale,
             max_rows=max_rows,
+            quantized=args,
+            **shared,  # type: ignore[arg-type]
         )
 
     def run(
@@ -144,12 +263,9 @@ class FusedDecodeLayers:
             rows_by_window[window] = rows
         slot_mapping = next(iter(metadata_by_window.values())).slot_mapping
         residual: torch.Tensor | None = None
-        for layer_index, weights in enumerate(self._weights):
+        for layer_index in range(len(self._layer_windows)):
             rows = rows_by_window[self._layer_windows[layer_index]]
-            hidden_states, residual = self._ops.decode_layer(
-                hidden_states,
-                residual,
-                *weights,
+            step = (
                 cos,
                 sin,
                 kv_cache,
@@ -161,7 +277,31 @@ class FusedDecodeLayers:
                 self.eps,
                 self.scale,
                 rows.window,
-                kernels.MAX_GEMV_ROWS,
             )
+            if self._quantized is not None:
+                args = self._quantized[layer_index]
+                hidden_states, residual = self._ops.decode_layer_quantized(
+                    hidden_states,
+                    residual,
+                    args.input_norm,
+                    args.post_norm,
+                    args.weights,
+                    args.types,
+                    args.scales,
+                    args.biases(),
+                    args.runs_per_product,
+                    args.intermediate,
+                    *step,
+                    quant.QUANT_GEMV_MAX_ROWS,
+                )
+            else:
+                assert self._weights is not None
+                hidden_states, residual = self._ops.decode_layer(
+                    hidden_states,
+                    residual,
+                    *self._weights[layer_index],
+                    *step,
+                    kernels.MAX_GEMV_ROWS,
+                )
         assert residual is not None
         return hidden_states, residual

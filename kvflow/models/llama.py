@@ -259,7 +259,7 @@ class LlamaForCausalLM(CheckpointModel):
     rank) nothing is split and no collective runs.
 
     `fused_decode` is the decode-only fast path (`FusedDecodeLayers`), chosen once here, or None when this model's
-    layers do not match it (always None under a `quantization` plan, which gives the layers their own kernels).
+    layers do not match it (under a `quantization` plan: when every layer's products are the plan's C++ kernels).
     """
 
     samples_own_tokens = False
@@ -320,18 +320,15 @@ class LlamaForCausalLM(CheckpointModel):
             quantization is not None
         ):  # before any weight loads: the layers take the plan's storage and kernels
             quantization.apply(self)
-        self.fused_decode = (
-            None
-            if quantization is not None
-            else FusedDecodeLayers.select(
-                config,
-                list(self.model.layers),
-                self._layer_windows,
-                self.attention_backend,
-                dtype=dtype,
-                device=self.device,
-                tp=self.tp,
-            )
+        self.fused_decode = FusedDecodeLayers.select(
+            config,
+            list(self.model.layers),
+            self._layer_windows,
+            self.attention_backend,
+            dtype=dtype,
+            device=self.device,
+            tp=self.tp,
+            quantized=quantization is not None,
         )
 
     # ------------------------------------------------------------------------------------------ KV cache

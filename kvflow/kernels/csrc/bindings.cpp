@@ -210,14 +210,18 @@ const T* optional_vector(const c10::optional<at::Tensor>& tensor, const at::Tens
   return ptr<T>(*tensor);
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_layer(
-    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
-    const at::Tensor& o, const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up,
-    const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down, const c10::optional<at::Tensor>& down_bias,
-    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
-    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale,
-    int64_t window, int64_t gemv_max_rows) {
+// The step's shapes and paging as decode_layer and decode_layer_quantized check them (weights aside).
+struct DecodeStep {
+  kvflow::DecodeLayerParams params;
+  int64_t layer_stride, value_offset;  // kv_cache strides: per layer, and V after K
+};
+
+DecodeStep check_decode_step(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual,
+                             const at::Tensor& input_norm, const at::Tensor& post_norm, int64_t intermediate,
+                             const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache, int64_t layer,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale, int64_t window,
+                             int64_t gemv_max_rows, int64_t quant_gemv_max_rows) {
   check_cpu(hidden, "hidden");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [rows, hidden]");
   const int64_t M = hidden.size(0), H = hidden.size(1);
@@ -235,13 +239,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
                 hd = kv_cache.size(5);
   TORCH_CHECK(num_heads > 0 && num_heads % nkv == 0 && num_heads / nkv <= 32,
               "num_heads must be a multiple of the cache's kv heads, at most 32 per kv head");
-  const int64_t I = down.size(1);
   check_weight(input_norm.view({1, -1}), hidden, 1, H, "input_norm");
   check_weight(post_norm.view({1, -1}), hidden, 1, H, "post_norm");
-  check_weight(qkv, hidden, (num_heads + 2 * nkv) * hd, H, "qkv");
-  check_weight(o, hidden, H, num_heads * hd, "o");
-  check_weight(gate_up, hidden, 2 * I, H, "gate_up");
-  check_weight(down, hidden, H, I, "down");
   check_same_dtype(cos, hidden, "cos");
   check_same_dtype(sin, hidden, "sin");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == M * hd / 2 && sin.numel() == cos.numel(),
@@ -253,34 +252,156 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
               "block_tables must be int32 [rows, max_blocks] with contiguous rows");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kInt && seq_lens.numel() == M,
               "seq_lens must be contiguous int32 [rows]");
-  kvflow::DecodeLayerParams params{M, H, I, num_heads, nkv, hd, static_cast<float>(eps), static_cast<float>(scale),
-                                   window, num_blocks, block_size, ptr<int64_t>(slot_mapping),
-                                   ptr<int32_t>(block_tables), block_tables.stride(0), ptr<int32_t>(seq_lens),
-                                   gemv_max_rows};
+  kvflow::DecodeLayerParams params{M,
+                                   H,
+                                   intermediate,
+                                   num_heads,
+                                   nkv,
+                                   hd,
+                                   static_cast<float>(eps),
+                                   static_cast<float>(scale),
+                                   window,
+                                   num_blocks,
+                                   block_size,
+                                   ptr<int64_t>(slot_mapping),
+                                   ptr<int32_t>(block_tables),
+                                   block_tables.stride(0),
+                                   ptr<int32_t>(seq_lens),
+                                   gemv_max_rows,
+                                   quant_gemv_max_rows};
+  return {params, kv_cache.stride(0), kv_cache.stride(1)};
+}
+
+// Runs decode_layer<T> with the weights `make_weights(tag)` gives; returns (out, residual_out).
+template <class MakeWeights>
+std::tuple<at::Tensor, at::Tensor> run_decode_layer(const DecodeStep& step, const at::Tensor& hidden,
+                                                    const c10::optional<at::Tensor>& residual,
+                                                    const at::Tensor& cos, const at::Tensor& sin,
+                                                    at::Tensor& kv_cache, int64_t layer, bool quantized,
+                                                    MakeWeights&& make_weights) {
+  const kvflow::DecodeLayerParams& params = step.params;
   at::Tensor workspace = at::empty({params.workspace_elements()}, hidden.options());
+  at::Tensor scratch = at::empty({quantized ? params.quant_scratch_elements() : 0}, hidden.options().dtype(at::kFloat));
   at::Tensor out = at::empty_like(hidden);
   at::Tensor residual_out = at::empty_like(hidden);
   bool stored = false;
   dispatch(hidden, [&](auto tag) {
     using T = decltype(tag);
-    kvflow::DecodeLayerWeights<T> weights{
-        ptr<T>(input_norm),
-        ptr<T>(post_norm),
-        ptr<T>(qkv),
-        optional_vector<T>(qkv_bias, hidden, qkv.size(0), "qkv_bias"),
-        ptr<T>(o),
-        optional_vector<T>(o_bias, hidden, H, "o_bias"),
-        ptr<T>(gate_up),
-        optional_vector<T>(gate_up_bias, hidden, 2 * I, "gate_up_bias"),
-        ptr<T>(down),
-        optional_vector<T>(down_bias, hidden, H, "down_bias")};
-    T* layer_cache = ptr<T>(kv_cache) + layer * kv_cache.stride(0);
+    const kvflow::DecodeLayerWeights<T> weights = make_weights(tag);
+    T* layer_cache = ptr<T>(kv_cache) + layer * step.layer_stride;
     stored = kvflow::decode_layer<T>(params, weights, ptr<T>(hidden), residual ? ptr<T>(*residual) : nullptr,
-                                     ptr<T>(cos), ptr<T>(sin), layer_cache, layer_cache + kv_cache.stride(1),
-                                     ptr<T>(workspace), ptr<T>(out), ptr<T>(residual_out), at::get_num_threads());
+                                     ptr<T>(cos), ptr<T>(sin), layer_cache, layer_cache + step.value_offset,
+                                     ptr<T>(workspace), ptr<T>(out), ptr<T>(residual_out),
+                                     quantized ? ptr<float>(scratch) : nullptr, at::get_num_threads());
   });
-  TORCH_CHECK(stored, "slot_mapping has a slot outside the cache's ", num_blocks * block_size, " slots");
+  TORCH_CHECK(stored, "slot_mapping has a slot outside the cache's ", params.num_blocks * params.block_size,
+              " slots");
   return {out, residual_out};
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const at::Tensor& o, const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up,
+    const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down, const c10::optional<at::Tensor>& down_bias,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale,
+    int64_t window, int64_t gemv_max_rows) {
+  const DecodeStep step =
+      check_decode_step(hidden, residual, input_norm, post_norm, down.size(1), cos, sin, kv_cache, layer,
+                        slot_mapping, block_tables, seq_lens, num_heads, eps, scale, window, gemv_max_rows, 0);
+  const kvflow::DecodeLayerParams& p = step.params;
+  check_weight(qkv, hidden, p.qkv_width(), p.hidden, "qkv");
+  check_weight(o, hidden, p.hidden, num_heads * p.head_dim, "o");
+  check_weight(gate_up, hidden, 2 * p.intermediate, p.hidden, "gate_up");
+  check_weight(down, hidden, p.hidden, p.intermediate, "down");
+  return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, false, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::DecodeLayerWeights<T> weights{ptr<T>(input_norm), ptr<T>(post_norm)};
+    weights.qkv.dense = ptr<T>(qkv);
+    weights.qkv.bias = optional_vector<T>(qkv_bias, hidden, qkv.size(0), "qkv_bias");
+    weights.o.dense = ptr<T>(o);
+    weights.o.bias = optional_vector<T>(o_bias, hidden, p.hidden, "o_bias");
+    weights.gate_up.dense = ptr<T>(gate_up);
+    weights.gate_up.bias = optional_vector<T>(gate_up_bias, hidden, 2 * p.intermediate, "gate_up_bias");
+    weights.down.dense = ptr<T>(down);
+    weights.down.bias = optional_vector<T>(down_bias, hidden, p.hidden, "down_bias");
+    return weights;
+  });
+}
+
+int64_t ggml_columns(const at::Tensor& blocks, int64_t type);  // below, with the other quantized ops
+
+// One product's quantized runs from the flat lists decode_layer_quantized takes; checks each against K and N.
+void fill_quant_product(kvflow::QuantRun* runs, int* num_runs, const std::vector<at::Tensor>& weights,
+                        const std::vector<int64_t>& types, const std::vector<at::Tensor>& scales,
+                        const std::vector<at::Tensor>& biases, int64_t first, int64_t count, int64_t K, int64_t N,
+                        const char* name) {
+  TORCH_CHECK(count >= 1 && count <= kvflow::kMaxProductRuns, name, ": 1 to ", kvflow::kMaxProductRuns,
+              " runs, got ", count);
+  int64_t rows = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const at::Tensor& weight = weights[first + i];
+    const int64_t type = types[first + i];
+    const at::Tensor& scale = scales[first + i];
+    const at::Tensor& bias = biases[first + i];
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(), name,
+                ": run weights must be contiguous 2-D CPU tensors");
+    if (type == kvflow::kInt8Weights) {
+      TORCH_CHECK(weight.scalar_type() == at::kChar && weight.size(1) == K, name, ": int8 run must be [rows, ", K,
+                  "]");
+      TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == weight.size(0),
+                  name, ": an int8 run's scale must be contiguous float32 [rows]");
+    } else {
+      TORCH_CHECK(ggml_columns(weight, type) == K, name, ": run blocks must hold ", K, " columns");
+    }
+    if (bias.numel() > 0)
+      TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == weight.size(0), name,
+                  ": a run's bias must be contiguous float32 [rows] (empty: none)");
+    runs[i] = {weight.data_ptr(), static_cast<int>(type), weight.size(0),
+               type == kvflow::kInt8Weights ? ptr<float>(scale) : nullptr,
+               bias.numel() > 0 ? ptr<float>(bias) : nullptr};
+    rows += weight.size(0);
+  }
+  TORCH_CHECK(rows == N, name, ": its runs hold ", rows, " rows, the layer needs ", N);
+  *num_runs = static_cast<int>(count);
+}
+
+// decode_layer with quantized products: the four products' runs (qkv, o, gate_up, down) in one flat list each of
+// weights (GGUF blocks, or int8), type codes (kvflow::GgmlType, or kInt8Weights), scales (int8 runs; else empty)
+// and float32 biases (empty: none); `runs_per_product` says how many runs each product takes.
+std::tuple<at::Tensor, at::Tensor> decode_layer_quantized(
+    const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
+    const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& biases,
+    const std::vector<int64_t>& runs_per_product, int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale, int64_t window,
+    int64_t quant_gemv_max_rows) {
+  const DecodeStep step = check_decode_step(hidden, residual, input_norm, post_norm, intermediate, cos, sin, kv_cache,
+                                            layer, slot_mapping, block_tables, seq_lens, num_heads, eps, scale,
+                                            window, 0, quant_gemv_max_rows);
+  const kvflow::DecodeLayerParams& p = step.params;
+  TORCH_CHECK(runs_per_product.size() == 4, "runs_per_product must have 4 entries (qkv, o, gate_up, down)");
+  const size_t total = static_cast<size_t>(runs_per_product[0] + runs_per_product[1] + runs_per_product[2] +
+                                           runs_per_product[3]);
+  TORCH_CHECK(weights.size() == total && types.size() == total && scales.size() == total && biases.size() == total,
+              "weights, types, scales and biases must each have one entry per run (", total, ")");
+  return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, true, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::DecodeLayerWeights<T> w{ptr<T>(input_norm), ptr<T>(post_norm)};
+    const int64_t K[4] = {p.hidden, num_heads * p.head_dim, p.hidden, p.intermediate};
+    const int64_t N[4] = {p.qkv_width(), p.hidden, 2 * p.intermediate, p.hidden};
+    kvflow::LayerProduct<T>* products[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
+    const char* names[4] = {"qkv", "o", "gate_up", "down"};
+    int64_t first = 0;
+    for (int i = 0; i < 4; ++i) {
+      fill_quant_product(products[i]->runs, &products[i]->num_runs, weights, types, scales, biases, first,
+                         runs_per_product[i], K[i], N[i], names[i]);
+      first += runs_per_product[i];
+    }
+    return w;
+  });
 }
 
 // Quantized weights (quant.cpp): x [M, K] bfloat16/float32 with contiguous rows; the result is float32 [M, N].
@@ -382,6 +503,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
   m.def("store_kv", &store_kv, "write the step's K/V into the paged cache at slot_mapping");
   m.def("decode_layer", &decode_layer, "one decoder layer of a decode-only step (returns out, residual)");
+  m.def("decode_layer_quantized", &decode_layer_quantized,
+        "decode_layer on quantized weights (GGUF blocks or int8 runs; returns out, residual)");
   m.def("ggml_dequantize", &ggml_dequantize, "GGUF blocks [rows, row_bytes] -> float32 [rows, columns]",
         py::arg("blocks"), py::arg("type"));
   m.def("ggml_linear", &ggml_linear, "x @ dequantize(blocks).T (+ bias), float32 out", py::arg("x"),

@@ -74,33 +74,52 @@ struct DecodeLayerParams {
   int64_t table_stride;
   const int32_t* seq_lens;  // [rows], counting this step's token
   int64_t gemv_max_rows;     // above it (bf16) the products run on the GEMM, as kernels.linear dispatches
+  int64_t quant_gemv_max_rows;  // Q8_0 / int8 runs: the GEMV up to it, the tiled kernel above (quant.py)
   int64_t qkv_width() const;
   int64_t workspace_elements() const;
+  // float32 scratch a quantized product needs (its widest output, M rows); 0 for dense weights
+  int64_t quant_scratch_elements() const;
 };
 
-// One layer's weights (row-major [out, in]; a bias may be nullptr).
+// A quantized weight's run of output rows (quant.cpp's products): GGUF blocks of `type` ([rows, row_bytes]), or,
+// with type kInt8Weights, int8 [rows, K] with a float32 scale per row. `bias` (float32 [rows]) may be nullptr.
+constexpr int kInt8Weights = -1;
+constexpr int kMaxProductRuns = 3;  // q, k, v: the most shards a fused layer has
+struct QuantRun {
+  const void* weight;
+  int type;
+  int64_t rows;
+  const float* scale;  // kInt8Weights only
+  const float* bias;
+};
+
+// One linear layer's weight for decode_layer: dense (row-major [out, in] T, `bias` T or nullptr), or quantized:
+// `num_runs` runs whose outputs, each rounded to T, are concatenated in order (as the per-op path's torch.cat).
+template <typename T>
+struct LayerProduct {
+  const T* dense = nullptr;
+  const T* bias = nullptr;
+  int num_runs = 0;
+  QuantRun runs[kMaxProductRuns] = {};
+};
+
+// One layer's weights.
 template <typename T>
 struct DecodeLayerWeights {
   const T* input_norm;
   const T* post_norm;
-  const T* qkv;
-  const T* qkv_bias;
-  const T* o;
-  const T* o_bias;
-  const T* gate_up;
-  const T* gate_up_bias;
-  const T* down;
-  const T* down_bias;
+  LayerProduct<T> qkv, o, gate_up, down;
 };
 
 // out = the layer's MLP output, residual_out = the residual stream after attention (their sum is the layer's
 // hidden state); residual nullptr for the first layer. Writes the rows' K/V into the caches
 // ([num_kv_heads, num_blocks, block_size, head_dim]). Returns false (the caches untouched) when a slot is out of
-// range. rows <= kMaxDecodeLayerRows.
+// range. rows <= kMaxDecodeLayerRows. `quant_scratch` (quant_scratch_elements() floats) may be nullptr when every
+// product is dense.
 template <typename T>
 bool decode_layer(const DecodeLayerParams& params, const DecodeLayerWeights<T>& weights, const T* hidden,
                   const T* residual, const T* cos, const T* sin, T* key_cache, T* value_cache, T* workspace, T* out,
-                  T* residual_out, int num_threads);
+                  T* residual_out, float* quant_scratch, int num_threads);
 
 // The same product as gemv for bf16 (y = x w^T (+ bias), fp32 accumulation, rounded once), blocked for M > 8:
 // the weight is widened to fp32 once per cache-sized block and reused by every row of x. Threads split w's rows.

@@ -14,8 +14,12 @@ class RMSNorm(nn.Module):
 
     Invariants: `weight` has shape `[hidden_size]` and the module's dtype; the normalisation itself runs in float32 and
     is cast back to the input dtype before the weight multiplies it (as in transformers), so float32 results match
-    the reference bit for bit and half-precision ones to its rounding.
+    the reference bit for bit and half-precision ones to its rounding. `float32_kernel` (set by the fused decode
+    path of quantized float32 models, `kvflow.models.fused_decode`) sends float32 rows to the C++ kernel as well, whose
+    sum runs in another order than torch's: such a model's per-op layers then equal its fused ones bit for bit.
     """
+
+    float32_kernel: bool = False
 
     def __init__(
         self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str
@@ -38,7 +42,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the residual stream (if any) first; returns `(normalised, new residual)`."""
         fused = kernels.add_rms_norm(
-            hidden_states, residual, self.weight, self.eps
+            hidden_states, residual, self.weight, self.eps, float32=self.float32_kernel
         )  # CPU, else None
         if fused is not None:
             return fused

@@ -49,6 +49,11 @@ class Int8Linear:
         set_weight_loader(layer.weight, self.weight_loader)
         self._linear = quant.int8_linear_for()
 
+    @property
+    def kernel_names(self) -> list[str]:
+        """The product's name (`int8_linear_kernel` or `int8_linear_reference`), as GGUFLinear's for each run."""
+        return [self._linear.__name__]
+
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | None = None
     ) -> None:
