@@ -19,8 +19,8 @@ Figures, one after the other in this process (only ratios within one run compare
    a 32-token random prompt, 128 greedy tokens with `ignore_eos`, decode time only as in `latency.py` (first to last
    token, from the request's metrics; warm-up first, median of `--repeat`) against `llama-bench -p 0 -n 128 -t 2`
    (tg128). Format `int8` is kvflow's `LLM(model=FOLDER, quantization="int8")` on the bf16 checkpoint, against
-   llama.cpp's Q8_0 file. Right after, the same decode with the fused decode layer turned off (every layer per op,
-   `kvflow.models.fused_decode`): the row "fused layers vs per-op" is that same-run A/B.
+   llama.cpp's Q8_0 file. Each timing alternates with the same decode with the fused decode layer turned off
+   (every layer per op, `kvflow.models.fused_decode`): the row "fused layers vs per-op" is that same-run A/B.
 2. **prefill** pp512: kvflow's time to first token of one fresh 512-token prompt (`max_tokens=1`, prefix cache
    reset), 512 / seconds, against `llama-bench -p 512 -n 0` (pp512).
 3. **memory**: kvflow's resident weight bytes (every parameter and buffer of the model, each storage once; the KV
@@ -748,23 +748,27 @@ def run_kvflow_single(
         disable_log_stats=True,
     )
     try:
-        decode = latency.measure_decode(
-            llm, vocab_size, settings.prompt_len, settings.output_len, settings.repeat
-        )
+        # Decode timings alternate with the same decode per op (the fused decode layer off), when the model
+        # has a fused path: the same-run A/B of that path, each side warmed up before each timing.
+        has_fused = llm.collective_rpc(set_fused_decode(True)) == [True]
+        decode_ms: list[float] = []
         per_op: list[float] = []
-        if llm.collective_rpc(set_fused_decode(False)) == [
-            True
-        ]:  # the same decode per op: the baseline
-            per_op = latency.measure_decode(
-                llm, vocab_size, settings.prompt_len, settings.output_len, settings.repeat
+        for _ in range(settings.repeat):
+            decode_ms += latency.measure_decode(
+                llm, vocab_size, settings.prompt_len, settings.output_len, 1
             ).ms_per_token
-            llm.collective_rpc(set_fused_decode(True))
+            if has_fused:
+                llm.collective_rpc(set_fused_decode(False))
+                per_op += latency.measure_decode(
+                    llm, vocab_size, settings.prompt_len, settings.output_len, 1
+                ).ms_per_token
+                llm.collective_rpc(set_fused_decode(True))
         prefill_s = measure_prefill(llm, vocab_size, settings.prefill_len, settings.repeat)
         (weights,) = llm.collective_rpc(resident_weight_bytes)
         (dtypes,) = llm.collective_rpc(model_dtype)
     finally:
         llm.shutdown()
-    return KvflowResult(decode.ms_per_token, prefill_s, weights, dtypes, per_op)
+    return KvflowResult(decode_ms, prefill_s, weights, dtypes, per_op)
 
 
 def set_fused_decode(enabled: bool) -> Callable[[Any], bool]:
