@@ -61,6 +61,8 @@ def decode_layer_weights(layer: nn.Module) -> LayerWeights:
 # Type code of an int8 run for `decode_layer_quantized` (kernels.h `kInt8Weights`); GGUF runs use quant's codes.
 _INT8_RUN = -1
 _NO_TENSOR = torch.empty(0)
+# One run of a quantized product: (weight, type code, int8 row scales or empty, bias rows or None).
+QuantRun = tuple[torch.Tensor, int, torch.Tensor, "torch.Tensor | None"]
 
 
 class QuantizedLayerArgs:
@@ -71,7 +73,7 @@ class QuantizedLayerArgs:
     def __init__(
         self,
         layer: nn.Module,
-        runs: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]],
+        runs: list[QuantRun],
         runs_per_product: list[int],
     ) -> None:
         self.input_norm = layer.input_layernorm.weight
@@ -93,9 +95,7 @@ class QuantizedLayerArgs:
         return [_NO_TENSOR if bias is None else bias.float().contiguous() for bias in self._biases]
 
 
-def _quantized_runs(
-    linear: nn.Module,
-) -> list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] | None:
+def _quantized_runs(linear: nn.Module) -> list[QuantRun] | None:
     """A quantized linear layer's runs for `decode_layer_quantized`, or None when its product is not the kernels'
     (float runs, the PyTorch reference path, another method)."""
     from kvflow.models.quantization.gguf_plan import GGUFLinear
@@ -110,7 +110,7 @@ def _quantized_runs(
     if isinstance(method, Int8Linear):
         return [(linear.weight, _INT8_RUN, linear.weight_scale, bias)]
     if isinstance(method, GGUFLinear):
-        runs = []
+        runs: list[QuantRun] = []
         for run in method.runs:
             assert run.matrix is not None
             run_bias = None if bias is None else bias[run.row_start : run.row_start + run.rows]
@@ -122,7 +122,7 @@ def _quantized_runs(
 def quantized_layer_args(layer: nn.Module) -> QuantizedLayerArgs | None:
     """`QuantizedLayerArgs` for a decoder layer whose four products are all quantized on the kernels, else None."""
     attention, mlp = layer.self_attn, layer.mlp
-    runs: list[tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]] = []
+    runs: list[QuantRun] = []
     runs_per_product = []
     for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
         product_runs = _quantized_runs(linear)
