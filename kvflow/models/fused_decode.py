@@ -19,6 +19,7 @@ the parameters in place, so the tensors gathered here always hold the loaded val
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -60,7 +61,15 @@ def decode_layer_weights(layer: nn.Module) -> LayerWeights:
 
 # Type code of an int8 run for `decode_layer_quantized` (kernels.h `kInt8Weights`); GGUF runs use quant's codes.
 _INT8_RUN = -1
-_NO_TENSOR = torch.empty(0)
+
+
+@functools.cache
+def _no_tensor() -> torch.Tensor:
+    """The empty tensor that stands for "none" (a GGUF run's scale, a missing bias); made on first use, so that
+    importing this module creates no tensor (a front-end process holds none)."""
+    return torch.empty(0)
+
+
 # One run of a quantized product: (weight, type code, int8 row scales or empty, bias rows or None).
 QuantRun = tuple[torch.Tensor, int, torch.Tensor, "torch.Tensor | None"]
 
@@ -85,14 +94,16 @@ class QuantizedLayerArgs:
         self._convert = any(
             bias is not None and bias.dtype is not torch.float32 for bias in self._biases
         )
-        self._float_biases = [_NO_TENSOR if bias is None else bias for bias in self._biases]
+        self._float_biases = [_no_tensor() if bias is None else bias for bias in self._biases]
         self.runs_per_product = runs_per_product
         self.intermediate = layer.mlp.down_proj.input_size
 
     def biases(self) -> list[torch.Tensor]:
         if not self._convert:
             return self._float_biases
-        return [_NO_TENSOR if bias is None else bias.float().contiguous() for bias in self._biases]
+        return [
+            _no_tensor() if bias is None else bias.float().contiguous() for bias in self._biases
+        ]
 
 
 def _quantized_runs(linear: nn.Module) -> list[QuantRun] | None:
@@ -114,7 +125,7 @@ def _quantized_runs(linear: nn.Module) -> list[QuantRun] | None:
         for run in method.runs:
             assert run.matrix is not None
             run_bias = None if bias is None else bias[run.row_start : run.row_start + run.rows]
-            runs.append((run.matrix, quant.ggml_type_code(run.qtype), _NO_TENSOR, run_bias))
+            runs.append((run.matrix, quant.ggml_type_code(run.qtype), _no_tensor(), run_bias))
         return runs
     return None
 
