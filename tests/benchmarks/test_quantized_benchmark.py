@@ -126,7 +126,7 @@ def test_request_bodies_and_the_finite_check(quantized: Any) -> None:
 
 
 def test_the_table_puts_kvflow_beside_llama_cpp(quantized: Any) -> None:
-    kvflow = quantized.KvflowResult([100.0, 100.0], [2.0], 2_000_000_000, "uint8")
+    kvflow = quantized.KvflowResult([100.0, 100.0], [2.0], 2_000_000_000, "uint8", [125.0, 125.0])
     llama = quantized.LlamaBenchResult(20.0, 400.0, "llama-bench ...")
     reports = [
         quantized.FormatReport(
@@ -144,6 +144,12 @@ def test_the_table_puts_kvflow_beside_llama_cpp(quantized: Any) -> None:
     assert lines[0].startswith("| figure | format | kvflow | llama.cpp |")
     assert "| decode tg128 tok/s | Q4_K_M | 10.00 | 20.00 | 0.50 | 40.00 | 0.25 | 0.50 |" in lines
     assert "| prefill pp512 tok/s | Q4_K_M | 256.0 | 400.0 | 0.64 | | | |" in lines
+    # the same-run A/B of the fused decode layer: 100 ms per token fused vs 125 per op
+    assert (
+        "| decode tg128 tok/s, fused layers vs per-op | Q4_K_M | 10.00 | 8.00 (kvflow per-op) | 1.25 | | | |"
+        in lines
+    )
+    assert not any("fused layers vs per-op | int8" in line for line in lines)  # no kvflow figures
     assert any(
         line.startswith("| decode tg128 tok/s | int8 vs Q8_0 | - | 20.00 |") for line in lines
     )
