@@ -304,3 +304,21 @@ def test_integer_gemv_keeps_the_min_term_and_the_offset(
         bound = 1e-4 * (xq.abs() @ weight.abs().T)
         assert bool((shift > 100 * bound).all())
         _check_product(_on_threads(linear, x, blocks, None), x, weight, None, qtype)
+
+
+def test_q8_0_gemv_on_long_rows_pairs_weight_rows_and_stays_bit_for_bit(
+    ops: object, two_threads: None
+) -> None:
+    """From K = 4096 on (AVX-512 builds) the one-row Q8_0 GEMV runs two weight rows per pass sharing each x load;
+    each row is still summed alone, so a row's output equals the one it gets beside other x rows (the one-row-at-
+    a-time pass) bit for bit, with odd row counts per thread (a row left for the single-row pass) and a bias."""
+    code = quant._GGML_TYPE_CODES["Q8_0"]
+    for columns in (4096, 4096 + 32 * 3):
+        _, blocks = _blocks("Q8_0", 37, columns, seed=columns)
+        weight = quant.dequantize_reference("Q8_0", blocks)
+        x = torch.randn(3, columns, generator=torch.Generator().manual_seed(9))
+        bias = torch.randn(37)
+        one = _on_threads(ops.ggml_linear, x[:1], blocks, code, bias, 8)  # type: ignore[attr-defined]
+        three = _on_threads(ops.ggml_linear, x, blocks, code, bias, 8)  # type: ignore[attr-defined]
+        _check_product(one, x[:1], weight, bias, "Q8_0")
+        assert torch.equal(one, three[:1])
