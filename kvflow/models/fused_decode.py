@@ -120,14 +120,12 @@ def _quantized_runs(linear: nn.Module) -> list[QuantRun] | None:
         return None
     if isinstance(method, Int8Linear):
         return [(linear.weight, _INT8_RUN, linear.weight_scale, bias)]
-    if isinstance(method, GGUFLinear):
-        runs: list[QuantRun] = []
-        for run in method.runs:
-            assert run.matrix is not None
-            run_bias = None if bias is None else bias[run.row_start : run.row_start + run.rows]
-            runs.append((run.matrix, quant.ggml_type_code(run.qtype), _no_tensor(), run_bias))
-        return runs
-    return None
+    runs: list[QuantRun] = []
+    for run in method.runs:
+        assert run.matrix is not None
+        run_bias = None if bias is None else bias[run.row_start : run.row_start + run.rows]
+        runs.append((run.matrix, quant.ggml_type_code(run.qtype), _no_tensor(), run_bias))
+    return runs
 
 
 def quantized_layer_args(layer: nn.Module) -> QuantizedLayerArgs | None:
@@ -142,6 +140,29 @@ def quantized_layer_args(layer: nn.Module) -> QuantizedLayerArgs | None:
         runs.extend(product_runs)
         runs_per_product.append(len(product_runs))
     return QuantizedLayerArgs(layer, runs, runs_per_product)
+
+
+def _all_quantized_layer_args(layers: Sequence[nn.Module]) -> list[QuantizedLayerArgs] | None:
+    """Every layer's `QuantizedLayerArgs`, or None when any layer's products are not all the kernels'."""
+    args = []
+    for layer in layers:
+        each = quantized_layer_args(layer)
+        if each is None:
+            return None
+        args.append(each)
+    return args
+
+
+def _quantized_max_rows(args: Sequence[QuantizedLayerArgs]) -> int:
+    """The most rows a fused step may take while every per-op product stays on the kernels: Q8_0 runs leave them
+    above QUANT_TILED_MAX_ROWS, int8 above INT8_TILED_MAX_ROWS, the integer types never."""
+    types = {code for each in args for code in each.types}
+    max_rows = kernels.decode_layer_max_rows()
+    if quant.ggml_type_code("Q8_0") in types:
+        max_rows = min(max_rows, quant.QUANT_TILED_MAX_ROWS)
+    if _INT8_RUN in types:
+        max_rows = min(max_rows, quant.INT8_TILED_MAX_ROWS)
+    return max_rows
 
 
 class FusedDecodeLayers:
@@ -202,49 +223,33 @@ class FusedDecodeLayers:
         ops = load_cpu_kernels()
         if ops is None:
             return None
-        shared = dict(num_heads=backend.num_heads, eps=config.rms_norm_eps, scale=backend.scale)
+        quantized_args: list[QuantizedLayerArgs] | None = None
         if quantized:
-            return cls._select_quantized(ops, layers, layer_windows, dtype, **shared)
-        if dtype is not torch.bfloat16 or not ops.has_avx512():
+            quantized_args = _all_quantized_layer_args(layers) if ops.has_avx2() else None
+            if quantized_args is None:
+                return None
+            max_rows = _quantized_max_rows(quantized_args)
+            if dtype is torch.float32:  # the per-op norms must be the C++ ones decode_layer calls
+                for layer in layers:
+                    layer.input_layernorm.float32_kernel = True
+                    layer.post_attention_layernorm.float32_kernel = True
+        elif dtype is not torch.bfloat16 or not ops.has_avx512():
             return None
-        max_rows = (
-            kernels.decode_layer_max_rows()
-            if kernels.gemm_kernel_wins_here()
-            else kernels.MAX_GEMV_ROWS
-        )
-        return cls(ops, layers, layer_windows, max_rows=max_rows, **shared)
-
-    @classmethod
-    def _select_quantized(
-        cls,
-        ops: ModuleType,
-        layers: Sequence[nn.Module],
-        layer_windows: Sequence[int | None],
-        dtype: torch.dtype,
-        **shared: float,
-    ) -> FusedDecodeLayers | None:
-        if not ops.has_avx2():
-            return None
-        args = [quantized_layer_args(layer) for layer in layers]
-        if any(each is None for each in args):
-            return None
-        types = {code for each in args for code in each.types}  # type: ignore[union-attr]
-        max_rows = kernels.decode_layer_max_rows()
-        if quant.ggml_type_code("Q8_0") in types:
-            max_rows = min(max_rows, quant.QUANT_TILED_MAX_ROWS)
-        if _INT8_RUN in types:
-            max_rows = min(max_rows, quant.INT8_TILED_MAX_ROWS)
-        if dtype is torch.float32:  # the per-op norms must be the C++ ones decode_layer calls
-            for layer in layers:
-                layer.input_layernorm.float32_kernel = True
-                layer.post_attention_layernorm.float32_kernel = True
+        else:
+            max_rows = (
+                kernels.decode_layer_max_rows()
+                if kernels.gemm_kernel_wins_here()
+                else kernels.MAX_GEMV_ROWS
+            )
         return cls(
             ops,
             layers,
             layer_windows,
+            num_heads=backend.num_heads,
+            eps=config.rms_norm_eps,
+            scale=backend.scale,
             max_rows=max_rows,
-            quantized=args,
-            **shared,  # type: ignore[arg-type]
+            quantized=quantized_args,
         )
 
     def run(
