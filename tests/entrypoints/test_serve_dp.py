@@ -53,11 +53,25 @@ def per_engine(server: RemoteServer, name: str, **labels: str) -> dict[str, floa
     return values
 
 
-def wait_for_per_engine(
-    server: RemoteServer, name: str, expected: dict[str, float], what: str
+def wait_for_running_on_both_cores(
+    server: RemoteServer, total: int, requests: list[asyncio.Future[list[int]]]
 ) -> None:
-    """Poll /metrics until `name` per `engine` label equals `expected` (AssertionError naming `what`)."""
-    wait_until(lambda: per_engine(server, name) == expected, f"{what} ({name})", interval_s=0.05)
+    """Poll /metrics until `total` requests run, spread over both cores; the failure names the last counts seen
+    and whether a request already finished (the state can then never come)."""
+    seen: dict[str, float] = {}
+
+    def all_running() -> bool:
+        seen.clear()
+        seen.update(per_engine(server, "kvflow:num_requests_running"))
+        return len(seen) == 2 and sum(seen.values()) == total and min(seen.values()) > 0
+
+    try:
+        wait_until(all_running, f"{total} requests run on both cores", interval_s=0.05)
+    except AssertionError as error:
+        finished = sum(request.done() for request in requests)
+        raise AssertionError(
+            f"{error}; last running per core {seen}, {finished} finished"
+        ) from None
 
 
 def engine_pids(server_pid: int) -> list[int]:
@@ -115,10 +129,12 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
     """`/pause` returns once both cores are paused: from then on neither produces a token; after `/resume` every
     request equals the oracle.
 
-    The setup needs each core still running its 3 requests when the pause lands, so the test follows the server's
-    state, not a reader's: it waits until `/metrics` shows both cores running 3, then pauses. The requests are not
-    streamed, so the API process keeps up with the engine (a streamed hash-model token costs it far more than the
-    engine, and on a busy machine a reader can lag seconds behind), and each has ~2 s of engine work left."""
+    The setup needs both cores still running requests when the pause lands, so the test follows the server's
+    state, not a reader's: it waits until `/metrics` shows all 6 running, on both cores, then pauses. It does not
+    ask for an exact 3 / 3 split (routing counts live requests, so an even split is likely, not a contract this test
+    checks; `test_32_...` checks that both cores serve). The requests are not streamed, so the API process keeps up
+    with the engine (a streamed hash-model token costs it far more than the engine, and on a busy machine a reader
+    can lag seconds behind), and each has ~2 s of engine work left."""
 
     async def complete(http: httpx.AsyncClient, prompt: list[int]) -> list[int]:
         body = {
@@ -138,18 +154,12 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
         prompts = [prompt_ids(700 + i) for i in range(6)]
         async with server.async_http(limits=httpx.Limits(max_connections=16)) as http:
             requests = [asyncio.ensure_future(complete(http, prompt)) for prompt in prompts]
-            await asyncio.to_thread(
-                wait_for_per_engine,
-                server,
-                "kvflow:num_requests_running",
-                {"0": 3.0, "1": 3.0},
-                "both cores report 3 requests running",
-            )
+            await asyncio.to_thread(wait_for_running_on_both_cores, server, len(prompts), requests)
             response = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             assert response.status_code == 200
             assert (await http.get("/is_paused")).json() == {"is_paused": True}
             running = await asyncio.to_thread(per_engine, server, "kvflow:num_requests_running")
-            assert running == {"0": 3.0, "1": 3.0}  # both cores hold (frozen) work
+            assert sum(running.values()) == len(prompts) and min(running.values()) > 0, running
             frozen = await asyncio.to_thread(per_engine, server, "kvflow:generation_tokens_total")
             await asyncio.sleep(
                 0.4
