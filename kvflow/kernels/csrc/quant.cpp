@@ -13,7 +13,9 @@
 //   once per block: Q4_0 d_w d_x sum((q - 8) q_x); Q4_K d_w d_x sum_j sc_j dot(q_j, q_x_j) - dmin d_x sum_j m_j
 //   sum(q_x_j) (the scales as madd multipliers, the per-16 sums of q_x computed once per call); Q6_K d_w d_x
 //   sum_g sc_g (dot(q_g, q_x_g) - 32 sum(q_x_g)). int8: dot(x, q) * scale[n] at the end. Threads split the
-//   weight rows into contiguous bands, so each weight byte streams from memory once.
+//   weight rows into contiguous bands, so each weight byte streams from memory once. On AVX-512 VNNI builds the
+//   K-quants take 64 quants per instruction (maddubs, then vpdpwssd: the scale multiply and the int32 add in one),
+//   the same integers summed in 16 lanes instead of 8: 1.07-1.3x at M >= 8, the same speed at M = 1 (memory).
 // * Tiled product (more rows, prefill): per thread, tiles of kTileRows weight rows and kTileK columns are
 //   dequantized into a thread-local fp32 buffer (L1/L2) and every x row runs against it in 4 x 3 register
 //   blocks: the weights are read from memory once per call whatever M is.
@@ -36,6 +38,11 @@
 #include <immintrin.h>
 #elif defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(KVFLOW_QUANT_SIMD) && defined(KVFLOW_AVX512) && defined(__AVX512VNNI__)
+// 512-bit integer dots for the K-quants: maddubs (u8 x s8 pairs -> int16) then vpdpwssd (int16 pairs times the
+// int16 scales, added to int32 lanes in the same instruction).
+#define KVFLOW_QUANT_VNNI 1
 #endif
 
 namespace kvflow {
@@ -356,8 +363,51 @@ inline __m256i int16_lane(int j) { return _mm256_set1_epi16(static_cast<int16_t>
 // over the 8 sub-blocks j of 32, both sums integer (the scales as int16 multipliers, the mins against the
 // per-16 sums of the quants), two float conversions per super-block.
 struct Q4_KBlock {
-  using Acc = __m256;
   static constexpr int kElements = 256, kBytes = 144;
+#ifdef KVFLOW_QUANT_VNNI
+  // AVX-512 VNNI: chunk c's 32 bytes widened to 64 quants [sub-block 2c | 2c + 1], which are x's 64 quants at
+  // 64 c in order: one x load, one maddubs and one vpdpwssd (scale [sc_2c x 16 | sc_2c+1 x 16]) per chunk and
+  // x row, a third of the AVX2 path's instructions.
+  using Acc = __m512;
+  template <int MT>
+  static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m512* acc) {
+    const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
+    uint32_t packed[3];
+    std::memcpy(packed, block + 4, sizeof(packed));
+    const uint32_t scales_low = packed[0] & 0x3F3F3F3Fu, mins_low = packed[1] & 0x3F3F3F3Fu;
+    const uint32_t scales_high = (packed[2] & 0x0F0F0F0Fu) | ((packed[0] >> 2) & 0x30303030u);
+    const uint32_t mins_high = ((packed[2] >> 4) & 0x0F0F0F0Fu) | ((packed[1] >> 2) & 0x30303030u);
+    const __m128i scales8 = _mm_set_epi32(0, 0, static_cast<int>(scales_high), static_cast<int>(scales_low));
+    const __m128i mins8 = _mm_set_epi32(0, 0, static_cast<int>(mins_high), static_cast<int>(mins_low));
+    const __m512i scales16 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(scales8));  // s0..s7 in lanes 0-7
+    const __m256i mins_per16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));  // m0 m0 m1 m1 .. m7 m7
+    __m512i sums[MT];
+    for (int m = 0; m < MT; ++m) sums[m] = _mm512_setzero_si512();
+    const int8_t* x = rows.quants + b * kElements;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i bytes =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c)));
+      const __m512i quants = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, 0xFFFF0000u, bytes, 4), nibble);
+      const __m512i pick = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>(2 * c)),
+                                                   _mm512_set1_epi16(static_cast<int16_t>(2 * c + 1)));
+      const __m512i scale = _mm512_permutexvar_epi16(pick, scales16);
+      for (int m = 0; m < MT; ++m) {
+        const __m512i xm = _mm512_loadu_si512(x + m * rows.quant_stride + 64 * c);
+        sums[m] = _mm512_dpwssd_epi32(sums[m], _mm512_maddubs_epi16(quants, xm), scale);
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const float dx = rows.scales[m * rows.scale_stride + b];
+      const __m256i x_sums = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(rows.sums + m * rows.sum_stride + b * (kElements / 16)));
+      const __m256 min_terms = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins_per16, x_sums));  // m_j sum(q_x_j)
+      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sums[m]), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dx), _mm512_zextps256_ps512(min_terms), acc[m]);
+    }
+  }
+#else
+  using Acc = __m256;
   template <int MT>
   static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m256* acc) {
     const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
@@ -394,14 +444,66 @@ struct Q4_KBlock {
       acc[m] = _mm256_fnmadd_ps(_mm256_set1_ps(dmin * dx), _mm256_cvtepi32_ps(min_terms), acc[m]);
     }
   }
+#endif
 };
 
 // Q6_K against x quantized per 256: d_w * d_x * sum_g sc_g * (dot(q_g, q_x_g) - 32 * sum(q_x_g)) over the 16
 // groups g of 16, all integer (the int8 scales as int16 multipliers; the -32 offset against the per-16 sums of
 // the quants), one float conversion per super-block.
 struct Q6_KBlock {
-  using Acc = __m256;
   static constexpr int kElements = 256, kBytes = 210;
+#ifdef KVFLOW_QUANT_VNNI
+  // AVX-512 VNNI: 64 quants at a time, elements 128 h + [0, 64) (low nibbles of ql[64 h, 64 h + 64) with qh's
+  // bit pairs 0 and 1) and 128 h + [64, 128) (high nibbles with bit pairs 2 and 3), x's 64 quants there in order:
+  // one x load, one maddubs and one vpdpwssd (scales of groups g..g+3, 8 int16 lanes each) per 64 and x row.
+  using Acc = __m512;
+  template <int MT>
+  static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m512* acc) {
+    const float d = fp16_to_float(block + 208);
+    const __m128i scales8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
+    const __m512i scales16 = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(scales8));  // sc_0..sc_15, lanes 0-15
+    __m512i sums[MT];
+    for (int m = 0; m < MT; ++m) sums[m] = _mm512_setzero_si512();
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+    // Per 16-bit lane: qh shifted left 4 (low half) / 2 (high half) for the first 64, 0 / right 2 for the next.
+    const __m512i shift_first = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
+    const __m512i shift_second = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+    const int8_t* x = rows.quants + b * kElements;
+    for (int h = 0; h < 2; ++h) {
+      const __m512i low = _mm512_loadu_si512(block + 64 * h);
+      const __m512i high =
+          _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h)));
+      const __m512i first = _mm512_or_si512(_mm512_and_si512(low, nibble),
+                                            _mm512_and_si512(_mm512_sllv_epi16(high, shift_first), bits45));
+      const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
+                                             _mm512_and_si512(_mm512_srlv_epi16(high, shift_second), bits45));
+      const __m512i group = _mm512_set1_epi16(static_cast<int16_t>(8 * h));
+      const __m512i lane_group = _mm512_srli_epi16(
+          _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9,
+                           8, 7, 6, 5, 4, 3, 2, 1, 0),
+          3);  // 16-bit lane i covers quants 2i, 2i + 1: group i / 8 of the 64
+      const __m512i scale_first = _mm512_permutexvar_epi16(_mm512_add_epi16(group, lane_group), scales16);
+      const __m512i scale_second = _mm512_permutexvar_epi16(
+          _mm512_add_epi16(_mm512_add_epi16(group, _mm512_set1_epi16(4)), lane_group), scales16);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xm = x + m * rows.quant_stride + 128 * h;
+        sums[m] = _mm512_dpwssd_epi32(sums[m], _mm512_maddubs_epi16(first, _mm512_loadu_si512(xm)), scale_first);
+        sums[m] =
+            _mm512_dpwssd_epi32(sums[m], _mm512_maddubs_epi16(second, _mm512_loadu_si512(xm + 64)), scale_second);
+      }
+    }
+    const __m256i scales16_256 = _mm256_cvtepi8_epi16(scales8);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i x_sums = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(rows.sums + m * rows.sum_stride + b * (kElements / 16)));
+      const __m256i offsets = _mm256_slli_epi32(_mm256_madd_epi16(scales16_256, x_sums), 5);  // 32 sc_g sum(q_x_g)
+      const __m512i total = _mm512_sub_epi32(sums[m], _mm512_zextsi256_si512(offsets));
+      const __m512 scale = _mm512_set1_ps(d * rows.scales[m * rows.scale_stride + b]);
+      acc[m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(total), acc[m]);
+    }
+  }
+#else
+  using Acc = __m256;
   template <int MT>
   static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m256* acc) {
     const float d = fp16_to_float(block + 208);
@@ -437,6 +539,7 @@ struct Q6_KBlock {
       acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_sub_epi32(sums[m], offsets)), acc[m]);
     }
   }
+#endif
 };
 
 // Prefetches the cache lines of `bytes` bytes at `start` + kPrefetchBytes (every line: a K-quant block spans
