@@ -175,11 +175,14 @@ def _check_product(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     qtype: str = "int8",
+    int8_rows_quantized: bool = False,
 ) -> None:
-    """out (x's dtype) against the float32 reference (x quantized as `qtype`'s products quantize it) within fp32
-    summation error (+ bf16 output rounding)."""
+    """out (x's dtype) against the float32 reference (x quantized as `qtype`'s products quantize it; int8 with
+    `int8_rows_quantized`: per row, as the W8A8 kernel does) within fp32 summation error (+ bf16 output
+    rounding)."""
     assert out.dtype == x.dtype
-    x = quant.fake_quantize_activations(qtype, x)
+    quantize = quant.fake_quantize_int8_rows if int8_rows_quantized else None
+    x = quantize(x) if quantize else quant.fake_quantize_activations(qtype, x)
     expected = F.linear(x, weight, None if bias is None else bias.float())
     bound = 1e-4 * (x.abs() @ weight.abs().T + (0 if bias is None else bias.float().abs()))
     if out.dtype is torch.bfloat16:
@@ -266,14 +269,43 @@ def test_int8_linear_matches_reference(
         qweight, scale = quant.int8_quantize(torch.randn(num_rows, columns, generator=generator))
         weight = qweight.float() * scale[:, None]
         bias = torch.randn(num_rows, generator=generator).to(dtype)
-        for m in (1, 2, 3, 8, 9, 33, 70):
+        for m in (1, 2, 3, 8, 9, 33, 70, 150):
             x = torch.randn(m, columns, generator=generator).to(dtype)
+            w8a8 = quant.int8_kernel_quantizes_activations(m)
             for b in (None, bias):
-                _check_product(_on_threads(linear, x, qweight, scale, b), x, weight, b)
-        for gemv_max_rows in (0, 64):  # both C++ products directly, whatever the thresholds
+                out = _on_threads(linear, x, qweight, scale, b)
+                _check_product(out, x, weight, b, int8_rows_quantized=w8a8)
+        # Both C++ products directly, whatever the thresholds: the GEMV, and above gemv_max_rows the W8A8 kernel
+        # (AVX-512 VNNI builds) or the tiled one.
+        for gemv_max_rows in (0, 64):
             x = torch.randn(10, columns, generator=generator).to(dtype)
             out = _on_threads(ops.int8_linear, x, qweight, scale, None, gemv_max_rows)  # type: ignore[attr-defined]
-            _check_product(out.to(dtype), x, weight, None)
+            w8a8 = gemv_max_rows == 0 and ops.int8_quantizes_activations()  # type: ignore[attr-defined]
+            _check_product(out.to(dtype), x, weight, None, int8_rows_quantized=w8a8)
+
+
+@pytest.mark.skipif(
+    not quant.int8_kernel_quantizes_activations(quant.QUANT_GEMV_MAX_ROWS + 1),
+    reason="the W8A8 int8 kernel needs AVX-512 VNNI",
+)
+def test_w8a8_int8_kernel_sums_each_row_alone_and_quantizes_x_per_row(two_threads: None) -> None:
+    """Above the GEMV's rows (AVX-512 VNNI CPUs) int8_linear quantizes each x row alone and sums exact int32 dots:
+    a row's output is the same bit for bit whatever rows share the call (9 or 150 rows, 4-row weight blocks and
+    5-row x blocks with remainders of every size), K = 1100 takes a masked last 64 columns, and the result is the
+    product of the per-row fake-quantized x (a row of large values beside small ones does not coarsen them, as one
+    scale per tensor would)."""
+    generator = torch.Generator().manual_seed(12)
+    qweight, scale = quant.int8_quantize(torch.randn(43, 1100, generator=generator))
+    weight = qweight.float() * scale[:, None]
+    x = torch.randn(150, 1100, generator=generator)
+    x[3] *= 1000.0
+    bias = torch.randn(43, generator=generator)
+    whole = quant.int8_linear(x, qweight, scale, bias)
+    _check_product(whole, x, weight, bias, int8_rows_quantized=True)
+    for rows in (slice(0, 9), slice(1, 13), slice(140, 150)):
+        assert torch.equal(quant.int8_linear(x[rows], qweight, scale, bias), whole[rows])
+    per_tensor = quant.fake_quantize_int8_rows(x.reshape(1, -1)).view_as(x)
+    assert not torch.allclose(quant.fake_quantize_int8_rows(x), per_tensor)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])

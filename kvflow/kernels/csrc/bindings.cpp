@@ -523,6 +523,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
+  // int8_linear above gemv_max_rows quantizes x per row and multiplies integers (W8A8, vpdpbusd).
+  m.def("int8_quantizes_activations", []() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__AVX2__) && defined(__FMA__)
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;

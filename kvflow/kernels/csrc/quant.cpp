@@ -16,6 +16,8 @@
 //   weight rows into contiguous bands, so each weight byte streams from memory once. On AVX-512 VNNI builds the
 //   K-quants take 64 quants per instruction (maddubs, then vpdpwssd: the scale multiply and the int32 add in one),
 //   the same integers summed in 16 lanes instead of 8: 1.07-1.3x at M >= 8, the same speed at M = 1 (memory).
+// * int8 W8A8 (more rows than the GEMV's, AVX-512 VNNI builds): x quantized per row, exact int32 dots
+//   (vpdpbusd), see int8_gemm_vnni.
 // * Tiled product (more rows, prefill): per thread, tiles of kTileRows weight rows and kTileK columns are
 //   dequantized into a thread-local fp32 buffer (L1/L2) and every x row runs against it in 4 x 3 register
 //   blocks: the weights are read from memory once per call whatever M is.
@@ -728,6 +730,118 @@ void int8_band(const int8_t* w, int64_t K, const float* xf, int64_t xs, const fl
 }
 #endif
 
+#ifdef KVFLOW_QUANT_VNNI
+// ---- int8 weights against x quantized per row (more rows than the GEMV takes; AVX-512 VNNI) ----
+//
+// W8A8 with a dynamic scale per activation row: x row m becomes q_x = round-half-even(x / d_x), d_x = amax / 127
+// (quantize_block over the whole row), and y[m, n] = (sum_k w[n, k] q_x[m, k]) * d_x[m] * scale[n] (+ bias). The
+// dot is one exact int32 (|w q_x| <= 127 * 127 per term, K < 2^17), so a row's output does not depend on how many
+// rows share the call, nor on the thread count. vpdpbusd takes u8 x s8: the weights are flipped to u8 (w + 128,
+// one xor per 64 weights, shared by kInt8GemmMT x rows) and 128 * sum(q_x) is taken back at the end.
+constexpr int kInt8GemmR = 4;   // weight rows per register block
+constexpr int kInt8GemmMT = 5;  // x rows per register block: 20 accumulators + 5 x + 1 weight + the flip vector
+constexpr int64_t kInt8GemmXBlockBytes = 512 * 1024;  // x quants per block of rows (L2), each weight row read once per block
+
+struct RowQuantizedX {
+  int64_t padded;                 // quants per row: K rounded up to 64, zero padded
+  std::vector<int8_t> quants;     // [M, padded]
+  std::vector<float> scales;      // [M] d_x
+  std::vector<int32_t> offsets;   // [M] 128 * sum(q_x)
+
+  RowQuantizedX(const float* xf, int64_t M, int64_t K, int64_t xs)
+      : padded((K + 63) / 64 * 64), quants(static_cast<size_t>(M * padded), 0), scales(static_cast<size_t>(M)),
+        offsets(static_cast<size_t>(M)) {
+    for (int64_t m = 0; m < M; ++m) {
+      int8_t* q = quants.data() + m * padded;
+      scales[m] = quantize_block(xf + m * xs, K, q);
+      int32_t total = 0;
+      for (int64_t k = 0; k < K; ++k) total += q[k];
+      offsets[m] = 128 * total;
+    }
+  }
+};
+
+// out[r][m] = sum_k (w[r, k] + 128) q_x[m, k] for R weight rows (K apart) and MT x rows (`padded` apart).
+template <int R, int MT>
+inline void int8_dots(const int8_t* w, int64_t K, const int8_t* x, int64_t padded, int32_t out[R][MT]) {
+  __m512i acc[R][MT];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t full = K / 64 * 64;
+  auto step = [&](int64_t k, __mmask64 mask) {
+    __m512i xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_si512(x + m * padded + k);
+    for (int r = 0; r < R; ++r) {
+      // Masked-off weights read as 0 (u8 128) against x's zero padding: they add nothing.
+      const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + r * K + k), flip);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], wv, xv[m]);
+    }
+  };
+  for (int64_t k = 0; k < full; k += 64) step(k, ~static_cast<__mmask64>(0));
+  if (full < K) step(full, (static_cast<__mmask64>(1) << (K - full)) - 1);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) out[r][m] = _mm512_reduce_add_epi32(acc[r][m]);
+}
+
+// Weight rows [n0, n0 + R) against x rows [m0, m0 + MT): the dots, then y.
+template <int R, int MT>
+void int8_gemm_block(const int8_t* w, int64_t K, const RowQuantizedX& x, int64_t n0, int64_t m0, const float* scale,
+                     const float* bias, float* y, int64_t N) {
+  int32_t dots[R][MT];
+  int8_dots<R, MT>(w + n0 * K, K, x.quants.data() + m0 * x.padded, x.padded, dots);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MT; ++m) {
+      const float total = static_cast<float>(dots[r][m] - x.offsets[m0 + m]);
+      y[(m0 + m) * N + n0 + r] = total * (x.scales[m0 + m] * scale[n0 + r]) + (bias ? bias[n0 + r] : 0.f);
+    }
+}
+
+// f(integral_constant R) for R = count in 1..4 (the weight rows left at a band's end).
+template <class F>
+void by_weight_rows(int64_t count, F&& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+template <int R>
+void int8_gemm_rows(const int8_t* w, int64_t K, const RowQuantizedX& x, int64_t n0, int64_t m_begin, int64_t m_end,
+                    const float* scale, const float* bias, float* y, int64_t N) {
+  int64_t m = m_begin;
+  for (; m + kInt8GemmMT <= m_end; m += kInt8GemmMT) int8_gemm_block<R, kInt8GemmMT>(w, K, x, n0, m, scale, bias, y, N);
+  switch (m_end - m) {
+    case 1: int8_gemm_block<R, 1>(w, K, x, n0, m, scale, bias, y, N); break;
+    case 2: int8_gemm_block<R, 2>(w, K, x, n0, m, scale, bias, y, N); break;
+    case 3: int8_gemm_block<R, 3>(w, K, x, n0, m, scale, bias, y, N); break;
+    case 4: int8_gemm_block<R, 4>(w, K, x, n0, m, scale, bias, y, N); break;
+    default: break;
+  }
+}
+
+void int8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,
+                    const float* bias, float* y, int num_threads) {
+  const RowQuantizedX x(xf, M, K, xs);
+  const int64_t block_rows = std::max<int64_t>(kInt8GemmMT, kInt8GemmXBlockBytes / x.padded);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / kInt8GemmR)));
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t begin, end;
+    thread_range(N, omp_get_thread_num(), omp_get_num_threads(), begin, end);
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int64_t m1 = std::min(M, m0 + block_rows);
+      for (int64_t n = begin; n < end; n += kInt8GemmR)
+        by_weight_rows(std::min<int64_t>(kInt8GemmR, end - n), [&](auto rows) {
+          int8_gemm_rows<decltype(rows)::value>(w, K, x, n, m0, m1, scale, bias, y, N);
+        });
+    }
+  }
+}
+#endif  // KVFLOW_QUANT_VNNI
+
 void int8_gemv(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,
                const float* bias, float* y, int num_threads) {
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / 2)));
@@ -957,7 +1071,11 @@ void int8_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_
     return;
   }
 #endif
+#ifdef KVFLOW_QUANT_VNNI
+  int8_gemm_vnni(xf.data(), M, K, xs, w, scale, N, bias, y, num_threads);
+#else
   tiled_product(Int8Decode{w, K}, xf.data(), M, K, xs, N, scale, bias, y, num_threads);
+#endif
 }
 
 template void ggml_linear<float>(const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int, const float*,
