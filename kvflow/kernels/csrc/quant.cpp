@@ -195,10 +195,12 @@ struct QuantizedActivations {
   std::vector<int8_t> quants;  // [M, K]
   std::vector<float> scales;   // [M, K / block]
   std::vector<int16_t> sums;   // [M, K / 16]; |sum| <= 16 * 127
+  // [M, K / 32]: d_x * the sum of each 32 quants (the K-quants' blocks only; Q4_K's min term on VNNI builds).
+  std::vector<float> scaled_sums;
 
   QuantizedActivations(const float* xf, int64_t M, int64_t K_, int64_t xs, int64_t block_)
       : K(K_), block(block_), quants(static_cast<size_t>(M * K_)), scales(static_cast<size_t>(M * K_ / block_)),
-        sums(static_cast<size_t>(M * K_ / 16)) {
+        sums(static_cast<size_t>(M * K_ / 16)), scaled_sums(block_ == kQK ? static_cast<size_t>(M * K_ / 32) : 0) {
     for (int64_t m = 0; m < M; ++m) {
       int8_t* q = quants.data() + m * K;
       for (int64_t b = 0; b < K / block; ++b)
@@ -207,6 +209,11 @@ struct QuantizedActivations {
         int total = 0;
         for (int i = 0; i < 16; ++i) total += q[16 * j + i];
         sums[m * (K / 16) + j] = static_cast<int16_t>(total);
+      }
+      if (block != kQK) continue;
+      for (int64_t j = 0; j < K / 32; ++j) {
+        const int16_t* pair = sums.data() + m * (K / 16) + 2 * j;
+        scaled_sums[m * (K / 32) + j] = scales[m * (K / kQK) + j / 8] * static_cast<float>(pair[0] + pair[1]);
       }
     }
   }
@@ -275,13 +282,14 @@ struct FloatRows {
 
 // x rows quantized (QuantizedActivations below) for the integer GEMVs, from row m0 on.
 struct QuantRows {
-  const int8_t* quants;  // rows quant_stride apart
-  const float* scales;   // one per activation block, rows scale_stride apart
-  const int16_t* sums;   // per 16 quants, rows sum_stride apart
+  const int8_t* quants;       // rows quant_stride apart
+  const float* scales;        // one per activation block, rows scale_stride apart
+  const int16_t* sums;        // per 16 quants, rows sum_stride apart
+  const float* scaled_sums;   // d_x * sum per 32 quants (K-quants), rows sum_stride / 2 apart
   int64_t quant_stride, scale_stride, sum_stride;
   QuantRows at(int64_t m0) const {
-    return {quants + m0 * quant_stride, scales + m0 * scale_stride, sums + m0 * sum_stride, quant_stride,
-            scale_stride, sum_stride};
+    return {quants + m0 * quant_stride, scales + m0 * scale_stride, sums + m0 * sum_stride,
+            scaled_sums ? scaled_sums + m0 * (sum_stride / 2) : nullptr, quant_stride, scale_stride, sum_stride};
   }
 };
 
@@ -382,7 +390,9 @@ struct Q4_KBlock {
     const __m128i scales8 = _mm_set_epi32(0, 0, static_cast<int>(scales_high), static_cast<int>(scales_low));
     const __m128i mins8 = _mm_set_epi32(0, 0, static_cast<int>(mins_high), static_cast<int>(mins_low));
     const __m512i scales16 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(scales8));  // s0..s7 in lanes 0-7
-    const __m256i mins_per16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));  // m0 m0 m1 m1 .. m7 m7
+    // dmin * m_j in lanes 0-7: the min term is sum_j (dmin m_j) (d_x sum(q_x_j)), one multiply-add per x row.
+    const __m512 dmin_mins = _mm512_zextps256_ps512(
+        _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins8))));
     __m512i sums[MT];
     for (int m = 0; m < MT; ++m) sums[m] = _mm512_setzero_si512();
     const int8_t* x = rows.quants + b * kElements;
@@ -401,11 +411,10 @@ struct Q4_KBlock {
     }
     for (int m = 0; m < MT; ++m) {
       const float dx = rows.scales[m * rows.scale_stride + b];
-      const __m256i x_sums = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(rows.sums + m * rows.sum_stride + b * (kElements / 16)));
-      const __m256 min_terms = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins_per16, x_sums));  // m_j sum(q_x_j)
+      const __m512 x_sums = _mm512_zextps256_ps512(
+          _mm256_loadu_ps(rows.scaled_sums + m * (rows.sum_stride / 2) + b * (kElements / 32)));
       acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(d * dx), _mm512_cvtepi32_ps(sums[m]), acc[m]);
-      acc[m] = _mm512_fnmadd_ps(_mm512_set1_ps(dmin * dx), _mm512_zextps256_ps512(min_terms), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(dmin_mins, x_sums, acc[m]);
     }
   }
 #else
@@ -464,8 +473,14 @@ struct Q6_KBlock {
     const float d = fp16_to_float(block + 208);
     const __m128i scales8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 192));
     const __m512i scales16 = _mm512_cvtepi8_epi16(_mm256_zextsi128_si256(scales8));  // sc_0..sc_15, lanes 0-15
+    // The -32 offset first: -32 sc_g times sum(q_x_g), lanes 0-7 (|32 sc_g| <= 4096 fits int16).
+    const __m512i offset_scales = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(scales16, 5));
     __m512i sums[MT];
-    for (int m = 0; m < MT; ++m) sums[m] = _mm512_setzero_si512();
+    for (int m = 0; m < MT; ++m) {
+      const __m512i x_sums = _mm512_zextsi256_si512(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(rows.sums + m * rows.sum_stride + b * (kElements / 16))));
+      sums[m] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), x_sums, offset_scales);
+    }
     const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
     // Per 16-bit lane: qh shifted left 4 (low half) / 2 (high half) for the first 64, 0 / right 2 for the next.
     const __m512i shift_first = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
@@ -494,14 +509,9 @@ struct Q6_KBlock {
             _mm512_dpwssd_epi32(sums[m], _mm512_maddubs_epi16(second, _mm512_loadu_si512(xm + 64)), scale_second);
       }
     }
-    const __m256i scales16_256 = _mm256_cvtepi8_epi16(scales8);
     for (int m = 0; m < MT; ++m) {
-      const __m256i x_sums = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(rows.sums + m * rows.sum_stride + b * (kElements / 16)));
-      const __m256i offsets = _mm256_slli_epi32(_mm256_madd_epi16(scales16_256, x_sums), 5);  // 32 sc_g sum(q_x_g)
-      const __m512i total = _mm512_sub_epi32(sums[m], _mm512_zextsi256_si512(offsets));
       const __m512 scale = _mm512_set1_ps(d * rows.scales[m * rows.scale_stride + b]);
-      acc[m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(total), acc[m]);
+      acc[m] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sums[m]), acc[m]);
     }
   }
 #else
@@ -1035,8 +1045,8 @@ void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8
 #ifdef KVFLOW_QUANT_SIMD
   if (M <= gemv_max_rows && block) {
     const QuantizedActivations quantized(xf.data(), M, K, xs, block);
-    const QuantRows rows{quantized.quants.data(), quantized.scales.data(), quantized.sums.data(), K, K / block,
-                         K / 16};
+    const QuantRows rows{quantized.quants.data(), quantized.scales.data(), quantized.sums.data(),
+                         quantized.scaled_sums.empty() ? nullptr : quantized.scaled_sums.data(), K, K / block, K / 16};
     switch (type) {
       case kGgmlQ4_0: ggml_gemv<Q4_0Block>(rows, M, K, w, N, bias, y, num_threads); break;
       case kGgmlQ4_K: ggml_gemv<Q4_KBlock>(rows, M, K, w, N, bias, y, num_threads); break;
