@@ -17,8 +17,10 @@ AVX-512 build, chosen by the number of activation rows M:
   rows at a time into a thread-local fp32 tile (in cache) and multiplies every activation row against it (the
   weights still stream once per call); larger M (prefill): the whole weight dequantized in C++, then torch's fp32
   GEMM, which outruns the tiled kernel there. The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
-* int8 on an AVX-512 VNNI CPU (`int8_kernel_quantizes_activations`), above `QUANT_GEMV_MAX_ROWS`: W8A8, as the
-  issue that brought int8 asked for prefill and batches: each x row quantized alone (d = amax / 127, the
+* int8 on an AVX-512 VNNI CPU (`quantizes_activation_rows`), above `QUANT_GEMV_MAX_ROWS`, and Q8_0 there above
+  `QUANT_TILED_MAX_ROWS` (prefill; `q8_0_linear_w8a8`: exact int32 dots per block, times d_b, 2.0-2.3x the
+  dequantize + fp32 GEMM at M=512, ~150 G multiply-adds/s): W8A8, as the issue that brought int8 asked for prefill
+  and batches, and as llama.cpp multiplies Q8_0 at every M: each x row quantized alone (d = amax / 127, the
   `fake_quantize_int8_rows` view), exact int32 dots (vpdpbusd, 4 weight rows x 5 x rows per register block, the
   weights read once per ~512 KiB of x quants), times d_x * scale[n]. Against the tiled kernel and the dequantize +
   fp32 GEMM it replaces there (2 threads, 2-core Zen 4 EPYC, K=2048,N=8192 / K=8192,N=2048): M=16 2.7 / 4.3x the
@@ -36,7 +38,8 @@ faster (figures at `QUANT_GEMV_MAX_ROWS`). The integer kernel sums each activati
 do not depend on how many rows share its step (bit for bit); the C++ tiled kernel (reachable directly) and the
 reference (`KVFLOW_CPU_KERNELS=0`) multiply the fake-quantized x (`fake_quantize_activations`), the same sum up to
 fp32 summation order.
-Q8_0 keeps fp32 x at every M, and int8 up to `QUANT_GEMV_MAX_ROWS` rows (decode) and on CPUs without VNNI: their
+Q8_0 keeps fp32 x up to `QUANT_TILED_MAX_ROWS` rows, int8 up to `QUANT_GEMV_MAX_ROWS` (decode), both at every M
+on CPUs without VNNI: their
 8-bit quants widen in one instruction and their GEMVs reach ~20 GB/s on 2 threads, near this machine's memory
 speed, and a Q8_0 model decodes exactly like its float32 dequantization.
 
@@ -67,11 +70,11 @@ __all__ = [
     "ggml_linear_for",
     "ggml_row_bytes",
     "ggml_type_code",
-    "int8_kernel_quantizes_activations",
     "int8_linear",
     "int8_linear_for",
     "int8_quantize",
     "quantize_activations_reference",
+    "quantizes_activation_rows",
 ]
 
 # (elements per block, bytes per block), by gguf's GGMLQuantizationType name.
@@ -257,11 +260,16 @@ def fake_quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
     return quants * scales
 
 
-def int8_kernel_quantizes_activations(num_rows: int) -> bool:
-    """Whether `int8_linear` on `num_rows` activation rows runs the W8A8 kernel (x quantized per row, integer
-    dots): the C++ kernels on an AVX-512 VNNI CPU, above `QUANT_GEMV_MAX_ROWS` rows."""
+def quantizes_activation_rows(weight_type: str, num_rows: int) -> bool:
+    """Whether the kernel product of `weight_type` ("int8" or "Q8_0") on `num_rows` activation rows is W8A8 (x
+    quantized per row, integer dots; `fake_quantize_int8_rows` is what it multiplies): the C++ kernels on an AVX-512
+    VNNI CPU, int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 above `QUANT_TILED_MAX_ROWS` (where its float path
+    was dequantization + torch's fp32 GEMM; decode and small batches stay exact against the float32 model)."""
+    limits = {"int8": QUANT_GEMV_MAX_ROWS, "Q8_0": QUANT_TILED_MAX_ROWS}
+    if weight_type not in limits:
+        raise ValueError(f"weight_type must be one of {sorted(limits)}, got {weight_type!r}")
     ops = _kernel_ops()
-    return ops is not None and ops.int8_quantizes_activations() and num_rows > QUANT_GEMV_MAX_ROWS
+    return ops is not None and ops.int8_quantizes_activations() and num_rows > limits[weight_type]
 
 
 def _kernel_ops(require_simd: bool = True):
@@ -322,6 +330,8 @@ def _ggml_linear_kernel(
     code = _GGML_TYPE_CODES[qtype]
     if qtype in INTEGER_PRODUCT_TYPES:
         out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), rows.shape[0])
+    elif quantizes_activation_rows(qtype, rows.shape[0]):  # Q8_0, prefill-sized M: W8A8
+        out = ops.q8_0_linear_w8a8(rows, blocks, _float_bias(bias))
     elif rows.shape[0] > QUANT_TILED_MAX_ROWS:  # Q8_0: float32 x
         out = F.linear(rows.float(), ops.ggml_dequantize(blocks, code), _float_bias(bias))
     else:
@@ -418,7 +428,7 @@ def int8_linear(
 ) -> torch.Tensor:
     """`F.linear(x.float(), qweight.float() * scale[:, None], bias.float()).to(x.dtype)` within fp32 accumulation
     error (qweight, scale from `int8_quantize`), x taken as `fake_quantize_int8_rows(x)` where
-    `int8_kernel_quantizes_activations(rows)`; the C++ kernels when they apply, else that reference."""
+    `quantizes_activation_rows("int8", rows)`; the C++ kernels when they apply, else that reference."""
     if _kernel_ops() is not None and _int8_applies(x, qweight):
         return _int8_linear_kernel(x, qweight, scale, bias)
     return _int8_linear_reference(x, qweight, scale, bias)

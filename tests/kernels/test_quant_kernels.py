@@ -226,8 +226,10 @@ def test_ggml_linear_matches_reference(
         bias = torch.randn(num_rows, generator=generator).to(dtype)
         for m in (1, 2, 3, 8, 9, 33, 70):
             x = torch.randn(m, columns, generator=generator).to(dtype)
+            w8a8 = qtype == "Q8_0" and quant.quantizes_activation_rows(qtype, m)
             for b in (None, bias):
-                _check_product(_on_threads(linear, x, blocks, b), x, weight, b, qtype)
+                out = _on_threads(linear, x, blocks, b)
+                _check_product(out, x, weight, b, qtype, int8_rows_quantized=w8a8)
         x = torch.randn(2, 3, columns, generator=generator).to(dtype)  # leading dims kept
         out = quant.ggml_linear(x, qtype, blocks, bias.float())
         assert out.shape == (2, 3, num_rows)
@@ -271,7 +273,7 @@ def test_int8_linear_matches_reference(
         bias = torch.randn(num_rows, generator=generator).to(dtype)
         for m in (1, 2, 3, 8, 9, 33, 70, 150):
             x = torch.randn(m, columns, generator=generator).to(dtype)
-            w8a8 = quant.int8_kernel_quantizes_activations(m)
+            w8a8 = quant.quantizes_activation_rows("int8", m)
             for b in (None, bias):
                 out = _on_threads(linear, x, qweight, scale, b)
                 _check_product(out, x, weight, b, int8_rows_quantized=w8a8)
@@ -285,25 +287,47 @@ def test_int8_linear_matches_reference(
 
 
 @pytest.mark.skipif(
-    not quant.int8_kernel_quantizes_activations(quant.QUANT_GEMV_MAX_ROWS + 1),
-    reason="the W8A8 int8 kernel needs AVX-512 VNNI",
+    not quant.quantizes_activation_rows("int8", quant.QUANT_GEMV_MAX_ROWS + 1),
+    reason="the W8A8 kernels need AVX-512 VNNI",
 )
-def test_w8a8_int8_kernel_sums_each_row_alone_and_quantizes_x_per_row(two_threads: None) -> None:
-    """Above the GEMV's rows (AVX-512 VNNI CPUs) int8_linear quantizes each x row alone and sums exact int32 dots:
-    a row's output is the same bit for bit whatever rows share the call (9 or 150 rows, 4-row weight blocks and
-    5-row x blocks with remainders of every size), K = 1100 takes a masked last 64 columns, and the result is the
-    product of the per-row fake-quantized x (a row of large values beside small ones does not coarsen them, as one
-    scale per tensor would)."""
+@pytest.mark.parametrize("weight_type", ["int8", "Q8_0"])
+def test_w8a8_kernels_sum_each_row_alone_and_quantize_x_per_row(
+    weight_type: str, two_threads: None
+) -> None:
+    """Above their float rows (AVX-512 VNNI CPUs) int8_linear and the Q8_0 product quantize each x row alone and
+    sum exact int32 dots: a row's output is the same bit for bit whatever rows share the call (up to 150 rows,
+    4-row weight blocks and 4- or 5-row x blocks with remainders of every size), int8's K = 1100 takes a masked
+    last 64 columns and Q8_0's 35 blocks an odd last one, and the result is the product of the per-row
+    fake-quantized x (a row of large values beside small ones does not coarsen them, as one scale per tensor
+    would)."""
     generator = torch.Generator().manual_seed(12)
-    qweight, scale = quant.int8_quantize(torch.randn(43, 1100, generator=generator))
-    weight = qweight.float() * scale[:, None]
-    x = torch.randn(150, 1100, generator=generator)
+    columns = 1100 if weight_type == "int8" else 35 * 32
+    dense = torch.randn(43, columns, generator=generator)
+    if weight_type == "int8":
+        qweight, scale = quant.int8_quantize(dense)
+        weight = qweight.float() * scale[:, None]
+
+        def product(rows: torch.Tensor) -> torch.Tensor:
+            return quant.int8_linear(rows, qweight, scale, bias)
+
+    else:
+        _, blocks = _blocks("Q8_0", 43, columns, seed=12)
+        weight = quant.dequantize_reference("Q8_0", blocks)
+
+        def product(rows: torch.Tensor) -> torch.Tensor:
+            return quant.ggml_linear(rows, "Q8_0", blocks, bias)
+
+    x = torch.randn(150, columns, generator=generator)
     x[3] *= 1000.0
     bias = torch.randn(43, generator=generator)
-    whole = quant.int8_linear(x, qweight, scale, bias)
+    whole = product(x)
     _check_product(whole, x, weight, bias, int8_rows_quantized=True)
-    for rows in (slice(0, 9), slice(1, 13), slice(140, 150)):
-        assert torch.equal(quant.int8_linear(x[rows], qweight, scale, bias), whole[rows])
+    smallest = (
+        quant.QUANT_GEMV_MAX_ROWS if weight_type == "int8" else quant.QUANT_TILED_MAX_ROWS
+    ) + 1
+    for rows in (slice(0, smallest), slice(1, smallest + 4), slice(150 - smallest, 150)):
+        assert quant.quantizes_activation_rows(weight_type, rows.stop - rows.start)
+        assert torch.equal(product(x[rows]), whole[rows])
     per_tensor = quant.fake_quantize_int8_rows(x.reshape(1, -1)).view_as(x)
     assert not torch.allclose(quant.fake_quantize_int8_rows(x), per_tensor)
 

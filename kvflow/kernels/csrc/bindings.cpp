@@ -469,6 +469,23 @@ std::tuple<at::Tensor, at::Tensor> ggml_quantize_activations(const at::Tensor& x
   return {quants, scales};
 }
 
+at::Tensor q8_0_linear_w8a8(const at::Tensor& x, const at::Tensor& blocks, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kvflow::has_w8a8_kernels(), "q8_0_linear_w8a8 needs an AVX-512 VNNI build");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) % 34 == 0,
+              "Q8_0 blocks must be uint8 [N, a multiple of 34 bytes]");
+  const int64_t K = blocks.size(1) / 34 * 32;
+  check_quant_operands(x, blocks, K, bias);
+  const int64_t M = x.size(0), N = blocks.size(0);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M == 0 || N == 0) return out;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    kvflow::q8_0_linear_w8a8<T>(ptr<T>(x), M, K, x.stride(0), ptr<uint8_t>(blocks), N,
+                                bias ? ptr<float>(*bias) : nullptr, ptr<float>(out), at::get_num_threads());
+  });
+  return out;
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "qweight must be int8");
@@ -523,15 +540,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
-  // int8_linear above gemv_max_rows quantizes x per row and multiplies integers (W8A8, vpdpbusd).
-  m.def("int8_quantizes_activations", []() {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
-    defined(__AVX2__) && defined(__FMA__)
-    return true;
-#else
-    return false;
-#endif
-  });
+  m.def("q8_0_linear_w8a8", &q8_0_linear_w8a8,
+        "x quantized per row @ dequantize(Q8_0 blocks).T (+ bias), float32 out (AVX-512 VNNI builds)", py::arg("x"),
+        py::arg("blocks"), py::arg("bias"));
+  // int8_linear above gemv_max_rows quantizes x per row and multiplies integers (W8A8, vpdpbusd), and
+  // q8_0_linear_w8a8 exists.
+  m.def("int8_quantizes_activations", &kvflow::has_w8a8_kernels);
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;
