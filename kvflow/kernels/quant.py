@@ -8,19 +8,19 @@ when the C++ kernels are off (`KVFLOW_CPU_KERNELS=0`, no compiler, no AVX2).
 Products (`ggml_linear`, `int8_linear`) run in the C++ extension (csrc/quant.cpp) when it is loaded on an AVX2 or
 AVX-512 build, chosen by the number of activation rows M:
 
-* Q4_0, Q4_K, Q6_K (int8 activations), every M: the integer block product. Up to 8 rows it is a GEMV on the
-  blocks themselves, each weight byte read once per call, nothing dequantized to memory; above, the same kernel
-  blocked (16-row weight tiles in cache against 64-row blocks of x, 8 rows per register pass), the weights read
-  once per 64 rows (figures at `INTEGER_PRODUCT_TYPES`).
+* Q4_0 (up to `QUANT_TILED_MAX_ROWS` on VNNI CPUs, see W8A8 below), Q4_K, Q6_K (int8 activations), every M: the
+  integer block product. Up to 8 rows it is a GEMV on the blocks themselves, each weight byte read once per call,
+  nothing dequantized to memory; above, the same kernel blocked (16-row weight tiles in cache against 64-row
+  blocks of x, 8 rows per register pass), the weights read once per 64 rows (figures at `INTEGER_PRODUCT_TYPES`).
 * Q8_0 and int8 (float32 activations), by M: up to `QUANT_GEMV_MAX_ROWS` (decode, speculative verification) the
   GEMV; up to `QUANT_TILED_MAX_ROWS` (int8: `INT8_TILED_MAX_ROWS`) a tiled kernel that dequantizes a few weight
   rows at a time into a thread-local fp32 tile (in cache) and multiplies every activation row against it (the
   weights still stream once per call); larger M (prefill): the whole weight dequantized in C++, then torch's fp32
   GEMM, which outruns the tiled kernel there. The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
-* int8 on an AVX-512 VNNI CPU (`quantizes_activation_rows`), above `QUANT_GEMV_MAX_ROWS`, and Q8_0 there above
-  `QUANT_TILED_MAX_ROWS` (prefill; `q8_0_linear_w8a8`: exact int32 dots per block, times d_b, 2.0-2.3x the
-  dequantize + fp32 GEMM at M=512, ~150 G multiply-adds/s): W8A8, as the issue that brought int8 asked for prefill
-  and batches, and as llama.cpp multiplies Q8_0 at every M: each x row quantized alone (d = amax / 127, the
+* int8 on an AVX-512 VNNI CPU (`quantizes_activation_rows`), above `QUANT_GEMV_MAX_ROWS`, and Q8_0 and Q4_0 there
+  above `QUANT_TILED_MAX_ROWS` (prefill; `ggml_linear_w8a8`: exact int32 dots per block, times d_b; Q8_0 2.0-2.3x
+  the dequantize + fp32 GEMM at M=512, ~150 G multiply-adds/s): W8A8, as the issue that brought int8 asked for
+  prefill and batches, and as llama.cpp multiplies Q8_0 at every M: each x row quantized alone (d = amax / 127, the
   `fake_quantize_int8_rows` view), exact int32 dots (vpdpbusd, 4 weight rows x 5 x rows per register block, the
   weights read once per ~512 KiB of x quants), times d_x * scale[n]. Against the tiled kernel and the dequantize +
   fp32 GEMM it replaces there (2 threads, 2-core Zen 4 EPYC, K=2048,N=8192 / K=8192,N=2048): M=16 2.7 / 4.3x the
@@ -261,11 +261,15 @@ def fake_quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantizes_activation_rows(weight_type: str, num_rows: int) -> bool:
-    """Whether the kernel product of `weight_type` ("int8" or "Q8_0") on `num_rows` activation rows is W8A8 (x
-    quantized per row, integer dots; `fake_quantize_int8_rows` is what it multiplies): the C++ kernels on an AVX-512
-    VNNI CPU, int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 above `QUANT_TILED_MAX_ROWS` (where its float path
-    was dequantization + torch's fp32 GEMM; decode and small batches stay exact against the float32 model)."""
-    limits = {"int8": QUANT_GEMV_MAX_ROWS, "Q8_0": QUANT_TILED_MAX_ROWS}
+    """Whether the kernel product of `weight_type` ("int8", "Q8_0" or "Q4_0") on `num_rows` activation rows is
+    W8A8 (x quantized per row, integer dots; `fake_quantize_int8_rows` is what it multiplies): the C++ kernels on an
+    AVX-512 VNNI CPU, int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 and Q4_0 above `QUANT_TILED_MAX_ROWS` (Q8_0's
+    decode and small batches stay exact against the float32 model, Q4_0's keep llama.cpp's per-32 x quants)."""
+    limits = {
+        "int8": QUANT_GEMV_MAX_ROWS,
+        "Q8_0": QUANT_TILED_MAX_ROWS,
+        "Q4_0": QUANT_TILED_MAX_ROWS,
+    }
     if weight_type not in limits:
         raise ValueError(f"weight_type must be one of {sorted(limits)}, got {weight_type!r}")
     ops = _kernel_ops()
@@ -328,10 +332,10 @@ def _ggml_linear_kernel(
     num_columns = _num_columns(qtype, blocks)
     rows = _rows_of(x, num_columns)
     code = _GGML_TYPE_CODES[qtype]
-    if qtype in INTEGER_PRODUCT_TYPES:
+    if qtype in ("Q8_0", "Q4_0") and quantizes_activation_rows(qtype, rows.shape[0]):
+        out = ops.ggml_linear_w8a8(rows, blocks, code, _float_bias(bias))  # prefill-sized M
+    elif qtype in INTEGER_PRODUCT_TYPES:
         out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), rows.shape[0])
-    elif quantizes_activation_rows(qtype, rows.shape[0]):  # Q8_0, prefill-sized M: W8A8
-        out = ops.q8_0_linear_w8a8(rows, blocks, _float_bias(bias))
     elif rows.shape[0] > QUANT_TILED_MAX_ROWS:  # Q8_0: float32 x
         out = F.linear(rows.float(), ops.ggml_dequantize(blocks, code), _float_bias(bias))
     else:

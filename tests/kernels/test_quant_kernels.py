@@ -226,7 +226,7 @@ def test_ggml_linear_matches_reference(
         bias = torch.randn(num_rows, generator=generator).to(dtype)
         for m in (1, 2, 3, 8, 9, 33, 70):
             x = torch.randn(m, columns, generator=generator).to(dtype)
-            w8a8 = qtype == "Q8_0" and quant.quantizes_activation_rows(qtype, m)
+            w8a8 = qtype in ("Q8_0", "Q4_0") and quant.quantizes_activation_rows(qtype, m)
             for b in (None, bias):
                 out = _on_threads(linear, x, blocks, b)
                 _check_product(out, x, weight, b, qtype, int8_rows_quantized=w8a8)
@@ -290,16 +290,16 @@ def test_int8_linear_matches_reference(
     not quant.quantizes_activation_rows("int8", quant.QUANT_GEMV_MAX_ROWS + 1),
     reason="the W8A8 kernels need AVX-512 VNNI",
 )
-@pytest.mark.parametrize("weight_type", ["int8", "Q8_0"])
+@pytest.mark.parametrize("weight_type", ["int8", "Q8_0", "Q4_0"])
 def test_w8a8_kernels_sum_each_row_alone_and_quantize_x_per_row(
     weight_type: str, two_threads: None
 ) -> None:
-    """Above their float rows (AVX-512 VNNI CPUs) int8_linear and the Q8_0 product quantize each x row alone and
-    sum exact int32 dots: a row's output is the same bit for bit whatever rows share the call (up to 150 rows,
-    4-row weight blocks and 4- or 5-row x blocks with remainders of every size), int8's K = 1100 takes a masked
-    last 64 columns and Q8_0's 35 blocks an odd last one, and the result is the product of the per-row
-    fake-quantized x (a row of large values beside small ones does not coarsen them, as one scale per tensor
-    would)."""
+    """Above their GEMV / tiled rows (AVX-512 VNNI CPUs) int8_linear and the Q8_0 and Q4_0 products quantize each x
+    row alone and sum exact int32 dots: a row's output is the same bit for bit whatever rows share the call (up to
+    150 rows, 4-row weight blocks and 4- or 5-row x blocks with remainders of every size), int8's K = 1100 takes a
+    masked last 64 columns and the GGUF types' 35 blocks an odd last one, and the result is the product of the
+    per-row fake-quantized x (a row of large values beside small ones does not coarsen them, as one scale per
+    tensor would)."""
     generator = torch.Generator().manual_seed(12)
     columns = 1100 if weight_type == "int8" else 35 * 32
     dense = torch.randn(43, columns, generator=generator)
@@ -311,11 +311,11 @@ def test_w8a8_kernels_sum_each_row_alone_and_quantize_x_per_row(
             return quant.int8_linear(rows, qweight, scale, bias)
 
     else:
-        _, blocks = _blocks("Q8_0", 43, columns, seed=12)
-        weight = quant.dequantize_reference("Q8_0", blocks)
+        _, blocks = _blocks(weight_type, 43, columns, seed=12)
+        weight = quant.dequantize_reference(weight_type, blocks)
 
         def product(rows: torch.Tensor) -> torch.Tensor:
-            return quant.ggml_linear(rows, "Q8_0", blocks, bias)
+            return quant.ggml_linear(rows, weight_type, blocks, bias)
 
     x = torch.randn(150, columns, generator=generator)
     x[3] *= 1000.0

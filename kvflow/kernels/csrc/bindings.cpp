@@ -469,18 +469,18 @@ std::tuple<at::Tensor, at::Tensor> ggml_quantize_activations(const at::Tensor& x
   return {quants, scales};
 }
 
-at::Tensor q8_0_linear_w8a8(const at::Tensor& x, const at::Tensor& blocks, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(kvflow::has_w8a8_kernels(), "q8_0_linear_w8a8 needs an AVX-512 VNNI build");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) % 34 == 0,
-              "Q8_0 blocks must be uint8 [N, a multiple of 34 bytes]");
-  const int64_t K = blocks.size(1) / 34 * 32;
+at::Tensor ggml_linear_w8a8(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(kvflow::has_w8a8_kernels(), "ggml_linear_w8a8 needs an AVX-512 VNNI build");
+  TORCH_CHECK(type == kvflow::kGgmlQ8_0 || type == kvflow::kGgmlQ4_0, "ggml_linear_w8a8 takes Q8_0 or Q4_0 blocks");
+  const int64_t K = ggml_columns(blocks, type);
   check_quant_operands(x, blocks, K, bias);
   const int64_t M = x.size(0), N = blocks.size(0);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0 || N == 0) return out;
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
-    kvflow::q8_0_linear_w8a8<T>(ptr<T>(x), M, K, x.stride(0), ptr<uint8_t>(blocks), N,
+    kvflow::ggml_linear_w8a8<T>(ptr<T>(x), M, K, x.stride(0), ptr<uint8_t>(blocks), N, static_cast<int>(type),
                                 bias ? ptr<float>(*bias) : nullptr, ptr<float>(out), at::get_num_threads());
   });
   return out;
@@ -540,11 +540,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   });
-  m.def("q8_0_linear_w8a8", &q8_0_linear_w8a8,
-        "x quantized per row @ dequantize(Q8_0 blocks).T (+ bias), float32 out (AVX-512 VNNI builds)", py::arg("x"),
-        py::arg("blocks"), py::arg("bias"));
+  m.def("ggml_linear_w8a8", &ggml_linear_w8a8,
+        "x quantized per row @ dequantize(Q8_0 or Q4_0 blocks).T (+ bias), float32 out (AVX-512 VNNI builds)",
+        py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("bias"));
   // int8_linear above gemv_max_rows quantizes x per row and multiplies integers (W8A8, vpdpbusd), and
-  // q8_0_linear_w8a8 exists.
+  // ggml_linear_w8a8 exists.
   m.def("int8_quantizes_activations", &kvflow::has_w8a8_kernels);
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)

@@ -159,11 +159,11 @@ template <typename T>
 void int8_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_t* w, const float* scale, int64_t N,
                  const float* bias, float* y, int64_t gemv_max_rows, int num_threads);
 
-// Q8_0 weights against x quantized per row (W8A8: d_x = amax / 127 per row, exact int32 dots per block, scaled
-// by d_b and d_x in fp32), for prefill-sized M; only on AVX-512 VNNI builds (has_w8a8_kernels), where int8_linear
-// above gemv_max_rows takes the same per-row W8A8 form.
+// Q8_0 or Q4_0 weights (type) against x quantized per row (W8A8: d_x = amax / 127 per row, exact int32 dots per
+// block, scaled by d_b and d_x in fp32), for prefill-sized M; only on AVX-512 VNNI builds (has_w8a8_kernels),
+// where int8_linear above gemv_max_rows takes the same per-row W8A8 form.
 template <typename T>
-void q8_0_linear_w8a8(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N,
+void ggml_linear_w8a8(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
                       const float* bias, float* y, int num_threads);
 bool has_w8a8_kernels();
 

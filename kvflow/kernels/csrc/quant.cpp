@@ -852,14 +852,23 @@ void int8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const int
   }
 }
 
-// ---- Q8_0 against x quantized per row (prefill-sized M; AVX-512 VNNI) ----
+// ---- Q8_0 and Q4_0 against x quantized per row (prefill-sized M; AVX-512 VNNI) ----
 //
-// y[m, n] = d_x[m] * sum_b d_b * sum_{i in b} w_i q_x,i: per block an exact int32 dot (vpdpbusd on x shifted to u8,
-// q_x + 128, against the block's s8 quants, two blocks per 512-bit vector), converted and scaled by d_b in fp32;
-// the shift comes back as C_n = sum_b d_b * 128 * sum(w in b), one per weight row. Each (n, m) sums its blocks in
-// one fixed order: a row's output does not depend on the rows beside it or on the thread count.
-constexpr int kQ8_0GemmR = 4;   // weight rows per register block
-constexpr int kQ8_0GemmMT = 4;  // x rows per register block
+// y[m, n] = d_x[m] * sum_b d_b * sum_{i in b} w_i q_x,i, w_i the block's signed quants (Q8_0's int8, Q4_0's q - 8):
+// per block an exact int32 dot (vpdpbusd on x shifted to u8, q_x + 128, against the s8 quants, two blocks per
+// 512-bit vector), converted and scaled by d_b in fp32; the shift comes back as C_n = sum_b d_b * 128 * sum(w in b),
+// one per weight row. Each (n, m) sums its blocks in one fixed order: a row's output does not depend on the rows
+// beside it or on the thread count.
+// f(std::integral_constant<int, count>) for a count in [1, Max] known only at run time.
+template <int Max, class F>
+void with_count(int64_t count, F&& f) {
+  if constexpr (Max >= 1) {
+    if (count == Max)
+      f(std::integral_constant<int, Max>{});
+    else
+      with_count<Max - 1>(count, f);
+  }
+}
 
 // x rows quantized alone, stored shifted (q + 128 as u8), K rounded up to 64 (the padding multiplies no weight).
 struct ShiftedRowQuantizedX {
@@ -877,31 +886,53 @@ struct ShiftedRowQuantizedX {
   }
 };
 
-// The two blocks at `block` (34 bytes apart) as one vector of 64 s8 quants and their d's, 16 lanes each half.
-inline void q8_0_block_pair(const uint8_t* block, __m512i& quants, __m512& d) {
-  quants = _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + Q8_0Block::kBytes + 2)), 1);
-  d = _mm512_insertf32x8(_mm512_set1_ps(fp16_to_float(block)),
-                         _mm256_set1_ps(fp16_to_float(block + Q8_0Block::kBytes)), 1);
-}
+// A weight type's 32-element blocks as s8 quants: two blocks as one 512-bit vector with their d's (16 lanes each
+// half), or one block as 256 bits.
+struct Q8_0Quants {
+  static constexpr int kBytes = 34;
+  static constexpr int kR = 4, kMT = 4;  // weight rows x x rows per register block
+  static void pair(const uint8_t* block, __m512i& quants, __m512& d) {
+    quants = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kBytes + 2)), 1);
+    d = _mm512_insertf32x8(_mm512_set1_ps(fp16_to_float(block)), _mm256_set1_ps(fp16_to_float(block + kBytes)), 1);
+  }
+  static __m256i single(const uint8_t* block) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+  }
+};
+
+struct Q4_0Quants {
+  static constexpr int kBytes = 18;
+  static constexpr int kR = 2, kMT = 8;  // the nibble unpacking shared by 8 x rows
+  // 16 packed bytes -> elements 0-15 (low nibbles) | 16-31 (high nibbles), minus 8.
+  static __m256i single(const uint8_t* block) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+    return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
+  }
+  static void pair(const uint8_t* block, __m512i& quants, __m512& d) {
+    quants = _mm512_inserti64x4(_mm512_castsi256_si512(single(block)), single(block + kBytes), 1);
+    d = _mm512_insertf32x8(_mm512_set1_ps(fp16_to_float(block)), _mm256_set1_ps(fp16_to_float(block + kBytes)), 1);
+  }
+};
 
 // C_n = sum_b d_b * 128 * sum(w in b) for one weight row, summed in the block order the dots use.
-inline float q8_0_shift_term(const uint8_t* row, int64_t num_blocks) {
+template <class Quants>
+float w8a8_shift_term(const uint8_t* row, int64_t num_blocks) {
   const __m512i shift = _mm512_set1_epi8(static_cast<char>(128));
   __m512 acc = _mm512_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= num_blocks; b += 2) {
     __m512i quants;
     __m512 d;
-    q8_0_block_pair(row + b * Q8_0Block::kBytes, quants, d);
+    Quants::pair(row + b * Quants::kBytes, quants, d);
     acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), shift, quants)), acc);
   }
   if (b < num_blocks) {
-    const uint8_t* block = row + b * Q8_0Block::kBytes;
-    const __m256i quants = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    const __m256 dots = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm512_castsi512_si256(shift),
-                                                               quants));
+    const uint8_t* block = row + b * Quants::kBytes;
+    const __m256 dots = _mm256_cvtepi32_ps(
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm512_castsi512_si256(shift), Quants::single(block)));
     acc = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_set1_ps(fp16_to_float(block))), _mm512_zextps256_ps512(dots),
                           acc);
   }
@@ -909,8 +940,8 @@ inline float q8_0_shift_term(const uint8_t* row, int64_t num_blocks) {
 }
 
 // Weight rows [n0, n0 + R) against x rows [m0, m0 + MT), then y.
-template <int R, int MT>
-void q8_0_gemm_block(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const ShiftedRowQuantizedX& x,
+template <class Quants, int R, int MT>
+void w8a8_gemm_block(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const ShiftedRowQuantizedX& x,
                      const float* shift_terms, int64_t n0, int64_t m0, const float* bias, float* y, int64_t N) {
   __m512 acc[R][MT];
   for (int r = 0; r < R; ++r)
@@ -923,7 +954,7 @@ void q8_0_gemm_block(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, co
     for (int r = 0; r < R; ++r) {
       __m512i quants;
       __m512 d;
-      q8_0_block_pair(w + (n0 + r) * row_bytes + b * Q8_0Block::kBytes, quants, d);
+      Quants::pair(w + (n0 + r) * row_bytes + b * Quants::kBytes, quants, d);
       for (int m = 0; m < MT; ++m)
         acc[r][m] = _mm512_fmadd_ps(
             d, _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv[m], quants)), acc[r][m]);
@@ -931,8 +962,8 @@ void q8_0_gemm_block(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, co
   }
   if (b < num_blocks) {  // an odd last block: 256 bits, the upper lanes add zero
     for (int r = 0; r < R; ++r) {
-      const uint8_t* block = w + (n0 + r) * row_bytes + b * Q8_0Block::kBytes;
-      const __m256i quants = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+      const uint8_t* block = w + (n0 + r) * row_bytes + b * Quants::kBytes;
+      const __m256i quants = Quants::single(block);
       const __m512 d = _mm512_zextps256_ps512(_mm256_set1_ps(fp16_to_float(block)));
       for (int m = 0; m < MT; ++m) {
         const __m256i xm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * x.padded + b * 32));
@@ -948,39 +979,37 @@ void q8_0_gemm_block(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, co
     }
 }
 
-template <int R>
-void q8_0_gemm_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const ShiftedRowQuantizedX& x,
+template <class Quants, int R>
+void w8a8_gemm_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const ShiftedRowQuantizedX& x,
                     const float* shift_terms, int64_t n0, int64_t m_begin, int64_t m_end, const float* bias, float* y,
                     int64_t N) {
   int64_t m = m_begin;
-  for (; m + kQ8_0GemmMT <= m_end; m += kQ8_0GemmMT)
-    q8_0_gemm_block<R, kQ8_0GemmMT>(w, row_bytes, num_blocks, x, shift_terms, n0, m, bias, y, N);
-  switch (m_end - m) {
-    case 1: q8_0_gemm_block<R, 1>(w, row_bytes, num_blocks, x, shift_terms, n0, m, bias, y, N); break;
-    case 2: q8_0_gemm_block<R, 2>(w, row_bytes, num_blocks, x, shift_terms, n0, m, bias, y, N); break;
-    case 3: q8_0_gemm_block<R, 3>(w, row_bytes, num_blocks, x, shift_terms, n0, m, bias, y, N); break;
-    default: break;
-  }
+  for (; m + Quants::kMT <= m_end; m += Quants::kMT)
+    w8a8_gemm_block<Quants, R, Quants::kMT>(w, row_bytes, num_blocks, x, shift_terms, n0, m, bias, y, N);
+  with_count<Quants::kMT - 1>(m_end - m, [&](auto rows) {
+    w8a8_gemm_block<Quants, R, decltype(rows)::value>(w, row_bytes, num_blocks, x, shift_terms, n0, m, bias, y, N);
+  });
 }
 
-void q8_0_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const uint8_t* w, int64_t N,
+template <class Quants>
+void w8a8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const uint8_t* w, int64_t N,
                     const float* bias, float* y, int num_threads) {
   const ShiftedRowQuantizedX x(xf, M, K, xs);
-  const int64_t num_blocks = K / 32, row_bytes = num_blocks * Q8_0Block::kBytes;
+  const int64_t num_blocks = K / 32, row_bytes = num_blocks * Quants::kBytes;
   std::vector<float> shift_terms(static_cast<size_t>(N));
-  const int64_t block_rows = std::max<int64_t>(kQ8_0GemmMT, kInt8GemmXBlockBytes / x.padded);
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / kQ8_0GemmR)));
+  const int64_t block_rows = std::max<int64_t>(Quants::kMT, kInt8GemmXBlockBytes / x.padded);
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / Quants::kR)));
 #pragma omp parallel num_threads(threads)
   {
     int64_t begin, end;
     thread_range(N, omp_get_thread_num(), omp_get_num_threads(), begin, end);
-    for (int64_t n = begin; n < end; ++n) shift_terms[n] = q8_0_shift_term(w + n * row_bytes, num_blocks);
+    for (int64_t n = begin; n < end; ++n) shift_terms[n] = w8a8_shift_term<Quants>(w + n * row_bytes, num_blocks);
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       const int64_t m1 = std::min(M, m0 + block_rows);
-      for (int64_t n = begin; n < end; n += kQ8_0GemmR)
-        by_weight_rows(std::min<int64_t>(kQ8_0GemmR, end - n), [&](auto rows) {
-          q8_0_gemm_rows<decltype(rows)::value>(w, row_bytes, num_blocks, x, shift_terms.data(), n, m0, m1, bias,
-                                                y, N);
+      for (int64_t n = begin; n < end; n += Quants::kR)
+        with_count<Quants::kR>(std::min<int64_t>(Quants::kR, end - n), [&](auto rows) {
+          w8a8_gemm_rows<Quants, decltype(rows)::value>(w, row_bytes, num_blocks, x, shift_terms.data(), n, m0, m1,
+                                                        bias, y, N);
         });
     }
   }
@@ -1224,15 +1253,18 @@ void int8_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_
 }
 
 template <typename T>
-void q8_0_linear_w8a8(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N,
+void ggml_linear_w8a8(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
                       const float* bias, float* y, int num_threads) {
 #ifdef KVFLOW_QUANT_VNNI
   const int64_t xs = padded8(K);
   const std::vector<float> xf = widen_rows<T>(x, M, K, x_stride, xs);
-  q8_0_gemm_vnni(xf.data(), M, K, xs, w, N, bias, y, num_threads);
+  if (type == kGgmlQ4_0)
+    w8a8_gemm_vnni<Q4_0Quants>(xf.data(), M, K, xs, w, N, bias, y, num_threads);
+  else
+    w8a8_gemm_vnni<Q8_0Quants>(xf.data(), M, K, xs, w, N, bias, y, num_threads);
 #else
-  (void)x, (void)M, (void)K, (void)x_stride, (void)w, (void)N, (void)bias, (void)y, (void)num_threads;
-  throw std::runtime_error("q8_0_linear_w8a8 needs an AVX-512 VNNI build");
+  (void)x, (void)M, (void)K, (void)x_stride, (void)w, (void)N, (void)type, (void)bias, (void)y, (void)num_threads;
+  throw std::runtime_error("ggml_linear_w8a8 needs an AVX-512 VNNI build");
 #endif
 }
 
@@ -1244,10 +1276,10 @@ bool has_w8a8_kernels() {
 #endif
 }
 
-template void q8_0_linear_w8a8<float>(const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, const float*,
-                                      float*, int);
-template void q8_0_linear_w8a8<bf16>(const bf16*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, const float*,
-                                     float*, int);
+template void ggml_linear_w8a8<float>(const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int,
+                                      const float*, float*, int);
+template void ggml_linear_w8a8<bf16>(const bf16*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int,
+                                     const float*, float*, int);
 template void ggml_linear<float>(const float*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int, const float*,
                                  float*, int64_t, int);
 template void ggml_linear<bf16>(const bf16*, int64_t, int64_t, int64_t, const uint8_t*, int64_t, int, const float*,
