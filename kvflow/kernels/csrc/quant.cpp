@@ -808,14 +808,14 @@ void int8_gemm_block(const int8_t* w, int64_t K, const RowQuantizedX& x, int64_t
     }
 }
 
-// f(integral_constant R) for R = count in 1..4 (the weight rows left at a band's end).
-template <class F>
-void by_weight_rows(int64_t count, F&& f) {
-  switch (count) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
+// f(std::integral_constant<int, count>) for a count in [1, Max] known only at run time.
+template <int Max, class F>
+void with_count(int64_t count, F&& f) {
+  if constexpr (Max >= 1) {
+    if (count == Max)
+      f(std::integral_constant<int, Max>{});
+    else
+      with_count<Max - 1>(count, f);
   }
 }
 
@@ -824,13 +824,9 @@ void int8_gemm_rows(const int8_t* w, int64_t K, const RowQuantizedX& x, int64_t 
                     const float* scale, const float* bias, float* y, int64_t N) {
   int64_t m = m_begin;
   for (; m + kInt8GemmMT <= m_end; m += kInt8GemmMT) int8_gemm_block<R, kInt8GemmMT>(w, K, x, n0, m, scale, bias, y, N);
-  switch (m_end - m) {
-    case 1: int8_gemm_block<R, 1>(w, K, x, n0, m, scale, bias, y, N); break;
-    case 2: int8_gemm_block<R, 2>(w, K, x, n0, m, scale, bias, y, N); break;
-    case 3: int8_gemm_block<R, 3>(w, K, x, n0, m, scale, bias, y, N); break;
-    case 4: int8_gemm_block<R, 4>(w, K, x, n0, m, scale, bias, y, N); break;
-    default: break;
-  }
+  with_count<kInt8GemmMT - 1>(m_end - m, [&](auto rows) {
+    int8_gemm_block<R, decltype(rows)::value>(w, K, x, n0, m, scale, bias, y, N);
+  });
 }
 
 void int8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,
@@ -845,7 +841,7 @@ void int8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const int
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       const int64_t m1 = std::min(M, m0 + block_rows);
       for (int64_t n = begin; n < end; n += kInt8GemmR)
-        by_weight_rows(std::min<int64_t>(kInt8GemmR, end - n), [&](auto rows) {
+        with_count<kInt8GemmR>(std::min<int64_t>(kInt8GemmR, end - n), [&](auto rows) {
           int8_gemm_rows<decltype(rows)::value>(w, K, x, n, m0, m1, scale, bias, y, N);
         });
     }
@@ -859,17 +855,6 @@ void int8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const int
 // 512-bit vector), converted and scaled by d_b in fp32; the shift comes back as C_n = sum_b d_b * 128 * sum(w in b),
 // one per weight row. Each (n, m) sums its blocks in one fixed order: a row's output does not depend on the rows
 // beside it or on the thread count.
-// f(std::integral_constant<int, count>) for a count in [1, Max] known only at run time.
-template <int Max, class F>
-void with_count(int64_t count, F&& f) {
-  if constexpr (Max >= 1) {
-    if (count == Max)
-      f(std::integral_constant<int, Max>{});
-    else
-      with_count<Max - 1>(count, f);
-  }
-}
-
 // x rows quantized alone, stored shifted (q + 128 as u8), K rounded up to 64 (the padding multiplies no weight).
 struct ShiftedRowQuantizedX {
   int64_t padded;
