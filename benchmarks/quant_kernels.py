@@ -7,12 +7,20 @@ copies of each weight are rotated so that they do not sit in the last-level cach
 
     .venv/bin/python benchmarks/quant_kernels.py [--types Q4_K int8] [--rows 1 16 64 512] [--threads 2]
 
+With AVX-512 VNNI kernels, `w8a8` is the per-row int8 activation product (int8, Q8_0, Q4_0 above their float rows)
+and int8's "tiled" entry is that same W8A8 kernel (int8_linear above its GEMV rows).
+
 `--baseline REV` instead compares the M = 1 GEMV of the working tree's kernels with those of git revision REV
 (its csrc built into the kernel cache dir, both loaded in this process), on 1 and 2 threads, measurements of the
 two builds and thread counts interleaved round by round: G weights/s and GB/s of weight bytes of the fastest and
 the median call, a plain memory read of the same bytes, new / old, and each build's 2-thread / 1-thread speed-up.
 
     .venv/bin/python benchmarks/quant_kernels.py --baseline 7010c1b --types Q4_0 Q4_K Q6_K Q8_0 int8
+
+and, for the other `--rows`, the block product at M rows (the integer kernel for Q4_0 / Q4_K / Q6_K at every M),
+new and old alternated on `--threads`:
+
+    .venv/bin/python benchmarks/quant_kernels.py --baseline 4762b49 --types Q4_K Q6_K --rows 8 64 512
 
 2-thread scaling of the Q8_0 / int8 GEMV (this 2-core EPYC while another benchmark ran 2 busy threads): fastest
 calls 1.54-2.05x the 1-thread ones (the row bands split evenly; the kernel scales when it has both cores), medians
@@ -37,7 +45,7 @@ import torch.nn.functional as F
 
 from kvflow.kernels import load_cpu_kernels
 from kvflow.kernels.build import _CFLAGS, _LDFLAGS, kernels_build_dir
-from kvflow.kernels.quant import _GGML_TYPE_CODES, int8_quantize
+from kvflow.kernels.quant import _GGML_TYPE_CODES, INTEGER_PRODUCT_TYPES, int8_quantize
 from kvflow.testing.ggml_quants import quantize
 
 SHAPES = ((2048, 8192), (8192, 2048))  # (K, N): a gate/up-like and a down-like projection
@@ -73,7 +81,10 @@ def _weights(qtype: str, K: int, N: int) -> list:
 
 
 def _products(ops, qtype: str, weights: list):
-    """(gemv, tiled, dequantize + F.linear) as fn(x, i) over weight copy i."""
+    """(gemv, tiled, dequantize + F.linear, w8a8 or None) as fn(x, i) over weight copy i. The tiled entry is the
+    tiled kernel where the build has no W8A8 kernels; on AVX-512 VNNI builds int8_linear above its GEMV rows is
+    W8A8, so "tiled" is that there. w8a8: the per-row int8 activation product (int8, Q8_0, Q4_0 on VNNI builds)."""
+    w8a8 = None
     if qtype == "int8":
 
         def run(x, i, gemv_max_rows):
@@ -82,6 +93,8 @@ def _products(ops, qtype: str, weights: list):
         def dense(x, i):
             return F.linear(x, weights[i][0].float() * weights[i][1][:, None])
 
+        if ops.int8_quantizes_activations():
+            w8a8 = functools.partial(run, gemv_max_rows=0)
     else:
         code = _GGML_TYPE_CODES[qtype]
 
@@ -91,10 +104,16 @@ def _products(ops, qtype: str, weights: list):
         def dense(x, i):
             return F.linear(x, ops.ggml_dequantize(weights[i], code))
 
+        if qtype in ("Q8_0", "Q4_0") and ops.int8_quantizes_activations():
+
+            def w8a8(x, i):
+                return ops.ggml_linear_w8a8(x, weights[i], code, None)
+
     return (
         lambda x, i: run(x, i, 1 << 30),
         lambda x, i: run(x, i, 0),
         dense,
+        w8a8,
     )
 
 
@@ -149,7 +168,7 @@ def compare_gemv(ops, baseline, types: list[str], repeat: int) -> None:
             x = torch.randn(1, K)
             gemvs = {
                 "new": functools.partial(_products(ops, qtype, weights)[0], x),
-                "old": functools.partial(_products(baseline, qtype, weights)[0], x),
+                "old": functools.partial(_baseline_gemv(baseline, qtype, weights), x),
                 "read": lambda i, flat=flat: ops.stream_read(flat[i]),
             }
             calls: dict[tuple[str, int], list[float]] = {}
@@ -181,6 +200,42 @@ def compare_gemv(ops, baseline, types: list[str], repeat: int) -> None:
                 print(line, flush=True)
 
 
+def _baseline_gemv(baseline, qtype: str, weights: list):
+    """The baseline build's block GEMV at any M (older builds lack the W8A8 entry points)."""
+    if qtype == "int8":
+        return lambda x, i: baseline.int8_linear(x, weights[i][0], weights[i][1], None, 1 << 30)
+    code = _GGML_TYPE_CODES[qtype]
+    return lambda x, i: baseline.ggml_linear(x, weights[i], code, None, 1 << 30)
+
+
+def compare_products(ops, baseline, types: list[str], rows: list[int], repeat: int) -> None:
+    """The block product at M > 1 rows (the integer kernel at every M for Q4_0 / Q4_K / Q6_K: what prefill and
+    batches run) of `ops` (new) and `baseline` (old), 2-thread calls alternated round by round: fastest call of
+    each, G multiply-adds/s, new / old."""
+    print(
+        f"M>1 block product, new (working tree) vs old (baseline): fastest call over {repeat} rounds"
+    )
+    for K, N in SHAPES:
+        for qtype in types:
+            weights = _weights(qtype, K, N)[:1]
+            new, old = _products(ops, qtype, weights)[0], _baseline_gemv(baseline, qtype, weights)
+            for M in rows:
+                x = torch.randn(M, K)
+                best = {"new": float("inf"), "old": float("inf")}
+                for _ in range(repeat):
+                    for name, product in (("new", new), ("old", old)):
+                        product(x, 0)
+                        started = time.perf_counter()
+                        product(x, 0)
+                        best[name] = min(best[name], time.perf_counter() - started)
+                print(
+                    f"{qtype:5s} K={K:5d} N={N:5d} M={M:4d}  new {best['new'] * 1e3:8.2f} ms"
+                    f" ({M * K * N / best['new'] / 1e9:5.0f} G/s)  old {best['old'] * 1e3:8.2f} ms"
+                    f"  new/old {best['old'] / best['new']:4.2f}x",
+                    flush=True,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -189,14 +244,24 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16, 64, 512])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--baseline", metavar="REV", help="compare the M=1 GEMV with revision REV")
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="compare with revision REV: the M=1 GEMV (rows 1), the block product at the other --rows",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = load_cpu_kernels()
     if ops is None:
         raise SystemExit("the CPU kernels are not available")
     if args.baseline:
-        compare_gemv(ops, _baseline_kernels(args.baseline), args.types, args.repeat)
+        baseline = _baseline_kernels(args.baseline)
+        if 1 in args.rows:
+            compare_gemv(ops, baseline, args.types, args.repeat)
+        if any(M > 1 for M in args.rows):
+            larger = [M for M in args.rows if M > 1]
+            torch.set_num_threads(args.threads)
+            compare_products(ops, baseline, args.types, larger, args.repeat)
         return
     print(f"threads={args.threads}")
     for K, N in SHAPES:
@@ -207,14 +272,17 @@ def main() -> None:
             read = _best_seconds(
                 lambda i, flat=flat: ops.stream_read(flat[i]), len(flat), args.repeat
             )
-            gemv, tiled, dense = _products(ops, qtype, weights)
+            gemv, tiled, dense, w8a8 = _products(ops, qtype, weights)
+            integer = qtype in INTEGER_PRODUCT_TYPES  # the block product at every M
             for M in args.rows:
                 x = torch.randn(M, K)
                 copies = len(weights) if M <= 64 else 1
                 line = f"{qtype:5s} K={K:5d} N={N:5d} M={M:4d}"
-                products = {"gemv": gemv} if M <= 64 else {}
+                products = {"gemv": gemv} if M <= 64 or integer else {}
                 if M > 1:
                     products.update({"tiled": tiled, "dequant+torch": dense})
+                    if w8a8 is not None:
+                        products["w8a8"] = w8a8
                 times = {
                     name: _best_seconds(functools.partial(product, x), copies, args.repeat)
                     for name, product in products.items()
