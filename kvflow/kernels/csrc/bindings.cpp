@@ -435,20 +435,27 @@ at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t type) {
   return out;
 }
 
+// A quantized product's float32 output [M, N]: fn(tag, out) runs the kernel for x's element type (nothing when
+// the product is empty).
+template <class F>
+at::Tensor float_product(const at::Tensor& x, int64_t N, F&& fn) {
+  at::Tensor out = at::empty({x.size(0), N}, x.options().dtype(at::kFloat));
+  if (x.size(0) == 0 || N == 0) return out;
+  dispatch(x, [&](auto tag) { fn(tag, out); });
+  return out;
+}
+
 at::Tensor ggml_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
                        const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows) {
   const int64_t K = ggml_columns(blocks, type);
   check_quant_operands(x, blocks, K, bias);
   const int64_t M = x.size(0), N = blocks.size(0);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return out;
-  dispatch(x, [&](auto tag) {
+  return float_product(x, N, [&](auto tag, at::Tensor& out) {
     using T = decltype(tag);
     kvflow::ggml_linear<T>(ptr<T>(x), M, K, x.stride(0), ptr<uint8_t>(blocks), N, static_cast<int>(type),
                            bias ? ptr<float>(*bias) : nullptr, ptr<float>(out), gemv_max_rows,
                            at::get_num_threads());
   });
-  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> ggml_quantize_activations(const at::Tensor& x, int64_t type) {
@@ -476,14 +483,11 @@ at::Tensor ggml_linear_w8a8(const at::Tensor& x, const at::Tensor& blocks, int64
   const int64_t K = ggml_columns(blocks, type);
   check_quant_operands(x, blocks, K, bias);
   const int64_t M = x.size(0), N = blocks.size(0);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return out;
-  dispatch(x, [&](auto tag) {
+  return float_product(x, N, [&](auto tag, at::Tensor& out) {
     using T = decltype(tag);
     kvflow::ggml_linear_w8a8<T>(ptr<T>(x), M, K, x.stride(0), ptr<uint8_t>(blocks), N, static_cast<int>(type),
                                 bias ? ptr<float>(*bias) : nullptr, ptr<float>(out), at::get_num_threads());
   });
-  return out;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
@@ -494,15 +498,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == qweight.size(0),
               "scale must be contiguous float32 [N]");
   const int64_t M = x.size(0), N = qweight.size(0);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 0 || N == 0) return out;
-  dispatch(x, [&](auto tag) {
+  return float_product(x, N, [&](auto tag, at::Tensor& out) {
     using T = decltype(tag);
     kvflow::int8_linear<T>(ptr<T>(x), M, K, x.stride(0), ptr<int8_t>(qweight), ptr<float>(scale), N,
                            bias ? ptr<float>(*bias) : nullptr, ptr<float>(out), gemv_max_rows,
                            at::get_num_threads());
   });
-  return out;
 }
 
 }  // namespace

@@ -370,6 +370,17 @@ struct Q4_0Block {
 // int16 multipliers selecting byte pairs (2j, 2j + 1) of each 128-bit lane: one int16 broadcast per lane.
 inline __m256i int16_lane(int j) { return _mm256_set1_epi16(static_cast<int16_t>(((2 * j + 1) << 8) | (2 * j))); }
 
+// A Q4_K block's eight 6-bit scales and mins as bytes 0-7 of two vectors (q4_k_scales_and_mins on whole words).
+inline void q4_k_scales_and_mins_simd(const uint8_t* block, __m128i& scales8, __m128i& mins8) {
+  uint32_t packed[3];
+  std::memcpy(packed, block + 4, sizeof(packed));
+  const uint32_t scales_low = packed[0] & 0x3F3F3F3Fu, mins_low = packed[1] & 0x3F3F3F3Fu;
+  const uint32_t scales_high = (packed[2] & 0x0F0F0F0Fu) | ((packed[0] >> 2) & 0x30303030u);
+  const uint32_t mins_high = ((packed[2] >> 4) & 0x0F0F0F0Fu) | ((packed[1] >> 2) & 0x30303030u);
+  scales8 = _mm_set_epi32(0, 0, static_cast<int>(scales_high), static_cast<int>(scales_low));
+  mins8 = _mm_set_epi32(0, 0, static_cast<int>(mins_high), static_cast<int>(mins_low));
+}
+
 // Q4_K against x quantized per 256: d_w * d_x * sum_j sc_j * dot(q_j, q_x_j) - dmin * d_x * sum_j m_j * sum(q_x_j)
 // over the 8 sub-blocks j of 32, both sums integer (the scales as int16 multipliers, the mins against the
 // per-16 sums of the quants), two float conversions per super-block.
@@ -383,13 +394,8 @@ struct Q4_KBlock {
   template <int MT>
   static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m512* acc) {
     const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
-    uint32_t packed[3];
-    std::memcpy(packed, block + 4, sizeof(packed));
-    const uint32_t scales_low = packed[0] & 0x3F3F3F3Fu, mins_low = packed[1] & 0x3F3F3F3Fu;
-    const uint32_t scales_high = (packed[2] & 0x0F0F0F0Fu) | ((packed[0] >> 2) & 0x30303030u);
-    const uint32_t mins_high = ((packed[2] >> 4) & 0x0F0F0F0Fu) | ((packed[1] >> 2) & 0x30303030u);
-    const __m128i scales8 = _mm_set_epi32(0, 0, static_cast<int>(scales_high), static_cast<int>(scales_low));
-    const __m128i mins8 = _mm_set_epi32(0, 0, static_cast<int>(mins_high), static_cast<int>(mins_low));
+    __m128i scales8, mins8;
+    q4_k_scales_and_mins_simd(block, scales8, mins8);
     const __m512i scales16 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(scales8));  // s0..s7 in lanes 0-7
     // dmin * m_j in lanes 0-7: the min term is sum_j (dmin m_j) (d_x sum(q_x_j)), one multiply-add per x row.
     const __m512 dmin_mins = _mm512_zextps256_ps512(
@@ -423,14 +429,8 @@ struct Q4_KBlock {
   template <int MT>
   static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m256* acc) {
     const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
-    // The 6-bit scales and mins, four to a word (q4_k_scales_and_mins on whole words).
-    uint32_t packed[3];
-    std::memcpy(packed, block + 4, sizeof(packed));
-    const uint32_t scales_low = packed[0] & 0x3F3F3F3Fu, mins_low = packed[1] & 0x3F3F3F3Fu;
-    const uint32_t scales_high = (packed[2] & 0x0F0F0F0Fu) | ((packed[0] >> 2) & 0x30303030u);
-    const uint32_t mins_high = ((packed[2] >> 4) & 0x0F0F0F0Fu) | ((packed[1] >> 2) & 0x30303030u);
-    const __m128i scales8 = _mm_set_epi32(0, 0, static_cast<int>(scales_high), static_cast<int>(scales_low));
-    const __m128i mins8 = _mm_set_epi32(0, 0, static_cast<int>(mins_high), static_cast<int>(mins_low));
+    __m128i scales8, mins8;
+    q4_k_scales_and_mins_simd(block, scales8, mins8);
     const __m256i scales16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(scales8));  // s0..s7 in each lane
     const __m256i mins_per16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mins8, mins8));  // m0 m0 m1 m1 .. m7 m7
     __m256i sums[MT];
