@@ -189,16 +189,23 @@ def test_processes_are_named_and_64_streams_equal_the_in_process_llm(server: Rem
 
 def test_a_disconnect_aborts_its_request_on_either_api_process(server: RemoteServer) -> None:
     """Streams with thousands of tokens to go, held by both processes, all running; the clients go away: nothing
-    runs any more, and none of them finished by length (an abort by disconnect is not a finished output)."""
-    finished_before = metric_sum(server, "kvflow:request_success_total", finished_reason="length")
+    runs any more, and none of them finished by length after that (an abort by disconnect is not a finished
+    output). The finished count is read once exactly these streams run, just before the clients leave: a count
+    taken earlier could include requests of an earlier test of the module's server that finish by length meanwhile
+    (a fresh-clone run saw 2 more than that earlier count)."""
+    finished_before = 0.0
 
     async def scenario() -> None:
+        nonlocal finished_before
         async with streams_on_both(server) as opened:
             await asyncio.to_thread(
                 wait_until,
                 lambda: metric_sum(server, "kvflow:num_requests_running") == len(opened),
                 "every stream runs",
                 60,
+            )
+            finished_before = await asyncio.to_thread(
+                metric_sum, server, "kvflow:request_success_total", finished_reason="length"
             )
 
     run(scenario())
