@@ -188,33 +188,34 @@ def test_processes_are_named_and_64_streams_equal_the_in_process_llm(server: Rem
 
 
 def test_a_disconnect_aborts_its_request_on_either_api_process(server: RemoteServer) -> None:
-    """Streams with thousands of tokens to go, held by both processes, all running; the clients go away: nothing
-    runs any more, and none of them finished by length after that (an abort by disconnect is not a finished
-    output). The finished count is read once exactly these streams run, just before the clients leave: a count
-    taken earlier could include requests of an earlier test of the module's server that finish by length meanwhile
-    (a fresh-clone run saw 2 more than that earlier count)."""
-    finished_before = 0.0
+    """Streams held by both processes, with the engine paused (keep) so that none can run a step, let alone finish:
+    the clients go away, and each process's abort empties the engine while it is still paused; after the resume
+    nothing runs or waits and no request finished by length (an abort by disconnect is not a finished output).
+    The pause makes the check exact on a busy machine: with the streams running, a lagging API process could see a
+    ~2 s hash-model stream reach its length before the disconnect's abort landed (a fresh-clone run did)."""
+    paused = httpx.post(server.url + "/pause", params={"mode": "keep"}, timeout=60)
+    assert paused.status_code == 200
+    finished_before = metric_sum(server, "kvflow:request_success_total", finished_reason="length")
 
     async def scenario() -> None:
-        nonlocal finished_before
         async with streams_on_both(server) as opened:
             await asyncio.to_thread(
                 wait_until,
-                lambda: metric_sum(server, "kvflow:num_requests_running") == len(opened),
-                "every stream runs",
+                lambda: metric_sum(server, "kvflow:num_requests_waiting") == len(opened),
+                "every stream waits in the paused engine",
                 60,
             )
-            finished_before = await asyncio.to_thread(
-                metric_sum, server, "kvflow:request_success_total", finished_reason="length"
-            )
 
-    run(scenario())
-    wait_until(
-        lambda: metric_sum(server, "kvflow:num_requests_running") == 0,
-        "every disconnected stream was aborted",
-        timeout_s=60,
-    )
-    assert metric_sum(server, "kvflow:num_requests_waiting") == 0
+    try:
+        run(scenario())
+        wait_until(
+            lambda: metric_sum(server, "kvflow:num_requests_waiting") == 0,
+            "every disconnected stream was aborted in the paused engine",
+            timeout_s=60,
+        )
+    finally:
+        assert httpx.post(server.url + "/resume", timeout=60).status_code == 200
+    assert metric_sum(server, "kvflow:num_requests_running") == 0
     assert (
         metric_sum(server, "kvflow:request_success_total", finished_reason="length")
         == finished_before
