@@ -746,47 +746,44 @@ void int8_band(const int8_t* w, int64_t K, const float* xf, int64_t xs, const fl
 //
 // W8A8 with a dynamic scale per activation row: x row m becomes q_x = round-half-even(x / d_x), d_x = amax / 127
 // (quantize_block over the whole row), and y[m, n] = (sum_k w[n, k] q_x[m, k]) * d_x[m] * scale[n] (+ bias). The
-// dot is one exact int32 (|w q_x| <= 127 * 127 per term, K < 2^17), so a row's output does not depend on how many
-// rows share the call, nor on the thread count. vpdpbusd takes u8 x s8: the weights are flipped to u8 (w + 128,
-// one xor per 64 weights, shared by kInt8GemmMT x rows) and 128 * sum(q_x) is taken back at the end.
+// dot is one exact int32 (|w q_x| <= 127 * 128 per term, K < 2^17), so a row's output does not depend on how many
+// rows share the call, nor on the thread count. vpdpbusd takes u8 x s8: x is stored shifted (q_x + 128, the
+// ShiftedRowQuantizedX the Q8_0 / Q4_0 W8A8 kernels below share) and 128 * sum(w[n]) is taken back per weight row.
 constexpr int kInt8GemmR = 4;   // weight rows per register block
-constexpr int kInt8GemmMT = 5;  // x rows per register block: 20 accumulators + 5 x + 1 weight + the flip vector
-constexpr int64_t kInt8GemmXBlockBytes = 512 * 1024;  // x quants per block of rows (L2), each weight row read once per block
+constexpr int kInt8GemmMT = 5;  // x rows per register block: 20 accumulators + 5 x + 1 weight vector
+// x quants per block of rows (L2) in every W8A8 kernel: each weight row is read once per block.
+constexpr int64_t kW8A8XBlockBytes = 512 * 1024;
 
-struct RowQuantizedX {
-  int64_t padded;                 // quants per row: K rounded up to 64, zero padded
-  std::vector<int8_t> quants;     // [M, padded]
-  std::vector<float> scales;      // [M] d_x
-  std::vector<int32_t> offsets;   // [M] 128 * sum(q_x)
+// x rows quantized alone, stored shifted (q + 128 as u8), K rounded up to 64 (padded with 128, q = 0: the padding
+// multiplies no weight, the kernels load the weights' tail masked).
+struct ShiftedRowQuantizedX {
+  int64_t padded;
+  std::vector<uint8_t> quants;  // [M, padded]
+  std::vector<float> scales;    // [M] d_x
 
-  RowQuantizedX(const float* xf, int64_t M, int64_t K, int64_t xs)
-      : padded((K + 63) / 64 * 64), quants(static_cast<size_t>(M * padded), 0), scales(static_cast<size_t>(M)),
-        offsets(static_cast<size_t>(M)) {
+  ShiftedRowQuantizedX(const float* xf, int64_t M, int64_t K, int64_t xs)
+      : padded((K + 63) / 64 * 64), quants(static_cast<size_t>(M * padded), 128), scales(static_cast<size_t>(M)) {
+    std::vector<int8_t> row(static_cast<size_t>(K));
     for (int64_t m = 0; m < M; ++m) {
-      int8_t* q = quants.data() + m * padded;
-      scales[m] = quantize_block(xf + m * xs, K, q);
-      int32_t total = 0;
-      for (int64_t k = 0; k < K; ++k) total += q[k];
-      offsets[m] = 128 * total;
+      scales[m] = quantize_block(xf + m * xs, K, row.data());
+      for (int64_t k = 0; k < K; ++k) quants[m * padded + k] = static_cast<uint8_t>(row[k] + 128);
     }
   }
 };
 
-// out[r][m] = sum_k (w[r, k] + 128) q_x[m, k] for R weight rows (K apart) and MT x rows (`padded` apart).
+// out[r][m] = sum_k w[r, k] (q_x[m, k] + 128) for R weight rows (K apart) and MT shifted x rows (`padded` apart).
 template <int R, int MT>
-inline void int8_dots(const int8_t* w, int64_t K, const int8_t* x, int64_t padded, int32_t out[R][MT]) {
+inline void int8_dots(const int8_t* w, int64_t K, const uint8_t* x, int64_t padded, int32_t out[R][MT]) {
   __m512i acc[R][MT];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_si512();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int64_t full = K / 64 * 64;
   auto step = [&](int64_t k, __mmask64 mask) {
     __m512i xv[MT];
     for (int m = 0; m < MT; ++m) xv[m] = _mm512_loadu_si512(x + m * padded + k);
     for (int r = 0; r < R; ++r) {
-      // Masked-off weights read as 0 (u8 128) against x's zero padding: they add nothing.
-      const __m512i wv = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + r * K + k), flip);
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], wv, xv[m]);
+      const __m512i wv = _mm512_maskz_loadu_epi8(mask, w + r * K + k);  // masked-off weights read as 0: add nothing
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_dpbusd_epi32(acc[r][m], xv[m], wv);
     }
   };
   for (int64_t k = 0; k < full; k += 64) step(k, ~static_cast<__mmask64>(0));
@@ -797,13 +794,13 @@ inline void int8_dots(const int8_t* w, int64_t K, const int8_t* x, int64_t padde
 
 // Weight rows [n0, n0 + R) against x rows [m0, m0 + MT): the dots, then y.
 template <int R, int MT>
-void int8_gemm_block(const int8_t* w, int64_t K, const RowQuantizedX& x, int64_t n0, int64_t m0, const float* scale,
-                     const float* bias, float* y, int64_t N) {
+void int8_gemm_block(const int8_t* w, int64_t K, const ShiftedRowQuantizedX& x, const int32_t* shifts, int64_t n0,
+                     int64_t m0, const float* scale, const float* bias, float* y, int64_t N) {
   int32_t dots[R][MT];
   int8_dots<R, MT>(w + n0 * K, K, x.quants.data() + m0 * x.padded, x.padded, dots);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MT; ++m) {
-      const float total = static_cast<float>(dots[r][m] - x.offsets[m0 + m]);
+      const float total = static_cast<float>(dots[r][m] - shifts[n0 + r]);
       y[(m0 + m) * N + n0 + r] = total * (x.scales[m0 + m] * scale[n0 + r]) + (bias ? bias[n0 + r] : 0.f);
     }
 }
@@ -820,29 +817,36 @@ void with_count(int64_t count, F&& f) {
 }
 
 template <int R>
-void int8_gemm_rows(const int8_t* w, int64_t K, const RowQuantizedX& x, int64_t n0, int64_t m_begin, int64_t m_end,
-                    const float* scale, const float* bias, float* y, int64_t N) {
+void int8_gemm_rows(const int8_t* w, int64_t K, const ShiftedRowQuantizedX& x, const int32_t* shifts, int64_t n0,
+                    int64_t m_begin, int64_t m_end, const float* scale, const float* bias, float* y, int64_t N) {
   int64_t m = m_begin;
-  for (; m + kInt8GemmMT <= m_end; m += kInt8GemmMT) int8_gemm_block<R, kInt8GemmMT>(w, K, x, n0, m, scale, bias, y, N);
+  for (; m + kInt8GemmMT <= m_end; m += kInt8GemmMT)
+    int8_gemm_block<R, kInt8GemmMT>(w, K, x, shifts, n0, m, scale, bias, y, N);
   with_count<kInt8GemmMT - 1>(m_end - m, [&](auto rows) {
-    int8_gemm_block<R, decltype(rows)::value>(w, K, x, n0, m, scale, bias, y, N);
+    int8_gemm_block<R, decltype(rows)::value>(w, K, x, shifts, n0, m, scale, bias, y, N);
   });
 }
 
 void int8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,
                     const float* bias, float* y, int num_threads) {
-  const RowQuantizedX x(xf, M, K, xs);
-  const int64_t block_rows = std::max<int64_t>(kInt8GemmMT, kInt8GemmXBlockBytes / x.padded);
+  const ShiftedRowQuantizedX x(xf, M, K, xs);
+  std::vector<int32_t> shifts(static_cast<size_t>(N));  // 128 * sum(w[n])
+  const int64_t block_rows = std::max<int64_t>(kInt8GemmMT, kW8A8XBlockBytes / x.padded);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / kInt8GemmR)));
 #pragma omp parallel num_threads(threads)
   {
     int64_t begin, end;
     thread_range(N, omp_get_thread_num(), omp_get_num_threads(), begin, end);
+    for (int64_t n = begin; n < end; ++n) {
+      int32_t total = 0;
+      for (int64_t k = 0; k < K; ++k) total += w[n * K + k];
+      shifts[n] = 128 * total;
+    }
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       const int64_t m1 = std::min(M, m0 + block_rows);
       for (int64_t n = begin; n < end; n += kInt8GemmR)
         with_count<kInt8GemmR>(std::min<int64_t>(kInt8GemmR, end - n), [&](auto rows) {
-          int8_gemm_rows<decltype(rows)::value>(w, K, x, n, m0, m1, scale, bias, y, N);
+          int8_gemm_rows<decltype(rows)::value>(w, K, x, shifts.data(), n, m0, m1, scale, bias, y, N);
         });
     }
   }
@@ -855,21 +859,6 @@ void int8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const int
 // 512-bit vector), converted and scaled by d_b in fp32; the shift comes back as C_n = sum_b d_b * 128 * sum(w in b),
 // one per weight row. Each (n, m) sums its blocks in one fixed order: a row's output does not depend on the rows
 // beside it or on the thread count.
-// x rows quantized alone, stored shifted (q + 128 as u8), K rounded up to 64 (the padding multiplies no weight).
-struct ShiftedRowQuantizedX {
-  int64_t padded;
-  std::vector<uint8_t> quants;  // [M, padded]
-  std::vector<float> scales;    // [M] d_x
-
-  ShiftedRowQuantizedX(const float* xf, int64_t M, int64_t K, int64_t xs)
-      : padded((K + 63) / 64 * 64), quants(static_cast<size_t>(M * padded), 128), scales(static_cast<size_t>(M)) {
-    std::vector<int8_t> row(static_cast<size_t>(K));
-    for (int64_t m = 0; m < M; ++m) {
-      scales[m] = quantize_block(xf + m * xs, K, row.data());
-      for (int64_t k = 0; k < K; ++k) quants[m * padded + k] = static_cast<uint8_t>(row[k] + 128);
-    }
-  }
-};
 
 // A weight type's 32-element blocks as s8 quants: two blocks as one 512-bit vector with their d's (16 lanes each
 // half), or one block as 256 bits.
@@ -982,7 +971,7 @@ void w8a8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const uin
   const ShiftedRowQuantizedX x(xf, M, K, xs);
   const int64_t num_blocks = K / 32, row_bytes = num_blocks * Quants::kBytes;
   std::vector<float> shift_terms(static_cast<size_t>(N));
-  const int64_t block_rows = std::max<int64_t>(Quants::kMT, kInt8GemmXBlockBytes / x.padded);
+  const int64_t block_rows = std::max<int64_t>(Quants::kMT, kW8A8XBlockBytes / x.padded);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / Quants::kR)));
 #pragma omp parallel num_threads(threads)
   {
