@@ -93,7 +93,7 @@ def _products(ops, qtype: str, weights: list):
         def dense(x, i):
             return F.linear(x, weights[i][0].float() * weights[i][1][:, None])
 
-        if ops.int8_quantizes_activations():
+        if ops.has_w8a8_kernels():
             w8a8 = functools.partial(run, gemv_max_rows=0)
     else:
         code = _GGML_TYPE_CODES[qtype]
@@ -104,7 +104,7 @@ def _products(ops, qtype: str, weights: list):
         def dense(x, i):
             return F.linear(x, ops.ggml_dequantize(weights[i], code))
 
-        if qtype in ("Q8_0", "Q4_0") and ops.int8_quantizes_activations():
+        if qtype in ("Q8_0", "Q4_0") and ops.has_w8a8_kernels():
 
             def w8a8(x, i):
                 return ops.ggml_linear_w8a8(x, weights[i], code, None)

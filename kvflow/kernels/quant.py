@@ -12,11 +12,12 @@ AVX-512 build, chosen by the number of activation rows M:
   integer block product. Up to 8 rows it is a GEMV on the blocks themselves, each weight byte read once per call,
   nothing dequantized to memory; above, the same kernel blocked (16-row weight tiles in cache against 64-row
   blocks of x, 8 rows per register pass), the weights read once per 64 rows (figures at `INTEGER_PRODUCT_TYPES`).
-* Q8_0 and int8 (float32 activations), by M: up to `QUANT_GEMV_MAX_ROWS` (decode, speculative verification) the
-  GEMV; up to `QUANT_TILED_MAX_ROWS` (int8: `INT8_TILED_MAX_ROWS`) a tiled kernel that dequantizes a few weight
-  rows at a time into a thread-local fp32 tile (in cache) and multiplies every activation row against it (the
-  weights still stream once per call); larger M (prefill): the whole weight dequantized in C++, then torch's fp32
-  GEMM, which outruns the tiled kernel there. The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
+* Q8_0 and int8 (float32 activations; above the W8A8 thresholds below only on CPUs without VNNI), by M: up to
+  `QUANT_GEMV_MAX_ROWS` (decode, speculative verification) the GEMV; up to `QUANT_TILED_MAX_ROWS` (int8:
+  `INT8_TILED_MAX_ROWS`) a tiled kernel that dequantizes a few weight rows at a time into a thread-local fp32 tile
+  (in cache) and multiplies every activation row against it (the weights still stream once per call); larger M
+  (prefill): the whole weight dequantized in C++, then torch's fp32 GEMM, which outruns the tiled kernel there.
+  The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
 * int8 on an AVX-512 VNNI CPU (`quantizes_activation_rows`), above `QUANT_GEMV_MAX_ROWS`, and Q8_0 and Q4_0 there
   above `QUANT_TILED_MAX_ROWS` (prefill; `ggml_linear_w8a8`: exact int32 dots per block, times d_b; Q8_0 2.0-2.3x
   the dequantize + fp32 GEMM at M=512, ~150 G multiply-adds/s): W8A8, as the issue that brought int8 asked for
@@ -24,9 +25,10 @@ AVX-512 build, chosen by the number of activation rows M:
   `fake_quantize_int8_rows` view), exact int32 dots (vpdpbusd, 4 weight rows x 5 x rows per register block, the
   weights read once per ~512 KiB of x quants), times d_x * scale[n]. Against the tiled kernel and the dequantize +
   fp32 GEMM it replaces there (2 threads, 2-core Zen 4 EPYC, K=2048,N=8192 / K=8192,N=2048): M=16 2.7 / 4.3x the
-  tiled kernel, M=64 3.8 / 3.5x, M=512 3.3 / 2.9x the dense path (~200 G multiply-adds/s). A row's output does not
-  depend on the rows beside it; the held-out perplexity of the built-in model moved -0.09 % (float32 activations:
-  within 0.5 % of float32 either way).
+  tiled kernel, M=64 3.8 / 3.5x, M=512 3.3 / 2.9x the dense path (~200 G multiply-adds/s; 1.28-1.40x more since,
+  with x shifted instead of every weight vector flipped). A row's output does not depend on the rows beside it;
+  the held-out perplexity of the built-in model moved -0.09 % (float32 activations: within 0.5 % of float32
+  either way).
 
 Activations: Q4_0, Q4_K and Q6_K products quantize x to int8 first, as llama.cpp does (its `vec_dot_type`: Q8_0
 blocks for Q4_0, Q8_K super-blocks for the K-quants), per block of the weight type: one float32 scale d = amax / 127
@@ -39,9 +41,8 @@ do not depend on how many rows share its step (bit for bit); the C++ tiled kerne
 reference (`KVFLOW_CPU_KERNELS=0`) multiply the fake-quantized x (`fake_quantize_activations`), the same sum up to
 fp32 summation order.
 Q8_0 keeps fp32 x up to `QUANT_TILED_MAX_ROWS` rows, int8 up to `QUANT_GEMV_MAX_ROWS` (decode), both at every M
-on CPUs without VNNI: their
-8-bit quants widen in one instruction and their GEMVs reach ~20 GB/s on 2 threads, near this machine's memory
-speed, and a Q8_0 model decodes exactly like its float32 dequantization.
+on CPUs without VNNI: their 8-bit quants widen in one instruction and their GEMVs reach ~20 GB/s on 2 threads,
+near this machine's memory speed, and a Q8_0 model decodes exactly like its float32 dequantization.
 
 Every path computes each output element on one thread in a fixed order: results do not depend on the thread count.
 """
@@ -49,6 +50,7 @@ Every path computes each output element on one thread in a fixed order: results 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +114,13 @@ QUANT_GEMV_MAX_ROWS = 8
 # M=64 2-3x, M=128 1.2-1.8x, M=512 0.56-0.8x.
 QUANT_TILED_MAX_ROWS = 32
 INT8_TILED_MAX_ROWS = 128
+
+# Above this many activation rows a weight type's kernel product is W8A8 on AVX-512 VNNI builds.
+_W8A8_ABOVE_ROWS = {
+    "int8": QUANT_GEMV_MAX_ROWS,
+    "Q8_0": QUANT_TILED_MAX_ROWS,
+    "Q4_0": QUANT_TILED_MAX_ROWS,
+}
 
 LinearFn = Callable[..., torch.Tensor]
 
@@ -265,15 +274,16 @@ def quantizes_activation_rows(weight_type: str, num_rows: int) -> bool:
     W8A8 (x quantized per row, integer dots; `fake_quantize_int8_rows` is what it multiplies): the C++ kernels on an
     AVX-512 VNNI CPU, int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 and Q4_0 above `QUANT_TILED_MAX_ROWS` (Q8_0's
     decode and small batches stay exact against the float32 model, Q4_0's keep llama.cpp's per-32 x quants)."""
-    limits = {
-        "int8": QUANT_GEMV_MAX_ROWS,
-        "Q8_0": QUANT_TILED_MAX_ROWS,
-        "Q4_0": QUANT_TILED_MAX_ROWS,
-    }
-    if weight_type not in limits:
-        raise ValueError(f"weight_type must be one of {sorted(limits)}, got {weight_type!r}")
-    ops = _kernel_ops()
-    return ops is not None and ops.int8_quantizes_activations() and num_rows > limits[weight_type]
+    if weight_type not in _W8A8_ABOVE_ROWS:
+        raise ValueError(
+            f"weight_type must be one of {sorted(_W8A8_ABOVE_ROWS)}, got {weight_type!r}"
+        )
+    return _runs_w8a8(_kernel_ops(), weight_type, num_rows)
+
+
+def _runs_w8a8(ops: ModuleType | None, weight_type: str, num_rows: int) -> bool:
+    """`quantizes_activation_rows` with the extension already in hand (the per-call paths)."""
+    return ops is not None and num_rows > _W8A8_ABOVE_ROWS[weight_type] and ops.has_w8a8_kernels()
 
 
 def _kernel_ops(require_simd: bool = True):
@@ -332,7 +342,7 @@ def _ggml_linear_kernel(
     num_columns = _num_columns(qtype, blocks)
     rows = _rows_of(x, num_columns)
     code = _GGML_TYPE_CODES[qtype]
-    if qtype in ("Q8_0", "Q4_0") and quantizes_activation_rows(qtype, rows.shape[0]):
+    if qtype in _W8A8_ABOVE_ROWS and _runs_w8a8(ops, qtype, rows.shape[0]):
         out = ops.ggml_linear_w8a8(rows, blocks, code, _float_bias(bias))  # prefill-sized M
     elif qtype in INTEGER_PRODUCT_TYPES:
         out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), rows.shape[0])
@@ -416,7 +426,7 @@ def _int8_linear_kernel(
     ops = load_cpu_kernels()
     rows = _rows_of(x, qweight.shape[1])
     scale = scale.float().contiguous()
-    if rows.shape[0] > INT8_TILED_MAX_ROWS and not ops.int8_quantizes_activations():
+    if rows.shape[0] > INT8_TILED_MAX_ROWS and not _runs_w8a8(ops, "int8", rows.shape[0]):
         out = F.linear(rows.float(), qweight.float() * scale[:, None], _float_bias(bias))
     else:
         out = ops.int8_linear(rows, qweight, scale, _float_bias(bias), QUANT_GEMV_MAX_ROWS)

@@ -282,7 +282,7 @@ def test_int8_linear_matches_reference(
         for gemv_max_rows in (0, 64):
             x = torch.randn(10, columns, generator=generator).to(dtype)
             out = _on_threads(ops.int8_linear, x, qweight, scale, None, gemv_max_rows)  # type: ignore[attr-defined]
-            w8a8 = gemv_max_rows == 0 and ops.int8_quantizes_activations()  # type: ignore[attr-defined]
+            w8a8 = gemv_max_rows == 0 and ops.has_w8a8_kernels()  # type: ignore[attr-defined]
             _check_product(out.to(dtype), x, weight, None, int8_rows_quantized=w8a8)
 
 

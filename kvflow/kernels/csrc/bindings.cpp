@@ -544,9 +544,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_linear_w8a8", &ggml_linear_w8a8,
         "x quantized per row @ dequantize(Q8_0 or Q4_0 blocks).T (+ bias), float32 out (AVX-512 VNNI builds)",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("bias"));
-  // int8_linear above gemv_max_rows quantizes x per row and multiplies integers (W8A8, vpdpbusd), and
+  // AVX-512 VNNI builds: int8_linear above gemv_max_rows quantizes x per row and multiplies integers (W8A8), and
   // ggml_linear_w8a8 exists.
-  m.def("int8_quantizes_activations", &kvflow::has_w8a8_kernels);
+  m.def("has_w8a8_kernels", &kvflow::has_w8a8_kernels);
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;
