@@ -7,8 +7,8 @@ copies of each weight are rotated so that they do not sit in the last-level cach
 
     .venv/bin/python benchmarks/quant_kernels.py [--types Q4_K int8] [--rows 1 16 64 512] [--threads 2]
 
-With AVX-512 VNNI kernels, `w8a8` is the per-row int8 activation product (int8, Q8_0, Q4_0 above their float rows)
-and int8's "tiled" entry is that same W8A8 kernel (int8_linear above its GEMV rows).
+With AVX-512 VNNI kernels, `w8a8` is the per-row int8 activation product (int8, Q8_0, Q4_0 above their float rows);
+int8 then has no tiled kernel (int8_linear above its GEMV rows is the W8A8 one).
 
 `--baseline REV` instead compares the M = 1 GEMV of the working tree's kernels with those of git revision REV
 (its csrc built into the kernel cache dir, both loaded in this process), on 1 and 2 threads, measurements of the
@@ -81,10 +81,11 @@ def _weights(qtype: str, K: int, N: int) -> list:
 
 
 def _products(ops, qtype: str, weights: list):
-    """(gemv, tiled, dequantize + F.linear, w8a8 or None) as fn(x, i) over weight copy i. The tiled entry is the
-    tiled kernel where the build has no W8A8 kernels; on AVX-512 VNNI builds int8_linear above its GEMV rows is
-    W8A8, so "tiled" is that there. w8a8: the per-row int8 activation product (int8, Q8_0, Q4_0 on VNNI builds)."""
+    """(gemv, tiled or None, dequantize + F.linear, w8a8 or None) as fn(x, i) over weight copy i. w8a8: the
+    per-row int8 activation product (int8, Q8_0, Q4_0 on AVX-512 VNNI builds); there int8_linear above its GEMV
+    rows is that product, so int8 has no tiled kernel to time."""
     w8a8 = None
+    tiled = None
     if qtype == "int8":
 
         def run(x, i, gemv_max_rows):
@@ -95,6 +96,8 @@ def _products(ops, qtype: str, weights: list):
 
         if ops.has_w8a8_kernels():
             w8a8 = functools.partial(run, gemv_max_rows=0)
+        else:
+            tiled = functools.partial(run, gemv_max_rows=0)
     else:
         code = _GGML_TYPE_CODES[qtype]
 
@@ -109,12 +112,8 @@ def _products(ops, qtype: str, weights: list):
             def w8a8(x, i):
                 return ops.ggml_linear_w8a8(x, weights[i], code, None)
 
-    return (
-        lambda x, i: run(x, i, 1 << 30),
-        lambda x, i: run(x, i, 0),
-        dense,
-        w8a8,
-    )
+        tiled = functools.partial(run, gemv_max_rows=0)
+    return functools.partial(run, gemv_max_rows=1 << 30), tiled, dense, w8a8
 
 
 def _baseline_kernels(revision: str):
@@ -280,7 +279,9 @@ def main() -> None:
                 line = f"{qtype:5s} K={K:5d} N={N:5d} M={M:4d}"
                 products = {"gemv": gemv} if M <= 64 or integer else {}
                 if M > 1:
-                    products.update({"tiled": tiled, "dequant+torch": dense})
+                    if tiled is not None:
+                        products["tiled"] = tiled
+                    products["dequant+torch"] = dense
                     if w8a8 is not None:
                         products["w8a8"] = w8a8
                 times = {

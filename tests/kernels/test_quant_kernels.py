@@ -181,8 +181,11 @@ def _check_product(
     `int8_rows_quantized`: per row, as the W8A8 kernel does) within fp32 summation error (+ bf16 output
     rounding)."""
     assert out.dtype == x.dtype
-    quantize = quant.fake_quantize_int8_rows if int8_rows_quantized else None
-    x = quantize(x) if quantize else quant.fake_quantize_activations(qtype, x)
+    x = (
+        quant.fake_quantize_int8_rows(x)
+        if int8_rows_quantized
+        else quant.fake_quantize_activations(qtype, x)
+    )
     expected = F.linear(x, weight, None if bias is None else bias.float())
     bound = 1e-4 * (x.abs() @ weight.abs().T + (0 if bias is None else bias.float().abs()))
     if out.dtype is torch.bfloat16:
@@ -302,9 +305,8 @@ def test_w8a8_kernels_sum_each_row_alone_and_quantize_x_per_row(
     tensor would)."""
     generator = torch.Generator().manual_seed(12)
     columns = 1100 if weight_type == "int8" else 35 * 32
-    dense = torch.randn(43, columns, generator=generator)
     if weight_type == "int8":
-        qweight, scale = quant.int8_quantize(dense)
+        qweight, scale = quant.int8_quantize(torch.randn(43, columns, generator=generator))
         weight = qweight.float() * scale[:, None]
 
         def product(rows: torch.Tensor) -> torch.Tensor:
