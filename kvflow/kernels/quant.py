@@ -12,6 +12,12 @@ AVX-512 build, chosen by the number of activation rows M:
   integer block product. Up to 8 rows it is a GEMV on the blocks themselves, each weight byte read once per call,
   nothing dequantized to memory; above, the same kernel blocked (16-row weight tiles in cache against 64-row
   blocks of x, 8 rows per register pass), the weights read once per 64 rows (figures at `INTEGER_PRODUCT_TYPES`).
+  On AVX-512 VNNI CPUs, above `k_quant_interleaved_above_rows()` (8) rows, Q4_K and Q6_K run on interleaved
+  tiles instead: each thread repacks 16 weight rows at a time (in cache, per call; the weights in memory stay
+  GGUF blocks) so that vector lanes are weight rows, one vpdpbusd adds 64 products against 4 of x's quants
+  broadcast, and the sub-block scales apply once per 32 (Q4_K) or 16 (Q6_K) columns: the same int8 activations
+  and integer dots, Q4_K 1.6-1.8x the blocked GEMV at M = 9 and 1.5-2.3x at M = 64-512, Q6_K 1.1-1.85x
+  (2-core Intel Xeon, 2 threads; csrc/quant.cpp has the figures).
 * Q8_0 and int8 (float32 activations; above the W8A8 thresholds below only on CPUs without VNNI), by M: up to
   `QUANT_GEMV_MAX_ROWS` (decode, speculative verification) the GEMV; up to `QUANT_TILED_MAX_ROWS` (int8:
   `INT8_TILED_MAX_ROWS`) a tiled kernel that dequantizes a few weight rows at a time into a thread-local fp32 tile
@@ -36,8 +42,9 @@ per 32 (Q4_0) or 256 (Q4_K, Q6_K) elements, q = round(x / d) (`quantize_activati
 multiplies integers (u8 x s8 pairs into int16, then int32 with the sub-block scales as int16 multipliers) and
 converts to float once per block or super-block: widening every 4-bit quant to fp32 cost ~3 instructions per 8
 weights and held those GEMVs at ~5-8 G weights/s per thread, below memory speed; the integer form runs 1.9-3.5x
-faster (figures at `QUANT_GEMV_MAX_ROWS`). The integer kernel sums each activation row alone, so a request's numbers
-do not depend on how many rows share its step (bit for bit); the C++ tiled kernel (reachable directly) and the
+faster (figures at `QUANT_GEMV_MAX_ROWS`). The integer kernels sum each activation row alone, so a request's numbers
+do not depend on how many rows share its step (bit for bit) on either side of the interleaved tiles' threshold (the
+GEMV and the tiles add the same integers in different float orders); the C++ tiled kernel (reachable directly) and the
 reference (`KVFLOW_CPU_KERNELS=0`) multiply the fake-quantized x (`fake_quantize_activations`), the same sum up to
 fp32 summation order.
 Q8_0 keeps fp32 x up to `QUANT_TILED_MAX_ROWS` rows, int8 up to `QUANT_GEMV_MAX_ROWS` (decode), both at every M

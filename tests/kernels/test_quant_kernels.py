@@ -245,21 +245,75 @@ def test_gemv_and_tiled_kernels(ops: object, qtype: str, two_threads: None) -> N
     above that blocked in 16-row weight tiles against 64-row blocks of x, 8 rows at a time) and the tiled kernel
     (gemv_max_rows=0), float32 out; 37 weight rows (a partial tile per thread) and up to 75 x rows (a partial
     second block). The GEMV sums each row alone, so a row's output does not depend on how many rows share the
-    call: bit for bit the same in every batch."""
+    call: bit for bit the same in every batch, up to the rows where the Q4_K / Q6_K products turn to interleaved
+    weight tiles on AVX-512 VNNI builds (`test_interleaved_k_quant_products_sum_each_row_alone`)."""
     code = quant._GGML_TYPE_CODES[qtype]
     _, blocks = _blocks(qtype, 37, 512, seed=11)
     weight = quant.dequantize_reference(qtype, blocks)
     x = torch.randn(75, 512, generator=torch.Generator().manual_seed(5))
     bias = torch.randn(37)
+    interleaved_above = ops.k_quant_interleaved_above_rows()  # type: ignore[attr-defined]
     for gemv_max_rows in (0, 100):
         outputs = []
-        for rows in (x[:1], x[:4], x[:11], x):
+        for rows in (x[:1], x[:4], x[:11], x[:16], x):
             out = _on_threads(ops.ggml_linear, rows, blocks, code, bias, gemv_max_rows)  # type: ignore[attr-defined]
             _check_product(out, rows, weight, bias, qtype)
             outputs.append(out)
         if gemv_max_rows:
-            for out in outputs[:-1]:
-                assert torch.equal(out, outputs[-1][: out.shape[0]])
+            one_pass = [
+                out for out in outputs if not _interleaved(qtype, out.shape[0], interleaved_above)
+            ]
+            for out in one_pass:
+                assert torch.equal(out, one_pass[-1][: out.shape[0]])
+
+
+def _interleaved(qtype: str, num_rows: int, interleaved_above: int) -> bool:
+    """Whether ggml_linear's integer product on `num_rows` rows runs on interleaved weight tiles."""
+    return qtype in ("Q4_K", "Q6_K") and 0 <= interleaved_above < num_rows
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_interleaved_k_quant_products_sum_each_row_alone(
+    ops: object, qtype: str, two_threads: None
+) -> None:
+    """Above `k_quant_interleaved_above_rows()` x rows (AVX-512 VNNI builds) the Q4_K and Q6_K products repack 16
+    weight rows at a time so that vector lanes are weight rows: against the reference for 37 weight rows (the last
+    tile 5 rows, the rest of its lanes zero and never stored), 3 blocks a row, a bias, and row counts that leave
+    every remainder of the 8-row passes; each x row is summed alone, so a row's output is the same bit for bit
+    whatever rows share the call and on 1 or 2 threads, and the int32 dots stay exact at the extremes of the
+    quants (all 15s / 63s against x of one sign: the largest sums the sub-blocks can reach)."""
+    threshold = ops.k_quant_interleaved_above_rows()  # type: ignore[attr-defined]
+    if threshold < 0:
+        pytest.skip("the interleaved K-quant products need an AVX-512 VNNI build")
+    code = quant._GGML_TYPE_CODES[qtype]
+    columns = 3 * 256
+    _, blocks = _blocks(qtype, 37, columns, seed=21)
+    weight = quant.dequantize_reference(qtype, blocks)
+    generator = torch.Generator().manual_seed(22)
+    x = torch.randn(75, columns, generator=generator)
+    x[5] *= 1000.0
+    bias = torch.randn(37, generator=generator)
+    whole = _on_threads(ops.ggml_linear, x, blocks, code, bias, 75)  # type: ignore[attr-defined]
+    _check_product(whole, x, weight, bias, qtype)
+    for start, count in (
+        (0, threshold + 1),
+        (3, threshold + 7),
+        (75 - threshold - 2, threshold + 2),
+        (0, 40),
+    ):
+        rows = x[start : start + count]
+        out = _on_threads(ops.ggml_linear, rows, blocks, code, bias, count)  # type: ignore[attr-defined]
+        assert torch.equal(out, whole[start : start + count])
+    # The largest quants everywhere (Q4_K: nibbles 15, Q6_K: 6-bit 63), x all positive: the biggest int32 dots.
+    extreme = blocks.clone().view(37, 3, -1)
+    if qtype == "Q4_K":
+        extreme[..., 16:] = 0xFF
+    else:
+        extreme[..., :192] = 0xFF
+    extreme = extreme.view(37, -1)
+    positive = x[: threshold + 3].abs()
+    out = _on_threads(ops.ggml_linear, positive, extreme, code, None, threshold + 3)  # type: ignore[attr-defined]
+    _check_product(out, positive, quant.dequantize_reference(qtype, extreme), None, qtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -355,7 +409,14 @@ def test_integer_gemv_keeps_the_min_term_and_the_offset(
         without = weight + 32 * steps.repeat_interleave(16, dim=-1).view(24, 1024)
     generator = torch.Generator().manual_seed(6)
     linear = quant.ggml_linear_for(qtype)
-    for m in (1, 3, 8, 9):
+    for m in (
+        1,
+        3,
+        8,
+        9,
+        17,
+        40,
+    ):  # the GEMV, and above 8 rows the interleaved tiles on VNNI builds
         x = torch.rand(m, 1024, generator=generator) * torch.linspace(0.5, 3.0, 1024) + 1.0
         xq = quant.fake_quantize_activations(qtype, x)
         shift = (F.linear(xq, weight) - F.linear(xq, without)).abs()

@@ -547,6 +547,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // AVX-512 VNNI builds: int8_linear above gemv_max_rows quantizes x per row and multiplies integers (W8A8), and
   // ggml_linear_w8a8 exists.
   m.def("has_w8a8_kernels", &kvflow::has_w8a8_kernels);
+  m.def("k_quant_interleaved_above_rows", &kvflow::k_quant_interleaved_above_rows);
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;

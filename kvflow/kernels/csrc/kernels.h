@@ -166,5 +166,9 @@ template <typename T>
 void ggml_linear_w8a8(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
                       const float* bias, float* y, int num_threads);
 bool has_w8a8_kernels();
+// Above this many x rows (AVX-512 VNNI builds) ggml_linear's Q4_K and Q6_K integer products run on interleaved
+// 16-row weight tiles: the same int8 activations and integers, summed in another order than the GEMV's; -1 on
+// other builds.
+int64_t k_quant_interleaved_above_rows();
 
 }  // namespace kvflow
