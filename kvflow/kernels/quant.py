@@ -51,7 +51,10 @@ Q8_0 keeps fp32 x up to `QUANT_TILED_MAX_ROWS` rows, int8 up to `QUANT_GEMV_MAX_
 on CPUs without VNNI: their 8-bit quants widen in one instruction and their GEMVs reach ~20 GB/s on 2 threads,
 near this machine's memory speed, and a Q8_0 model decodes exactly like its float32 dequantization.
 
-Every path computes each output element on one thread in a fixed order: results do not depend on the thread count.
+Every C++ path computes each output element on one thread in a fixed order: results do not depend on the thread
+count. The dequantize + torch fp32 GEMM paths (Q8_0 and int8 at prefill-sized M on CPUs without the W8A8 kernels)
+sum as torch's BLAS does, which on some CPUs splits a sum by thread count (a 2-core Intel Xeon: differences up to
+~1e-6 of the outputs between 1 and 2 threads).
 """
 
 from __future__ import annotations

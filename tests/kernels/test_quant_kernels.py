@@ -194,14 +194,34 @@ def _check_product(
     assert bool((difference <= bound + 1e-30).all()), float((difference - bound).max())
 
 
-def _on_threads(fn, *args) -> torch.Tensor:
-    """fn(*args) on 1 and on 2 threads, which must agree bit for bit."""
+def _on_threads(fn, *args, same_bits: bool = True) -> torch.Tensor:
+    """fn(*args) on 1 and on 2 threads, which must agree bit for bit; with `same_bits` False (a product that
+    `_through_torch_gemm`) to within 1e-5 of the largest output (+ one bfloat16 rounding step): torch's BLAS may
+    split a sum by thread count."""
     torch.set_num_threads(1)
     single = fn(*args)
     torch.set_num_threads(2)
     double = fn(*args)
-    assert torch.equal(single, double)
+    if same_bits:
+        assert torch.equal(single, double)
+    else:
+        bound = 1e-5 * double.float().abs().max()
+        if double.dtype is torch.bfloat16:
+            bound = bound + double.float().abs() * 2 * BF16_ROUNDING
+        assert bool(((single.float() - double.float()).abs() <= bound).all())
     return double
+
+
+def _through_torch_gemm(weight_type: str, num_rows: int) -> bool:
+    """Whether quant.ggml_linear / int8_linear on `num_rows` rows dequantizes and calls torch's fp32 GEMM (Q8_0 and
+    int8 at prefill-sized M where the CPU has no W8A8 kernels), whose sums need not be the same on 1 and 2 threads
+    (they differ on a 2-core Intel Xeon; they did not on a Zen 4 EPYC)."""
+    limit = quant.INT8_TILED_MAX_ROWS if weight_type == "int8" else quant.QUANT_TILED_MAX_ROWS
+    return (
+        weight_type in ("int8", "Q8_0")
+        and num_rows > limit
+        and not quant.quantizes_activation_rows(weight_type, num_rows)
+    )
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -231,7 +251,7 @@ def test_ggml_linear_matches_reference(
             x = torch.randn(m, columns, generator=generator).to(dtype)
             w8a8 = qtype in ("Q8_0", "Q4_0") and quant.quantizes_activation_rows(qtype, m)
             for b in (None, bias):
-                out = _on_threads(linear, x, blocks, b)
+                out = _on_threads(linear, x, blocks, b, same_bits=not _through_torch_gemm(qtype, m))
                 _check_product(out, x, weight, b, qtype, int8_rows_quantized=w8a8)
         x = torch.randn(2, 3, columns, generator=generator).to(dtype)  # leading dims kept
         out = quant.ggml_linear(x, qtype, blocks, bias.float())
@@ -332,7 +352,9 @@ def test_int8_linear_matches_reference(
             x = torch.randn(m, columns, generator=generator).to(dtype)
             w8a8 = quant.quantizes_activation_rows("int8", m)
             for b in (None, bias):
-                out = _on_threads(linear, x, qweight, scale, b)
+                out = _on_threads(
+                    linear, x, qweight, scale, b, same_bits=not _through_torch_gemm("int8", m)
+                )
                 _check_product(out, x, weight, b, int8_rows_quantized=w8a8)
         # Both C++ products directly, whatever the thresholds: the GEMV, and above gemv_max_rows the W8A8 kernel
         # (AVX-512 VNNI builds) or the tiled one.
