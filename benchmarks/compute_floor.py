@@ -24,6 +24,17 @@ each is evicted before its turn comes again, and the time per product is the swe
 Above it each weight byte feeds at least 128 FLOPs, the products are compute-bound, and one weight is timed.
 
 `GemmFloor.measure(model, passes)` does all of this for a list of `(num_tokens, num_sampled)` passes.
+
+`PhysicalFloor` is the bound the hardware itself sets, from two rates measured in the same run rather than from
+the products kvflow could call: a pass cannot take less than reading every linear weight once at the machine's
+read bandwidth (the best `.sum()` over a large float32 tensor), nor less than its FLOPs at the best GEMM rate a
+large matmul reaches here (4096^3, the model's dtype or float32, whichever is faster), so
+
+    physical floor = sum over passes of max(weight bytes / read bandwidth, pass FLOPs / peak GEMM rate)
+
+Decode passes land on the first term, prompt-heavy ones on the second. Where the products kvflow calls fall short
+of these rates (bf16 on a CPU whose GEMMs go through oneDNN's generic path, say), the compute floor above is
+higher than this one.
 """
 
 from __future__ import annotations
@@ -91,6 +102,18 @@ def model_gemm_shapes(model: nn.Module) -> Counter[GemmShape]:
     head = model.lm_head.weight  # type: ignore[union-attr]
     shapes[GemmShape(head.shape[0], head.shape[1], ROWS_SAMPLED)] += 1
     return shapes
+
+
+def pass_flops(shapes: Counter[GemmShape], num_tokens: int, num_sampled: int) -> float:
+    """2 * M * N * K over the model's linear layers for one pass of `num_tokens` tokens, `num_sampled` sampled."""
+    return sum(
+        count
+        * 2.0
+        * (num_tokens if shape.rows == ROWS_TOKENS else num_sampled)
+        * shape.out_features
+        * shape.in_features
+        for shape, count in shapes.items()
+    )
 
 
 def time_linear(
@@ -223,8 +246,116 @@ class GemmFloor:
             for shape, count in shapes.items():
                 rows = num_tokens if shape.rows == ROWS_TOKENS else num_sampled
                 seconds += count * interpolate(seconds_by_rows[shape], rows)
-                flops += count * 2.0 * rows * shape.out_features * shape.in_features
+            flops += pass_flops(shapes, num_tokens, num_sampled)
         return cls(seconds, flops, len(passes), seconds_by_rows, source_by_rows)
+
+
+def read_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes per second of the best of `repeats` `.sum()`s over a float32 tensor of `num_bytes` (torch's threads)."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    data.sum()  # first touch and warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
+
+
+def peak_gemm_rate(
+    size: int, dtypes: tuple[torch.dtype, ...], repeats: int
+) -> tuple[float, torch.dtype]:
+    """FLOP/s of the best of `repeats` `size`^3 matmuls in each of `dtypes` (after a warm-up): the fastest and its
+    dtype."""
+    best: tuple[float, torch.dtype] = (0.0, dtypes[0])
+    generator = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        a = torch.randn(size, size, generator=generator).to(dtype)
+        b = torch.randn(size, size, generator=generator).to(dtype)
+        with torch.inference_mode():
+            torch.matmul(a, b)
+            for _ in range(repeats):
+                start = time.perf_counter()
+                torch.matmul(a, b)
+                rate = 2.0 * size**3 / (time.perf_counter() - start)
+                best = max(best, (rate, dtype), key=lambda item: item[0])
+    return best
+
+
+@dataclass(frozen=True)
+class PhysicalFloor:
+    """The hardware's bound on a run (see the module docstring).
+
+    Invariant: `seconds` is the sum over the run's passes of max(`weight_bytes` / `read_bytes_per_s`, the pass's
+    FLOPs / `peak_flops_per_s`); `memory_bound_passes` counts the passes where the first term is the larger.
+    """
+
+    seconds: float
+    num_passes: int
+    memory_bound_passes: int
+    weight_bytes: int
+    flops: float
+    read_bytes_per_s: float
+    peak_flops_per_s: float
+    peak_dtype: torch.dtype
+
+    def describe(self) -> str:
+        return (
+            f"physical floor: {self.seconds:.2f} s over {self.num_passes} passes "
+            f"({self.memory_bound_passes} bound by reading {self.weight_bytes / 1e9:.3f} GB of linear weights at "
+            f"{self.read_bytes_per_s / 1e9:.1f} GB/s, the rest by {self.flops / 1e12:.2f} TFLOP in all at "
+            f"{self.peak_flops_per_s / 1e12:.2f} TFLOP/s, the best "
+            f"{str(self.peak_dtype).removeprefix('torch.')} 4096^3-class matmul here)"
+        )
+
+    @classmethod
+    def measure(
+        cls,
+        model: nn.Module,
+        passes: list[tuple[int, int]],
+        *,
+        dtype: torch.dtype,
+        bandwidth_bytes: int = 2 * 2**30,
+        matmul_size: int = 4096,
+        repeats: int = 3,
+    ) -> PhysicalFloor:
+        """The physical floor of `passes` (each `(num_tokens, num_sampled)`) through `model`, whose linear
+        weights are `dtype`; the two rates measured now over `bandwidth_bytes` and `matmul_size`^3."""
+        return cls.from_rates(
+            model,
+            passes,
+            dtype=dtype,
+            read_bytes_per_s=read_bandwidth(bandwidth_bytes, repeats),
+            peak=peak_gemm_rate(matmul_size, tuple(dict.fromkeys((dtype, torch.float32))), repeats),
+        )
+
+    @classmethod
+    def from_rates(
+        cls,
+        model: nn.Module,
+        passes: list[tuple[int, int]],
+        *,
+        dtype: torch.dtype,
+        read_bytes_per_s: float,
+        peak: tuple[float, torch.dtype],
+    ) -> PhysicalFloor:
+        """The floor of `passes` at given rates (`peak`: FLOP/s and the dtype that reached it)."""
+        shapes = model_gemm_shapes(model)
+        element_size = torch.empty((), dtype=dtype).element_size()
+        weight_bytes = sum(
+            count * shape.out_features * shape.in_features for shape, count in shapes.items()
+        )
+        weight_bytes *= element_size
+        memory_s = weight_bytes / read_bytes_per_s
+        seconds = flops = 0.0
+        memory_bound = 0
+        for num_tokens, num_sampled in passes:
+            this_flops = pass_flops(shapes, num_tokens, num_sampled)
+            flops += this_flops
+            compute_s = this_flops / peak[0]
+            memory_bound += memory_s >= compute_s
+            seconds += max(memory_s, compute_s)
+        return cls(seconds, len(passes), memory_bound, weight_bytes, flops, read_bytes_per_s, *peak)
 
 
 def _rows_text(rows: list[int]) -> str:

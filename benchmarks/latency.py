@@ -50,9 +50,10 @@ from typing import Any
 
 import torch
 
-# Sibling scripts (throughput.py) import as modules.
+# Sibling scripts (throughput.py, compute_floor.py) import as modules.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch.nn.functional as F
+from compute_floor import read_bandwidth  # the best `.sum()` over a large float32 tensor
 
 COMMAND = "python benchmarks/latency.py"
 LOAD_RSS_KV_BLOCKS = (
@@ -141,14 +142,6 @@ def measure_gemv_floor(shape: ModelShape, dtype: torch.dtype, repeats: int) -> G
         step()  # warm-up: oneDNN primitive creation
         times = [_timed(step) for _ in range(repeats)]
     return GemvFloor(statistics.median(times), weight_bytes)
-
-
-def measure_read_bandwidth(num_bytes: int, repeats: int) -> float:
-    """Bytes per second of the best of `repeats` `.sum()`s over a float32 tensor of `num_bytes`."""
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)
-    data.sum()  # first touch and warm-up
-    best = min(_timed(data.sum) for _ in range(repeats))
-    return data.nbytes / best
 
 
 @contextmanager
@@ -521,7 +514,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     with _stage("torch GEMV floor and read bandwidth"):
         gemv = measure_gemv_floor(shape, dtype, repeats)
-        bandwidth = measure_read_bandwidth(bandwidth_bytes, repeats)
+        bandwidth = read_bandwidth(bandwidth_bytes, repeats)
     memory_floor_s = gemv.weight_bytes / bandwidth
 
     with _stage("kvflow decode and TTFT"):

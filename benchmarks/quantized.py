@@ -1028,7 +1028,7 @@ def _llama_binary(args: argparse.Namespace, name: str) -> Path | None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     settings = Settings.for_args(args)
-    import latency
+    import compute_floor  # sibling script modules
     import throughput
     import torch
 
@@ -1057,7 +1057,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"# note: {note}")
 
     _stderr("read bandwidth ...")
-    bandwidth = latency.measure_read_bandwidth(settings.bandwidth_bytes, 5)
+    bandwidth = compute_floor.read_bandwidth(settings.bandwidth_bytes, 5)
     print(
         f"# read bandwidth {bandwidth / 1e9:.1f} GB/s (best float32 .sum() of 5 over "
         f"{settings.bandwidth_bytes // 2**20} MiB, {threads} threads)",

@@ -40,12 +40,14 @@ def test_quick_run_prints_every_system(tmp_path: Path, capsys: pytest.CaptureFix
         assert system in out
     assert "kvflow / HF static throughput:" in out and "async / sync scheduling throughput:" in out
     assert (tmp_path / "ckpt" / "model.safetensors").is_file()
-    assert "compute floor" in out
+    assert "compute floor" in out and "physical floor" in out
     goal_rows = {
         line.split()[2]: line.split() for line in out.splitlines() if line.startswith("kvflow / ")
     }
-    assert set(goal_rows) >= {"compute", "HF"}
-    assert goal_rows["compute"][-1] in ("PASS", "MISS") and goal_rows["HF"][-1] in ("PASS", "MISS")
+    assert set(goal_rows) >= {"compute", "physical", "HF"}
+    for goal in ("compute", "physical", "HF"):
+        assert goal_rows[goal][-1] in ("PASS", "MISS")
+    assert goal_rows["physical"][-2] == "0.6"  # the issue's target against the physical floor
 
 
 def load_compute_floor():  # type: ignore[no-untyped-def]
@@ -113,3 +115,41 @@ def test_floor_uses_the_faster_of_torch_and_the_kvflow_kernel_and_says_which() -
         {shape: {1: "torch", 2: "kvflow kernel", 4: "torch"}},
     )
     assert floor.sources() == ["floor GEMM 8x4 (tokens rows): kvflow kernel at 2; torch at 1,4"]
+
+
+def test_physical_floor_takes_each_pass_at_the_slower_of_reading_its_weights_and_its_flops(
+    tmp_path: Path,
+) -> None:
+    """A pass costs max(linear weight bytes / read bandwidth, its FLOPs / peak GEMM rate): at 1 GB/s and 100
+    GFLOP/s a one-token pass is bound by reading the weights, a 2000-token prompt by its FLOPs, and the sum is
+    exact; `measure` takes both rates from this machine."""
+    import torch
+
+    from kvflow import LLM
+
+    benchmark = load_benchmark()
+    compute_floor = load_compute_floor()
+    path = benchmark.ensure_checkpoint(tmp_path / "ckpt", benchmark.QUICK_SHAPE)
+    llm = LLM(str(path), dtype="float32", skip_tokenizer_init=True, max_model_len=64)
+    try:
+        model = llm.run_in_engine(lambda core: core.executor.worker.model_runner.model)
+        passes = [(1, 1), (2000, 1)]
+        floor = compute_floor.PhysicalFloor.from_rates(
+            model, passes, dtype=torch.float32, read_bytes_per_s=1e9, peak=(1e11, torch.float32)
+        )
+        measured = compute_floor.PhysicalFloor.measure(
+            model, passes, dtype=torch.float32, bandwidth_bytes=2**20, matmul_size=64, repeats=1
+        )
+    finally:
+        llm.shutdown()
+    shapes = compute_floor.model_gemm_shapes(model)
+    weights = sum(count * shape.out_features * shape.in_features for shape, count in shapes.items())
+    assert floor.weight_bytes == 4 * weights
+    memory_s = floor.weight_bytes / 1e9
+    flops = [compute_floor.pass_flops(shapes, tokens, sampled) for tokens, sampled in passes]
+    assert flops[0] / 1e11 < memory_s < flops[1] / 1e11  # one pass of each kind
+    assert floor.seconds == memory_s + flops[1] / 1e11
+    assert floor.memory_bound_passes == 1 and floor.num_passes == 2 and floor.flops == sum(flops)
+    assert "physical floor" in floor.describe() and "1 bound by reading" in floor.describe()
+    assert measured.read_bytes_per_s > 0 and measured.peak_flops_per_s > 0
+    assert measured.seconds > 0 and measured.peak_dtype is torch.float32
