@@ -7,7 +7,7 @@ copies of each weight are rotated so that they do not sit in the last-level cach
 
     .venv/bin/python benchmarks/quant_kernels.py [--types Q4_K int8] [--rows 1 16 64 512] [--threads 2]
 
-With AVX-512 VNNI kernels, `w8a8` is the per-row int8 activation product (int8, Q8_0, Q4_0 above their float rows);
+With AVX-512 VNNI kernels, `w8a8` is the per-row int8 activation product (int8, Q8_0 above their float rows);
 int8 then has no tiled kernel (int8_linear above its GEMV rows is the W8A8 one).
 
 `--baseline REV` instead compares the M = 1 GEMV of the working tree's kernels with those of git revision REV
@@ -82,7 +82,7 @@ def _weights(qtype: str, K: int, N: int) -> list:
 
 def _products(ops, qtype: str, weights: list):
     """(gemv, tiled or None, dequantize + F.linear, w8a8 or None) as fn(x, i) over weight copy i. w8a8: the
-    per-row int8 activation product (int8, Q8_0, Q4_0 on AVX-512 VNNI builds); there int8_linear above its GEMV
+    per-row int8 activation product (int8, Q8_0 on AVX-512 VNNI builds); there int8_linear above its GEMV
     rows is that product, so int8 has no tiled kernel to time."""
     w8a8 = None
     tiled = None
@@ -107,7 +107,7 @@ def _products(ops, qtype: str, weights: list):
         def dense(x, i):
             return F.linear(x, ops.ggml_dequantize(weights[i], code))
 
-        if qtype in ("Q8_0", "Q4_0") and ops.has_w8a8_kernels():
+        if qtype == "Q8_0" and ops.has_w8a8_kernels():
 
             def w8a8(x, i):
                 return ops.ggml_linear_w8a8(x, weights[i], code, None)

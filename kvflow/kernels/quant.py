@@ -8,24 +8,25 @@ when the C++ kernels are off (`KVFLOW_CPU_KERNELS=0`, no compiler, no AVX2).
 Products (`ggml_linear`, `int8_linear`) run in the C++ extension (csrc/quant.cpp) when it is loaded on an AVX2 or
 AVX-512 build, chosen by the number of activation rows M:
 
-* Q4_0 (up to `QUANT_TILED_MAX_ROWS` on VNNI CPUs, see W8A8 below), Q4_K, Q6_K (int8 activations), every M: the
-  integer block product. Up to 8 rows it is a GEMV on the blocks themselves, each weight byte read once per call,
-  nothing dequantized to memory; above, the same kernel blocked (16-row weight tiles in cache against 64-row
-  blocks of x, 8 rows per register pass), the weights read once per 64 rows (figures at `INTEGER_PRODUCT_TYPES`).
-  On AVX-512 VNNI CPUs, above `k_quant_interleaved_above_rows()` (8) rows, Q4_K and Q6_K run on interleaved
-  tiles instead: each thread repacks 16 weight rows at a time (in cache, per call; the weights in memory stay
-  GGUF blocks) so that vector lanes are weight rows, one vpdpbusd adds 64 products against 4 of x's quants
-  broadcast, and the sub-block scales apply once per 32 (Q4_K) or 16 (Q6_K) columns: the same int8 activations
-  and integer dots, Q4_K 1.6-1.8x the blocked GEMV at M = 9 and 1.5-2.3x at M = 64-512, Q6_K 1.1-1.85x
-  (2-core Intel Xeon, 2 threads; csrc/quant.cpp has the figures).
+* Q4_0, Q4_K, Q6_K (int8 activations), every M: the integer block product. Up to 8 rows it is a GEMV on the
+  blocks themselves, each weight byte read once per call, nothing dequantized to memory; above, the same kernel
+  blocked (16-row weight tiles in cache against 64-row blocks of x, 8 rows per register pass), the weights read
+  once per 64 rows (figures at `INTEGER_PRODUCT_TYPES`).
+  On AVX-512 VNNI CPUs, above `k_quant_interleaved_above_rows()` (8) rows, Q4_0, Q4_K and Q6_K run on
+  interleaved tiles instead: each thread repacks 16 weight rows at a time (in cache, per call; the weights in
+  memory stay GGUF blocks) so that vector lanes are weight rows, one vpdpbusd adds 64 products against 4 of x's
+  quants broadcast, and the scales apply once per 32 (Q4_0, Q4_K) or 16 (Q6_K) columns: the same int8
+  activations and integer dots, Q4_K 1.6-1.8x the blocked GEMV at M = 9 and 1.5-2.3x at M = 64-512, Q6_K
+  1.1-1.85x (2-core Intel Xeon, 2 threads; csrc/quant.cpp has the figures). Q4_0 keeps llama.cpp's per-32 x
+  quants at every M (it ran W8A8, x quantized per row, above 32 rows before the tiles).
 * Q8_0 and int8 (float32 activations; above the W8A8 thresholds below only on CPUs without VNNI), by M: up to
   `QUANT_GEMV_MAX_ROWS` (decode, speculative verification) the GEMV; up to `QUANT_TILED_MAX_ROWS` (int8:
   `INT8_TILED_MAX_ROWS`) a tiled kernel that dequantizes a few weight rows at a time into a thread-local fp32 tile
   (in cache) and multiplies every activation row against it (the weights still stream once per call); larger M
   (prefill): the whole weight dequantized in C++, then torch's fp32 GEMM, which outruns the tiled kernel there.
   The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
-* int8 on an AVX-512 VNNI CPU (`quantizes_activation_rows`), above `QUANT_GEMV_MAX_ROWS`, and Q8_0 and Q4_0 there
-  above `QUANT_TILED_MAX_ROWS` (prefill; `ggml_linear_w8a8`: exact int32 dots per block, times d_b; Q8_0 2.0-2.3x
+* int8 on an AVX-512 VNNI CPU (`quantizes_activation_rows`), above `QUANT_GEMV_MAX_ROWS`, and Q8_0 there above
+  `QUANT_TILED_MAX_ROWS` (prefill; `ggml_linear_w8a8`: exact int32 dots per block, times d_b; Q8_0 2.0-2.3x
   the dequantize + fp32 GEMM at M=512, ~150 G multiply-adds/s): W8A8, as the issue that brought int8 asked for
   prefill and batches, and as llama.cpp multiplies Q8_0 at every M: each x row quantized alone (d = amax / 127, the
   `fake_quantize_int8_rows` view), exact int32 dots (vpdpbusd, 4 weight rows x 5 x rows per register block, the
@@ -129,7 +130,6 @@ INT8_TILED_MAX_ROWS = 128
 _W8A8_ABOVE_ROWS = {
     "int8": QUANT_GEMV_MAX_ROWS,
     "Q8_0": QUANT_TILED_MAX_ROWS,
-    "Q4_0": QUANT_TILED_MAX_ROWS,
 }
 
 LinearFn = Callable[..., torch.Tensor]
@@ -280,10 +280,10 @@ def fake_quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantizes_activation_rows(weight_type: str, num_rows: int) -> bool:
-    """Whether the kernel product of `weight_type` ("int8", "Q8_0" or "Q4_0") on `num_rows` activation rows is
-    W8A8 (x quantized per row, integer dots; `fake_quantize_int8_rows` is what it multiplies): the C++ kernels on an
-    AVX-512 VNNI CPU, int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 and Q4_0 above `QUANT_TILED_MAX_ROWS` (Q8_0's
-    decode and small batches stay exact against the float32 model, Q4_0's keep llama.cpp's per-32 x quants)."""
+    """Whether the kernel product of `weight_type` ("int8" or "Q8_0") on `num_rows` activation rows is W8A8 (x
+    quantized per row, integer dots; `fake_quantize_int8_rows` is what it multiplies): the C++ kernels on an AVX-512
+    VNNI CPU, int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 above `QUANT_TILED_MAX_ROWS` (Q8_0's decode and small
+    batches stay exact against the float32 model). The 4-bit types quantize x per block at every M."""
     if weight_type not in _W8A8_ABOVE_ROWS:
         raise ValueError(
             f"weight_type must be one of {sorted(_W8A8_ABOVE_ROWS)}, got {weight_type!r}"

@@ -155,13 +155,12 @@ def _all_quantized_layer_args(layers: Sequence[nn.Module]) -> list[QuantizedLaye
 
 def _quantized_max_rows(args: Sequence[QuantizedLayerArgs]) -> int:
     """The most rows a fused step may take while every per-op product stays the kernel the fused layer calls: Q8_0
-    runs leave it above QUANT_TILED_MAX_ROWS (for the dense path, or W8A8 on VNNI CPUs), Q4_0 there on VNNI CPUs
-    (W8A8), int8 above INT8_TILED_MAX_ROWS, Q4_K / Q6_K never."""
+    runs leave it above QUANT_TILED_MAX_ROWS (for the dense path, or W8A8 on VNNI CPUs), int8 above
+    INT8_TILED_MAX_ROWS, Q4_0 / Q4_K / Q6_K never (ggml_linear's integer product at every M, as the fused layer
+    calls it)."""
     types = {code for each in args for code in each.types}
     max_rows = kernels.decode_layer_max_rows()
     if quant.ggml_type_code("Q8_0") in types:
-        max_rows = min(max_rows, quant.QUANT_TILED_MAX_ROWS)
-    if quant.ggml_type_code("Q4_0") in types and quant.quantizes_activation_rows("Q4_0", max_rows):
         max_rows = min(max_rows, quant.QUANT_TILED_MAX_ROWS)
     if _INT8_RUN in types:
         max_rows = min(max_rows, quant.INT8_TILED_MAX_ROWS)

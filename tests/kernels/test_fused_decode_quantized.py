@@ -80,13 +80,16 @@ def test_int8_fused_decode_equals_the_per_op_path_bit_for_bit(
 def test_the_row_limit_stops_where_the_per_op_products_leave_the_kernels(
     ops: object, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Q8_0 products take torch's GEMM above QUANT_TILED_MAX_ROWS rows, so a Q8_0 model's fused steps stop there;
-    the integer products (Q4_K, Q6_K) and int8 (up to INT8_TILED_MAX_ROWS) reach the extension's own limit."""
+    """Q8_0 products take torch's GEMM (or W8A8) above QUANT_TILED_MAX_ROWS rows, so a Q8_0 model's fused steps
+    stop there; the integer products (Q4_0, Q4_K, Q6_K: per-block x quants at every M) and int8 (up to
+    INT8_TILED_MAX_ROWS) reach the extension's own limit."""
     limit = ops.MAX_DECODE_LAYER_ROWS  # type: ignore[attr-defined]
     q8_0 = load_model(write_gguf(checkpoints["qwen2"], tmp_path / "q8.gguf", "Q8_0"))
+    q4_0 = load_model(write_gguf(checkpoints["qwen2"], tmp_path / "q4.gguf", "Q4_0"))
     q4_k_m = load_model(write_gguf(checkpoints["qwen2"], tmp_path / "q4km.gguf", "Q4_K_M"))
     int8 = load_model(checkpoints["qwen2-bf16"], quantization="int8")
     assert q8_0.fused_decode.max_rows == min(limit, quant.QUANT_TILED_MAX_ROWS)
+    assert q4_0.fused_decode.max_rows == limit
     assert q4_k_m.fused_decode.max_rows == limit
     assert int8.fused_decode.max_rows == min(limit, quant.INT8_TILED_MAX_ROWS)
 

@@ -249,7 +249,7 @@ def test_ggml_linear_matches_reference(
         bias = torch.randn(num_rows, generator=generator).to(dtype)
         for m in (1, 2, 3, 8, 9, 33, 70):
             x = torch.randn(m, columns, generator=generator).to(dtype)
-            w8a8 = qtype in ("Q8_0", "Q4_0") and quant.quantizes_activation_rows(qtype, m)
+            w8a8 = qtype == "Q8_0" and quant.quantizes_activation_rows(qtype, m)
             for b in (None, bias):
                 out = _on_threads(linear, x, blocks, b, same_bits=not _through_torch_gemm(qtype, m))
                 _check_product(out, x, weight, b, qtype, int8_rows_quantized=w8a8)
@@ -265,8 +265,8 @@ def test_gemv_and_tiled_kernels(ops: object, qtype: str, two_threads: None) -> N
     above that blocked in 16-row weight tiles against 64-row blocks of x, 8 rows at a time) and the tiled kernel
     (gemv_max_rows=0), float32 out; 37 weight rows (a partial tile per thread) and up to 75 x rows (a partial
     second block). The GEMV sums each row alone, so a row's output does not depend on how many rows share the
-    call: bit for bit the same in every batch, up to the rows where the Q4_K / Q6_K products turn to interleaved
-    weight tiles on AVX-512 VNNI builds (`test_interleaved_k_quant_products_sum_each_row_alone`)."""
+    call: bit for bit the same in every batch, up to the rows where the Q4_0 / Q4_K / Q6_K products turn to
+    interleaved weight tiles on AVX-512 VNNI builds (`test_interleaved_products_sum_each_row_alone`)."""
     code = quant._GGML_TYPE_CODES[qtype]
     _, blocks = _blocks(qtype, 37, 512, seed=11)
     weight = quant.dequantize_reference(qtype, blocks)
@@ -289,22 +289,23 @@ def test_gemv_and_tiled_kernels(ops: object, qtype: str, two_threads: None) -> N
 
 def _interleaved(qtype: str, num_rows: int, interleaved_above: int) -> bool:
     """Whether ggml_linear's integer product on `num_rows` rows runs on interleaved weight tiles."""
-    return qtype in ("Q4_K", "Q6_K") and 0 <= interleaved_above < num_rows
+    return qtype in ("Q4_0", "Q4_K", "Q6_K") and 0 <= interleaved_above < num_rows
 
 
-@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
-def test_interleaved_k_quant_products_sum_each_row_alone(
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q6_K"])
+def test_interleaved_products_sum_each_row_alone(
     ops: object, qtype: str, two_threads: None
 ) -> None:
-    """Above `k_quant_interleaved_above_rows()` x rows (AVX-512 VNNI builds) the Q4_K and Q6_K products repack 16
-    weight rows at a time so that vector lanes are weight rows: against the reference for 37 weight rows (the last
-    tile 5 rows, the rest of its lanes zero and never stored), 3 blocks a row, a bias, and row counts that leave
-    every remainder of the 8-row passes; each x row is summed alone, so a row's output is the same bit for bit
-    whatever rows share the call and on 1 or 2 threads, and the int32 dots stay exact at the extremes of the
-    quants (all 15s / 63s against x of one sign: the largest sums the sub-blocks can reach)."""
+    """Above `k_quant_interleaved_above_rows()` x rows (AVX-512 VNNI builds) the Q4_0, Q4_K and Q6_K products
+    repack 16 weight rows at a time so that vector lanes are weight rows: against the reference for 37 weight rows
+    (the last tile 5 rows, the rest of its lanes zero and never stored), 768 columns (3 K-quant blocks, 24 Q4_0
+    ones), a bias, and row counts that leave every remainder of the 8-row passes; each x row is summed alone, so a
+    row's output is the same bit for bit whatever rows share the call and on 1 or 2 threads, and the int32 dots
+    stay exact at the extremes of the quants (all 15s / 63s against x of one sign: the largest sums a block can
+    reach)."""
     threshold = ops.k_quant_interleaved_above_rows()  # type: ignore[attr-defined]
     if threshold < 0:
-        pytest.skip("the interleaved K-quant products need an AVX-512 VNNI build")
+        pytest.skip("the interleaved products need an AVX-512 VNNI build")
     code = quant._GGML_TYPE_CODES[qtype]
     columns = 3 * 256
     _, blocks = _blocks(qtype, 37, columns, seed=21)
@@ -324,9 +325,12 @@ def test_interleaved_k_quant_products_sum_each_row_alone(
         rows = x[start : start + count]
         out = _on_threads(ops.ggml_linear, rows, blocks, code, bias, count)  # type: ignore[attr-defined]
         assert torch.equal(out, whole[start : start + count])
-    # The largest quants everywhere (Q4_K: nibbles 15, Q6_K: 6-bit 63), x all positive: the biggest int32 dots.
-    extreme = blocks.clone().view(37, 3, -1)
-    if qtype == "Q4_K":
+    # The largest quants everywhere (Q4_0 / Q4_K: nibbles 15, Q6_K: 6-bit 63), x all positive: the biggest dots.
+    block_elements, block_bytes = quant.GGML_BLOCK_SIZES[qtype]
+    extreme = blocks.clone().view(37, columns // block_elements, block_bytes)
+    if qtype == "Q4_0":
+        extreme[..., 2:] = 0xFF
+    elif qtype == "Q4_K":
         extreme[..., 16:] = 0xFF
     else:
         extreme[..., :192] = 0xFF
@@ -369,14 +373,14 @@ def test_int8_linear_matches_reference(
     not quant.quantizes_activation_rows("int8", quant.QUANT_GEMV_MAX_ROWS + 1),
     reason="the W8A8 kernels need AVX-512 VNNI",
 )
-@pytest.mark.parametrize("weight_type", ["int8", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("weight_type", ["int8", "Q8_0"])
 def test_w8a8_kernels_sum_each_row_alone_and_quantize_x_per_row(
     weight_type: str, two_threads: None
 ) -> None:
-    """Above their GEMV / tiled rows (AVX-512 VNNI CPUs) int8_linear and the Q8_0 and Q4_0 products quantize each x
-    row alone and sum exact int32 dots: a row's output is the same bit for bit whatever rows share the call (up to
-    150 rows, 4-row weight blocks and 4- or 5-row x blocks with remainders of every size), int8's K = 1100 takes a
-    masked last 64 columns and the GGUF types' 35 blocks an odd last one, and the result is the product of the
+    """Above their GEMV / tiled rows (AVX-512 VNNI CPUs) int8_linear and the Q8_0 product quantize each x row alone
+    and sum exact int32 dots: a row's output is the same bit for bit whatever rows share the call (up to 150 rows,
+    4-row weight blocks and 4- or 5-row x blocks with remainders of every size), int8's K = 1100 takes a masked
+    last 64 columns and Q8_0's 35 blocks an odd last one, and the result is the product of the
     per-row fake-quantized x (a row of large values beside small ones does not coarsen them, as one scale per
     tensor would)."""
     generator = torch.Generator().manual_seed(12)

@@ -479,7 +479,7 @@ std::tuple<at::Tensor, at::Tensor> ggml_quantize_activations(const at::Tensor& x
 at::Tensor ggml_linear_w8a8(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
                             const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kvflow::has_w8a8_kernels(), "ggml_linear_w8a8 needs an AVX-512 VNNI build");
-  TORCH_CHECK(type == kvflow::kGgmlQ8_0 || type == kvflow::kGgmlQ4_0, "ggml_linear_w8a8 takes Q8_0 or Q4_0 blocks");
+  TORCH_CHECK(type == kvflow::kGgmlQ8_0, "ggml_linear_w8a8 takes Q8_0 blocks");
   const int64_t K = ggml_columns(blocks, type);
   check_quant_operands(x, blocks, K, bias);
   const int64_t M = x.size(0), N = blocks.size(0);
@@ -542,7 +542,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   });
   m.def("ggml_linear_w8a8", &ggml_linear_w8a8,
-        "x quantized per row @ dequantize(Q8_0 or Q4_0 blocks).T (+ bias), float32 out (AVX-512 VNNI builds)",
+        "x quantized per row @ dequantize(Q8_0 blocks).T (+ bias), float32 out (AVX-512 VNNI builds)",
         py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("bias"));
   // AVX-512 VNNI builds: int8_linear above gemv_max_rows quantizes x per row and multiplies integers (W8A8), and
   // ggml_linear_w8a8 exists.

@@ -159,16 +159,16 @@ template <typename T>
 void int8_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_t* w, const float* scale, int64_t N,
                  const float* bias, float* y, int64_t gemv_max_rows, int num_threads);
 
-// Q8_0 or Q4_0 weights (type) against x quantized per row (W8A8: d_x = amax / 127 per row, exact int32 dots per
+// Q8_0 weights (type) against x quantized per row (W8A8: d_x = amax / 127 per row, exact int32 dots per
 // block, scaled by d_b and d_x in fp32), for prefill-sized M; only on AVX-512 VNNI builds (has_w8a8_kernels),
 // where int8_linear above gemv_max_rows takes the same per-row W8A8 form.
 template <typename T>
 void ggml_linear_w8a8(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
                       const float* bias, float* y, int num_threads);
 bool has_w8a8_kernels();
-// Above this many x rows (AVX-512 VNNI builds) ggml_linear's Q4_K and Q6_K integer products run on interleaved
-// 16-row weight tiles: the same int8 activations and integers, summed in another order than the GEMV's; -1 on
-// other builds.
+// Above this many x rows (AVX-512 VNNI builds) ggml_linear's Q4_0, Q4_K and Q6_K integer products run on
+// interleaved 16-row weight tiles: the same int8 activations and integers, summed in another order than the
+// GEMV's; -1 on other builds.
 int64_t k_quant_interleaved_above_rows();
 
 }  // namespace kvflow

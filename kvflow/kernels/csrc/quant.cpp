@@ -18,8 +18,9 @@
 //   the same integers summed in 16 lanes instead of 8: 1.07-1.3x at M >= 8, the same speed at M = 1 (memory).
 // * int8 W8A8 (more rows than the GEMV's, AVX-512 VNNI builds): x quantized per row, exact int32 dots
 //   (vpdpbusd), see int8_gemm_vnni.
-// * Q4_K / Q6_K above kInterleavedAboveRows rows (AVX-512 VNNI builds): the same integer product on 16-row weight
-//   tiles repacked in cache so that lanes are weight rows (one vpdpbusd per 64 products), see interleaved_product.
+// * Q4_0 / Q4_K / Q6_K above kInterleavedAboveRows rows (AVX-512 VNNI builds): the same integer product on 16-row
+//   weight tiles repacked in cache so that lanes are weight rows (one vpdpbusd per 64 products), see
+//   interleaved_product.
 // * Tiled product (more rows, prefill): per thread, tiles of kTileRows weight rows and kTileK columns are
 //   dequantized into a thread-local fp32 buffer (L1/L2) and every x row runs against it in 4 x 3 register
 //   blocks: the weights are read from memory once per call whatever M is.
@@ -751,7 +752,7 @@ void int8_band(const int8_t* w, int64_t K, const float* xf, int64_t xs, const fl
 // (quantize_block over the whole row), and y[m, n] = (sum_k w[n, k] q_x[m, k]) * d_x[m] * scale[n] (+ bias). The
 // dot is one exact int32 (|w q_x| <= 127 * 128 per term, K < 2^17), so a row's output does not depend on how many
 // rows share the call, nor on the thread count. vpdpbusd takes u8 x s8: x is stored shifted (q_x + 128, the
-// ShiftedRowQuantizedX the Q8_0 / Q4_0 W8A8 kernels below share) and 128 * sum(w[n]) is taken back per weight row.
+// ShiftedRowQuantizedX the Q8_0 W8A8 kernel below shares) and 128 * sum(w[n]) is taken back per weight row.
 constexpr int kInt8GemmR = 4;   // weight rows per register block
 constexpr int kInt8GemmMT = 5;  // x rows per register block: 20 accumulators + 5 x + 1 weight vector
 // x quants per block of rows (L2) in every W8A8 kernel: each weight row is read once per block.
@@ -858,9 +859,10 @@ void int8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const int
   }
 }
 
-// ---- Q8_0 and Q4_0 against x quantized per row (prefill-sized M; AVX-512 VNNI) ----
+// ---- Q8_0 against x quantized per row (prefill-sized M; AVX-512 VNNI) ----
 //
-// y[m, n] = d_x[m] * sum_b d_b * sum_{i in b} w_i q_x,i, w_i the block's signed quants (Q8_0's int8, Q4_0's q - 8):
+// y[m, n] = d_x[m] * sum_b d_b * sum_{i in b} w_i q_x,i, w_i the block's int8 quants (the kernel is templated on
+// the block type; Q4_0 left it for the interleaved tiles, which keep its per-32 activation quants):
 // per block an exact int32 dot (vpdpbusd on x shifted to u8, q_x + 128, against the s8 quants, two blocks per
 // 512-bit vector), converted and scaled by d_b in fp32; the shift comes back as C_n = sum_b d_b * 128 * sum(w in b),
 // one per weight row. Each (n, m) sums its blocks in one fixed order: a row's output does not depend on the rows
@@ -879,21 +881,6 @@ struct Q8_0Quants {
   }
   static __m256i single(const uint8_t* block) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-  }
-};
-
-struct Q4_0Quants {
-  static constexpr int kBytes = 18;
-  static constexpr int kR = 2, kMT = 8;  // the nibble unpacking shared by 8 x rows
-  // 16 packed bytes -> elements 0-15 (low nibbles) | 16-31 (high nibbles), minus 8.
-  static __m256i single(const uint8_t* block) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
-    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-    return _mm256_sub_epi8(_mm256_and_si256(both, _mm256_set1_epi8(0x0F)), _mm256_set1_epi8(8));
-  }
-  static void pair(const uint8_t* block, __m512i& quants, __m512& d) {
-    quants = _mm512_inserti64x4(_mm512_castsi256_si512(single(block)), single(block + kBytes), 1);
-    d = _mm512_insertf32x8(_mm512_set1_ps(fp16_to_float(block)), _mm256_set1_ps(fp16_to_float(block + kBytes)), 1);
   }
 };
 
@@ -994,16 +981,17 @@ void w8a8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const uin
     }
   }
 }
-// ---- K-quants on interleaved 16-row tiles (more rows than kInterleavedAboveRows; AVX-512 VNNI) ----
+// ---- Q4_0 and the K-quants on interleaved 16-row tiles (more rows than kInterleavedAboveRows; AVX-512 VNNI) ----
 //
 // The GEMV's lanes run along k: every 64 quants cost a maddubs and a vpdpwssd (the sub-block scales as int16
 // multipliers) per x row. Here each thread repacks 16 weight rows at a time (per call, into a buffer of
 // num_blocks * 5 KiB that stays in L2) so that lanes are rows: for each group of 4 columns one vector holds those
-// 4 quants (u8: Q4_K 0-15, Q6_K 0-63) of all 16 rows, and one vpdpbusd against x's 4 quants broadcast adds 64
-// products. The scales then apply once per sub-block (32 columns for Q4_K, 16 for Q6_K) as a float multiply-add
-// with d * sc per lane, d_x once per block; Q4_K's min term is one multiply-add per sub-block, Q6_K's -32 offset
-// starts each sub-block's int32 dot at -32 sum(q_x). The repacking (a 16 x 8 dword transpose per 32 bytes of
-// quants) costs about what a few x rows do and is done once per tile and call; every x row then runs against the
+// 4 quants (u8: Q4_0 / Q4_K 0-15, Q6_K 0-63) of all 16 rows, and one vpdpbusd against x's 4 quants broadcast adds
+// 64 products. The scales then apply once per sub-block (32 columns for Q4_0 and Q4_K, 16 for Q6_K) as a float
+// multiply-add with d * sc per lane, d_x once per block; Q4_K's min term is one multiply-add per sub-block, Q6_K's
+// -32 offset (Q4_0's -8) starts each sub-block's int32 dot at -32 sum(q_x) (-8 sum(q_x)). The repacking (a 16 x 8
+// or 16 x 4 dword transpose per 32 or 16 bytes of quants) costs about what a few x rows do and is done once per
+// tile and call; every x row then runs against the
 // tile in passes of kLaneMT. Each output is summed by one thread in a fixed order, each x row alone: a row's
 // output depends neither on the thread count nor on the rows beside it (above the threshold; the GEMV below it
 // adds the same integers in another order). Against the GEMV (benchmarks/quant_kernels.py --baseline, 2 threads,
@@ -1070,7 +1058,7 @@ inline __m256i load32_or_zero(const uint8_t* bytes) {
 }
 
 struct Q4_KTile {
-  static constexpr int kBytes = 144;
+  static constexpr int kElements = 256, kBytes = 144;
   __m512i quants[8][8];  // [sub-block j][group g]: lane r = quants 32 j + 4 g .. 32 j + 4 g + 3 of row r
   __m512 scales[8];      // lane r: d * sc_j of row r
   __m512 mins[8];        // lane r: dmin * m_j of row r
@@ -1130,7 +1118,7 @@ struct Q4_KTile {
 };
 
 struct Q6_KTile {
-  static constexpr int kBytes = 210;
+  static constexpr int kElements = 256, kBytes = 210;
   __m512i quants[16][4];  // [group G of 16][i]: lane r = quants 16 G + 4 i .. 16 G + 4 i + 3 of row r (0-63)
   __m512 scales[16];      // lane r: d * sc_G of row r
 
@@ -1186,6 +1174,61 @@ struct Q6_KTile {
   }
 };
 
+// out[g] lane r = dword g of rows[r] (16 rows of 4 dwords).
+inline void transpose_16x4_dwords(const __m128i rows[16], __m512i out[4]) {
+  __m512i z[4], t[4];
+  // z[p]: rows p, p + 4, p + 8, p + 12 in its four 128-bit lanes; then a 4 x 4 transpose within each lane.
+  for (int p = 0; p < 4; ++p) {
+    const __m256i low = _mm256_inserti128_si256(_mm256_castsi128_si256(rows[p]), rows[p + 4], 1);
+    const __m256i high = _mm256_inserti128_si256(_mm256_castsi128_si256(rows[p + 8]), rows[p + 12], 1);
+    z[p] = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  }
+  t[0] = _mm512_unpacklo_epi32(z[0], z[1]);
+  t[1] = _mm512_unpackhi_epi32(z[0], z[1]);
+  t[2] = _mm512_unpacklo_epi32(z[2], z[3]);
+  t[3] = _mm512_unpackhi_epi32(z[2], z[3]);
+  out[0] = _mm512_unpacklo_epi64(t[0], t[2]);
+  out[1] = _mm512_unpackhi_epi64(t[0], t[2]);
+  out[2] = _mm512_unpacklo_epi64(t[1], t[3]);
+  out[3] = _mm512_unpackhi_epi64(t[1], t[3]);
+}
+
+struct Q4_0Tile {
+  static constexpr int kElements = 32, kBytes = 18;
+  __m512i quants[8];  // [group g]: lane r = quants 4 g .. 4 g + 3 of row r (u8 0-15; the -8 is x's side)
+  __m512 scales;      // lane r: d of row r
+
+  void repack(const uint8_t* const rows[kLaneRows], const uint8_t* first, int64_t row_bytes, int count) {
+    scales = fp16_lanes(gather_lanes(first, row_bytes, 0, count), false);
+    __m128i packed[kLaneRows];  // elements 0-15 in the low nibbles, 16-31 in the high ones
+    for (int r = 0; r < kLaneRows; ++r)
+      packed[r] = rows[r] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + 2)) : _mm_setzero_si128();
+    __m512i groups[4];
+    transpose_16x4_dwords(packed, groups);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int g = 0; g < 4; ++g) {
+      quants[g] = _mm512_and_si512(groups[g], nibble);
+      quants[g + 4] = _mm512_and_si512(_mm512_srli_epi16(groups[g], 4), nibble);
+    }
+  }
+
+  // acc[m] += d_x (d (dot - 8 sum(q_x))) for this block against x row m (x quantized per 32, as the GEMV's).
+  template <int MT>
+  void accumulate(const QuantRows& x, int64_t b, __m512* acc) const {
+    __m512i dots[MT];
+    for (int m = 0; m < MT; ++m) {
+      const int16_t* sums = x.sums + m * x.sum_stride + 2 * b;
+      dots[m] = _mm512_set1_epi32(-8 * (sums[0] + sums[1]));
+    }
+    for (int g = 0; g < 8; ++g)
+      for (int m = 0; m < MT; ++m)
+        dots[m] = _mm512_dpbusd_epi32(dots[m], quants[g], broadcast4(x.quants + m * x.quant_stride + 32 * b + 4 * g));
+    for (int m = 0; m < MT; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dots[m]), scales),
+                               _mm512_set1_ps(x.scales[m * x.scale_stride + b]), acc[m]);
+  }
+};
+
 // A repacked tile (rows [n0, n0 + rows)) against x rows [m0, m0 + MT): y[m, n0 + r] for the first `rows` lanes.
 template <class Tile, int MT>
 void tile_pass(const Tile* tile, int64_t num_blocks, const QuantRows& x, int64_t m0, int64_t n0, int rows,
@@ -1203,7 +1246,7 @@ void tile_pass(const Tile* tile, int64_t num_blocks, const QuantRows& x, int64_t
 template <class Tile>
 void interleaved_product(const QuantRows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                          float* y, int num_threads) {
-  const int64_t num_blocks = K / kQK, row_bytes = num_blocks * Tile::kBytes;
+  const int64_t num_blocks = K / Tile::kElements, row_bytes = num_blocks * Tile::kBytes;
   const int64_t num_tiles = (N + kLaneRows - 1) / kLaneRows;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, num_tiles)));
 #pragma omp parallel num_threads(threads)
@@ -1426,7 +1469,15 @@ void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8
     const QuantRows rows{quantized.quants.data(), quantized.scales.data(), quantized.sums.data(),
                          quantized.scaled_sums.empty() ? nullptr : quantized.scaled_sums.data(), K, K / block, K / 16};
     switch (type) {
-      case kGgmlQ4_0: ggml_gemv<Q4_0Block>(rows, M, K, w, N, bias, y, num_threads); break;
+      case kGgmlQ4_0:
+#ifdef KVFLOW_QUANT_VNNI
+        if (M > kInterleavedAboveRows) {
+          interleaved_product<Q4_0Tile>(rows, M, K, w, N, bias, y, num_threads);
+          break;
+        }
+#endif
+        ggml_gemv<Q4_0Block>(rows, M, K, w, N, bias, y, num_threads);
+        break;
       case kGgmlQ4_K:
 #ifdef KVFLOW_QUANT_VNNI
         if (M > kInterleavedAboveRows) {
@@ -1488,10 +1539,8 @@ void ggml_linear_w8a8(const T* x, int64_t M, int64_t K, int64_t x_stride, const 
 #ifdef KVFLOW_QUANT_VNNI
   const int64_t xs = padded8(K);
   const std::vector<float> xf = widen_rows<T>(x, M, K, x_stride, xs);
-  if (type == kGgmlQ4_0)
-    w8a8_gemm_vnni<Q4_0Quants>(xf.data(), M, K, xs, w, N, bias, y, num_threads);
-  else
-    w8a8_gemm_vnni<Q8_0Quants>(xf.data(), M, K, xs, w, N, bias, y, num_threads);
+  (void)type;  // Q8_0 (the binding checks)
+  w8a8_gemm_vnni<Q8_0Quants>(xf.data(), M, K, xs, w, N, bias, y, num_threads);
 #else
   (void)x, (void)M, (void)K, (void)x_stride, (void)w, (void)N, (void)type, (void)bias, (void)y, (void)num_threads;
   throw std::runtime_error("ggml_linear_w8a8 needs an AVX-512 VNNI build");
