@@ -1,5 +1,14 @@
 """kvflow: an LLM inference and serving engine (vLLM-V1-style core: paged KV cache, continuous batching)."""
 
+import os as _os
+
+# Intel MKL (torch's CPU BLAS on x86) picks its code paths by data alignment unless told otherwise, so one product
+# of the same rows could differ in the last bits between calls: on an Intel Xeon the same request's logprobs in two
+# batches of the same shape differed at 1e-7 (tests/structured_output/test_llm_structured.py). STRICT mode makes
+# MKL bitwise reproducible; MKL reads it at its first call, and engine processes inherit it. A user's own
+# MKL_CBWR wins.
+_os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 from kvflow.logger import configure_logging as _configure_logging
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
