@@ -757,8 +757,8 @@ constexpr int kInt8GemmR = 4;   // weight rows per register block
 constexpr int kInt8GemmMT = 5;  // x rows per register block: 20 accumulators + 5 x + 1 weight vector
 // x quants per block of rows (L2) in every W8A8 kernel: each weight row is read once per block.
 constexpr int64_t kW8A8XBlockBytes = 512 * 1024;
-// Above this many x rows the Q4_K and Q6_K products (the integer GEMV's family) run on interleaved weight tiles
-// (interleaved_product).
+// Above this many x rows the Q4_0, Q4_K and Q6_K products (the integer GEMV's family) run on interleaved weight
+// tiles (interleaved_product).
 constexpr int64_t kInterleavedAboveRows = 8;
 
 // x rows quantized alone, stored shifted (q + 128 as u8), K rounded up to 64 (padded with 128, q = 0: the padding
@@ -984,20 +984,21 @@ void w8a8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const uin
 // ---- Q4_0 and the K-quants on interleaved 16-row tiles (more rows than kInterleavedAboveRows; AVX-512 VNNI) ----
 //
 // The GEMV's lanes run along k: every 64 quants cost a maddubs and a vpdpwssd (the sub-block scales as int16
-// multipliers) per x row. Here each thread repacks 16 weight rows at a time (per call, into a buffer of
-// num_blocks * 5 KiB that stays in L2) so that lanes are rows: for each group of 4 columns one vector holds those
-// 4 quants (u8: Q4_0 / Q4_K 0-15, Q6_K 0-63) of all 16 rows, and one vpdpbusd against x's 4 quants broadcast adds
-// 64 products. The scales then apply once per sub-block (32 columns for Q4_0 and Q4_K, 16 for Q6_K) as a float
-// multiply-add with d * sc per lane, d_x once per block; Q4_K's min term is one multiply-add per sub-block, Q6_K's
-// -32 offset (Q4_0's -8) starts each sub-block's int32 dot at -32 sum(q_x) (-8 sum(q_x)). The repacking (a 16 x 8
-// or 16 x 4 dword transpose per 32 or 16 bytes of quants) costs about what a few x rows do and is done once per
-// tile and call; every x row then runs against the
-// tile in passes of kLaneMT. Each output is summed by one thread in a fixed order, each x row alone: a row's
-// output depends neither on the thread count nor on the rows beside it (above the threshold; the GEMV below it
-// adds the same integers in another order). Against the GEMV (benchmarks/quant_kernels.py --baseline, 2 threads,
-// 2-core Intel Xeon with AVX-512 VNNI, K=2048,N=8192 / K=8192,N=2048): Q4_K 1.6 / 1.8x at M = 9, 2.2 / 2.0x at
-// M = 64, 2.3 / 1.5x at M = 512 (180-330 G multiply-adds/s); Q6_K 1.1 / 1.35x, 1.85 / 1.65x, 1.85 / 1.65x. Up to
-// 8 rows the GEMV stays: there the repacking is not paid back (Q6_K 0.55-0.75x at M = 2-4, Q4_K 0.85-0.9x at 2).
+// multipliers) per x row. Here each thread repacks 16 weight rows at a time (per call, into a buffer of 5 KiB per
+// K-quant block, 576 bytes per Q4_0 one, that stays in L2) so that lanes are rows: for each group of 4 columns
+// one vector holds those 4 quants (u8: Q4_0 / Q4_K 0-15, Q6_K 0-63) of all 16 rows, and one vpdpbusd against x's
+// 4 quants broadcast adds 64 products. The scales then apply once per sub-block (32 columns for Q4_0 and Q4_K, 16
+// for Q6_K) as a float multiply-add with d * sc per lane, d_x once per block; Q4_K's min term is one multiply-add
+// per sub-block, Q6_K's -32 offset (Q4_0's -8) starts each sub-block's int32 dot at -32 sum(q_x) (-8 sum(q_x)).
+// The repacking (a 16 x 8 or 16 x 4 dword transpose per 32 or 16 bytes of quants) costs about what 10 x rows do
+// and is done once per tile and call; every x row then runs against the tile in passes of kLaneMT. Each output is
+// summed by one thread in a fixed order, each x row alone: a row's output depends neither on the thread count nor
+// on the rows beside it (above the threshold; the GEMV below it adds the same integers in another order). Against
+// the GEMV (benchmarks/quant_kernels.py --baseline, 2 threads, 2-core Intel Xeon with AVX-512 VNNI,
+// K=2048,N=8192 / K=8192,N=2048): Q4_K 1.6 / 1.8x at M = 9, 2.2 / 2.0x at M = 64, 2.3 / 1.5x at M = 512 (180-330
+// G multiply-adds/s); Q6_K 1.1 / 1.35x, 1.85 / 1.65x, 1.85 / 1.65x; Q4_0 4.0 / 3.7x, 6.0 / 5.3x, 6.0 / 5.1x
+// (260-320 G/s; its GEMV converts to float per 32). Up to 8 rows the GEMV stays: there the repacking is not
+// always paid back (Q6_K 0.55-0.75x at M = 2-4, Q4_K 0.85-0.9x at 2).
 constexpr int kLaneRows = 16;  // weight rows per interleaved tile: one per int32 lane
 constexpr int kLaneMT = 8;     // x rows per pass: 8 int32 dots, 8 block sums and 8 accumulators in registers
 
@@ -1271,7 +1272,35 @@ void interleaved_product(const QuantRows& x, int64_t M, int64_t K, const uint8_t
     }
   }
 }
+// The interleaved tile of each GEMV block kind.
+template <class Block>
+struct TileOf;
+template <>
+struct TileOf<Q4_0Block> {
+  using type = Q4_0Tile;
+};
+template <>
+struct TileOf<Q4_KBlock> {
+  using type = Q4_KTile;
+};
+template <>
+struct TileOf<Q6_KBlock> {
+  using type = Q6_KTile;
+};
 #endif  // KVFLOW_QUANT_VNNI
+
+// The integer product of M x rows: the GEMV, or above kInterleavedAboveRows the interleaved tiles (VNNI builds).
+template <class Block>
+void integer_product(const QuantRows& rows, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                     float* y, int num_threads) {
+#ifdef KVFLOW_QUANT_VNNI
+  if (M > kInterleavedAboveRows) {
+    interleaved_product<typename TileOf<Block>::type>(rows, M, K, w, N, bias, y, num_threads);
+    return;
+  }
+#endif
+  ggml_gemv<Block>(rows, M, K, w, N, bias, y, num_threads);
+}
 
 void int8_gemv(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,
                const float* bias, float* y, int num_threads) {
@@ -1469,33 +1498,9 @@ void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8
     const QuantRows rows{quantized.quants.data(), quantized.scales.data(), quantized.sums.data(),
                          quantized.scaled_sums.empty() ? nullptr : quantized.scaled_sums.data(), K, K / block, K / 16};
     switch (type) {
-      case kGgmlQ4_0:
-#ifdef KVFLOW_QUANT_VNNI
-        if (M > kInterleavedAboveRows) {
-          interleaved_product<Q4_0Tile>(rows, M, K, w, N, bias, y, num_threads);
-          break;
-        }
-#endif
-        ggml_gemv<Q4_0Block>(rows, M, K, w, N, bias, y, num_threads);
-        break;
-      case kGgmlQ4_K:
-#ifdef KVFLOW_QUANT_VNNI
-        if (M > kInterleavedAboveRows) {
-          interleaved_product<Q4_KTile>(rows, M, K, w, N, bias, y, num_threads);
-          break;
-        }
-#endif
-        ggml_gemv<Q4_KBlock>(rows, M, K, w, N, bias, y, num_threads);
-        break;
-      default:
-#ifdef KVFLOW_QUANT_VNNI
-        if (M > kInterleavedAboveRows) {
-          interleaved_product<Q6_KTile>(rows, M, K, w, N, bias, y, num_threads);
-          break;
-        }
-#endif
-        ggml_gemv<Q6_KBlock>(rows, M, K, w, N, bias, y, num_threads);
-        break;
+      case kGgmlQ4_0: integer_product<Q4_0Block>(rows, M, K, w, N, bias, y, num_threads); break;
+      case kGgmlQ4_K: integer_product<Q4_KBlock>(rows, M, K, w, N, bias, y, num_threads); break;
+      default: integer_product<Q6_KBlock>(rows, M, K, w, N, bias, y, num_threads); break;
     }
     return;
   }
