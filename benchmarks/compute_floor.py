@@ -304,8 +304,8 @@ class PhysicalFloor:
             f"physical floor: {self.seconds:.2f} s over {self.num_passes} passes "
             f"({self.memory_bound_passes} bound by reading {self.weight_bytes / 1e9:.3f} GB of linear weights at "
             f"{self.read_bytes_per_s / 1e9:.1f} GB/s, the rest by {self.flops / 1e12:.2f} TFLOP in all at "
-            f"{self.peak_flops_per_s / 1e12:.2f} TFLOP/s, the best "
-            f"{str(self.peak_dtype).removeprefix('torch.')} 4096^3-class matmul here)"
+            f"{self.peak_flops_per_s / 1e12:.2f} TFLOP/s, the best square "
+            f"{str(self.peak_dtype).removeprefix('torch.')} matmul measured here)"
         )
 
     @classmethod

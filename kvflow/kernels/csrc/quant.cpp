@@ -1031,18 +1031,25 @@ inline __m512i broadcast4(const int8_t* quants) {
   return _mm512_set1_epi32(word);
 }
 
-// Weight rows [n0, n0 + rows) of one block, or nullptr past `rows`.
-inline void tile_block_rows(const uint8_t* w, int64_t row_bytes, int64_t offset, int64_t n0, int rows,
-                            const uint8_t* out[kLaneRows]) {
-  for (int r = 0; r < kLaneRows; ++r) out[r] = r < rows ? w + (n0 + r) * row_bytes + offset : nullptr;
-}
+// One block of a tile's weight rows: row r's block at `first` + r * row_bytes for r < count; the lanes past
+// `count` (a partial last tile) read as zeros.
+struct TileRows {
+  const uint8_t* first;
+  int64_t row_bytes;
+  int count;
 
-// Lane r: the 4 bytes at `offset` of tile row r's block (row r at `first` + r * row_bytes); 0 past `rows`.
-inline __m512i gather_lanes(const uint8_t* first, int64_t row_bytes, int64_t offset, int rows) {
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
-  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), tail_mask(rows), offsets, first + offset, 1);
-}
+  const uint8_t* row(int r) const { return r < count ? first + r * row_bytes : nullptr; }
+  // Lane r: the 4 bytes at `offset` of row r's block.
+  __m512i gather(int64_t offset) const {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), tail_mask(count), offsets, first + offset, 1);
+  }
+  // Row r's 32 bytes at `offset`.
+  __m256i load32(int r, int64_t offset) const {
+    return r < count ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(r) + offset)) : _mm256_setzero_si256();
+  }
+};
 
 // The fp16 values in the low (high = false) or high 16 bits of each lane, as fp32 (exact).
 inline __m512 fp16_lanes(__m512i words, bool high) {
@@ -1054,23 +1061,18 @@ inline __m512i lane_bits(__m512i words, int shift, int mask) {
   return _mm512_and_si512(_mm512_srli_epi32(words, static_cast<unsigned>(shift)), _mm512_set1_epi32(mask));
 }
 
-inline __m256i load32_or_zero(const uint8_t* bytes) {
-  return bytes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes)) : _mm256_setzero_si256();
-}
-
 struct Q4_KTile {
   static constexpr int kElements = 256, kBytes = 144;
   __m512i quants[8][8];  // [sub-block j][group g]: lane r = quants 32 j + 4 g .. 32 j + 4 g + 3 of row r
   __m512 scales[8];      // lane r: d * sc_j of row r
   __m512 mins[8];        // lane r: dmin * m_j of row r
 
-  void repack(const uint8_t* const rows[kLaneRows], const uint8_t* first, int64_t row_bytes, int count) {
+  void repack(const TileRows& rows) {
     // The 16 bytes before the quants, lanes = rows: d and dmin, then the 12 packed 6-bit scales and mins
     // (q4_k_scales_and_mins: j < 4 from bytes j and j + 4, j >= 4 from byte j + 4's nibbles and the top 2 bits
     // of bytes j - 4 and j).
-    const __m512i head = gather_lanes(first, row_bytes, 0, count);
-    const __m512i low = gather_lanes(first, row_bytes, 4, count), mid = gather_lanes(first, row_bytes, 8, count),
-                  high = gather_lanes(first, row_bytes, 12, count);
+    const __m512i head = rows.gather(0);
+    const __m512i low = rows.gather(4), mid = rows.gather(8), high = rows.gather(12);
     const __m512 d = fp16_lanes(head, false), dmin = fp16_lanes(head, true);
     for (int j = 0; j < 4; ++j) {
       const __m512i sc =
@@ -1085,7 +1087,7 @@ struct Q4_KTile {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {  // 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones
       __m256i packed[kLaneRows];
-      for (int r = 0; r < kLaneRows; ++r) packed[r] = load32_or_zero(rows[r] ? rows[r] + 16 + 32 * c : nullptr);
+      for (int r = 0; r < kLaneRows; ++r) packed[r] = rows.load32(r, 16 + 32 * c);
       __m512i groups[8];
       transpose_16x8_dwords(packed, groups);
       for (int g = 0; g < 8; ++g) {
@@ -1123,12 +1125,12 @@ struct Q6_KTile {
   __m512i quants[16][4];  // [group G of 16][i]: lane r = quants 16 G + 4 i .. 16 G + 4 i + 3 of row r (0-63)
   __m512 scales[16];      // lane r: d * sc_G of row r
 
-  void repack(const uint8_t* const rows[kLaneRows], const uint8_t* first, int64_t row_bytes, int count) {
+  void repack(const TileRows& rows) {
     // The 16 int8 scales (bytes 192-207) and d (208-209), lanes = rows; d read as the top half of bytes 206-209
     // (a dword at 208 would read past the block).
-    const __m512 d = fp16_lanes(gather_lanes(first, row_bytes, 206, count), true);
+    const __m512 d = fp16_lanes(rows.gather(206), true);
     for (int q = 0; q < 4; ++q) {
-      const __m512i words = gather_lanes(first, row_bytes, 192 + 4 * q, count);
+      const __m512i words = rows.gather(192 + 4 * q);
       for (int i = 0; i < 4; ++i) {  // byte i, sign-extended: shifted to the top, then arithmetically down
         const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(words, static_cast<unsigned>(24 - 8 * i)), 24);
         scales[4 * q + i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
@@ -1138,10 +1140,8 @@ struct Q6_KTile {
     for (int h = 0; h < 2; ++h) {
       __m256i packed[4][kLaneRows];  // [p][r]: quants 128 h + 32 p + [0, 32) of row r, as in Q6_KBlock
       for (int r = 0; r < kLaneRows; ++r) {
-        const uint8_t* block = rows[r];
-        const __m256i ql0 = load32_or_zero(block ? block + 64 * h : nullptr);
-        const __m256i ql1 = load32_or_zero(block ? block + 64 * h + 32 : nullptr);
-        const __m256i qh = load32_or_zero(block ? block + 128 + 32 * h : nullptr);
+        const __m256i ql0 = rows.load32(r, 64 * h), ql1 = rows.load32(r, 64 * h + 32);
+        const __m256i qh = rows.load32(r, 128 + 32 * h);
         packed[0][r] = _mm256_or_si256(low_nibbles(ql0), _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45));
         packed[1][r] = _mm256_or_si256(low_nibbles(ql1), _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45));
         packed[2][r] = _mm256_or_si256(high_nibbles(ql0), _mm256_and_si256(qh, bits45));
@@ -1199,11 +1199,12 @@ struct Q4_0Tile {
   __m512i quants[8];  // [group g]: lane r = quants 4 g .. 4 g + 3 of row r (u8 0-15; the -8 is x's side)
   __m512 scales;      // lane r: d of row r
 
-  void repack(const uint8_t* const rows[kLaneRows], const uint8_t* first, int64_t row_bytes, int count) {
-    scales = fp16_lanes(gather_lanes(first, row_bytes, 0, count), false);
+  void repack(const TileRows& rows) {
+    scales = fp16_lanes(rows.gather(0), false);
     __m128i packed[kLaneRows];  // elements 0-15 in the low nibbles, 16-31 in the high ones
     for (int r = 0; r < kLaneRows; ++r)
-      packed[r] = rows[r] ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + 2)) : _mm_setzero_si128();
+      packed[r] = r < rows.count ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows.row(r) + 2))
+                                 : _mm_setzero_si128();
     __m512i groups[4];
     transpose_16x4_dwords(packed, groups);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -1258,11 +1259,8 @@ void interleaved_product(const QuantRows& x, int64_t M, int64_t K, const uint8_t
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kLaneRows;
       const int rows = static_cast<int>(std::min<int64_t>(kLaneRows, N - n0));
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        const uint8_t* block_rows[kLaneRows];
-        tile_block_rows(w, row_bytes, b * Tile::kBytes, n0, rows, block_rows);
-        tile[b].repack(block_rows, block_rows[0], row_bytes, rows);
-      }
+      for (int64_t b = 0; b < num_blocks; ++b)
+        tile[b].repack(TileRows{w + n0 * row_bytes + b * Tile::kBytes, row_bytes, rows});
       int64_t m = 0;
       for (; m + kLaneMT <= M; m += kLaneMT)
         tile_pass<Tile, kLaneMT>(tile.data(), num_blocks, x, m, n0, rows, bias, y, N);
@@ -1272,6 +1270,7 @@ void interleaved_product(const QuantRows& x, int64_t M, int64_t K, const uint8_t
     }
   }
 }
+
 // The interleaved tile of each GEMV block kind.
 template <class Block>
 struct TileOf;
