@@ -12,6 +12,9 @@ calls each, so a busy machine slows both alike):
   Qwen2-0.5B LM head (896, 151936) at M = 16: the kernel (`ops.gemm`, whether or not `kvflow.kernels.linear`
   dispatches to it on this CPU; the header says) vs `F.linear` in bfloat16, and vs `F.linear` in float32 on weights
   converted beforehand (a reference ceiling: torch's fp32 GEMM without any conversion cost).
+* **GEMM kernels** on the same shapes, M = 16, 64, 256: each kernel of `ops.gemm_with` this CPU runs (widened_fp32;
+  avx512_bf16 wherever the CPU executes vdpbf16ps, even with its CPUID flag hidden; amx_bf16 where AMX is usable),
+  GFLOP/s and the ratio to widened_fp32; the header names the kernel `kvflow.kernels.linear` uses here.
 * **Elementwise** at batch 1: add + RMSNorm (896), SiLU-and-mul (2 x 4864), RoPE (16 heads of 64), against the
   PyTorch expressions of `RMSNorm.forward_with_residual`, `silu_and_mul` and `RotaryEmbedding.apply`.
 * **Decode attention**: one decode row over 160 cached tokens (14 query / 2 KV heads of 64, blocks of 16, K/V write
@@ -34,7 +37,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvflow.batch import BatchInputs
-from kvflow.kernels import cpu_feature_flags, gemm_kernel_wins, load_cpu_kernels
+from kvflow.kernels import (
+    bf16_gemm_kernel,
+    cpu_executes_avx512_bf16,
+    cpu_feature_flags,
+    gemm_kernel_wins,
+    load_cpu_kernels,
+)
 from kvflow.models.attention import TorchPagedAttention
 from kvflow.models.attention.cpu_paged import CpuPagedAttention
 
@@ -128,6 +137,44 @@ def bench_gemm(
                 f"{torch_s / kernel_s:>7.2f}x {fp32_s * 1e6:>9.0f} {fp32_s / kernel_s:>10.2f} "
                 f"{flops / kernel_s / 1e9:>14.0f}"
             )
+
+
+def bench_gemm_kernels(ops: object, rows: list[int], repeats: int) -> None:
+    kernels = ["widened_fp32"]
+    if cpu_executes_avx512_bf16():
+        kernels.append("avx512_bf16")
+    if ops.amx_usable():  # type: ignore[attr-defined]
+        kernels.append("amx_bf16")
+    bf16_in_cpuid = "avx512_bf16" in cpu_feature_flags()
+    print(
+        f"\nGEMM kernels (bf16): kernels.linear uses {bf16_gemm_kernel() or 'torch'} here; AVX512_BF16 "
+        f"{'in CPUID' if bf16_in_cpuid else 'not in CPUID'}"
+        + (", vdpbf16ps executed anyway" if "avx512_bf16" in kernels and not bf16_in_cpuid else "")
+        + f"; AMX {'usable' if 'amx_bf16' in kernels else 'not usable'}"
+    )
+    header = "".join(f" {name + ' GF/s':>18}" for name in kernels)
+    ratios = "".join(f" {name + '/widened':>20}" for name in kernels[1:])
+    print(f"{'GEMM (bf16)':<12} {'M':>4}{header}{ratios}")
+    generator = torch.Generator().manual_seed(2)
+    for name, (input_size, output_size) in GEMV_SHAPES.items():
+        if name == "lm_head":
+            continue
+        weight = torch.randn(output_size, input_size, generator=generator).bfloat16()
+        for num_rows in rows:
+            x = torch.randn(num_rows, input_size, generator=generator).bfloat16()
+            seconds = interleaved(
+                *[
+                    lambda x=x, weight=weight, kernel=kernel: ops.gemm_with(
+                        x, weight, None, False, kernel
+                    )  # type: ignore[attr-defined]
+                    for kernel in kernels
+                ],
+                repeats=repeats,
+            )
+            flops = 2.0 * num_rows * input_size * output_size
+            rates = "".join(f" {flops / s / 1e9:>18.0f}" for s in seconds)
+            versus = "".join(f" {seconds[0] / s:>19.2f}x" for s in seconds[1:])
+            print(f"{name:<12} {num_rows:>4}{rates}{versus}")
 
 
 def bench_elementwise(ops: object, repeats: int) -> None:
@@ -230,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             bench_gemm(ops, [16], [16], GEMV_SHAPES["lm_head"][1], repeats)
         else:
             bench_gemm(ops, [16, 64, 256], [16], 151936, max(5, repeats // 3))
+        bench_gemm_kernels(ops, [16] if args.quick else [16, 64, 256], max(5, repeats // 3))
         bench_elementwise(ops, repeats * 10)
         bench_attention(repeats * 10)
 

@@ -22,6 +22,12 @@ def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> No
     spec.loader.exec_module(module)
     module.main(["--quick", "--repeats", "1", "--threads", "1"])
     out = capsys.readouterr().out
+    before, rest = out.split("\nGEMM kernels (bf16): kernels.linear uses ", 1)
+    kernel_section, after = rest.split("\nop (batch 1)", 1)
+    kernel_rows = re.findall(r"\n(\w+) +16 +\d+", kernel_section)
+    # a row per shape: widened_fp32 GFLOP/s at least
+    assert kernel_rows == ["qkv", "o", "gate_up", "down"], kernel_section
+    out = before + "\nop (batch 1)" + after
     assert "read bandwidth" in out
     for name in ("qkv", "o", "gate_up", "down", "lm_head", "add + RMSNorm", "SiLU", "RoPE"):
         assert f"\n{name}" in out, name

@@ -8,6 +8,9 @@ reference the kernels are tested against. `KVFLOW_CPU_KERNELS=0` makes every hel
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from collections.abc import Collection
 
 import torch
@@ -20,9 +23,13 @@ from kvflow.kernels.build import (
 )
 
 __all__ = [
+    "BF16_GEMM_CHOICES",
+    "BF16_GEMM_ENV",
     "CPU_KERNELS_ENV",
     "MAX_GEMV_ROWS",
     "add_rms_norm",
+    "bf16_gemm_kernel",
+    "cpu_executes_avx512_bf16",
     "cpu_kernels_available",
     "cpu_kernels_requested",
     "decode_layer_max_rows",
@@ -38,10 +45,12 @@ __all__ = [
 MAX_GEMV_ROWS = 8
 # float32 row counts (inclusive) the GEMV takes over from torch (`_float32_linear`).
 FLOAT32_GEMV_ROWS = (2, MAX_GEMV_ROWS)
-# The GEMM kernel's instruction set, and the native bf16 matmul instructions in whose presence oneDNN's bf16 GEMM
-# stays in charge.
+# The GEMM kernels' instruction set.
 _GEMM_REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})
-_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# `KVFLOW_BF16_GEMM`: which product bfloat16 layers run above MAX_GEMV_ROWS rows. "auto" (the default): the CPU's
+# best kernel (the extension's default_gemm_kernel); "torch": F.linear (oneDNN); else one kernel by name.
+BF16_GEMM_ENV = "KVFLOW_BF16_GEMM"
+BF16_GEMM_CHOICES = ("auto", "torch", "widened_fp32", "avx512_bf16", "amx_bf16")
 _ELEMENTWISE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -58,23 +67,80 @@ def decode_layer_max_rows() -> int:
 
 
 def gemm_kernel_wins(flags: Collection[str]) -> bool:
-    """Whether kvflow's bf16 GEMM (M > `MAX_GEMV_ROWS`) should replace torch's on a CPU with these feature flags.
+    """Whether kvflow's bf16 GEMM (M > `MAX_GEMV_ROWS`) replaces torch's on a CPU with these feature flags: on every
+    AVX-512 (F, BW, VL) CPU, with the kernel `bf16_gemm_kernel` picks.
 
-    True on AVX-512 CPUs without native bf16 matmul (no AVX512_BF16, no AMX: Skylake-X/Cascade Lake/Ice Lake
-    servers), where oneDNN's bf16 GEMM runs at a fraction of its fp32 rate and the kernel (fp32 FMAs on weights
-    widened in cache-sized blocks) measured 2-4x faster on the Qwen2-0.5B shapes (benchmarks/kernels.py). On CPUs
-    with AVX512_BF16 or AMX (Zen 4, Sapphire Rapids) oneDNN uses those instructions; the kernel was never measured
-    there, so torch stays in charge.
+    Without native bf16 matmul (Skylake-X/Cascade Lake/Ice Lake servers) oneDNN's bf16 GEMM runs at a fraction of
+    its fp32 rate and the widened-fp32 kernel measured 2-4x faster (benchmarks/kernels.py). With AMX the kernel
+    streams the weights through tiles as they lie, where oneDNN repacks them on every call; with AVX512_BF16 on AMD
+    the vdpbf16ps kernel reads the bf16 weights in place (cpu_features.h, gemm.cpp).
     """
-    present = set(flags)
-    return present >= _GEMM_REQUIRED_FLAGS and not (_NATIVE_BF16_FLAGS & present)
+    return set(flags) >= _GEMM_REQUIRED_FLAGS
 
 
 @functools.cache
+def bf16_gemm_kernel() -> str | None:
+    """The kernel `linear` (and the fused decode layer) sends bfloat16 products of more than `MAX_GEMV_ROWS` rows
+    to in this process: "widened_fp32", "avx512_bf16" or "amx_bf16"; None for torch's F.linear.
+
+    `KVFLOW_BF16_GEMM` chooses (`BF16_GEMM_CHOICES`; unset means "auto": the CPU's best kernel where
+    `gemm_kernel_wins`, else torch). Raises ValueError naming the variable for an unknown value, or for a kernel
+    this process cannot run (no AVX-512 build, CPU kernels off, AVX512_BF16 missing from CPUID, AMX missing or its
+    tile permission refused).
+    """
+    choice = os.environ.get(BF16_GEMM_ENV, "").strip().lower() or "auto"
+    if choice not in BF16_GEMM_CHOICES:
+        raise ValueError(f"{BF16_GEMM_ENV}={choice!r} is not one of {', '.join(BF16_GEMM_CHOICES)}")
+    if choice == "torch":
+        return None
+    ops = load_cpu_kernels()
+    if ops is None or not ops.has_avx512() or not gemm_kernel_wins(cpu_feature_flags()):
+        if choice == "auto":
+            return None
+        raise ValueError(
+            f"{BF16_GEMM_ENV}={choice}: kvflow's GEMM kernels need the CPU kernels "
+            f"({CPU_KERNELS_ENV} on) on an AVX-512 (F, BW, VL) CPU"
+        )
+    if choice == "auto":
+        choice = str(ops.default_gemm_kernel())
+    runnable = {
+        "widened_fp32": True,
+        "avx512_bf16": bool(ops.cpu_has_avx512_bf16()),
+        "amx_bf16": bool(ops.amx_usable()),
+    }
+    if not runnable[choice]:
+        raise ValueError(
+            f"{BF16_GEMM_ENV}={choice}: this CPU cannot run it "
+            + (
+                "(no AVX512_BF16 in CPUID)"
+                if choice == "avx512_bf16"
+                else "(no AMX in CPUID, or the kernel refused this process the tile state)"
+            )
+        )
+    ops.set_gemm_kernel(choice)
+    return choice
+
+
+@functools.cache
+def cpu_executes_avx512_bf16() -> bool:
+    """Whether this CPU executes vdpbf16ps, asked of a child process (an illegal instruction kills only it): true
+    on every CPU with AVX512_BF16 in CPUID and also where a hypervisor hides the flag of a CPU that has it. Tests
+    and benchmarks use it to run the `avx512_bf16` kernel; `bf16_gemm_kernel` trusts only CPUID."""
+    if load_cpu_kernels() is None:
+        return False
+    probe = (
+        "from kvflow.kernels import load_cpu_kernels; print(load_cpu_kernels().avx512_bf16_probe())"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, check=False
+    )
+    return completed.returncode == 0 and completed.stdout.strip().endswith("32.0")
+
+
 def gemm_kernel_wins_here() -> bool:
-    """`gemm_kernel_wins` for this machine's CPU: whether `linear` sends more than `MAX_GEMV_ROWS` rows to the
-    kernel's GEMM."""
-    return gemm_kernel_wins(cpu_feature_flags())
+    """Whether `linear` sends more than `MAX_GEMV_ROWS` bfloat16 rows to kvflow's GEMM in this process (see
+    `bf16_gemm_kernel`)."""
+    return bf16_gemm_kernel() is not None
 
 
 def linear(
@@ -87,8 +153,8 @@ def linear(
     """`F.linear(hidden_states, weight, bias)` on the CPU where a kernel wins, else None: bfloat16 rows, and
     float32 rows in `FLOAT32_GEMV_ROWS` (`_float32_linear`).
 
-    At most `MAX_GEMV_ROWS` rows: the decode GEMV (AVX-512 or AVX2 builds). More rows: the blocked GEMM, only on
-    CPUs where `gemm_kernel_wins`. With `float_output` the bfloat16-rounded result comes back as float32 (what
+    At most `MAX_GEMV_ROWS` rows: the decode GEMV (AVX-512 or AVX2 builds). More rows: the GEMM kernel
+    `bf16_gemm_kernel` picks (none: torch). With `float_output` the bfloat16-rounded result comes back as float32 (what
     `F.linear(...).float()` gives).
     """
     if hidden_states.device.type != "cpu" or weight.dtype is not hidden_states.dtype:

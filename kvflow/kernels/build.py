@@ -37,6 +37,7 @@ _SOURCES = (
     "bindings.cpp",
     "gemv.cpp",
     "gemm.cpp",
+    "amx.cpp",
     "elementwise.cpp",
     "attention.cpp",
     "decode_layer.cpp",

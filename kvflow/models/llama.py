@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from kvflow import kernels
 from kvflow.distributed.parallel_state import TensorParallelGroup, kv_head_partition, split_evenly
 from kvflow.models.attention import AttentionBackend, get_attention_backend
 from kvflow.models.fused_decode import FusedDecodeLayers
@@ -320,6 +321,8 @@ class LlamaForCausalLM(CheckpointModel):
             quantization is not None
         ):  # before any weight loads: the layers take the plan's storage and kernels
             quantization.apply(self)
+        if dtype is torch.bfloat16 and self.device.type == "cpu":
+            kernels.bf16_gemm_kernel()  # a bad KVFLOW_BF16_GEMM fails here, at load, not in a forward pass
         self.fused_decode = FusedDecodeLayers.select(
             config,
             list(self.model.layers),

@@ -6,6 +6,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "cpu_features.h"
 #include "kernels.h"
 
 namespace {
@@ -73,6 +74,32 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::option
   kvflow::gemm(ptr<bf16>(x), M, K, x.stride(0), ptr<bf16>(weight), N, bias ? ptr<bf16>(*bias) : nullptr,
                float_output ? nullptr : ptr<bf16>(out), float_output ? ptr<float>(out) : nullptr,
                at::get_num_threads());
+  return out;
+}
+
+// gemm's kernels by name (GEMM_KERNELS order = GemmKernel's values).
+const char* const kGemmKernelNames[] = {"widened_fp32", "avx512_bf16", "amx_bf16", "amx_bf16_emulated"};
+
+kvflow::GemmKernel gemm_kernel_named(const std::string& name) {
+  for (int i = 0; i < 4; ++i)
+    if (name == kGemmKernelNames[i]) return static_cast<kvflow::GemmKernel>(i);
+  TORCH_CHECK(false, "kernel must be one of widened_fp32, avx512_bf16, amx_bf16, amx_bf16_emulated; got '", name,
+              "'");
+}
+
+at::Tensor gemm_with(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                     bool float_output, const std::string& kernel) {
+  const kvflow::GemmKernel chosen = gemm_kernel_named(kernel);
+  TORCH_CHECK(chosen != kvflow::GemmKernel::kAmxBf16 || kvflow::amx_usable(),
+              "kernel amx_bf16: this CPU (or process) cannot use AMX tiles");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "x must be a bfloat16 CPU tensor");
+  check_product_operands(x, weight, bias);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
+  if (M == 0 || N == 0) return out;
+  kvflow::gemm_with(chosen, ptr<bf16>(x), M, K, x.stride(0), ptr<bf16>(weight), N, bias ? ptr<bf16>(*bias) : nullptr,
+                    float_output ? nullptr : ptr<bf16>(out), float_output ? ptr<float>(out) : nullptr,
+                    at::get_num_threads());
   return out;
 }
 
@@ -490,19 +517,38 @@ at::Tensor ggml_linear_w8a8(const at::Tensor& x, const at::Tensor& blocks, int64
   });
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows) {
+// qweight int8 [N, K] with a float32 scale per row, and x / bias as check_quant_operands wants them; returns K.
+int64_t check_int8_operands(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(qweight.scalar_type() == at::kChar, "qweight must be int8");
   const int64_t K = qweight.dim() == 2 ? qweight.size(1) : -1;
   check_quant_operands(x, qweight, K, bias);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == qweight.size(0),
               "scale must be contiguous float32 [N]");
+  return K;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, int64_t gemv_max_rows) {
+  const int64_t K = check_int8_operands(x, qweight, scale, bias);
   const int64_t M = x.size(0), N = qweight.size(0);
   return float_product(x, N, [&](auto tag, at::Tensor& out) {
     using T = decltype(tag);
     kvflow::int8_linear<T>(ptr<T>(x), M, K, x.stride(0), ptr<int8_t>(qweight), ptr<float>(scale), N,
                            bias ? ptr<float>(*bias) : nullptr, ptr<float>(out), gemv_max_rows,
                            at::get_num_threads());
+  });
+}
+
+at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& bias, bool emulated) {
+  TORCH_CHECK(emulated || kvflow::amx_usable(), "int8_linear_amx: this CPU (or process) cannot use AMX tiles");
+  const int64_t K = check_int8_operands(x, qweight, scale, bias);
+  const int64_t M = x.size(0), N = qweight.size(0);
+  return float_product(x, N, [&](auto tag, at::Tensor& out) {
+    using T = decltype(tag);
+    kvflow::int8_linear_amx<T>(ptr<T>(x), M, K, x.stride(0), ptr<int8_t>(qweight), ptr<float>(scale), N,
+                               bias ? ptr<float>(*bias) : nullptr, ptr<float>(out), emulated, at::get_num_threads());
   });
 }
 
@@ -514,6 +560,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("float_output") = false);
   m.def("gemm", &gemm, "x @ weight.T (+ bias) for bfloat16 and M > 8 (weights widened to fp32 in blocks)",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("float_output") = false);
+  m.def("gemm_with", &gemm_with,
+        "gemm on a named kernel (widened_fp32, avx512_bf16, amx_bf16, amx_bf16_emulated): tests and benchmarks",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("float_output"), py::arg("kernel"));
+  m.def("gemm_kernel", []() { return std::string(kGemmKernelNames[static_cast<int>(kvflow::gemm_kernel())]); },
+        "the kernel gemm runs on now");
+  m.def("default_gemm_kernel",
+        []() { return std::string(kGemmKernelNames[static_cast<int>(kvflow::default_gemm_kernel())]); },
+        "the kernel gemm runs on this CPU unless set_gemm_kernel chose another");
+  m.def("set_gemm_kernel", [](const std::string& name) { kvflow::set_gemm_kernel(gemm_kernel_named(name)); },
+        "the kernel gemm runs on from now on (the caller checked the CPU can run it)", py::arg("kernel"));
+  m.def("amx_usable", []() { return kvflow::amx_usable(); },
+        "AMX tiles in CPUID and the tile data permission granted to this process");
+  m.def("cpu_has_avx512_bf16", []() { return kvflow::cpu_has_avx512_bf16(); }, "AVX512_BF16 in CPUID");
+  m.def("avx512_bf16_probe", &kvflow::avx512_bf16_probe,
+        "one vdpbf16ps (returns 32.0); SIGILL where the CPU cannot execute it: call it in a child process");
+  m.def("int8_linear_amx", &int8_linear_amx,
+        "int8_linear's W8A8 product on AMX tiles (emulated: the scalar tile emulation, any CPU)", py::arg("x"),
+        py::arg("qweight"), py::arg("scale"), py::arg("bias"), py::arg("emulated"));
   m.def("stream_read", &stream_read, "read a uint8 buffer once (the memory-read floor)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");

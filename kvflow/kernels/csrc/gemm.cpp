@@ -20,9 +20,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
+#include <stdexcept>
 
 #include "common.h"
+#include "cpu_features.h"
 #include "kernels.h"
 
 namespace kvflow {
@@ -75,6 +78,24 @@ inline __m512 reduce16(const __m512 v[16]) {
   return _mm512_add_ps(even, odd);
 }
 
+// Stores (or, with `accumulate`, adds) the kR x MT dot products whose 16 k lanes acc[r][m] holds to
+// out[m * out_stride + r].
+template <int MT>
+inline void store_tile_sums(const __m512 acc[kR][MT], float* out, int64_t out_stride, bool accumulate) {
+  alignas(64) float sums[16];
+  for (int g = 0; g < MT; g += 4) {  // x rows g .. g + 3 (zeros past MT)
+    __m512 v[16];
+    for (int r = 0; r < kR; ++r)
+      for (int c = 0; c < 4; ++c) v[4 * r + c] = g + c < MT ? acc[r][g + c] : _mm512_setzero_ps();
+    _mm512_store_ps(sums, reduce16(v));  // sums[4 * c + r]: x row g + c times weight row r
+    for (int c = 0; c < 4 && g + c < MT; ++c) {
+      float* target = out + (g + c) * out_stride;
+      const __m128 part = _mm_load_ps(sums + 4 * c);
+      _mm_storeu_ps(target, accumulate ? _mm_add_ps(_mm_loadu_ps(target), part) : part);
+    }
+  }
+}
+
 // Row segments of bf16 weights to prefetch: `rows` segments of `lines` 64-byte lines, `stride` bytes apart.
 struct PrefetchRows {
   const char* base = nullptr;
@@ -102,18 +123,7 @@ inline void tile_dots(const float* w, const float* x, int64_t steps, float* out,
       for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
     }
   }
-  alignas(64) float sums[16];
-  for (int g = 0; g < MT; g += 4) {  // x rows g .. g + 3 (zeros past MT)
-    __m512 v[16];
-    for (int r = 0; r < kR; ++r)
-      for (int c = 0; c < 4; ++c) v[4 * r + c] = g + c < MT ? acc[r][g + c] : _mm512_setzero_ps();
-    _mm512_store_ps(sums, reduce16(v));  // sums[4 * c + r]: x row g + c times weight row r
-    for (int c = 0; c < 4 && g + c < MT; ++c) {
-      float* target = out + (g + c) * out_stride;
-      const __m128 part = _mm_load_ps(sums + 4 * c);
-      _mm_storeu_ps(target, accumulate ? _mm_add_ps(_mm_loadu_ps(target), part) : part);
-    }
-  }
+  store_tile_sums<MT>(acc, out, out_stride, accumulate);
 }
 
 // Widens rows [n0, n0 + rows) x columns [k0, k0 + steps * 16) of w into wp (zeros past N and K).
@@ -240,22 +250,182 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
   }
 }
 
+#ifdef KVFLOW_X86_TARGETS
+// ---- AVX512_BF16: vdpbf16ps on the weights as they lie in memory ----
+//
+// The same blocking as above without the widening pass: per k step of 32 columns, each of the kR weight rows is
+// one 64-byte load straight from w (masked to zeros past K) and one vdpbf16ps per x row adds 32 products into 16
+// fp32 lanes (pairs summed in the instruction, then into the lane: Intel's pseudo-code, round-to-nearest-even,
+// denormal inputs and outputs flushed to zero). x is copied once per call into bf16 tiles of kMT rows, K padded
+// to a multiple of 32 with zeros: tile t is xb[t * kMT * k_steps * 32 + (k step * rows in tile + row) * 32 + lane].
+// A K block of a 64-row weight block (kBf16KB columns, 256 KiB) stays in L2 while every x tile runs against it.
+#define KVFLOW_BF16_TARGET __attribute__((target("avx512bf16")))
+
+constexpr int64_t kBf16KB = 2048;  // widest K block (a multiple of 32): 4 KiB per weight row
+
+// Copies x tiles [t_begin, t_end) into xb (zeros past K).
+void pack_x_bf16(const bf16* x, int64_t M, int64_t K, int64_t x_stride, int64_t k_steps, int64_t t_begin,
+                 int64_t t_end, bf16* xb) {
+  for (int64_t t = t_begin; t < t_end; ++t) {
+    const int64_t m0 = t * kMT, height = std::min<int64_t>(kMT, M - m0);
+    bf16* tile = xb + m0 * k_steps * 32;
+    for (int64_t m = 0; m < height; ++m) {
+      const bf16* row = x + (m0 + m) * x_stride;
+      for (int64_t s = 0; s < k_steps; ++s) {
+        const int64_t k = s * 32, left = K - k;
+        const __mmask32 mask = left >= 32 ? ~static_cast<__mmask32>(0) : (static_cast<__mmask32>(1) << left) - 1;
+        _mm512_store_si512(tile + (s * height + m) * 32, _mm512_maskz_loadu_epi16(mask, row + k));
+      }
+    }
+  }
+}
+
+// The kR x MT dot products of weight rows `rows` (columns [k0, k0 + 32 steps), zeros past K) and a packed x tile
+// of MT rows, stored to (or, with `accumulate`, added to) out[m * out_stride + r].
+// acc[r][m] += the 32 products of weight rows `rows` at column k (masked: zeros) and x tile rows x[m * 32 ...].
+template <int MT>
+KVFLOW_BF16_TARGET inline void dot_step_bf16(const bf16* const rows[kR], int64_t k, __mmask32 mask, const bf16* x,
+                                             __m512 acc[kR][MT]) {
+  __m512bh xv[MT];
+  for (int m = 0; m < MT; ++m) xv[m] = (__m512bh)_mm512_load_si512(x + m * 32);
+  for (int r = 0; r < kR; ++r) {
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[r] + k);
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+  }
+}
+
+// The kR x MT dot products of weight rows `rows` (columns [k0, k0 + 32 steps), zeros past K) and a packed x tile
+// of MT rows, stored to (or, with `accumulate`, added to) out[m * out_stride + r].
+template <int MT>
+KVFLOW_BF16_TARGET void tile_dots_bf16(const bf16* const rows[kR], int64_t K, int64_t k0, int64_t steps,
+                                       const bf16* x, float* out, int64_t out_stride, bool accumulate) {
+  __m512 acc[kR][MT];
+  for (int r = 0; r < kR; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  const int64_t full = std::min(steps, (K - k0) / 32);  // steps whose 32 columns all lie below K
+  for (int64_t s = 0; s < full; ++s, x += MT * 32) dot_step_bf16<MT>(rows, k0 + s * 32, ~static_cast<__mmask32>(0), x, acc);
+  for (int64_t s = full; s < steps; ++s, x += MT * 32) {
+    const int64_t k = k0 + s * 32;
+    dot_step_bf16<MT>(rows, k, (static_cast<__mmask32>(1) << (K - k)) - 1, x, acc);
+  }
+  store_tile_sums<MT>(acc, out, out_stride, accumulate);
+}
+
+// gemm_dpbf16 for at most kMC rows of x.
+void gemm_rows_dpbf16(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N,
+                      const bf16* bias, bf16* y, float* y_float, int num_threads) {
+  const int64_t k_steps = (K + 31) / 32;
+  const int64_t tiles = (M + kMT - 1) / kMT;
+  const int64_t k_blocks = (k_steps * 32 + kBf16KB - 1) / kBf16KB;
+  const int64_t kb_steps = (k_steps + k_blocks - 1) / k_blocks;
+  const int64_t n_blocks = (N + kNB - 1) / kNB;
+  static thread_local Scratch x_scratch;  // floats, used as bf16 pairs
+  bf16* xb = reinterpret_cast<bf16*>(x_scratch.get(static_cast<size_t>(M * k_steps * 16)));
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n_blocks)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    pack_x_bf16(x, M, K, x_stride, k_steps, tiles * t / nt, tiles * (t + 1) / nt, xb);
+    static thread_local Scratch acc_scratch;
+    float* acc = acc_scratch.get(static_cast<size_t>(M * kNB));
+#pragma omp barrier
+    for (int64_t b = n_blocks * t / nt, b_end = n_blocks * (t + 1) / nt; b < b_end; ++b) {
+      const int64_t n0 = b * kNB, count = std::min(kNB, N - n0);
+      for (int64_t kb = 0; kb < k_blocks; ++kb) {
+        const int64_t s0 = kb * kb_steps, steps = std::min(kb_steps, k_steps - s0);
+        for (int64_t tile = 0; tile < tiles; ++tile) {
+          const int64_t m0 = tile * kMT, height = std::min<int64_t>(kMT, M - m0);
+          const bf16* xt = xb + (m0 * k_steps + s0 * height) * 32;
+          for (int64_t g = 0; g < count; g += kR) {
+            const bf16* rows[kR];  // rows past N repeat the last one; their sums land in unused columns
+            for (int r = 0; r < kR; ++r) rows[r] = w + std::min(n0 + g + r, N - 1) * K;
+            float* out = acc + m0 * kNB + g;
+            switch (height) {
+              case 6: tile_dots_bf16<6>(rows, K, s0 * 32, steps, xt, out, kNB, kb > 0); break;
+              case 5: tile_dots_bf16<5>(rows, K, s0 * 32, steps, xt, out, kNB, kb > 0); break;
+              case 4: tile_dots_bf16<4>(rows, K, s0 * 32, steps, xt, out, kNB, kb > 0); break;
+              case 3: tile_dots_bf16<3>(rows, K, s0 * 32, steps, xt, out, kNB, kb > 0); break;
+              case 2: tile_dots_bf16<2>(rows, K, s0 * 32, steps, xt, out, kNB, kb > 0); break;
+              default: tile_dots_bf16<1>(rows, K, s0 * 32, steps, xt, out, kNB, kb > 0); break;
+            }
+          }
+        }
+      }
+      store_block(acc, kNB, M, N, n0, count, bias, y, y_float);
+    }
+  }
+}
+#endif  // KVFLOW_X86_TARGETS
+
 }  // namespace
 
-void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
-          float* y_float, int num_threads) {
-  for (int64_t m0 = 0; m0 < M; m0 += kMC)
-    gemm_rows(x + m0 * x_stride, std::min(kMC, M - m0), K, x_stride, w, N, bias, y ? y + m0 * N : nullptr,
-              y_float ? y_float + m0 * N : nullptr, num_threads);
+// AMX where usable. Else vdpbf16ps only on AMD CPUs: on an Intel Xeon (Emerald Rapids, whose hypervisor hid the
+// flag but executed the instruction) vdpbf16ps ran at one per two cycles, half the fp32 FMA rate in flops, and the
+// kernel reached 0.53-0.93x the widened one (benchmarks/RESULTS.md); Zen 4 issues it at the zmm FMA rate with
+// twice the products.
+GemmKernel default_gemm_kernel() {
+  static const GemmKernel kernel = amx_usable()                          ? GemmKernel::kAmxBf16
+                                   : cpu_has_avx512_bf16() && cpu_is_amd() ? GemmKernel::kAvx512Bf16
+                                                                            : GemmKernel::kWidenedFp32;
+  return kernel;
+}
+
+void gemm_with(GemmKernel kernel, const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N,
+               const bf16* bias, bf16* y, float* y_float, int num_threads) {
+  if (kernel == GemmKernel::kAmxBf16 || kernel == GemmKernel::kAmxBf16Emulated) {
+    amx_gemm_bf16(x, M, K, x_stride, w, N, bias, y, y_float, kernel == GemmKernel::kAmxBf16Emulated, num_threads);
+    return;
+  }
+  for (int64_t m0 = 0; m0 < M; m0 += kMC) {
+    const bf16* rows = x + m0 * x_stride;
+    const int64_t count = std::min(kMC, M - m0);
+    bf16* y_rows = y ? y + m0 * N : nullptr;
+    float* y_float_rows = y_float ? y_float + m0 * N : nullptr;
+#ifdef KVFLOW_X86_TARGETS
+    if (kernel == GemmKernel::kAvx512Bf16) {
+      gemm_rows_dpbf16(rows, count, K, x_stride, w, N, bias, y_rows, y_float_rows, num_threads);
+      continue;
+    }
+#endif
+    gemm_rows(rows, count, K, x_stride, w, N, bias, y_rows, y_float_rows, num_threads);
+  }
 }
 
 #else  // the portable build: the GEMV's scalar loop (the dispatcher only sends M > 8 here on AVX-512 CPUs)
 
-void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
-          float* y_float, int num_threads) {
+GemmKernel default_gemm_kernel() { return GemmKernel::kWidenedFp32; }
+
+void gemm_with(GemmKernel kernel, const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N,
+               const bf16* bias, bf16* y, float* y_float, int num_threads) {
+  (void)kernel;
   gemv<bf16>(x, M, K, x_stride, w, N, bias, y, y_float, num_threads);
 }
 
 #endif
+
+#ifdef KVFLOW_X86_TARGETS
+__attribute__((target("avx512f,avx512bf16"))) float avx512_bf16_probe() {
+  const __m512bh ones = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.f), _mm512_set1_ps(1.f));
+  return _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), ones, ones));
+}
+#else
+float avx512_bf16_probe() { throw std::runtime_error("vdpbf16ps needs an x86-64 build"); }
+#endif
+
+namespace {
+std::atomic<int> chosen_gemm_kernel{-1};  // -1: default_gemm_kernel()
+}  // namespace
+
+GemmKernel gemm_kernel() {
+  const int chosen = chosen_gemm_kernel.load(std::memory_order_relaxed);
+  return chosen < 0 ? default_gemm_kernel() : static_cast<GemmKernel>(chosen);
+}
+
+void set_gemm_kernel(GemmKernel kernel) { chosen_gemm_kernel.store(static_cast<int>(kernel)); }
+
+void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
+          float* y_float, int num_threads) {
+  gemm_with(gemm_kernel(), x, M, K, x_stride, w, N, bias, y, y_float, num_threads);
+}
 
 }  // namespace kvflow

@@ -123,8 +123,35 @@ bool decode_layer(const DecodeLayerParams& params, const DecodeLayerWeights<T>& 
 
 // The same product as gemv for bf16 (y = x w^T (+ bias), fp32 accumulation, rounded once), blocked for M > 8:
 // the weight is widened to fp32 once per cache-sized block and reused by every row of x. Threads split w's rows.
+// Threads split w's rows. The kernel is the CPU's best (default_gemm_kernel), chosen once per process.
 void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
           float* y_float, int num_threads);
+
+// gemm's kernels. kWidenedFp32: fp32 FMAs on weights widened in cache-sized blocks (any AVX-512 build);
+// kAvx512Bf16: vdpbf16ps on the bf16 weights in place (gemm.cpp); kAmxBf16: AMX tiles (amx.cpp);
+// kAmxBf16Emulated: the AMX kernel on the scalar tile emulation (tests, any CPU). Calling a kernel the CPU lacks
+// (see cpu_features.h) faults: gemm_with is for tests and benchmarks that checked.
+enum class GemmKernel : int { kWidenedFp32 = 0, kAvx512Bf16 = 1, kAmxBf16 = 2, kAmxBf16Emulated = 3 };
+// kAmxBf16 where AMX is usable, else kAvx512Bf16 on AMD CPUs with AVX512_BF16, else kWidenedFp32.
+GemmKernel default_gemm_kernel();
+// The kernel gemm (and decode_layer's dense products) run on: default_gemm_kernel() until set_gemm_kernel
+// (kvflow.kernels applies KVFLOW_BF16_GEMM through it, after checking the CPU can run the choice).
+GemmKernel gemm_kernel();
+void set_gemm_kernel(GemmKernel kernel);
+// One vdpbf16ps (32 products of ones: returns 32.0); faults where the CPU cannot execute it. Tests call it in a
+// child process to learn whether the kAvx512Bf16 kernel can run here even where CPUID hides the flag.
+float avx512_bf16_probe();
+void gemm_with(GemmKernel kernel, const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N,
+               const bf16* bias, bf16* y, float* y_float, int num_threads);
+
+// AMX tile products (amx.cpp; `emulated`: the scalar tile emulation, on any CPU). x86-64 builds only.
+// y (bf16, or the bf16-rounded values as float in y_float) = x w^T (+ bias), fp32 tile sums over the whole K.
+void amx_gemm_bf16(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias,
+                   bf16* y, float* y_float, bool emulated, int num_threads);
+// y[m, n] = float(dot(quants[m], w[n])) * (x_scales[m] * w_scales[n]) + bias[n] (bias may be nullptr): the int8
+// weights [N, K] against x quantized per row (quants [M, K] contiguous), the dots exact int32 (TDPBSSD).
+void amx_int8_product(const int8_t* quants, int64_t M, int64_t K, const float* x_scales, const int8_t* w,
+                      const float* w_scales, int64_t N, const float* bias, float* y, bool emulated, int num_threads);
 
 }  // namespace kvflow
 
@@ -158,6 +185,12 @@ void ggml_quantize_activations(const T* x, int64_t M, int64_t K, int64_t x_strid
 template <typename T>
 void int8_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_t* w, const float* scale, int64_t N,
                  const float* bias, float* y, int64_t gemv_max_rows, int num_threads);
+
+// int8_linear's W8A8 product on AMX tiles for any M (`emulated`: the scalar tile emulation): above gemv_max_rows
+// int8_linear takes it where AMX is usable (cpu_features.h), equal to the VNNI product bit for bit.
+template <typename T>
+void int8_linear_amx(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_t* w, const float* scale,
+                     int64_t N, const float* bias, float* y, bool emulated, int num_threads);
 
 // Q8_0 weights (type) against x quantized per row (W8A8: d_x = amax / 127 per row, exact int32 dots per
 // block, scaled by d_b and d_x in fp32), for prefill-sized M; only on AVX-512 VNNI builds (has_w8a8_kernels),

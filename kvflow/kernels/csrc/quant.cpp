@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu_features.h"
 #include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -1519,6 +1520,28 @@ void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8
 #endif
 }
 
+namespace {
+
+// int8 weights against x quantized per row (W8A8, as int8_gemm_vnni) on AMX tiles: the same int32 dots (exact in
+// either) and the same float epilogue, so the outputs equal int8_gemm_vnni's bit for bit.
+void int8_gemm_amx(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,
+                   const float* bias, float* y, bool emulated, int num_threads) {
+  std::vector<int8_t> quants(static_cast<size_t>(M * K));
+  std::vector<float> x_scales(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) x_scales[m] = quantize_block(xf + m * xs, K, quants.data() + m * K);
+  amx_int8_product(quants.data(), M, K, x_scales.data(), w, scale, N, bias, y, emulated, num_threads);
+}
+
+}  // namespace
+
+template <typename T>
+void int8_linear_amx(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_t* w, const float* scale,
+                     int64_t N, const float* bias, float* y, bool emulated, int num_threads) {
+  const int64_t xs = padded8(K);
+  const std::vector<float> xf = widen_rows<T>(x, M, K, x_stride, xs);
+  int8_gemm_amx(xf.data(), M, K, xs, w, scale, N, bias, y, emulated, num_threads);
+}
+
 template <typename T>
 void int8_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_t* w, const float* scale, int64_t N,
                  const float* bias, float* y, int64_t gemv_max_rows, int num_threads) {
@@ -1531,6 +1554,10 @@ void int8_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const int8_
   }
 #endif
 #ifdef KVFLOW_QUANT_VNNI
+  if (amx_usable()) {
+    int8_gemm_amx(xf.data(), M, K, xs, w, scale, N, bias, y, false, num_threads);
+    return;
+  }
   int8_gemm_vnni(xf.data(), M, K, xs, w, scale, N, bias, y, num_threads);
 #else
   tiled_product(Int8Decode{w, K}, xf.data(), M, K, xs, N, scale, bias, y, num_threads);
@@ -1577,6 +1604,10 @@ template void ggml_linear<bf16>(const bf16*, int64_t, int64_t, int64_t, const ui
                                 float*, int64_t, int);
 template void ggml_quantize_activations<float>(const float*, int64_t, int64_t, int64_t, int, int8_t*, float*);
 template void ggml_quantize_activations<bf16>(const bf16*, int64_t, int64_t, int64_t, int, int8_t*, float*);
+template void int8_linear_amx<float>(const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t,
+                                     const float*, float*, bool, int);
+template void int8_linear_amx<bf16>(const bf16*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t,
+                                    const float*, float*, bool, int);
 template void int8_linear<float>(const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t,
                                  const float*, float*, int64_t, int);
 template void int8_linear<bf16>(const bf16*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t,
