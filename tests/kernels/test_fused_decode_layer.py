@@ -125,7 +125,7 @@ def test_fused_decode_steps_above_the_gemv_rows_take_the_gemm_like_the_per_op_pa
     """12 decoding requests: more rows than MAX_GEMV_ROWS, so both paths' products run on the GEMM kernel."""
     if not kernels.gemm_kernel_wins_here() or not ops.has_avx512():  # type: ignore[attr-defined]
         pytest.skip(
-            "the GEMM kernel serves > 8 rows only on AVX-512 CPUs without native bf16 matmul"
+            "kvflow's GEMM serves > 8 rows only on AVX-512 CPUs (KVFLOW_BF16_GEMM not torch)"
         )
     prompt_lens = (5, 13, 3, 7, 9, 4, 6, 11, 8, 5, 10, 3)
     fused_outputs, fused_logits, num_fused, fused_rows = _run(
@@ -137,6 +137,37 @@ def test_fused_decode_steps_above_the_gemv_rows_take_the_gemm_like_the_per_op_pa
     assert fused_outputs == per_op_outputs
     for step, (fused, per_op) in enumerate(zip(fused_logits, per_op_logits, strict=True)):
         assert torch.equal(fused, per_op), f"step {step}"
+
+
+@pytest.mark.parametrize("gemm_kernel", ["amx_bf16_emulated", "avx512_bf16"])
+def test_each_gemm_kernel_serves_the_fused_and_per_op_paths_alike(
+    ops: ModuleType, checkpoint: Path, gemm_kernel: str
+) -> None:
+    """The GEMM kernel is one process-wide choice that the per-op products (`kernels.linear`) and the fused
+    decode layer's (`decode_layer` -> `gemm`) both follow: with another kernel chosen the two paths still agree bit
+    for bit, and the logits stay near the default kernel's (another summation order, bfloat16 rounding: a loose
+    bound, which a transposed or misplaced tile output would break by far)."""
+    if not kernels.gemm_kernel_wins_here() or not ops.has_avx512():
+        pytest.skip(
+            "kvflow's GEMM serves > 8 rows only on AVX-512 CPUs (KVFLOW_BF16_GEMM not torch)"
+        )
+    if gemm_kernel == "avx512_bf16" and not kernels.cpu_executes_avx512_bf16():
+        pytest.skip("this CPU does not execute vdpbf16ps")
+    prompt_lens = (5, 13, 3, 7, 9, 4, 6, 11, 8, 5, 10, 3)
+    _, default_logits, _, _ = _run(checkpoint, fused=False, prompt_lens=prompt_lens)
+    ops.set_gemm_kernel(gemm_kernel)
+    try:
+        fused_outputs, fused_logits, num_fused, fused_rows = _run(
+            checkpoint, fused=True, prompt_lens=prompt_lens
+        )
+        per_op_outputs, per_op_logits, _, _ = _run(checkpoint, fused=False, prompt_lens=prompt_lens)
+    finally:
+        ops.set_gemm_kernel(kernels.bf16_gemm_kernel())
+    assert num_fused >= 10 and max(fused_rows) > kernels.MAX_GEMV_ROWS
+    assert fused_outputs == per_op_outputs
+    for step, (fused, per_op) in enumerate(zip(fused_logits, per_op_logits, strict=True)):
+        assert torch.equal(fused, per_op), f"step {step}"
+    torch.testing.assert_close(per_op_logits[0], default_logits[0], atol=0.25, rtol=0.05)
 
 
 def _forced_strategy(
