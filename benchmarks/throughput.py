@@ -25,7 +25,8 @@ Systems, run one after the other in this process:
 6. **physical floor** (`compute_floor.PhysicalFloor`): the same passes bounded by the hardware alone, each at
    max(its linear weights' bytes / the read bandwidth measured here, its FLOPs / the best 4096^3 matmul rate
    measured here). The compute floor can only be as low as the products kvflow calls; this one says what those
-   products leave on the table (on a CPU with AMX, where bf16 GEMMs go through oneDNN, the two differed ~2x).
+   products leave on the table (on a CPU with AMX, when bf16 GEMMs still went through oneDNN, the two differed
+   ~2x; since, kvflow's AMX kernel takes them, not yet measured on such a CPU).
 Each system gets an untimed warm-up generation first. Output tokens/s = useful output tokens / wall time.
 
 Goals, printed as ratios measured in the same run: kvflow's throughput >= 0.8 of the compute floor's

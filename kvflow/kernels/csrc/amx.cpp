@@ -199,19 +199,23 @@ struct PackedX {
   int64_t m_tiles, chunks;
   std::vector<uint8_t> data;
 
-  // `rows` x rows of `row_bytes` bytes, `stride` bytes apart.
-  PackedX(const uint8_t* rows, int64_t M, int64_t row_bytes, int64_t stride)
+  // `rows` x rows of `row_bytes` bytes, `stride` bytes apart; threads split the x tiles (each writes whole tiles).
+  PackedX(const uint8_t* rows, int64_t M, int64_t row_bytes, int64_t stride, int num_threads)
       : m_tiles((M + kTileRows - 1) / kTileRows),
         chunks((row_bytes + kTileBytes - 1) / kTileBytes),
         data(static_cast<size_t>(m_tiles * chunks * kTileSize), 0) {
-    for (int64_t m = 0; m < M; ++m) {
-      const uint8_t* row = rows + m * stride;
-      uint8_t* column = data.data() + (m / kTileRows) * chunks * kTileSize + (m % kTileRows) * 4;
-      for (int64_t byte = 0; byte < row_bytes; ++byte) {
-        const int64_t chunk = byte / kTileBytes, within = byte % kTileBytes;
-        column[chunk * kTileSize + (within / 4) * kTileBytes + within % 4] = row[byte];
+    const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, m_tiles)));
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t m_tile = 0; m_tile < m_tiles; ++m_tile)
+      for (int64_t m = m_tile * kTileRows; m < std::min(M, (m_tile + 1) * kTileRows); ++m) {
+        const uint8_t* row = rows + m * stride;
+        uint8_t* column = data.data() + m_tile * chunks * kTileSize + (m % kTileRows) * 4;
+        const int64_t whole = row_bytes / 4;  // dword d lands in chunk d / 16, tile row d % 16
+        for (int64_t d = 0; d < whole; ++d)
+          std::memcpy(column + (d / 16) * kTileSize + (d % 16) * kTileBytes, row + 4 * d, 4);
+        for (int64_t byte = whole * 4; byte < row_bytes; ++byte)  // a last partial dword (odd K in bf16)
+          column[(byte / kTileBytes) * kTileSize + (byte % kTileBytes / 4) * kTileBytes + byte % 4] = row[byte];
       }
-    }
   }
   const uint8_t* tile(int64_t m_tile, int64_t chunk) const {
     return data.data() + (m_tile * chunks + chunk) * kTileSize;
@@ -317,7 +321,7 @@ void amx_gemm_bf16(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const 
                    bf16* y, float* y_float, bool emulated, int num_threads) {
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(bf16));
   const PackedX packed(reinterpret_cast<const uint8_t*>(x), M, row_bytes,
-                       x_stride * static_cast<int64_t>(sizeof(bf16)));
+                       x_stride * static_cast<int64_t>(sizeof(bf16)), num_threads);
   const Weights weights{reinterpret_cast<const uint8_t*>(w), N, row_bytes};
   auto epilogue = [&](int64_t n0, int64_t m0, const uint8_t* tile) {
     float sums[kTileRows][16];
@@ -336,7 +340,7 @@ void amx_gemm_bf16(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const 
 
 void amx_int8_product(const int8_t* quants, int64_t M, int64_t K, const float* x_scales, const int8_t* w,
                       const float* w_scales, int64_t N, const float* bias, float* y, bool emulated, int num_threads) {
-  const PackedX packed(reinterpret_cast<const uint8_t*>(quants), M, K, K);
+  const PackedX packed(reinterpret_cast<const uint8_t*>(quants), M, K, K, num_threads);
   const Weights weights{reinterpret_cast<const uint8_t*>(w), N, K};
   auto epilogue = [&](int64_t n0, int64_t m0, const uint8_t* tile) {
     int32_t dots[kTileRows][16];

@@ -1,6 +1,8 @@
-// bf16 GEMM for prefill-sized M on AVX-512 CPUs without native bf16 matmul (no AVX512_BF16, no AMX): there the
-// library's bf16 GEMM runs at a fraction of its fp32 rate, so this kernel widens the bf16 weight to fp32 once per
-// cache-sized block and runs an fp32 FMA microkernel over it.
+// bf16 GEMM for prefill-sized M on AVX-512 CPUs. gemm() runs one of three kernels (default_gemm_kernel): AMX tiles
+// (amx.cpp), vdpbf16ps on the weights in place (below, AMD CPUs with AVX512_BF16), or, everywhere else, the
+// widened-fp32 kernel first in this file: without native bf16 matmul the library's bf16 GEMM runs at a fraction of
+// its fp32 rate, so this kernel widens the bf16 weight to fp32 once per cache-sized block and runs an fp32 FMA
+// microkernel over it.
 //
 // Layout, per call:
 // * x (M rows, row stride x_stride) is converted once to fp32 in tiles of kMT rows (the last one shorter), K padded
