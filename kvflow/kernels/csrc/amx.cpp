@@ -238,8 +238,10 @@ void load_weight_tile(const Weights& w, int64_t n0, int64_t chunk, uint8_t* stag
     return;
   }
   std::memset(staging, 0, kTileSize);
-  const int64_t rows = std::min<int64_t>(kTileRows, w.N - n0), bytes = std::min<int64_t>(kTileBytes, w.row_bytes - first);
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(staging + r * kTileBytes, w.rows + (n0 + r) * w.row_bytes + first, bytes);
+  const int64_t rows = std::min<int64_t>(kTileRows, w.N - n0);
+  const int64_t bytes = std::min<int64_t>(kTileBytes, w.row_bytes - first);
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(staging + r * kTileBytes, w.rows + (n0 + r) * w.row_bytes + first, bytes);
   Tiles::template load<T>(staging, kTileBytes);
 }
 

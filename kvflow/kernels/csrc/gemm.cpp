@@ -305,7 +305,8 @@ KVFLOW_BF16_TARGET void tile_dots_bf16(const bf16* const rows[kR], int64_t K, in
   for (int r = 0; r < kR; ++r)
     for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
   const int64_t full = std::min(steps, (K - k0) / 32);  // steps whose 32 columns all lie below K
-  for (int64_t s = 0; s < full; ++s, x += MT * 32) dot_step_bf16<MT>(rows, k0 + s * 32, ~static_cast<__mmask32>(0), x, acc);
+  for (int64_t s = 0; s < full; ++s, x += MT * 32)
+    dot_step_bf16<MT>(rows, k0 + s * 32, ~static_cast<__mmask32>(0), x, acc);
   for (int64_t s = full; s < steps; ++s, x += MT * 32) {
     const int64_t k = k0 + s * 32;
     dot_step_bf16<MT>(rows, k, (static_cast<__mmask32>(1) << (K - k)) - 1, x, acc);
