@@ -6,6 +6,9 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <iterator>
+#include <string>
+
 #include "cpu_features.h"
 #include "kernels.h"
 
@@ -64,43 +67,45 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return out;
 }
 
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                bool float_output) {
+// x [M, K] bf16 @ weight.T (+ bias) on `kernel` (bf16 out, or its values as float32 with float_output).
+at::Tensor bf16_product(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        bool float_output, kvflow::GemmKernel kernel) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "x must be a bfloat16 CPU tensor");
   check_product_operands(x, weight, bias);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor out = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
   if (M == 0 || N == 0) return out;
-  kvflow::gemm(ptr<bf16>(x), M, K, x.stride(0), ptr<bf16>(weight), N, bias ? ptr<bf16>(*bias) : nullptr,
-               float_output ? nullptr : ptr<bf16>(out), float_output ? ptr<float>(out) : nullptr,
-               at::get_num_threads());
+  kvflow::gemm_with(kernel, ptr<bf16>(x), M, K, x.stride(0), ptr<bf16>(weight), N, bias ? ptr<bf16>(*bias) : nullptr,
+                    float_output ? nullptr : ptr<bf16>(out), float_output ? ptr<float>(out) : nullptr,
+                    at::get_num_threads());
   return out;
 }
 
-// gemm's kernels by name (GEMM_KERNELS order = GemmKernel's values).
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                bool float_output) {
+  return bf16_product(x, weight, bias, float_output, kvflow::gemm_kernel());
+}
+
+// gemm's kernels by name, in GemmKernel's order.
 const char* const kGemmKernelNames[] = {"widened_fp32", "avx512_bf16", "amx_bf16", "amx_bf16_emulated"};
 
 kvflow::GemmKernel gemm_kernel_named(const std::string& name) {
-  for (int i = 0; i < 4; ++i)
+  std::string known;
+  for (int i = 0; i < static_cast<int>(std::size(kGemmKernelNames)); ++i) {
     if (name == kGemmKernelNames[i]) return static_cast<kvflow::GemmKernel>(i);
-  TORCH_CHECK(false, "kernel must be one of widened_fp32, avx512_bf16, amx_bf16, amx_bf16_emulated; got '", name,
-              "'");
+    known += (i ? ", " : "") + std::string(kGemmKernelNames[i]);
+  }
+  TORCH_CHECK(false, "kernel must be one of ", known, "; got '", name, "'");
 }
+
+std::string gemm_kernel_name(kvflow::GemmKernel kernel) { return kGemmKernelNames[static_cast<int>(kernel)]; }
 
 at::Tensor gemm_with(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                      bool float_output, const std::string& kernel) {
   const kvflow::GemmKernel chosen = gemm_kernel_named(kernel);
   TORCH_CHECK(chosen != kvflow::GemmKernel::kAmxBf16 || kvflow::amx_usable(),
               "kernel amx_bf16: this CPU (or process) cannot use AMX tiles");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, "x must be a bfloat16 CPU tensor");
-  check_product_operands(x, weight, bias);
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(float_output ? at::kFloat : at::kBFloat16));
-  if (M == 0 || N == 0) return out;
-  kvflow::gemm_with(chosen, ptr<bf16>(x), M, K, x.stride(0), ptr<bf16>(weight), N, bias ? ptr<bf16>(*bias) : nullptr,
-                    float_output ? nullptr : ptr<bf16>(out), float_output ? ptr<float>(out) : nullptr,
-                    at::get_num_threads());
-  return out;
+  return bf16_product(x, weight, bias, float_output, chosen);
 }
 
 int64_t stream_read(const at::Tensor& data) {
@@ -558,15 +563,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "kvflow CPU kernels (decode GEMV, prefill GEMM, fused elementwise ops, paged decode attention)";
   m.def("linear", &linear, "x @ weight.T (+ bias) for small M", py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("float_output") = false);
-  m.def("gemm", &gemm, "x @ weight.T (+ bias) for bfloat16 and M > 8 (weights widened to fp32 in blocks)",
+  m.def("gemm", &gemm, "x @ weight.T (+ bias) for bfloat16 and M > 8, on the kernel gemm_kernel() names",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("float_output") = false);
   m.def("gemm_with", &gemm_with,
         "gemm on a named kernel (widened_fp32, avx512_bf16, amx_bf16, amx_bf16_emulated): tests and benchmarks",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("float_output"), py::arg("kernel"));
-  m.def("gemm_kernel", []() { return std::string(kGemmKernelNames[static_cast<int>(kvflow::gemm_kernel())]); },
+  m.def("gemm_kernel", []() { return gemm_kernel_name(kvflow::gemm_kernel()); },
         "the kernel gemm runs on now");
   m.def("default_gemm_kernel",
-        []() { return std::string(kGemmKernelNames[static_cast<int>(kvflow::default_gemm_kernel())]); },
+        []() { return gemm_kernel_name(kvflow::default_gemm_kernel()); },
         "the kernel gemm runs on this CPU unless set_gemm_kernel chose another");
   m.def("set_gemm_kernel", [](const std::string& name) { kvflow::set_gemm_kernel(gemm_kernel_named(name)); },
         "the kernel gemm runs on from now on (the caller checked the CPU can run it)", py::arg("kernel"));

@@ -282,8 +282,6 @@ void pack_x_bf16(const bf16* x, int64_t M, int64_t K, int64_t x_stride, int64_t 
   }
 }
 
-// The kR x MT dot products of weight rows `rows` (columns [k0, k0 + 32 steps), zeros past K) and a packed x tile
-// of MT rows, stored to (or, with `accumulate`, added to) out[m * out_stride + r].
 // acc[r][m] += the 32 products of weight rows `rows` at column k (masked: zeros) and x tile rows x[m * 32 ...].
 template <int MT>
 KVFLOW_BF16_TARGET inline void dot_step_bf16(const bf16* const rows[kR], int64_t k, __mmask32 mask, const bf16* x,
@@ -314,7 +312,7 @@ KVFLOW_BF16_TARGET void tile_dots_bf16(const bf16* const rows[kR], int64_t K, in
   store_tile_sums<MT>(acc, out, out_stride, accumulate);
 }
 
-// gemm_dpbf16 for at most kMC rows of x.
+// The vdpbf16ps kernel for at most kMC rows of x.
 void gemm_rows_dpbf16(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N,
                       const bf16* bias, bf16* y, float* y_float, int num_threads) {
   const int64_t k_steps = (K + 31) / 32;

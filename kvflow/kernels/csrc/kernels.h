@@ -121,9 +121,8 @@ bool decode_layer(const DecodeLayerParams& params, const DecodeLayerWeights<T>& 
                   const T* residual, const T* cos, const T* sin, T* key_cache, T* value_cache, T* workspace, T* out,
                   T* residual_out, float* quant_scratch, int num_threads);
 
-// The same product as gemv for bf16 (y = x w^T (+ bias), fp32 accumulation, rounded once), blocked for M > 8:
-// the weight is widened to fp32 once per cache-sized block and reused by every row of x. Threads split w's rows.
-// Threads split w's rows. The kernel is the CPU's best (default_gemm_kernel), chosen once per process.
+// The same product as gemv for bf16 (y = x w^T (+ bias), fp32 accumulation, rounded once), blocked for M > 8 so
+// that each weight block is read once for every row of x. Threads split w's rows. It runs on gemm_kernel().
 void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
           float* y_float, int num_threads);
 
