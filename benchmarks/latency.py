@@ -51,9 +51,13 @@ from typing import Any
 import torch
 
 # Sibling scripts (throughput.py, compute_floor.py) import as modules.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch.nn.functional as F
-from compute_floor import read_bandwidth  # the best `.sum()` over a large float32 tensor
+
+# Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed
+# distribution: the repo root takes its place, and siblings import through the package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from benchmarks.compute_floor import read_bandwidth  # the best `.sum()` over a large float32 tensor
 
 COMMAND = "python benchmarks/latency.py"
 LOAD_RSS_KV_BLOCKS = (
@@ -492,8 +496,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.load_rss_child is not None:
         print(json.dumps(load_rss_child(Path(args.load_rss_child[0]), args.load_rss_child[1])))
         return {}
-    import throughput  # a sibling script module (benchmarks/ is not a package)
-
+    from benchmarks import throughput
     from kvflow import LLM
 
     quick = args.quick

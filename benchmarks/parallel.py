@@ -32,8 +32,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import QUICK_SHAPE, QWEN2_05B_SHAPE, ensure_checkpoint
+# Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed
+# distribution: the repo root takes its place, and siblings import through the package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from benchmarks.throughput import QUICK_SHAPE, QWEN2_05B_SHAPE, ensure_checkpoint
 
 COMMAND = "python benchmarks/parallel.py"
 
@@ -150,8 +153,7 @@ def print_tp(results: list[TPResult]) -> None:
 def run_dp_part(args: argparse.Namespace) -> None:
     """DP=2 vs DP=1 serving throughput: real `kvflow serve` processes loaded by `kvflow bench serve`
     (benchmarks/parallel_dp.py, which says what 2 cores can and cannot show)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from parallel_dp import run_dp_benchmark  # a sibling script module
+    from benchmarks.parallel_dp import run_dp_benchmark
 
     print("# DP part: kvflow serve --data-parallel-size 2 vs 1, same prompts, kvflow bench serve")
     for row in run_dp_benchmark(quick=args.quick):

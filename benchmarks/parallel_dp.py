@@ -35,8 +35,11 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import running_server
+# Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed
+# distribution: the repo root takes its place, and siblings import through the package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from benchmarks.serving import running_server
 
 HONEST_NOTE = (
     "note: 2 CPUs serve both runs (DP=1: one 1-thread engine core, DP=2: two, beside the API server). The hash "

@@ -62,7 +62,10 @@ from pathlib import Path
 from typing import Any
 
 # Sibling scripts (throughput.py, latency.py) import as modules.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed
+# distribution: the repo root takes its place, and siblings import through the package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND = "python benchmarks/quantized.py"
@@ -194,7 +197,7 @@ def llama_cpp_format(fmt: str) -> str:
 
 def cpu_description() -> tuple[str, list[str]]:
     """The CPU's model name and which of CPU_FLAGS it has."""
-    import latency  # a sibling script module (benchmarks/ is not a package)
+    from benchmarks import latency
 
     name, flags = latency.cpu_name_and_flags()
     return name, [flag for flag in CPU_FLAGS if flag in flags]
@@ -506,7 +509,7 @@ def running_server(
     command: list[str], base_url: str, env: dict[str, str] | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
     """`serving.healthy_process` with this benchmark's start timeout (a 1B model loads for minutes here)."""
-    import serving  # a sibling script module
+    from benchmarks import serving
 
     with serving.healthy_process(command, base_url, env, SERVER_START_TIMEOUT_S) as server:
         yield server
@@ -625,7 +628,8 @@ def bench_llama_server(
 ) -> BatchedResult:
     """The workload through llama-server with `parallel` slots (`-c` = 64 slots of `max_model_len`)."""
     import httpx
-    import serving
+
+    from benchmarks import serving
 
     port = serving.free_port()
     base_url = f"http://127.0.0.1:{port}"
@@ -735,8 +739,7 @@ def run_kvflow_single(
     model_kwargs: dict[str, Any], settings: Settings, vocab_size: int
 ) -> KvflowResult:
     """Decode and prefill of one request at a time, and the loaded model's weight bytes."""
-    import latency  # a sibling script module (benchmarks/ is not a package)
-
+    from benchmarks import latency
     from kvflow import LLM
 
     llm = LLM(
@@ -837,7 +840,8 @@ def bench_kvflow_serve(
 ) -> BatchedResult:
     """The workload as concurrent /v1/completions requests to `kvflow serve` (after a warm-up request)."""
     import httpx
-    import serving
+
+    from benchmarks import serving
 
     port = serving.free_port()
     base_url = f"http://127.0.0.1:{port}"
@@ -1028,9 +1032,9 @@ def _llama_binary(args: argparse.Namespace, name: str) -> Path | None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     settings = Settings.for_args(args)
-    import compute_floor  # sibling script modules
-    import throughput
     import torch
+
+    from benchmarks import compute_floor, throughput
 
     argv_shown = argv if argv is not None else sys.argv[1:]
     cpu_name, cpu_flags = cpu_description()

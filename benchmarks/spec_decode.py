@@ -65,8 +65,10 @@ from typing import Any
 
 import torch
 
-# Sibling scripts (throughput.py) import as modules.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed
+# distribution: the repo root takes its place, and siblings import through the package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 COMMAND = "python benchmarks/spec_decode.py"
 REPEAT_INSTRUCTION = "Repeat the following passage exactly:\n\n"
@@ -887,7 +889,7 @@ def write_quick_checkpoint(path: Path, shape: dict[str, int]) -> Path:
 
 
 def bench_checkpoint(quick: bool, checkpoint_dir: Path | None) -> Path:
-    import throughput  # a sibling script module (benchmarks/ is not a package)
+    from benchmarks import throughput
 
     cache_root = Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow"))
     if quick:

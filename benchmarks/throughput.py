@@ -53,8 +53,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compute_floor import GemmFloor, PhysicalFloor  # a sibling script module
+# Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed
+# distribution: the repo root takes its place, and siblings import through the package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+from benchmarks.compute_floor import GemmFloor, PhysicalFloor
 
 COMMAND = "python benchmarks/throughput.py"
 QWEN2_05B_SHAPE = {

@@ -5,20 +5,11 @@ Structural checks only (never timing assertions: CI machines are noisy). Loaded 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCHMARK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_process.py"
+import importlib
 
 
 def load_benchmark():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("kvflow_benchmark_engine_process", BENCHMARK_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.engine_process")
 
 
 def test_quick_run_reports_both_workloads_on_both_clients() -> None:

@@ -7,9 +7,8 @@ tools/llama_cpp_checks.py.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +16,6 @@ from safetensors import safe_open
 
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
-BENCHMARK_PATH = REPO / "benchmarks" / "latency.py"
 GOAL_NAMES = (
     "decode tok/s: kvflow / llama.cpp",
     "decode tok/s: kvflow / torch GEMV floor",
@@ -29,17 +26,8 @@ GOAL_NAMES = (
 )
 
 
-def load_script(name: str, path: Path):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_benchmark():  # type: ignore[no-untyped-def]
-    return load_script("kvflow_benchmark_latency", BENCHMARK_PATH)
+    return importlib.import_module("benchmarks.latency")
 
 
 def test_quick_run_prints_every_figure_and_the_goals_table(

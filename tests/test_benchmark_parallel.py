@@ -6,23 +6,15 @@ show: the bytes a decode step sends to the workers do not grow with the requests
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "parallel.py"
-
 
 def load_benchmark():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("kvflow_benchmark_parallel", BENCHMARK_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.parallel")
 
 
 def test_quick_run_prints_tp1_and_tp2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,34 +5,23 @@ The benchmark is loaded by path, so it keeps working as a plain script outside t
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Iterator
-from pathlib import Path
+import importlib
 from types import ModuleType
 
 import pytest
 
-BENCHMARK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "scheduler_overhead.py"
-MODULE_NAME = "kvflow_benchmark_scheduler_overhead"
 MAX_BYTES_PER_REQUEST_DIFFERENCE = (
     4.0  # wider int encodings of counters and block ids at longer histories
 )
 
 
 def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, BENCHMARK_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module  # dataclasses look their module up while being created
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.scheduler_overhead")
 
 
 @pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    yield load_benchmark()
-    sys.modules.pop(MODULE_NAME, None)
+def bench() -> ModuleType:
+    return load_benchmark()
 
 
 @pytest.fixture(scope="module")

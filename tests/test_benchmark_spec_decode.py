@@ -5,24 +5,17 @@ Structural checks only (never timing assertions: CI machines are noisy). Loaded 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCHMARK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_decode.py"
 ENGINES = ["async", "sync", "ngram k=3"]
 
 
 def load_benchmark():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("kvflow_benchmark_spec_decode", BENCHMARK_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.spec_decode")
 
 
 def test_quick_run_reports_every_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-BENCHMARK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "structured_outputs.py"
+import importlib
 
 
 def test_quick_run_reports_both_backends() -> None:
-    spec = importlib.util.spec_from_file_location("kvflow_benchmark_structured", BENCHMARK_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kvflow_benchmark_structured"] = module
-    spec.loader.exec_module(module)
+    module = importlib.import_module("benchmarks.structured_outputs")
     results = module.main(["--quick"])
     assert [result["backend"] for result in results] == ["xgrammar", "guidance"]
     for result in results:

@@ -5,22 +5,14 @@ Structural checks only (never timing assertions: CI machines are noisy). Loaded 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
 
-BENCHMARK_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
-
 
 def load_benchmark():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("kvflow_benchmark_throughput", BENCHMARK_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.throughput")
 
 
 def test_workload_is_fixed_by_its_seed() -> None:
@@ -51,10 +43,7 @@ def test_quick_run_prints_every_system(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def load_compute_floor():  # type: ignore[no-untyped-def]
-    load_benchmark()  # puts benchmarks/ on sys.path
-    import compute_floor
-
-    return compute_floor
+    return importlib.import_module("benchmarks.compute_floor")
 
 
 def test_row_grid_covers_one_to_the_largest_row_count() -> None:

@@ -7,10 +7,9 @@ unchanged), tied embeddings written once, and the byte-level BPE vocabulary from
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +36,7 @@ LAYER_TENSORS = (
 
 
 def load_converter():  # type: ignore[no-untyped-def]
-    path = REPO / "tools" / "convert_to_gguf.py"
-    spec = importlib.util.spec_from_file_location("kvflow_convert_to_gguf", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("tools.convert_to_gguf")
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -44,15 +44,10 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from default_model_corpus import (
-    HELD_OUT_EVERY,
-    PARAGRAPHS_PER_CHUNK,
-    Corpus,
-    load_corpus,
-)
+# Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed
+# distribution: the repo root takes its place, and siblings import through the package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from kvflow import default_model
 from kvflow.default_model import (
@@ -62,6 +57,12 @@ from kvflow.default_model import (
     SPECIAL_TOKENS,
     perplexity_windows,
     train_tokenizer,
+)
+from tools.default_model_corpus import (
+    HELD_OUT_EVERY,
+    PARAGRAPHS_PER_CHUNK,
+    Corpus,
+    load_corpus,
 )
 
 REPO = Path(__file__).resolve().parents[1]

@@ -41,7 +41,7 @@ __all__ = [
     "silu_and_mul",
 ]
 
-# Up to this many rows the GEMV kernel beats torch's GEMM for the decode shapes (benchmarks/kernels.py).
+# Up to this many rows the GEMV kernel beats torch's GEMM for the decode shapes (benchmarks/cpu_kernels.py).
 MAX_GEMV_ROWS = 8
 # float32 row counts (inclusive) the GEMV takes over from torch (`_float32_linear`).
 FLOAT32_GEMV_ROWS = (2, MAX_GEMV_ROWS)
@@ -71,7 +71,7 @@ def gemm_kernel_wins(flags: Collection[str]) -> bool:
     AVX-512 (F, BW, VL) CPU, with the kernel `bf16_gemm_kernel` picks.
 
     Without native bf16 matmul (Skylake-X/Cascade Lake/Ice Lake servers) oneDNN's bf16 GEMM runs at a fraction of
-    its fp32 rate and the widened-fp32 kernel measured 2-4x faster (benchmarks/kernels.py). With AMX the kernel
+    its fp32 rate and the widened-fp32 kernel measured 2-4x faster (benchmarks/cpu_kernels.py). With AMX the kernel
     streams the weights through tiles as they lie, where oneDNN repacks them on every call; with AVX512_BF16 on AMD
     the vdpbf16ps kernel reads the bf16 weights in place (cpu_features.h, gemm.cpp).
     """
@@ -187,7 +187,7 @@ def _float32_linear(
 ) -> torch.Tensor | None:
     """float32 rows `FLOAT32_GEMV_ROWS[0]..[1]` through the GEMV (AVX2 or AVX-512 builds): torch's float32 GEMM
     for a few rows costs ~2x its one-row GEMV, while the kernel streams each weight row once for all of them
-    (speculative verification steps, small decode batches; benchmarks/kernels.py). Else None."""
+    (speculative verification steps, small decode batches; benchmarks/cpu_kernels.py). Else None."""
     input_size = weight.shape[1]
     num_rows = hidden_states.numel() // input_size if input_size else 0
     low, high = FLOAT32_GEMV_ROWS

@@ -5,27 +5,17 @@ run by hand: it takes half an hour). Loaded by path, like a plain script."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def quantized() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "kvflow_quantized_benchmark", REPO / "benchmarks" / "quantized.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.quantized")
 
 
 def test_arguments_pick_the_quick_or_full_sizes_and_parse_formats(quantized: Any) -> None:

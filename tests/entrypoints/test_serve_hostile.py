@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
+import importlib
 import json
 import os
 import random
@@ -46,13 +46,8 @@ TIMEOUT_S = 120.0  # hang guard
 
 
 def load_benchmark(name: str) -> Any:
-    """A script of benchmarks/, loaded by path like a plain script."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"kvflow_benchmark_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A script of benchmarks/, imported through the `benchmarks` package."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 KEEPALIVE_BENCHMARK = load_benchmark("serve_keepalive")

@@ -1,6 +1,6 @@
 """kvflow's C++ CPU kernels against the PyTorch ops they replace, and the GEMV against the memory-read floor.
 
-Reproduce with `python benchmarks/kernels.py` (`--quick` for a seconds-long smoke run; `--threads N`).
+Reproduce with `python benchmarks/cpu_kernels.py` (`--quick` for a seconds-long smoke run; `--threads N`).
 
 What is measured, all in one process, each kernel interleaved with its PyTorch counterpart (median of `--repeats`
 calls each, so a busy machine slows both alike):
@@ -26,15 +26,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvflow.batch import BatchInputs
 from kvflow.kernels import (

@@ -1,0 +1,1 @@
+"""kvflow's benchmarks: scripts run as `python benchmarks/<name>.py`, importable as `benchmarks.<name>`."""

@@ -1,0 +1,1 @@
+"""Developer tools (default-model training, GGUF conversion): scripts, importable as `tools.<name>`."""
