@@ -246,17 +246,35 @@ def test_a_pause_from_one_process_holds_the_others_requests(server: RemoteServer
 
 
 def test_abort_all_ends_both_processes_streams(server: RemoteServer) -> None:
+    """Streams held by both processes wait in the engine, paused (keep) so that none can finish by itself; one
+    abort of all, sent to one process, ends every stream of both with finish_reason "abort".
+    Without the pause the check raced the hash model: on a busy machine, opening fresh connections until both
+    processes held one outlasted the first streams' 4,000 tokens, which ended by "length" before the abort."""
+    paused = httpx.post(server.url + "/pause", params={"mode": "keep"}, timeout=60)
+    assert paused.status_code == 200
+
     async def scenario() -> tuple[list[str | None], int, list[str]]:
         async with streams_on_both(server) as opened:
+            await asyncio.to_thread(
+                wait_until,
+                lambda: metric_sum(server, "kvflow:num_requests_waiting") == len(opened),
+                "every stream waits in the paused engine",
+                60,
+            )
             async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
                 answer = await client.post("/abort_requests", json={})
             assert answer.status_code == 200
             reasons = await asyncio.gather(*(finish_reason(response) for _, response in opened))
             return reasons, len(opened), answer.json()["aborted"]
 
-    reasons, num_opened, aborted = run(scenario())  # type: ignore[misc]
+    try:
+        reasons, num_opened, aborted = run(scenario())  # type: ignore[misc]
+    finally:
+        assert httpx.post(server.url + "/resume", timeout=60).status_code == 200
     assert reasons == ["abort"] * num_opened
     assert len(aborted) == num_opened
+    assert metric_sum(server, "kvflow:num_requests_waiting") == 0
+    assert metric_sum(server, "kvflow:num_requests_running") == 0
 
 
 def test_engine_death_is_503_everywhere_and_sigterm_leaves_nothing(server: RemoteServer) -> None:
