@@ -26,6 +26,21 @@ def pytest_configure(config: pytest.Config) -> None:
     default back so those tests behave the same however the suite was started."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    _one_thread_per_parallel_worker()
+
+
+def _one_thread_per_parallel_worker() -> None:
+    """Under pytest-xdist the workers already fill the cores: each worker, and every engine, server and rank process
+    it starts (they inherit the variable), runs torch on one thread. Several processes each spinning OpenMP threads
+    over the same two cores (more so beside other work) wait on one another's descheduled threads at every
+    parallel region: the suite ran several times slower than on one thread each. Tests about thread counts set them
+    explicitly (`torch.set_num_threads`); an OMP_NUM_THREADS given by the caller is left alone."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or "OMP_NUM_THREADS" in os.environ:
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -190,6 +190,7 @@ def test_tokenizer_is_byte_level_bpe_covering_every_byte(
 
 
 # ---------------------------------------------------------------------------------------------------- determinism
+@pytest.mark.xdist_group("whole_machine")  # a timed bound: never beside its own suite
 def test_two_random_builds_are_byte_identical(tmp_path: Path, random_dir: Path) -> None:
     start = time.perf_counter()
     build_random_model(tmp_path / "second")

@@ -110,6 +110,7 @@ def test_matches_the_rule_on_random_sequences(vocab: int) -> None:
         assert got == reference(tokens, k, lookup_max, lookup_min), (trial, tokens, config)
 
 
+@pytest.mark.xdist_group("whole_machine")  # a timed bound: never beside its own suite
 def test_a_thousand_tokens_take_microseconds() -> None:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 100, 1000)
