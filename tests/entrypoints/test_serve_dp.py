@@ -55,9 +55,10 @@ def per_engine(server: RemoteServer, name: str, **labels: str) -> dict[str, floa
 
 def wait_for_running_on_both_cores(
     server: RemoteServer, total: int, requests: list[asyncio.Future[list[int]]]
-) -> None:
-    """Poll /metrics until `total` requests run, spread over both cores; the failure names the last counts seen
-    and whether a request already finished (the state can then never come)."""
+) -> dict[str, float] | None:
+    """Poll /metrics until `total` requests run, spread over both cores: None once seen. When a request finishes
+    first the state can never come (on a busy machine a core can run its ~2 s of hash-model work between two
+    polls): the last running counts seen, so the caller can call the setup missed and try again."""
     seen: dict[str, float] = {}
 
     def all_running() -> bool:
@@ -65,13 +66,18 @@ def wait_for_running_on_both_cores(
         seen.update(per_engine(server, "kvflow:num_requests_running"))
         return len(seen) == 2 and sum(seen.values()) == total and min(seen.values()) > 0
 
+    def all_running_or_one_finished() -> bool:
+        return all_running() or any(request.done() for request in requests)
+
     try:
-        wait_until(all_running, f"{total} requests run on both cores", interval_s=0.05)
+        wait_until(
+            all_running_or_one_finished,
+            f"{total} requests run on both cores, or one finished",
+            interval_s=0.05,
+        )
     except AssertionError as error:
-        finished = sum(request.done() for request in requests)
-        raise AssertionError(
-            f"{error}; last running per core {seen}, {finished} finished"
-        ) from None
+        raise AssertionError(f"{error}; last running per core {seen}") from None
+    return None if all_running() else dict(seen)
 
 
 def engine_pids(server_pid: int) -> list[int]:
@@ -139,7 +145,9 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
     On a busy machine a core can still finish its requests between the metrics showing them and the pause
     reaching it. That attempt's setup is then missed, not the behaviour: the requests missing from the paused
     counts must be exactly the answered ones, every answer must equal the oracle after `/resume`, and the scenario
-    runs again with new prompts (at most `attempts` times; the failure names each attempt's counts)."""
+    runs again with new prompts (at most `attempts` times; the failure names each attempt's counts). The same holds
+    when a request finishes before /metrics ever showed all 6 running (a fresh-clone run beside a CPU hog saw all 6
+    finish unseen): its answers are checked against the oracle and the attempt counts as missed."""
 
     async def complete(http: httpx.AsyncClient, prompt: list[int]) -> list[int]:
         body = {
@@ -160,7 +168,13 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
         prompts = [prompt_ids(first_prompt + i) for i in range(6)]
         async with server.async_http(limits=httpx.Limits(max_connections=16)) as http:
             requests = [asyncio.ensure_future(complete(http, prompt)) for prompt in prompts]
-            await asyncio.to_thread(wait_for_running_on_both_cores, server, len(prompts), requests)
+            not_seen = await asyncio.to_thread(
+                wait_for_running_on_both_cores, server, len(prompts), requests
+            )
+            if not_seen is not None:  # a request finished first: the setup was missed
+                outputs = await asyncio.gather(*requests)
+                assert outputs == [reference_tokens(prompt, ENDLESS) for prompt in prompts]
+                return not_seen
             response = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             assert response.status_code == 200
             assert (await http.get("/is_paused")).json() == {"is_paused": True}
@@ -199,7 +213,8 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
         assert isinstance(counts, dict)
         missed_counts.append(counts)
     raise AssertionError(
-        f"in {attempts} attempts a core finished before the pause reached it; paused counts {missed_counts}"
+        f"in {attempts} attempts a core finished before the pause reached it (or before /metrics showed every "
+        f"request running); counts {missed_counts}"
     )
 
 
