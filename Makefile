@@ -1,4 +1,5 @@
-# Every target creates .venv on first use. torch==2.13.0 (a local CPU build) goes in first,
+# Every target creates .venv on first use. torch (the local CPU build pinned in
+# requirements/lock-constraints.txt) goes in first,
 # so that the bare "torch" requirement never pulls a multi-GB CUDA build; everything else comes
 # at the exact versions of requirements/lock.txt, so that what CI tested is what users install.
 PYTHON ?= python3
@@ -6,7 +7,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 LOCK := requirements/lock.txt
 LOCK_CONSTRAINTS := requirements/lock-constraints.txt
-TORCH := torch==2.13.0
 # Parallel test workers (pytest-xdist). Tests that need the whole machine share one
 # xdist_group, which --dist loadgroup runs on a single worker.
 TEST_WORKERS ?= 2
@@ -19,7 +19,7 @@ LATEST_VENV := .venv-latest
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q -c $(LOCK_CONSTRAINTS) torch
 	$(PY) -m pip install -q -c $(LOCK) -e ".[dev]"
 	touch $@
 
@@ -36,7 +36,7 @@ test-latest:
 	rm -rf $(LATEST_VENV)
 	$(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LATEST_VENV)/bin/python -m pip install -q $(TORCH)
+	$(LATEST_VENV)/bin/python -m pip install -q -c $(LOCK_CONSTRAINTS) torch
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager \
 		-c $(LOCK_CONSTRAINTS) -e ".[dev]"
 	$(LATEST_VENV)/bin/python tools/compare_lock.py $(LOCK)

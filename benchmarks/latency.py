@@ -49,8 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-# Sibling scripts (throughput.py, compute_floor.py) import as modules.
 import torch.nn.functional as F
 
 # Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed

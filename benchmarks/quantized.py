@@ -61,7 +61,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Sibling scripts (throughput.py, latency.py) import as modules.
 # Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed
 # distribution: the repo root takes its place, and siblings import through the package.
 if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:

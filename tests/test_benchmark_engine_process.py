@@ -1,6 +1,6 @@
 """benchmarks/engine_process.py in quick mode: both workloads run on both clients and the table shows them.
 
-Structural checks only (never timing assertions: CI machines are noisy). Loaded by path, like a plain script.
+Structural checks only (never timing assertions: CI machines are noisy). Imported as `benchmarks.<name>`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """benchmarks/latency.py: the quick run prints every figure and the goals table; the floors count every weight.
 
 Structural checks only (never timing assertions: CI machines are noisy), except the KV cache's bytes per token,
-which is exact. Loaded by path, like a plain script. The checks that need a llama.cpp build (never in CI) are in
+which is exact. Imported as `benchmarks.<name>`. The checks that need a llama.cpp build (never in CI) are in
 tools/llama_cpp_checks.py.
 """
 

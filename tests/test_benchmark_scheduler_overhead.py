@@ -1,6 +1,6 @@
 """Structural checks of benchmarks/scheduler_overhead.py in quick mode (never timing assertions: CI is noisy).
 
-The benchmark is loaded by path, so it keeps working as a plain script outside the package.
+The benchmark is imported as `benchmarks.scheduler_overhead`; run by path it works as a plain script too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """benchmarks/spec_decode.py: the quick run reports every figure of both models and the goals table.
 
-Structural checks only (never timing assertions: CI machines are noisy). Loaded by path, like a plain script.
+Structural checks only (never timing assertions: CI machines are noisy). Imported as `benchmarks.<name>`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """benchmarks/throughput.py in quick mode: it runs every system on a tiny checkpoint and prints its table.
 
-Structural checks only (never timing assertions: CI machines are noisy). Loaded by path, like a plain script.
+Structural checks only (never timing assertions: CI machines are noisy). Imported as `benchmarks.<name>`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ def installed_top_level_names() -> dict[str, list[str]]:
     return {
         name: dists
         for name, dists in names.items()
-        if [dist for dist in dists if dist.lower() != "kvflow"]
+        if any(dist.lower() != "kvflow" for dist in dists)
     }
 
 

@@ -1,6 +1,6 @@
 """benchmarks/quantized.py's pure parts: arguments, the synthetic tokenizer, byte counts, llama.cpp's output
 parsing and the table. Nothing here needs llama.cpp, a checkpoint or kvflow's GGUF loading (the script itself is
-run by hand: it takes half an hour). Loaded by path, like a plain script."""
+run by hand: it takes half an hour). Imported as `benchmarks.<name>`."""
 
 from __future__ import annotations
 
