@@ -53,33 +53,6 @@ def per_engine(server: RemoteServer, name: str, **labels: str) -> dict[str, floa
     return values
 
 
-def wait_for_running_on_both_cores(
-    server: RemoteServer, total: int, requests: list[asyncio.Future[list[int]]]
-) -> dict[str, float] | None:
-    """Poll /metrics until `total` requests run, spread over both cores: None once seen. When a request finishes
-    first the state can never come (on a busy machine a core can run its ~2 s of hash-model work between two
-    polls): the last running counts seen, so the caller can call the setup missed and try again."""
-    seen: dict[str, float] = {}
-
-    def all_running() -> bool:
-        seen.clear()
-        seen.update(per_engine(server, "kvflow:num_requests_running"))
-        return len(seen) == 2 and sum(seen.values()) == total and min(seen.values()) > 0
-
-    def all_running_or_one_finished() -> bool:
-        return all_running() or any(request.done() for request in requests)
-
-    try:
-        wait_until(
-            all_running_or_one_finished,
-            f"{total} requests run on both cores, or one finished",
-            interval_s=0.05,
-        )
-    except AssertionError as error:
-        raise AssertionError(f"{error}; last running per core {seen}") from None
-    return None if all_running() else dict(seen)
-
-
 def engine_pids(server_pid: int) -> list[int]:
     """The engine-core processes of the server (spawned children, not the resource tracker)."""
     pids = []
@@ -135,19 +108,20 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
     """`/pause` returns once both cores are paused: from then on neither produces a token; after `/resume` every
     request equals the oracle.
 
-    The setup needs both cores still running requests when the pause lands, so the test follows the server's
-    state, not a reader's: it waits until `/metrics` shows all 6 running, on both cores, then pauses. It does not
-    ask for an exact 3 / 3 split (routing counts live requests, so an even split is likely, not a contract this test
-    checks; `test_32_...` checks that both cores serve). The requests are not streamed, so the API process keeps up
-    with the engine (a streamed hash-model token costs it far more than the engine, and on a busy machine a reader
-    can lag seconds behind), and each has ~2 s of engine work left (the hash model's length limit caps it).
+    The setup needs both cores running requests when the pause lands. A first keep pause is the starting gate: the
+    6 requests are sent while both cores are paused and wait there (`/metrics` shows all 6 waiting, on both cores:
+    nothing can finish yet, so that wait is exact). `/resume` starts all of them at once on both cores and the test
+    pauses again as soon as `/resume` has returned: each request has ~4,000 steps (~2 s at idle) of work to run and
+    the second pause comes one HTTP round trip later. Sending requests to a running server and polling until
+    they run, instead, left room for one core to finish its requests while a busy API process was still handing
+    the other core its own. `/metrics` reads the load gauges from the cores themselves, so the paused counts are
+    exact. The requests are not streamed, so the API process keeps up with the engine.
 
-    On a busy machine a core can still finish its requests between the metrics showing them and the pause
-    reaching it. That attempt's setup is then missed, not the behaviour: the requests missing from the paused
-    counts must be exactly the answered ones, every answer must equal the oracle after `/resume`, and the scenario
-    runs again with new prompts (at most `attempts` times; the failure names each attempt's counts). The same holds
-    when a request finishes before /metrics ever showed all 6 running (a fresh-clone run beside a CPU hog saw all 6
-    finish unseen): its answers are checked against the oracle and the attempt counts as missed."""
+    A busy machine can still lose the race either way: a core that had not yet taken a step when the second pause
+    reached it (its requests still wait), or one that ran its requests to the end. That attempt's setup is missed,
+    not the behaviour: the requests neither running nor waiting must be exactly the answered ones, every answer must
+    equal the oracle after `/resume`, and the scenario runs again with new prompts (at most `attempts` times; the
+    failure names each attempt's counts)."""
 
     async def complete(http: httpx.AsyncClient, prompt: list[int]) -> list[int]:
         body = {
@@ -163,49 +137,68 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
         assert choice["finish_reason"] == "length"
         return choice["token_ids"]
 
-    async def attempt(first_prompt: int) -> dict[str, float] | None:
-        """One scenario; the paused running counts when the setup was missed, None when every check ran."""
+    async def pause(http: httpx.AsyncClient) -> None:
+        response = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        assert response.status_code == 200
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+
+    async def resume(http: httpx.AsyncClient) -> None:
+        assert (await http.post("/resume")).status_code == 200
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
+
+    def load() -> tuple[dict[str, float], dict[str, float]]:
+        """Each core's running and waiting counts (read from the cores when /metrics is asked)."""
+        return (
+            per_engine(server, "kvflow:num_requests_running"),
+            per_engine(server, "kvflow:num_requests_waiting"),
+        )
+
+    def waiting_on_both_cores(total: int) -> bool:
+        waiting = load()[1]
+        return len(waiting) == 2 and sum(waiting.values()) == total and min(waiting.values()) > 0
+
+    async def attempt(first_prompt: int) -> dict[str, dict[str, float]] | None:
+        """One scenario; the paused counts when the setup was missed, None when every check ran."""
         prompts = [prompt_ids(first_prompt + i) for i in range(6)]
         async with server.async_http(limits=httpx.Limits(max_connections=16)) as http:
+            await pause(http)
             requests = [asyncio.ensure_future(complete(http, prompt)) for prompt in prompts]
-            not_seen = await asyncio.to_thread(
-                wait_for_running_on_both_cores, server, len(prompts), requests
+            await asyncio.to_thread(
+                wait_until,
+                lambda: waiting_on_both_cores(len(prompts)),
+                f"the {len(prompts)} requests wait in the paused cores, on both",
             )
-            if not_seen is not None:  # a request finished first: the setup was missed
-                outputs = await asyncio.gather(*requests)
-                assert outputs == [reference_tokens(prompt, ENDLESS) for prompt in prompts]
-                return not_seen
-            response = await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
-            assert response.status_code == 200
-            assert (await http.get("/is_paused")).json() == {"is_paused": True}
-            running = await asyncio.to_thread(per_engine, server, "kvflow:num_requests_running")
-            missed = sum(running.values()) != len(prompts) or min(running.values()) == 0
-            if missed:  # the requests not running any more must be answered, even while paused
-                answered = len(prompts) - int(sum(running.values()))
+            assert not any(request.done() for request in requests)
+            _, share = await asyncio.to_thread(load)  # each core's requests
+            await resume(http)
+            await pause(http)
+            running, waiting = await asyncio.to_thread(load)
+            missed = running != share
+            if missed:  # the requests neither running nor waiting any more must be answered, even while paused
+                answered = len(prompts) - int(sum(running.values()) + sum(waiting.values()))
                 await asyncio.to_thread(
                     wait_until,
                     lambda: sum(request.done() for request in requests) == answered,
-                    f"the {answered} requests no longer running are answered",
+                    f"the {answered} requests neither running nor waiting are answered",
                 )
             else:
                 frozen = await asyncio.to_thread(
                     per_engine, server, "kvflow:generation_tokens_total"
                 )
-                await asyncio.sleep(
-                    0.4
-                )  # nothing may move while paused (a check over a span, not a wait)
+                # Nothing may move while paused (a check over a span, not a wait).
+                await asyncio.sleep(0.4)
                 assert await asyncio.to_thread(
                     per_engine, server, "kvflow:generation_tokens_total"
                 ) == (frozen)
                 assert not any(request.done() for request in requests)
-            assert (await http.post("/resume")).status_code == 200
-            assert (await http.get("/is_paused")).json() == {"is_paused": False}
+                assert await asyncio.to_thread(load) == (share, {"0": 0.0, "1": 0.0})
+            await resume(http)
             outputs = await asyncio.gather(*requests)
         assert outputs == [reference_tokens(prompt, ENDLESS) for prompt in prompts]
-        return running if missed else None
+        return {"share": share, "running": running, "waiting": waiting} if missed else None
 
     attempts = 4
-    missed_counts: list[dict[str, float]] = []
+    missed_counts: list[dict[str, dict[str, float]]] = []
     for index in range(attempts):
         counts = run(attempt(700 + 10 * index))
         if counts is None:
@@ -213,8 +206,8 @@ def test_keep_pause_freezes_both_cores_and_resume_loses_nothing(server: RemoteSe
         assert isinstance(counts, dict)
         missed_counts.append(counts)
     raise AssertionError(
-        f"in {attempts} attempts a core finished before the pause reached it (or before /metrics showed every "
-        f"request running); counts {missed_counts}"
+        f"in {attempts} attempts a core had not started, or had finished, its requests when the second pause "
+        f"reached it; counts per attempt {missed_counts}"
     )
 
 

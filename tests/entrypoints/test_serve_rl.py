@@ -144,11 +144,19 @@ def test_keep_pause_freezes_streams_and_resume_loses_nothing(
     long_server: RemoteServer, clear_cache: str
 ) -> None:
     """Streams in flight go quiet during a keep pause and continue after resume with exactly the unpaused tokens
-    (vLLM #42043 dropped the first token after resume); with clear_cache they are recomputed, same tokens."""
+    (vLLM #42043 dropped the first token after resume); with clear_cache they are recomputed, same tokens.
+
+    A first keep pause is the starting gate: the 3 streams wait in the paused engine, `/resume` admits them in one
+    step, and the second pause follows one /metrics poll later (streams sent to a running engine start one after
+    another, and on a busy machine the first could run its ~2 s of hash-model work to the end before the last
+    one runs)."""
 
     async def scenario() -> None:
         async with long_server.async_http() as http:
+            await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
             streams = [Stream(prompt_ids(i), LONG).start(http) for i in range(3)]
+            await wait_for_metric(http, "kvflow:num_requests_waiting", 3)
+            assert (await http.post("/resume")).json() == {"status": "resumed"}
             await wait_for_metric(http, "kvflow:num_requests_running", 3)
             response = await http.post(
                 "/pause", params={"mode": "keep", "clear_cache": clear_cache}
