@@ -251,17 +251,19 @@ def test_metrics_count_each_engines_running_totals_once_and_keep_its_gauges() ->
 
 @pytest.mark.slow
 def test_a_dead_core_turns_health_503_and_sigterm_leaves_no_process(server: RemoteServer) -> None:
-    """A core killed under a running request: that request fails naming the core, `/health` and new requests get
-    503, the surviving core is stopped too. The kill follows the server's state (`/metrics` shows the request
-    running, with ~2 s of engine work left), and the request is not streamed, so the API process keeps up."""
+    """A core killed while a request is in flight: that request fails naming the core, `/health` and new requests
+    get 503, the surviving core is stopped too. A keep pause holds the request in the engine when the kill comes
+    (`/metrics` shows it waiting there), so it cannot have finished first on a busy machine."""
     pids = engine_pids(server.process.pid)
     assert len(pids) == 2
     body = {"model": "hash", "prompt": [5, 6, 7], "max_tokens": ENDLESS, "ignore_eos": True}
     with httpx.Client(timeout=TIMEOUT_S) as client, ThreadPoolExecutor(1) as pool:
+        paused = client.post(f"{server.url}/pause", params={"mode": "keep", "clear_cache": "false"})
+        assert paused.status_code == 200
         pending = pool.submit(client.post, f"{server.url}/v1/completions", json=body)
         wait_until(
-            lambda: sum(per_engine(server, "kvflow:num_requests_running").values()) == 1,
-            "the request is running",
+            lambda: sum(per_engine(server, "kvflow:num_requests_waiting").values()) == 1,
+            "the request waits in a paused core",
         )
         os.kill(pids[1], signal.SIGKILL)
         failed = pending.result(TIMEOUT_S)

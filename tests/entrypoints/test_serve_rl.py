@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +21,9 @@ from kvflow.testing.hash_model import reference_tokens
 from tests.entrypoints.server import RemoteServer, running_server, sse_payloads
 
 # max_tokens of a request that is still running when a test acts on it: ~2 s of hash-model work at idle speed
-# (`long_server`: max_model_len 4096, the hash model's limit). Tests act once the *server* reports it running
-# (`/metrics`), never on what a reader has seen: on a busy machine a reader can lag seconds behind the engine.
+# (`long_server`: max_model_len 4096, the hash model's limit). Tests hold such requests with `hold_mid_generation`
+# and act on the server's state, never on what a reader has seen: on a busy machine a reader can lag seconds behind
+# the engine.
 LONG = 4000
 TIMEOUT_S = 120
 
@@ -138,26 +139,64 @@ def run(coroutine: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))
 
 
+async def hold_mid_generation(
+    http: httpx.AsyncClient,
+    start: Callable[[int], list[asyncio.Future[Any]]],
+    attempts: int = 4,
+) -> list[asyncio.Future[Any]]:
+    """Start requests and return once they are held mid-generation by a keep pause (the engine is left paused).
+
+    `start(attempt)` sends the requests (new prompts per attempt) and returns their tasks. A first keep pause is the
+    starting gate: the requests wait in the paused engine (`/metrics` shows them all waiting: nothing can finish
+    yet, so that wait is exact); `/resume` admits them all in one step and the second keep pause follows one HTTP
+    round trip later, while each has ~4,000 steps of work left. Waiting for `/metrics` to show requests sent to a
+    running engine as running, instead, races them: on a busy machine a request can run to its end between two polls
+    (a streamed hash-model token costs the API process far more than the engine, so polls slow down).
+
+    On a busy machine the second pause can still reach the engine before its first step after `/resume` (the
+    requests still wait) or, in theory, after the requests finished. That attempt is then missed: the engine resumes,
+    the requests run to their end, and the scenario starts again (at most `attempts` times; the failure names each
+    attempt's running count). `/metrics` reads the load gauges from the engine itself, so the counts are exact."""
+    missed: list[float] = []
+    for attempt in range(attempts):
+        assert (
+            await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        ).json() == {"status": "paused"}
+        tasks = start(attempt)
+        await wait_for_metric(http, "kvflow:num_requests_waiting", len(tasks))
+        assert not any(task.done() for task in tasks)
+        assert (await http.post("/resume")).json() == {"status": "resumed"}
+        await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+        running = await metric(http, "kvflow:num_requests_running")
+        if running == len(tasks):
+            return tasks
+        missed.append(running)
+        await http.post("/resume")
+        await asyncio.gather(*tasks)
+    raise AssertionError(
+        f"in {attempts} attempts the second keep pause never found all requests running: running {missed}"
+    )
+
+
 # ------------------------------------------------------------------------------------------------ pause
 @pytest.mark.parametrize("clear_cache", ["false", "true"])
 def test_keep_pause_freezes_streams_and_resume_loses_nothing(
     long_server: RemoteServer, clear_cache: str
 ) -> None:
     """Streams in flight go quiet during a keep pause and continue after resume with exactly the unpaused tokens
-    (vLLM #42043 dropped the first token after resume); with clear_cache they are recomputed, same tokens.
-
-    A first keep pause is the starting gate: the 3 streams wait in the paused engine, `/resume` admits them in one
-    step, and the second pause follows one /metrics poll later (streams sent to a running engine start one after
-    another, and on a busy machine the first could run its ~2 s of hash-model work to the end before the last
-    one runs)."""
+    (vLLM #42043 dropped the first token after resume); with clear_cache they are recomputed, same tokens."""
 
     async def scenario() -> None:
         async with long_server.async_http() as http:
-            await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
-            streams = [Stream(prompt_ids(i), LONG).start(http) for i in range(3)]
-            await wait_for_metric(http, "kvflow:num_requests_waiting", 3)
-            assert (await http.post("/resume")).json() == {"status": "resumed"}
-            await wait_for_metric(http, "kvflow:num_requests_running", 3)
+            streams: list[Stream] = []
+
+            def start(attempt: int) -> list[asyncio.Future[Any]]:
+                streams[:] = [
+                    Stream(prompt_ids(100 * attempt + i), LONG).start(http) for i in range(3)
+                ]
+                return [stream.task for stream in streams if stream.task is not None]
+
+            await hold_mid_generation(http, start)
             response = await http.post(
                 "/pause", params={"mode": "keep", "clear_cache": clear_cache}
             )
@@ -188,9 +227,17 @@ def test_abort_pause_ends_streams_and_holds_new_requests_until_resume(
 ) -> None:
     async def scenario() -> None:
         async with long_server.async_http() as http:
-            streams = [Stream(prompt_ids(10 + i), LONG).start(http) for i in range(3)]
-            await wait_for_metric(http, "kvflow:num_requests_running", 3)
-            assert (await http.post("/pause")).status_code == 200  # mode "abort" by default
+            streams: list[Stream] = []
+
+            def start(attempt: int) -> list[asyncio.Future[Any]]:
+                streams[:] = [
+                    Stream(prompt_ids(100 * attempt + 10 + i), LONG).start(http) for i in range(3)
+                ]
+                return [stream.task for stream in streams if stream.task is not None]
+
+            await hold_mid_generation(http, start)
+            # Mode "abort" by default; it also ends requests a keep pause holds.
+            assert (await http.post("/pause")).status_code == 200
             for stream in streams:
                 await stream.finished()
                 assert stream.finish_reason == "abort"
@@ -277,9 +324,14 @@ def test_reset_prefix_cache_is_409_while_blocks_are_in_use(long_server: RemoteSe
             assert (await http.post("/reset_prefix_cache")).json() == {"status": "reset"}
             after = (await http.post("/v1/completions", json=body)).json()
             assert after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            stream = Stream(prompt_ids(41), LONG).start(http)
-            await wait_for_metric(http, "kvflow:num_requests_running", 1)
-            await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+            streams: list[Stream] = []
+
+            def start(attempt: int) -> list[asyncio.Future[Any]]:
+                streams[:] = [Stream(prompt_ids(100 * attempt + 41), LONG).start(http)]
+                return [stream.task for stream in streams if stream.task is not None]
+
+            await hold_mid_generation(http, start)
+            [stream] = streams
             refused = await http.post("/reset_prefix_cache")
             assert refused.status_code == 409
             assert refused.json()["error"]["type"] == "ConflictError"
@@ -338,16 +390,18 @@ def test_a_client_that_disconnects_aborts_and_frees(
 
     async def scenario() -> None:
         async with long_server.async_http() as http:
-            body = {"prompt": prompt_ids(60), "max_tokens": LONG, "stream": stream}
-            if stream:
-                reader = Stream(prompt_ids(60), LONG).start(http)
-                task = reader.task
-            else:
-                task = asyncio.ensure_future(http.post("/v1/completions", json=body))
-            await wait_for_metric(http, "kvflow:num_requests_running", 1)
-            await http.post("/pause", params={"mode": "keep", "clear_cache": "false"})
+
+            def start(attempt: int) -> list[asyncio.Future[Any]]:
+                prompt = prompt_ids(100 * attempt + 60)
+                if stream:
+                    reader = Stream(prompt, LONG).start(http)
+                    assert reader.task is not None
+                    return [reader.task]
+                body = {"prompt": prompt, "max_tokens": LONG, "stream": stream}
+                return [asyncio.ensure_future(http.post("/v1/completions", json=body))]
+
+            [task] = await hold_mid_generation(http, start)
             assert await metric(http, "kvflow:kv_cache_usage_perc") > 0
-            assert task is not None
             task.cancel()  # the client hangs up
             await wait_for_metric(http, "kvflow:num_requests_running", 0)
             await wait_for_metric(http, "kvflow:num_requests_waiting", 0)
