@@ -3,6 +3,7 @@ and a way to force the pure-PyTorch paths inside one test."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from kvflow.kernels import CPU_KERNELS_ENV, load_cpu_kernels
+from kvflow.kernels import CPU_KERNELS_ENV, bf16_gemm_kernel, load_cpu_kernels
 
 
 @pytest.fixture(scope="session")
@@ -26,11 +27,25 @@ def ops() -> ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def kernels_disabled() -> Iterator[None]:
+    """`KVFLOW_CPU_KERNELS=0` inside the block. Every per-process cache derived from the kernel module (the module
+    itself and the bfloat16 GEMM choice) is cleared on entry and on exit: a choice cached while the kernels were off
+    (None) would otherwise outlive the block and quietly send later tests in the same process to torch's path."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv(CPU_KERNELS_ENV, "0")
+        load_cpu_kernels.cache_clear()
+        bf16_gemm_kernel.cache_clear()
+        try:
+            yield
+        finally:
+            monkeypatch.delenv(CPU_KERNELS_ENV)
+            load_cpu_kernels.cache_clear()
+            bf16_gemm_kernel.cache_clear()
+
+
 @pytest.fixture
-def kernels_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """`KVFLOW_CPU_KERNELS=0` for one test; the cached module is reloaded afterwards."""
-    monkeypatch.setenv(CPU_KERNELS_ENV, "0")
-    load_cpu_kernels.cache_clear()
-    yield
-    monkeypatch.delenv(CPU_KERNELS_ENV)
-    load_cpu_kernels.cache_clear()
+def kernels_off() -> Iterator[None]:
+    """`KVFLOW_CPU_KERNELS=0` for one test (`kernels_disabled`)."""
+    with kernels_disabled():
+        yield

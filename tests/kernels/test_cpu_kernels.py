@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from kvflow import kernels
 from kvflow.models.attention import resolve_attention_backend
 from kvflow.models.layers import Linear, LMHead, RMSNorm, RotaryEmbedding, silu_and_mul
+from tests.kernels.conftest import kernels_disabled
 
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values (8 significant bits)
 
@@ -169,6 +170,18 @@ def test_setting_forces_pytorch_paths(ops: object, kernels_off: None) -> None:
     assert kernels.silu_and_mul(rows) is None
     assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
     assert resolve_attention_backend("cpu", torch.device("cpu")) == "cpu"  # explicit names stay
+
+
+def test_forcing_kernels_off_leaves_no_cached_choice_behind(ops: object) -> None:
+    """The GEMM choice made while the kernels were forced off (torch's path) is forgotten with the setting: a test
+    run after one that forced them off, in the same process, gets this CPU's own choice (an xdist worker once
+    skipped the GEMM tests that way)."""
+    kernels.bf16_gemm_kernel.cache_clear()
+    own_choice = kernels.bf16_gemm_kernel()
+    with kernels_disabled():
+        assert kernels.bf16_gemm_kernel() is None and not kernels.gemm_kernel_wins_here()
+    assert kernels.load_cpu_kernels() is ops
+    assert kernels.bf16_gemm_kernel() == own_choice
 
 
 def test_kernels_on_by_default(ops: object) -> None:
