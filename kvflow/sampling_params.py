@@ -300,14 +300,20 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# The largest |length_penalty|: HF's and vLLM's users pass 0.0 - 2.0; past this the ranking's power over- or
+# underflows a float for long sequences (1e30 raised OverflowError, -1e30 a ZeroDivisionError).
+MAX_LENGTH_PENALTY = 10.0
+
+
 @dataclass
 class BeamSearchParams:
     """Beam search settings (vLLM's `BeamSearchParams`), for `LLM.beam_search`.
 
     Invariants after construction: `beam_width >= 1`, `max_tokens >= 1`, `temperature` a finite float32 >= 0
     (each step's sampled token, drawn at this temperature, joins that beam's candidates; beams are ranked by the
-    model's raw logprobs, as in vLLM), `length_penalty` a finite number (final ranking: cumulative logprob /
-    sequence length ** length_penalty). ValueError names the field.
+    model's raw logprobs, as in vLLM), `length_penalty` a number in [-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY]
+    (final ranking: cumulative logprob / sequence length ** length_penalty; the bound keeps that power a finite,
+    non-zero float for any sequence up to 10**30 tokens). ValueError names the field.
     """
 
     beam_width: int
@@ -323,7 +329,11 @@ class BeamSearchParams:
             ("max_tokens", _is_int(self.max_tokens, 1), "an int >= 1"),
             ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
             ("temperature", _is_real(self.temperature, 0.0), _NON_NEGATIVE_FLOAT32),
-            ("length_penalty", _is_real(self.length_penalty), "a finite number"),
+            (
+                "length_penalty",
+                _is_real(self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
+                f"a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}]",
+            ),
             (
                 "include_stop_str_in_output",
                 isinstance(self.include_stop_str_in_output, bool),

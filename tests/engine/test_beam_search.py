@@ -94,6 +94,16 @@ def test_bad_beam_search_params_name_the_field() -> None:
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match=r"BeamSearchParams\.length_penalty"):
         BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
+    for out_of_range in (1e30, -1e30, 10.5):
+        with pytest.raises(
+            ValueError, match=r"BeamSearchParams\.length_penalty must be a number in \[-10, 10\]"
+        ):
+            BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=out_of_range)
+    for bound in (-10.0, 10):
+        assert (
+            BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=bound).length_penalty
+            == bound
+        )
 
 
 def test_beams_read_the_prefix_cache_and_carry_their_text() -> None:

@@ -279,6 +279,9 @@ REFUSED: list[tuple[str, str, dict[str, Any]]] = [
     ("both", "response_format", {"response_format": {"type": "json_object"}}),
     ("both", "prompt_logprobs", {"prompt_logprobs": 1}),
     ("both", "n", {"n": 11}),  # 2 * 11 logprobs per step, over max_logprobs 20
+    # Once a ZeroDivisionError / OverflowError (500) in the ranking's power of the length.
+    ("both", "length_penalty", {"length_penalty": 1e30}),
+    ("both", "length_penalty", {"length_penalty": -1e30}),
     ("completions", "logprobs", {"n": 2, "logprobs": 5}),  # more than the 2 * n candidates
     ("completions", "echo", {"echo": True, "logprobs": 1}),
     ("chat", "top_logprobs", {"n": 2, "logprobs": True, "top_logprobs": 5}),
