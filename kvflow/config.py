@@ -202,7 +202,9 @@ class StructuredOutputsConfig:
     """How the engine applies `SamplingParams.structured_outputs` constraints (vLLM's engine option).
 
     `backend` compiles them: "xgrammar" (the default, the `xgrammar` package), "guidance" (`llguidance`), or
-    "auto": xgrammar, and guidance for a constraint xgrammar cannot compile. `reasoning_parser` (a
+    "auto": xgrammar, and guidance for a constraint xgrammar cannot compile or would not enforce exactly (JSON-schema
+    keywords it ignores, `backend_xgrammar.UNENFORCED_KEYWORDS`: with "xgrammar" such a schema is refused, naming
+    the keyword). `reasoning_parser` (a
     `REASONING_PARSERS` name, `--reasoning-parser`) makes a constraint start only once the output's reasoning has
     ended, so it shapes the answer and not the thought (`kvflow.structured_output.reasoning_end`), unless
     `enable_in_reasoning`, which constrains the reasoning too (from the first token, as without a parser).

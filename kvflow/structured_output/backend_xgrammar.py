@@ -3,6 +3,7 @@ request."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,12 @@ def _compile_checked(
     try:
         if kind == "json":
             schema = json_schema_text(params)
+            unenforced = unenforced_keyword(json.loads(schema))
+            if unenforced is not None:
+                raise ValueError(
+                    f"structured_outputs.json uses {unenforced}, which the xgrammar backend does not enforce "
+                    "(with backend 'auto' such a schema goes to guidance)"
+                )
             options = _json_options(params)
             if compiler is None:
                 return xgr.Grammar.from_json_schema(schema, **options)
@@ -104,6 +111,70 @@ def _compile_checked(
     except RuntimeError as error:
         raise ValueError(f"structured_outputs.{kind} is invalid: {_first_line(error)}") from error
     raise ValueError(f"structured_outputs.{kind} is not supported by the xgrammar backend")
+
+
+# JSON-schema keywords xgrammar 0.2 accepts but does not enforce (for each, xgrammar's grammar accepts a value that
+# violates it; `allOf` only with two or more subschemas): a schema using one is refused rather than half-honoured.
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired")
+# Where a schema holds subschemas: a map of names to subschemas, a list of them, or one.
+_SUBSCHEMA_MAPS = frozenset(
+    {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+)
+_SUBSCHEMA_LISTS = frozenset({"allOf", "anyOf", "oneOf", "prefixItems", "items"})
+_SUBSCHEMAS = frozenset(
+    {
+        "items",
+        "additionalItems",
+        "additionalProperties",
+        "contains",
+        "propertyNames",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+        "not",
+        "if",
+        "then",
+        "else",
+    }
+)
+
+
+def unenforced_keyword(schema: object, path: str = "#") -> str | None:
+    """The first keyword of `UNENFORCED_KEYWORDS` (or an `allOf` of several subschemas) in `schema` or any of its
+    subschemas, as "'keyword' at <JSON pointer>"; None when xgrammar enforces the whole schema. Values (`const`,
+    `enum`, `default`, property names) are not searched: a property named "not" is no keyword."""
+    if not isinstance(schema, dict):
+        return None
+    for keyword in UNENFORCED_KEYWORDS:
+        if keyword in schema:
+            return f"{keyword!r} at {path}"
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        return f"'allOf' of {len(all_of)} subschemas at {path}"
+    for key, value in schema.items():
+        found = None
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            found = next(
+                (
+                    hit
+                    for name, sub in value.items()
+                    if (hit := unenforced_keyword(sub, f"{path}/{key}/{name}"))
+                ),
+                None,
+            )
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            found = next(
+                (
+                    hit
+                    for i, sub in enumerate(value)
+                    if (hit := unenforced_keyword(sub, f"{path}/{key}/{i}"))
+                ),
+                None,
+            )
+        elif key in _SUBSCHEMAS:
+            found = unenforced_keyword(value, f"{path}/{key}")
+        if found is not None:
+            return found
+    return None
 
 
 def _json_options(params: StructuredOutputsParams) -> dict[str, object]:

@@ -18,7 +18,7 @@ from kvflow.structured_output import STRUCTURED_OUTPUT_BACKENDS
 from kvflow.structured_output.backend import allocate_bitmask
 from kvflow.structured_output.reasoning_end import ReasoningGate, TokenTexts
 from kvflow.structured_output.request import GrammarFactory, StructuredOutputRequest
-from kvflow.structured_output.validation import backends_to_try
+from kvflow.structured_output.validation import backends_to_try, first_backend_that_takes
 
 if TYPE_CHECKING:
     from kvflow.config import StructuredOutputsConfig
@@ -110,14 +110,9 @@ class StructuredOutputManager:
     def _compile_now(self, params: StructuredOutputsParams) -> GrammarFactory:
         """On the pool: compile with each backend in turn ("auto": xgrammar, then guidance)."""
         self.num_compiles += 1
-        first_error: ValueError | None = None
-        for name in self.backend_names:
-            try:
-                return self._backend(name).compile(params)
-            except ValueError as error:
-                first_error = first_error or error
-        assert first_error is not None
-        raise first_error
+        return first_backend_that_takes(
+            self.backend_names, lambda name: self._backend(name).compile(params)
+        )
 
     def _backend(self, name: str) -> StructuredOutputBackend:
         with self._backend_lock:

@@ -4,12 +4,15 @@ backend that will compile it? Compiling against the vocabulary happens later, in
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from kvflow.structured_output import STRUCTURED_OUTPUT_BACKENDS
 
 if TYPE_CHECKING:
     from kvflow.sampling_params import StructuredOutputsParams
+
+_T = TypeVar("_T")
 
 
 def backends_to_try(backend: str) -> tuple[str, ...]:
@@ -20,6 +23,22 @@ def backends_to_try(backend: str) -> tuple[str, ...]:
     if backend not in STRUCTURED_OUTPUT_BACKENDS:
         raise ValueError(STRUCTURED_OUTPUT_BACKENDS.unknown_message(backend))
     return (backend,)
+
+
+def first_backend_that_takes(backend_names: tuple[str, ...], attempt: Callable[[str], _T]) -> _T:
+    """`attempt(name)` for each backend in turn until one does not raise ValueError. When none takes the constraint,
+    one ValueError with every backend's reason (the first backend's first: it names the field)."""
+    errors: list[tuple[str, ValueError]] = []
+    for name in backend_names:
+        try:
+            return attempt(name)
+        except ValueError as error:
+            errors.append((name, error))
+    (_, first), *others = errors
+    if not others:
+        raise first
+    reasons = "; ".join(f"the {name} backend: {error}" for name, error in others)
+    raise ValueError(f"{first} ({reasons})") from first
 
 
 # Constraints already found valid, per backend (a repeated schema is parsed once per process); bounded.
@@ -42,12 +61,6 @@ def validate_structured_outputs(params: StructuredOutputsParams, backend: str) -
 
 
 def _validate(params: StructuredOutputsParams, backend: str) -> None:
-    first_error: ValueError | None = None
-    for name in backends_to_try(backend):
-        try:
-            STRUCTURED_OUTPUT_BACKENDS.get(name).validate(params)
-            return
-        except ValueError as error:
-            first_error = first_error or error
-    assert first_error is not None
-    raise first_error
+    first_backend_that_takes(
+        backends_to_try(backend), lambda name: STRUCTURED_OUTPUT_BACKENDS.get(name).validate(params)
+    )

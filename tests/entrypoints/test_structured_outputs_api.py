@@ -157,6 +157,22 @@ def test_two_constraints_are_a_400_naming_both(
     assert error.param in fields
 
 
+# Two subschemas that must both hold: xgrammar 0.2 would enforce only one of them, so this (default, xgrammar) server
+# refuses it, and guidance (or "auto", tests/structured_output/test_llm_structured.py) compiles it.
+ALL_OF_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Oslo", "Lima"]}, "age": {"enum": [30, 40]}},
+    "additionalProperties": False,
+    "allOf": [{"required": ["city"]}, {"required": ["age"]}],
+}
+
+
+def valid_all_of(text: str) -> None:
+    value = json.loads(text)
+    jsonschema.validate(value, ALL_OF_SCHEMA)
+    assert set(value) == {"city", "age"}, value
+
+
 INVALID_CONSTRAINTS = [
     (
         "chat",
@@ -177,6 +193,18 @@ INVALID_CONSTRAINTS = [
     ("completions", {"guided_regex": "(unclosed"}, "guided_regex"),
     ("chat", {"guided_grammar": 'root ::= "a" |'}, "guided_grammar"),
     ("completions", {"guided_choice": []}, "guided_choice"),
+    # Keywords xgrammar would ignore: a 400 naming the keyword, not a half-honoured schema.
+    ("completions", {"guided_json": {"type": "integer", "not": {"const": 3}}}, "guided_json"),
+    ("completions", {"structured_outputs": {"json": ALL_OF_SCHEMA}}, "structured_outputs"),
+    (
+        "chat",
+        {
+            "response_format": json_schema_format(
+                {"allOf": [{"type": "string"}, {"type": "integer"}]}
+            )
+        },
+        "response_format",
+    ),
 ]
 
 
@@ -510,6 +538,8 @@ def test_the_guidance_backend_serves_schema_choice_and_lark(
         jsonschema.validate(json.loads(text), SCHEMA)
     for text in chat(guided_choice=CHOICES):
         assert text in CHOICES
+    for text in chat(response_format=json_schema_format(ALL_OF_SCHEMA)):
+        valid_all_of(text)
     lark = 'start: ("yes" | "no") " because " /[a-z]{1,3}/ "."'
     for text in chat(structured_outputs={"grammar": lark}):
         assert re.fullmatch(r"(yes|no) because [a-z]{1,3}\.", text), text

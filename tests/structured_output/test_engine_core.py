@@ -4,6 +4,7 @@ streaming sessions restart or drop the constraint per chunk, and the backends co
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -193,6 +194,47 @@ def test_auto_falls_back_to_guidance_for_what_xgrammar_cannot_parse() -> None:
         validate_structured_outputs(lark, "xgrammar")
     validate_structured_outputs(lark, "guidance")
     validate_structured_outputs(lark, "auto")
+
+
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"type": "integer", "not": {"const": 3}}, "'not' at #"),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "'allOf' of 2 subschemas at #"),
+        (
+            {
+                "type": "object",
+                "properties": {"x": {"type": "array", "items": {"if": {}, "then": {}}}},
+            },
+            "'if' at #/properties/x/items",
+        ),
+        ({"$defs": {"d": {"dependentRequired": {"a": ["b"]}}}}, "'dependentRequired' at #/$defs/d"),
+        (
+            {"anyOf": [{"type": "null"}, {"dependentSchemas": {}}]},
+            "'dependentSchemas' at #/anyOf/1",
+        ),
+    ],
+)
+def test_xgrammar_refuses_keywords_it_would_not_enforce(schema: dict, named: str) -> None:
+    """xgrammar 0.2 parses these keywords and ignores them (a value violating each passes its grammar): the
+    xgrammar backend refuses the schema naming the keyword and where it is; "auto" tries guidance, whose reason
+    joins the message when it refuses too."""
+    constraint = StructuredOutputsParams(json=schema)
+    with pytest.raises(ValueError, match=r"structured_outputs\.json uses " + re.escape(named)):
+        validate_structured_outputs(constraint, "xgrammar")
+    try:
+        validate_structured_outputs(constraint, "auto")
+    except ValueError as error:
+        assert named in str(error) and "the guidance backend: " in str(error)
+
+
+def test_keyword_names_as_property_names_or_values_are_no_keywords() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"not": {"type": "integer"}, "if": {"enum": ["not", "allOf"]}},
+        "allOf": [{"required": ["not"]}],
+    }
+    validate_structured_outputs(StructuredOutputsParams(json=schema), "xgrammar")
 
 
 def test_exactly_one_constraint_is_required() -> None:

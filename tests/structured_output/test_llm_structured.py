@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from kvflow import LLM, SamplingParams, StructuredOutputsParams
+from tests.entrypoints.test_structured_outputs_api import ALL_OF_SCHEMA, valid_all_of
 from tests.entrypoints.test_structured_outputs_api import SCHEMA as PERSON_SCHEMA
 
 BACKENDS = ("xgrammar", "guidance")
@@ -179,3 +180,23 @@ def test_mixed_batch_leaves_unconstrained_requests_bit_identical() -> None:
             assert len(mixed[i].outputs[0].token_ids) == 24
     finally:
         llm.shutdown()
+
+
+def test_auto_sends_a_schema_xgrammar_would_half_enforce_to_guidance() -> None:
+    """`allOf` of two subschemas: xgrammar refuses it (it would enforce only one), "auto" compiles it with guidance,
+    and every output holds both."""
+    params = SamplingParams(
+        n=3,
+        temperature=0.8,
+        seed=3,
+        max_tokens=60,
+        structured_outputs=StructuredOutputsParams(json=ALL_OF_SCHEMA),
+    )
+    llm = LLM(structured_outputs_config={"backend": "auto"})
+    try:
+        texts = _texts(llm, params, PROMPTS[:1])
+    finally:
+        llm.shutdown()
+    assert len(texts) == 3
+    for text in texts:
+        valid_all_of(text)
