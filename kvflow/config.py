@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -194,7 +195,15 @@ class ParallelConfig:
 
 # `StructuredOutputsConfig.backend` values: the registered backends plus "auto".
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
-_STRUCTURED_OUTPUTS_KEYS = ("backend", "reasoning_parser", "enable_in_reasoning")
+_STRUCTURED_OUTPUTS_KEYS = (
+    "backend",
+    "reasoning_parser",
+    "enable_in_reasoning",
+    "max_choices",
+    "max_alternatives",
+    "max_constraint_chars",
+    "compile_timeout_s",
+)
 
 
 @dataclass(frozen=True)
@@ -208,11 +217,22 @@ class StructuredOutputsConfig:
     `REASONING_PARSERS` name, `--reasoning-parser`) makes a constraint start only once the output's reasoning has
     ended, so it shapes the answer and not the thought (`kvflow.structured_output.reasoning_end`), unless
     `enable_in_reasoning`, which constrains the reasoning too (from the first token, as without a parser).
+
+    What a constraint may cost, checked before a request is queued (compiling against the vocabulary grows faster
+    than linearly with them): `max_choices` choices, `max_alternatives` alternatives (`|`-separated, in a regex or
+    grammar; enum values and anyOf / oneOf branches in a JSON schema), `max_constraint_chars` characters of
+    constraint text (the regex, grammar, schema or choices). A request whose compile has not ended
+    `compile_timeout_s` seconds after it arrived ends with finish_reason "error" (the API answers 400 naming the
+    field); the compile's result, if it ever comes, stays cached.
     """
 
     backend: str = "xgrammar"
     reasoning_parser: str | None = None
     enable_in_reasoning: bool = False
+    max_choices: int = 4096
+    max_alternatives: int = 4096
+    max_constraint_chars: int = 65536
+    compile_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         _require(
@@ -228,6 +248,20 @@ class StructuredOutputsConfig:
             isinstance(self.enable_in_reasoning, bool),
             f"structured_outputs_config enable_in_reasoning must be true or false, got "
             f"{self.enable_in_reasoning!r}",
+        )
+        for name in ("max_choices", "max_alternatives", "max_constraint_chars"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                f"structured_outputs_config {name} must be an int >= 1, got {value!r}",
+            )
+        timeout = self.compile_timeout_s
+        _require(
+            isinstance(timeout, int | float)
+            and not isinstance(timeout, bool)
+            and math.isfinite(timeout)
+            and timeout > 0,
+            f"structured_outputs_config compile_timeout_s must be a number of seconds > 0, got {timeout!r}",
         )
 
     @property
@@ -255,10 +289,21 @@ class StructuredOutputsConfig:
             reasoning_parser is None or isinstance(reasoning_parser, str),
             f"structured_outputs_config reasoning_parser must be a string, got {reasoning_parser!r}",
         )
+        limits = {
+            key: option[key]
+            for key in (
+                "max_choices",
+                "max_alternatives",
+                "max_constraint_chars",
+                "compile_timeout_s",
+            )
+            if key in option
+        }
         return cls(
             backend=backend,  # type: ignore[arg-type]
             reasoning_parser=reasoning_parser,  # type: ignore[arg-type]
             enable_in_reasoning=option.get("enable_in_reasoning", False),  # type: ignore[arg-type]
+            **limits,  # type: ignore[arg-type]
         )
 
 

@@ -22,7 +22,9 @@ SampleLogprobs = list[dict[int, Logprob]]
 class CompletionOutput:
     """One generated sequence. `finish_reason` is "stop", "length", "abort" or None while still running.
 
-    `stop_reason` is the stop string or stop token id that ended it (None for EOS or a length cap). With
+    `stop_reason` is the stop string or stop token id that ended it (None for EOS or a length cap); with finish_reason
+    "error", the error's text, and `client_error` is True when the request itself was at fault (a constraint that
+    did not compile, or not within the engine's compile timeout). With
     `SamplingParams.logprobs`, `logprobs[i]` maps token ids to `Logprob`s at output position i: the sampled token
     and the top-`logprobs` alternatives; `cumulative_logprob` sums the sampled tokens' logprobs. `weight_versions`
     lists, in order, the weight versions (see `LLM.update_weights`) whose forward passes produced the tokens.
@@ -38,6 +40,7 @@ class CompletionOutput:
     weight_versions: list[int] = field(
         default_factory=list
     )  # distinct weight versions that made the tokens
+    client_error: bool = False
 
     @property
     def finished(self) -> bool:

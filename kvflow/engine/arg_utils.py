@@ -157,8 +157,17 @@ class EngineArgs:
     structured_outputs_config: dict | None = _option(  # noqa: RUF009 (None default)
         None,
         'structured outputs, as JSON: {"backend": "xgrammar" | "guidance" | "auto", "reasoning_parser": NAME, '
-        '"enable_in_reasoning": false} (backend: default xgrammar; auto: xgrammar, and guidance for what '
-        "xgrammar cannot compile; see --reasoning-parser; enable_in_reasoning: constrain the reasoning too)",
+        '"enable_in_reasoning": false, "max_choices": 4096, "max_alternatives": 4096, "max_constraint_chars": '
+        '65536, "compile_timeout_s": 5} (backend: default xgrammar; auto: xgrammar, and guidance for what '
+        "xgrammar cannot compile or enforce; see --reasoning-parser; enable_in_reasoning: constrain the reasoning "
+        "too; the max_* limits refuse costlier constraints before they are queued; compile_timeout_s: see "
+        "--structured-outputs-compile-timeout)",
+    )
+    structured_outputs_compile_timeout: float | None = _option(
+        None,
+        "seconds a request's constraint may take to compile (default 5); past it the request ends with an error "
+        "naming its constraint field (HTTP 400) and other requests are untouched (same as "
+        'structured_outputs_config {"compile_timeout_s": S})',
     )
     reasoning_parser: str | None = _option(
         None,
@@ -268,7 +277,8 @@ class EngineArgs:
         )
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
-        """`structured_outputs_config` with `reasoning_parser` folded in (both may name it, if they agree)."""
+        """`structured_outputs_config` with `reasoning_parser` and `structured_outputs_compile_timeout` folded in
+        (both places may give one, if they agree)."""
         option = dict(self.structured_outputs_config or {})
         if self.reasoning_parser is not None:
             in_option = option.setdefault("reasoning_parser", self.reasoning_parser)
@@ -276,6 +286,14 @@ class EngineArgs:
                 raise ValueError(
                     f"reasoning_parser={self.reasoning_parser!r} and structured_outputs_config "
                     f"reasoning_parser={in_option!r} disagree: give one"
+                )
+        if self.structured_outputs_compile_timeout is not None:
+            timeout = self.structured_outputs_compile_timeout
+            in_option = option.setdefault("compile_timeout_s", timeout)
+            if in_option != timeout:
+                raise ValueError(
+                    f"structured_outputs_compile_timeout={timeout!r} and structured_outputs_config "
+                    f"compile_timeout_s={in_option!r} disagree: give one"
                 )
         return StructuredOutputsConfig.from_option(option)
 

@@ -61,7 +61,7 @@ def build_frontend(
         tokenizer,
         engine_config.scheduler_config.max_model_len,
         engine_config.model_config,
-        engine_config.structured_outputs_config.backend,
+        engine_config.structured_outputs_config,
     )
     return FrontendParts(
         engine_config, model_info, tokenizer, input_processor, OutputProcessor(tokenizer)

@@ -289,6 +289,7 @@ class EngineCore:
                     finish_reason="error",
                     stop_reason=f"structured outputs: {message}",
                     weight_version=self.weight_version,
+                    client_error=True,
                 )
             )
         return outputs

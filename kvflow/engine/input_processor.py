@@ -19,6 +19,7 @@ from kvflow.structured_output.validation import validate_structured_outputs
 from kvflow.utils import child_request_id, short_repr
 
 if TYPE_CHECKING:
+    from kvflow.config import StructuredOutputsConfig
     from kvflow.model_info import ModelInfo
     from kvflow.tokenizer import Tokenizer
 
@@ -61,12 +62,12 @@ class InputProcessor:
         tokenizer: Tokenizer | None,
         max_model_len: int,
         model_config: ModelConfig | None = None,
-        structured_outputs_backend: str | None = None,
+        structured_outputs_config: StructuredOutputsConfig | None = None,
     ) -> None:
-        """`structured_outputs_backend` (the engine's `structured_outputs_config` backend) checks each request's
-        constraint before it is queued; None leaves the check to the engine core (its compile error ends the
-        request with finish_reason "error")."""
-        self.structured_outputs_backend = structured_outputs_backend
+        """`structured_outputs_config` (the engine's) checks each request's constraint before it is queued: its
+        compile limits and its backend's parse. None leaves the check to the engine core (its compile error ends
+        the request with finish_reason "error")."""
+        self.structured_outputs_config = structured_outputs_config
         if model_config is None:
             model_config = ModelConfig()  # its defaults: generation_config "auto", max_logprobs 20
         self.tokenizer = tokenizer
@@ -154,9 +155,9 @@ class InputProcessor:
         sampling_params.validate()  # it may have been changed since it was built
         sampling_params = self.with_bad_words_token_ids(sampling_params)
         self.limits.check_params(sampling_params)
-        if sampling_params.structured_outputs is not None and self.structured_outputs_backend:
+        if sampling_params.structured_outputs is not None and self.structured_outputs_config:
             validate_structured_outputs(
-                sampling_params.structured_outputs, self.structured_outputs_backend
+                sampling_params.structured_outputs, self.structured_outputs_config
             )
         prompt_text, prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = self.truncate(prompt_token_ids, sampling_params.truncate_prompt_tokens)

@@ -90,6 +90,8 @@ class RequestState:
     last_token_monotonic: float | None = None  # when the latest output token reached the front end
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_emitted: bool = False
+    # Finished with "error" through its own fault (EngineCoreOutput.client_error).
+    client_error: bool = False
 
     def stamp(self, now_monotonic: float) -> float:
         """The wall-clock time of a `time.monotonic()` stamp, measured from this request's arrival."""
@@ -280,6 +282,7 @@ class OutputProcessor:
         if state.prompt_logprobs is not None and engine_output.new_prompt_logprobs is not None:
             self._append_prompt_logprobs(state, engine_output.new_prompt_logprobs)
         finish_reason, stop_reason = engine_output.finish_reason, engine_output.stop_reason
+        state.client_error = engine_output.client_error
         if state.detokenizer is not None:
             stop_string = state.detokenizer.update(new_token_ids, finish_reason == "stop")
             if stop_string is not None:
@@ -474,6 +477,7 @@ class OutputProcessor:
             logprobs=logprobs,
             cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None,
             weight_versions=list(state.weight_versions),
+            client_error=state.client_error,
         )
 
     def _make_parent_output(

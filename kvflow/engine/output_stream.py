@@ -169,4 +169,5 @@ def _concatenate(older: CompletionOutput, newer: CompletionOutput) -> Completion
         logprobs=logprobs,
         cumulative_logprob=newer.cumulative_logprob,
         weight_versions=newer.weight_versions,
+        client_error=newer.client_error,
     )

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from kvflow.core.sched.output import DRAFT_PLACEHOLDER, GrammarOutput
 from kvflow.reasoning import REASONING_PARSERS
@@ -28,18 +30,24 @@ if TYPE_CHECKING:
     from kvflow.structured_output.backend import GrammarVocab, StructuredOutputBackend
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # Compiled constraints kept (least recently used dropped first); each is a few KB to a few MB.
 _COMPILE_CACHE_SIZE = 256
+# Compile threads: one per core (at least 2, so one long compile never holds up every other; at most 4).
+COMPILE_WORKERS = min(4, max(2, os.cpu_count() or 1))
 
 
 class StructuredOutputManager:
     """Beside the scheduler in the engine core (vLLM V1's design).
 
-    * `grammar_init(request)` queues the request's constraint for compilation on a thread pool (never on the engine
-      loop); a cache keyed by (backend, constraint) makes a repeated constraint compile once. The request waits
-      in WAITING_FOR_FSM; `poll()` (each engine step) moves it to WAITING once compiled, or reports the compile
-      error, which finishes that request with finish_reason "error" and never the engine.
+    * `grammar_init(request)` queues the request's constraint for compilation on a pool of `COMPILE_WORKERS`
+      threads (never on the engine loop); a cache keyed by (backend, constraint) makes a repeated constraint compile
+      once. The request waits in WAITING_FOR_FSM, for its own compile only; `poll()` (each engine step) moves it to
+      WAITING once compiled, or reports the compile error, or that `compile_timeout_s` passed first, which
+      finishes that request with finish_reason "error" (the request's fault) and never the engine. A request that
+      leaves while waiting (abort, client gone) cancels its compile when nobody else waits on it and it has not
+      started; a started compile runs to its end (a thread cannot be stopped) and its result stays cached.
     * `grammar_bitmask(requests, scheduler_output)` builds one bitmask for the step's scheduled structured requests,
       from their matchers' current state. The engine calls it only once every earlier step's output has been
       applied, so each matcher stands exactly after the tokens its request keeps.
@@ -80,6 +88,10 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._compiled: OrderedDict[tuple[object, ...], Future[GrammarFactory]] = OrderedDict()
         self._compiling: dict[str, Request] = {}
+        self._deadlines: dict[
+            str, float
+        ] = {}  # request id -> time.monotonic() its compile must end by
+        self.compile_timeout_s = config.compile_timeout_s
         self.num_compiles = 0
 
     # ------------------------------------------------------------------------------------------------ compile
@@ -92,6 +104,7 @@ class StructuredOutputManager:
         )
         request.status = RequestStatus.WAITING_FOR_FSM
         self._compiling[request.request_id] = request
+        self._deadlines[request.request_id] = time.monotonic() + self.compile_timeout_s
 
     def _compile(self, params: StructuredOutputsParams) -> Future[GrammarFactory]:
         key = params.cache_key()
@@ -99,13 +112,19 @@ class StructuredOutputManager:
         if future is not None:
             self._compiled.move_to_end(key)
             return future
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-grammar")
-        future = self._pool.submit(self._compile_now, params)
+        future = self._pool_submit(self._compile_now, params)
         self._compiled[key] = future
         if len(self._compiled) > _COMPILE_CACHE_SIZE:
             self._compiled.popitem(last=False)
         return future
+
+    def _pool_submit(self, fn: Callable[..., _T], *args: object) -> Future[_T]:
+        """Run `fn(*args)` on the compile pool (started on first use)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=COMPILE_WORKERS, thread_name_prefix="kvflow-grammar"
+            )
+        return self._pool.submit(fn, *args)
 
     def _compile_now(self, params: StructuredOutputsParams) -> GrammarFactory:
         """On the pool: compile with each backend in turn ("auto": xgrammar, then guidance)."""
@@ -133,18 +152,29 @@ class StructuredOutputManager:
 
     def poll(self) -> list[tuple[Request, str]]:
         """Start the matcher of every request whose constraint has compiled (WAITING_FOR_FSM -> WAITING).
-        Returns the requests whose compilation failed, with the error text, for the caller to finish."""
+        Returns the requests whose compilation failed or outlived `compile_timeout_s`, with the error text (naming
+        the field), for the caller to finish; forgets requests that finished while waiting."""
         if not self._compiling:
             return []
         failed: list[tuple[Request, str]] = []
+        now = time.monotonic()
         for request_id, request in list(self._compiling.items()):
             so_request = request.structured_output_request
             if request.is_finished() or so_request is None:
-                del self._compiling[request_id]
+                self._stop_waiting(request_id)
                 continue
             if not so_request.compiled.done():
+                if now >= self._deadlines[request_id]:
+                    self._stop_waiting(request_id)
+                    message = (
+                        f"structured_outputs.{so_request.params.kind} did not compile within "
+                        f"{self.compile_timeout_s:g} s (structured_outputs_config compile_timeout_s): "
+                        "send a smaller constraint"
+                    )
+                    logger.warning("request %s: %s", request_id, message)
+                    failed.append((request, message))
                 continue
-            del self._compiling[request_id]
+            self._stop_waiting(request_id)
             try:
                 so_request.start(self._reasoning_gate)
             except Exception as error:  # the request's constraint alone is at fault
@@ -157,6 +187,25 @@ class StructuredOutputManager:
                 request.status = RequestStatus.WAITING
         return failed
 
+    def _stop_waiting(self, request_id: str) -> None:
+        """`request_id` no longer waits for its compile: cancel the compile when it has not started and no other
+        waiting request shares it (then it leaves the cache too)."""
+        request = self._compiling.pop(request_id)
+        del self._deadlines[request_id]
+        so_request = request.structured_output_request
+        if so_request is None or so_request.compiled.done():
+            return
+        future = so_request.compiled
+        shared = any(
+            other.structured_output_request is not None
+            and other.structured_output_request.compiled is future
+            for other in self._compiling.values()
+        )
+        if not shared and future.cancel():
+            key = so_request.params.cache_key()
+            if self._compiled.get(key) is future:
+                del self._compiled[key]
+
     def has_compiling(self) -> bool:
         return bool(self._compiling)
 
@@ -168,7 +217,10 @@ class StructuredOutputManager:
             if request.structured_output_request is not None
         ]
         if futures:
-            concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
+            until_deadline = max(0.0, min(self._deadlines.values()) - time.monotonic())
+            concurrent.futures.wait(
+                futures, min(timeout_s, until_deadline), concurrent.futures.FIRST_COMPLETED
+            )
 
     # ------------------------------------------------------------------------------------------------ bitmask
     def grammar_bitmask(

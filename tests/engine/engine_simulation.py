@@ -108,9 +108,11 @@ def make_engine_core(
     structured_outputs_backend: str = "xgrammar",
     num_speculative_tokens: int = 0,
     draft_model: str | None = None,
+    structured_outputs_config: StructuredOutputsConfig | None = None,
 ) -> EngineCore:
     """An EngineCore on the hash model with the real executor, worker and runner. The worker thread is on by
-    default (on CPU "auto" would run steps inline), so overlapped runs really have a batch executing meanwhile."""
+    default (on CPU "auto" would run steps inline), so overlapped runs really have a batch executing meanwhile.
+    `structured_outputs_config`, when given, replaces the one `structured_outputs_backend` makes."""
     return EngineCore(
         EngineConfig(
             model_config=ModelConfig(model=model, max_model_len=max_model_len),
@@ -125,7 +127,8 @@ def make_engine_core(
                 use_v2_model_runner=use_v2_model_runner,
             ),
             parallel_config=ParallelConfig(worker_thread=worker_thread),
-            structured_outputs_config=StructuredOutputsConfig(backend=structured_outputs_backend),
+            structured_outputs_config=structured_outputs_config
+            or StructuredOutputsConfig(backend=structured_outputs_backend),
             speculative_config=_spec_config(num_speculative_tokens, draft_model),
         )
     )  # type: ignore[arg-type]

@@ -49,6 +49,7 @@ def test_merging_keeps_every_field_of_the_output_types() -> None:
         "logprobs",
         "cumulative_logprob",
         "weight_versions",
+        "client_error",
     ]
 
 

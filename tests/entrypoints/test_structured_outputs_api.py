@@ -196,6 +196,9 @@ INVALID_CONSTRAINTS = [
     # Keywords xgrammar would ignore: a 400 naming the keyword, not a half-honoured schema.
     ("completions", {"guided_json": {"type": "integer", "not": {"const": 3}}}, "guided_json"),
     ("completions", {"structured_outputs": {"json": ALL_OF_SCHEMA}}, "structured_outputs"),
+    # Past the default compile limits (max_choices 4096, max_constraint_chars 65536): refused before queueing.
+    ("completions", {"guided_choice": [f"c{i}" for i in range(4097)]}, "guided_choice"),
+    ("chat", {"guided_regex": "a" * 65537}, "guided_regex"),
     (
         "chat",
         {
@@ -543,3 +546,34 @@ def test_the_guidance_backend_serves_schema_choice_and_lark(
     lark = 'start: ("yes" | "no") " because " /[a-z]{1,3}/ "."'
     for text in chat(structured_outputs={"grammar": lark}):
         assert re.fullmatch(r"(yes|no) because [a-z]{1,3}\.", text), text
+
+
+# ------------------------------------------------------------------------------------------- compile timeout
+def test_a_constraint_that_outlives_the_compile_timeout_is_a_400_and_others_are_served() -> None:
+    """`--structured-outputs-compile-timeout 0.5` with the size limits raised: 20,000 choices compile for seconds
+    on the hash-logits vocabulary, so that request is a 400 naming its field (one WARNING line, no traceback),
+    while a small constraint sent beside it is served."""
+    options = json.dumps({"max_choices": 50_000, "max_constraint_chars": 1_000_000})
+    with running_server(
+        "hash-logits",
+        "--structured-outputs-compile-timeout",
+        "0.5",
+        "--structured-outputs-config",
+        options,
+    ) as server:
+        slow = {"structured_outputs": {"choice": [f"w{i}x" for i in range(20_000)]}}
+        small = {"structured_outputs": {"regex": "(a[0-9]+b[0-9]+){1,3}"}, "ignore_eos": True}
+        with server.http() as http:
+            refused = http.post(
+                "/v1/completions",
+                json={"model": "hash-logits", "prompt": [1, 2, 3], "max_tokens": 8, **slow},
+            )
+            served = http.post(
+                "/v1/completions",
+                json={"model": "hash-logits", "prompt": [4, 5], "max_tokens": 8, **small},
+            )
+        assert refused.status_code == 400, refused.text
+        message = refused.json()["error"]["message"]
+        assert "structured_outputs.choice did not compile within 0.5 s" in message, message
+        assert served.status_code == 200, served.text
+        assert "Traceback" not in server.log

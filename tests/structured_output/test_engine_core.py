@@ -18,7 +18,7 @@ from kvflow.models.hash_model import hash_grammar_stop_token_id
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured_output.backend import GrammarVocab, allocate_bitmask
-from kvflow.structured_output.manager import StructuredOutputManager
+from kvflow.structured_output.manager import COMPILE_WORKERS, StructuredOutputManager
 from kvflow.structured_output.setup import _hash_vocab
 from kvflow.structured_output.validation import validate_structured_outputs
 from kvflow.testing.hash_model import reference_tokens
@@ -185,15 +185,15 @@ def test_validation_names_the_field(
     backend: str, constraint: StructuredOutputsParams, field: str
 ) -> None:
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        validate_structured_outputs(constraint, backend)
+        validate_structured_outputs(constraint, StructuredOutputsConfig(backend=backend))
 
 
 def test_auto_falls_back_to_guidance_for_what_xgrammar_cannot_parse() -> None:
     lark = StructuredOutputsParams(grammar='start: "yes" | "no"')
     with pytest.raises(ValueError, match=r"structured_outputs\.grammar"):
-        validate_structured_outputs(lark, "xgrammar")
-    validate_structured_outputs(lark, "guidance")
-    validate_structured_outputs(lark, "auto")
+        validate_structured_outputs(lark, StructuredOutputsConfig(backend="xgrammar"))
+    validate_structured_outputs(lark, StructuredOutputsConfig(backend="guidance"))
+    validate_structured_outputs(lark, StructuredOutputsConfig(backend="auto"))
 
 
 @pytest.mark.parametrize(
@@ -221,9 +221,9 @@ def test_xgrammar_refuses_keywords_it_would_not_enforce(schema: dict, named: str
     joins the message when it refuses too."""
     constraint = StructuredOutputsParams(json=schema)
     with pytest.raises(ValueError, match=r"structured_outputs\.json uses " + re.escape(named)):
-        validate_structured_outputs(constraint, "xgrammar")
+        validate_structured_outputs(constraint, StructuredOutputsConfig(backend="xgrammar"))
     try:
-        validate_structured_outputs(constraint, "auto")
+        validate_structured_outputs(constraint, StructuredOutputsConfig(backend="auto"))
     except ValueError as error:
         assert named in str(error) and "the guidance backend: " in str(error)
 
@@ -234,7 +234,121 @@ def test_keyword_names_as_property_names_or_values_are_no_keywords() -> None:
         "properties": {"not": {"type": "integer"}, "if": {"enum": ["not", "allOf"]}},
         "allOf": [{"required": ["not"]}],
     }
-    validate_structured_outputs(StructuredOutputsParams(json=schema), "xgrammar")
+    validate_structured_outputs(
+        StructuredOutputsParams(json=schema), StructuredOutputsConfig(backend="xgrammar")
+    )
+
+
+def test_a_compile_past_its_timeout_ends_only_its_request() -> None:
+    """20,000 choices compile for seconds on the hash vocabulary; with compile_timeout_s 1 that request ends with
+    "error" as the request's own fault (the API answers 400), while a small constraint beside it compiles and
+    runs to its end. The pool keeps a thread for the small one."""
+    config = StructuredOutputsConfig(compile_timeout_s=1.0, max_choices=50_000)
+    core = make_engine_core(model="hash-logits", num_blocks=200, structured_outputs_config=config)
+    try:
+        slow = StructuredOutputsParams(choice=[f"w{i}x" for i in range(20_000)])
+        core.add_request(_request("slow", [1, 2], constraint=slow))
+        core.add_request(_request("small", [3, 4]))
+        finished = {}
+        for _ in range(10_000):
+            for output in core.step():
+                if output.finished:
+                    finished[output.request_id] = output
+            if len(finished) == 2:
+                break
+        failed = finished["slow"]
+        assert failed.finish_reason == "error" and failed.client_error
+        assert "structured_outputs.choice did not compile within 1 s" in str(failed.stop_reason)
+        assert finished["small"].finish_reason in ("stop", "length")
+        assert not finished["small"].client_error
+    finally:
+        core.shutdown()
+
+
+def test_a_request_that_leaves_before_its_compile_starts_cancels_it() -> None:
+    """With every compile thread busy, a queued compile whose only request is aborted is cancelled and leaves the
+    cache (a later request with the same constraint compiles it afresh)."""
+    manager = StructuredOutputManager(
+        StructuredOutputsConfig(max_choices=50_000), lambda: _hash_vocab(64), vocab_size=64
+    )
+    release = threading.Event()
+    blockers = [manager._pool_submit(release.wait) for _ in range(COMPILE_WORKERS)]
+    try:
+        queued = _request("queued", [1, 2])
+        manager.grammar_init(queued)
+        future = queued.structured_output_request.compiled
+        assert not future.done()
+        queued.status = RequestStatus.FINISHED_ABORTED
+        assert manager.poll() == []
+        assert future.cancelled() and not manager.has_compiling()
+        assert BOUNDED.cache_key() not in manager._compiled
+    finally:
+        release.set()
+        for blocker in blockers:
+            blocker.result(10)
+        manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("limits", "constraint", "message"),
+    [
+        (
+            {"max_choices": 3},
+            StructuredOutputsParams(choice=["a", "b", "c", "d"]),
+            "has 4 choices.*max_choices: 3",
+        ),
+        (
+            {"max_alternatives": 2},
+            StructuredOutputsParams(regex="a|b|c"),
+            "regex has 3 alternatives",
+        ),
+        (
+            {"max_alternatives": 2},
+            StructuredOutputsParams(grammar='root ::= "a" | "b" | "c"'),
+            "grammar has 3",
+        ),
+        (
+            {"max_alternatives": 2},
+            StructuredOutputsParams(
+                json={"type": "object", "properties": {"x": {"enum": [1, 2, 3]}}}
+            ),
+            "json has 3 alternatives",
+        ),
+        (
+            {"max_constraint_chars": 10},
+            StructuredOutputsParams(regex="a" * 11),
+            "11 characters.*chars: 10",
+        ),
+        (
+            {"max_constraint_chars": 10},
+            StructuredOutputsParams(choice=["abcdef", "ghijk"]),
+            "11 characters",
+        ),
+    ],
+)
+def test_each_compile_limit_refuses_what_exceeds_it(
+    limits: dict, constraint: StructuredOutputsParams, message: str
+) -> None:
+    """Counted before anything is queued; the same constraint passes with the default limits."""
+    with pytest.raises(ValueError, match=message):
+        validate_structured_outputs(constraint, StructuredOutputsConfig(**limits))
+    validate_structured_outputs(constraint, StructuredOutputsConfig())
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"max_choices": 0},
+        {"max_alternatives": "9"},
+        {"max_constraint_chars": True},
+        {"compile_timeout_s": 0},
+        {"compile_timeout_s": float("inf")},
+    ],
+)
+def test_bad_compile_limits_are_refused_naming_them(option: dict) -> None:
+    [name] = option
+    with pytest.raises(ValueError, match=f"structured_outputs_config {name} must be"):
+        StructuredOutputsConfig.from_option(option)
 
 
 def test_exactly_one_constraint_is_required() -> None:

@@ -214,8 +214,10 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, gc=False):
     """What the engine reports about one request after a step.
 
     `finish_reason` is "stop", "length" or "abort" when generation ended, or "error" when the request failed alone
-    inside a step (then `stop_reason` holds the error's text). For a streaming-input session a chunk
-    can end while the session stays open: then `session_continues` is True and the request is not finished.
+    inside a step (then `stop_reason` holds the error's text, and `client_error` says whether the request itself
+    is at fault: its constraint did not compile, or not in time; the API answers 400 for those, 500 otherwise).
+    For a streaming-input session a chunk can end while the session stays open: then `session_continues` is True
+    and the request is not finished.
 
     `new_prompt_logprobs` (requests with `SamplingParams.prompt_logprobs` and at least two prompt tokens) comes once,
     on the request's first output with tokens: the rows of prompt tokens 1 .. num_prompt_tokens - 1
@@ -239,6 +241,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, gc=False):
     weight_version: int = 0
     new_prompt_logprobs: LogprobsLists | None = None
     events: list[EngineCoreEvent] | None = None
+    client_error: bool = False
 
     @property
     def finished(self) -> bool:

@@ -148,7 +148,7 @@ class OpenAIServingChat(OpenAIServing):
                 param="tool_choice",
             )
         try:
-            validate_structured_outputs(constraint, self.structured_outputs_backend)
+            validate_structured_outputs(constraint, self.structured_outputs_config)
         except ValueError as error:
             raise OpenAIServingError(
                 f"the tools' parameters schemas cannot constrain a forced call: {error}",

@@ -46,6 +46,7 @@ from kvflow.utils import short_repr
 if TYPE_CHECKING:
     from fastapi import Request
 
+    from kvflow.config import StructuredOutputsConfig
     from kvflow.engine.async_llm import AsyncLLM
     from kvflow.engine.input_processor import ProcessedPrompt
     from kvflow.engine.request_limits import RequestLimits
@@ -180,7 +181,8 @@ class OpenAIServing:
             engine.model_info.path, model_config.generation_config
         ).get("max_tokens")
         self.scheduling_policy = engine.engine_config.scheduler_config.policy
-        self.structured_outputs_backend = engine.engine_config.structured_outputs_config.backend
+        self.structured_outputs_config = engine.engine_config.structured_outputs_config
+        self.structured_outputs_backend = self.structured_outputs_config.backend
 
     # ------------------------------------------------------------------------------------------------ checks
     def check_request(self, request: SamplingFields) -> None:
@@ -232,7 +234,7 @@ class OpenAIServing:
         limits: RequestLimits = self.engine.input_processor.limits
         _check_backend(request.guided_decoding_backend, self.structured_outputs_backend)
         controls = RequestControls(
-            structured_outputs=structured_outputs_of(request, self.structured_outputs_backend),
+            structured_outputs=structured_outputs_of(request, self.structured_outputs_config),
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words or None,
             logit_bias=_logit_bias(request.logit_bias),
@@ -442,10 +444,12 @@ _CONSTRAINT_ERROR = re.compile(r"^(?:StructuredOutputsParams|structured_outputs)
 _TOKEN_ID_KEY = re.compile(r"-?[0-9]+")
 
 
-def structured_outputs_of(request: SamplingFields, backend: str) -> StructuredOutputsParams | None:
+def structured_outputs_of(
+    request: SamplingFields, config: StructuredOutputsConfig
+) -> StructuredOutputsParams | None:
     """The request's one constraint, from whichever field sets it (`response_format`, `structured_outputs`,
-    `guided_json|regex|choice|grammar`, `structural_tag`), checked to parse for `backend`. 400 naming the
-    field(s): two fields setting a constraint, or one that is not valid."""
+    `guided_json|regex|choice|grammar`, `structural_tag`), checked against `config` (compile limits, the backend's
+    parse). 400 naming the field(s): two fields setting a constraint, or one that is not valid."""
     found = _constraint_fields(request)
     if not found:
         return None
@@ -458,7 +462,7 @@ def structured_outputs_of(request: SamplingFields, backend: str) -> StructuredOu
     [(name, options)] = found
     try:
         params = StructuredOutputsParams(**options)
-        validate_structured_outputs(params, backend)
+        validate_structured_outputs(params, config)
     except ValueError as error:
         raise OpenAIServingError(_constraint_message(name, str(error)), param=name) from error
     return params
@@ -576,10 +580,13 @@ async def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool)
 
 
 def raise_if_failed(output: RequestOutput) -> None:
-    """A 500 for an output the engine ended with finish_reason "error" (the request failed alone inside a step;
-    `stop_reason` holds why)."""
+    """An error for an output the engine ended with finish_reason "error" (the request failed alone inside a step;
+    `stop_reason` holds why): 400 when the request was at fault (`CompletionOutput.client_error`: its constraint
+    did not compile, or not in time), else 500."""
     for completion in output.outputs:
         if completion.finish_reason == "error":
+            if completion.client_error:
+                raise OpenAIServingError(str(completion.stop_reason))
             raise OpenAIServingError(
                 f"the request failed in the engine: {completion.stop_reason}",
                 status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
