@@ -74,6 +74,10 @@ class StructuredOutputGrammar(ABC):
     def is_terminated(self) -> bool:
         """True once the constraint is complete and its end (EOS) was accepted, or nothing can follow."""
 
+    def error(self) -> str | None:
+        """The backend's own reason when the matcher has stopped in an error (then it allows nothing), else None."""
+        return None
+
 
 class StructuredOutputBackend(ABC):
     """Compiles constraints for one vocabulary. `compile` may run on any thread (the manager's pool); a compiled

@@ -70,6 +70,13 @@ class GuidanceGrammar(StructuredOutputGrammar):
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, row)
 
+    def error(self) -> str | None:
+        """llguidance's error, its first line (the rest is the parser's state dump)."""
+        if not self.matcher.is_error():
+            return None
+        text = self.matcher.get_error().strip()
+        return text.splitlines()[0] if text else "the matcher stopped in an error"
+
     def is_terminated(self) -> bool:
         """Ended by an accepted EOS (a stop without it still lets EOS through, and only it)."""
         return self._eos_after_stop or (

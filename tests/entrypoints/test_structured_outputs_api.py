@@ -548,6 +548,61 @@ def test_the_guidance_backend_serves_schema_choice_and_lark(
         assert re.fullmatch(r"(yes|no) because [a-z]{1,3}\.", text), text
 
 
+# ---------------------------------------------------------------------------------------------- contradictions
+CONTRADICTIONS = [
+    ("min_tokens", {"guided_choice": ["a"], "min_tokens": 3}),
+    ("bad_words", {"guided_choice": ["a"], "bad_words": ["a"]}),  # one byte: one way to write it
+    ("allowed_token_ids", {"guided_choice": ["yes"], "allowed_token_ids": [0, 1, 2]}),
+]
+
+
+@pytest.mark.parametrize(
+    ("field", "fields"), CONTRADICTIONS, ids=[case[0] for case in CONTRADICTIONS]
+)
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_constraint_the_requests_own_controls_forbid_is_a_400_naming_them(
+    server: RemoteServer, client: openai.OpenAI, endpoint: str, field: str, fields: dict[str, Any]
+) -> None:
+    """No token the constraint allows passes the request's own controls: the request contradicts itself, a 400
+    naming the fields (one WARNING line in the log, no traceback), and the server goes on serving."""
+    error = refused(client, endpoint, **fields)
+    assert field in error.message and "structured_outputs" in error.message, error.message
+    assert "contradicts itself" in error.message
+    [(text, _)] = create(client, endpoint, guided_choice=CHOICES)
+    assert text in CHOICES
+    assert "Traceback" not in server.log
+
+
+def test_a_grammar_without_a_finite_string_is_a_400(
+    server: RemoteServer, client: openai.OpenAI
+) -> None:
+    """xgrammar parses `root ::= root` and then allows no token: the request's fault, a 400 naming it."""
+    error = refused(client, "completions", structured_outputs={"grammar": "root ::= root"})
+    assert (
+        "structured_outputs: the constraint allows no token after 0 output tokens" in error.message
+    )
+    assert "Traceback" not in server.log
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        {"grammar": "start: start"},
+        {"json": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}},
+    ],
+    ids=["lark-loop", "ref-loop"],
+)
+def test_guidance_s_own_reason_reaches_the_client(
+    guidance_client: openai.OpenAI, constraint: dict[str, Any]
+) -> None:
+    """A constraint llguidance's matcher fails on at its first token: a 400 carrying llguidance's reason."""
+    error = refused(guidance_client, "completions", structured_outputs=constraint)
+    assert (
+        "structured_outputs: the backend's matcher failed after 0 output tokens: " in error.message
+    )
+    assert "NoExtensionBias" in error.message, error.message
+
+
 # ------------------------------------------------------------------------------------------- compile timeout
 def test_a_constraint_that_outlives_the_compile_timeout_is_a_400_and_others_are_served() -> None:
     """`--structured-outputs-compile-timeout 0.5` with the size limits raised: 20,000 choices compile for seconds

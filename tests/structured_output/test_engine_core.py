@@ -107,8 +107,9 @@ def test_a_grammar_that_fails_to_compile_ends_only_its_request(core: EngineCore)
 
 
 def test_a_token_the_grammar_rejects_ends_the_request_with_an_error() -> None:
-    """Only a bug can sample a forbidden token; the scheduler then ends that request ("error") instead of
-    advancing its matcher silently."""
+    """A sampled token the grammar forbids (the request's own controls forbade every token it allows, or the
+    grammar allows none) ends that request with "error" as the request's fault, instead of advancing its matcher
+    silently."""
     core = make_engine_core(model="hash-logits", num_blocks=200)
     try:
         core.add_request(_request("r", [1, 2, 3]))
@@ -124,8 +125,11 @@ def test_a_token_the_grammar_rejects_ends_the_request_with_an_error() -> None:
             req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=[[odd_token]]
         )
         outputs = {o.request_id: o for o in scheduler.update_from_output(output, runner_output)}
-        assert outputs["r"].finish_reason == "error"
-        assert "not allowed" in str(outputs["r"].stop_reason)
+        assert outputs["r"].finish_reason == "error" and outputs["r"].client_error
+        assert str(outputs["r"].stop_reason) == (
+            "structured_outputs: the constraint allows no token after 0 output tokens (a grammar without a "
+            "finite string, such as `root ::= root`?); token 1 was sampled unconstrained"
+        )
     finally:
         core.shutdown()
 
