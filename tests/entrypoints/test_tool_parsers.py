@@ -503,3 +503,37 @@ def test_registry() -> None:
         ValueError, match=r"tool call parser 'nope'.*hermes, llama3_json, mistral, pythonic"
     ):
         TOOL_PARSERS.get("nope")
+
+
+# ------------------------------------------------------------------------------------------ forced calls cut short
+CUT_REPLIES = [
+    ('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "param', ["a"], '{"name": "b", "param'),
+    ('[{"name": "a", "parame', [], '[{"name": "a", "parame'),
+    ("[", [], "["),
+    ('[{"name": "a", "parameters": {}}, ', ["a"], None),
+    ('[{"name": "a", "parameters": {"x": "]"}}]\n', ["a"], None),  # complete: no content
+]
+
+
+@pytest.mark.parametrize(("text", "names", "content"), CUT_REPLIES)
+def test_a_required_reply_cut_short_keeps_its_closed_calls_and_the_rest_as_content(
+    text: str, names: list[str], content: str | None
+) -> None:
+    """Nothing generated is lost (issue: a forced call cut by max_tokens came back as no call and no content): the
+    calls that closed are calls, the text after them is content, whole and streamed at every split alike."""
+    from kvflow.entrypoints.openai.tool_calls import RequiredToolCallsParser
+
+    parser = RequiredToolCallsParser({"a", "b"})
+    whole = parser.extract_tool_calls(text)
+    assert [call.name for call in whole.tool_calls] == names
+    assert whole.content == content
+    for split in range(len(text) + 1):
+        stream = parser.stream()
+        first, second, final = stream.push(text[:split]), stream.push(text[split:]), stream.finish()
+        streamed_calls = [*first.tool_calls, *second.tool_calls, *final.tool_calls]
+        assert [call.name for call in streamed_calls] == names
+        assert [call.arguments for call in streamed_calls] == [
+            call.arguments for call in whole.tool_calls
+        ]
+        streamed_content = first.content + second.content + final.content
+        assert (streamed_content or None) == content

@@ -258,7 +258,9 @@ class RequiredToolCallsParser:
     """A reply constrained to `[{"name": ..., "parameters": {...}}, ...]`: each complete element whose name is one
     of `names` and whose parameters are an object is a call (`arguments`: the parameters re-serialised); the
     stream releases each call once its element has closed. A reply cut short (finish_reason "length") keeps the
-    calls that closed; the unclosed rest is dropped, the same way whole and streamed."""
+    calls that closed, and the text after them (the unclosed call, from its `{`, or the whole reply when no call
+    closed) becomes `content`, so nothing generated is lost (vLLM returns a cut forced reply as content); the same
+    way whole and streamed. A complete reply has no content."""
 
     keeps_special_tokens = False
 
@@ -267,9 +269,11 @@ class RequiredToolCallsParser:
 
     def extract_tool_calls(self, text: str) -> ExtractedToolCalls:
         stream = self.stream()
-        deltas = [*stream.push(text).tool_calls, *stream.finish().tool_calls]
+        pushed, final = stream.push(text), stream.finish()
+        deltas = [*pushed.tool_calls, *final.tool_calls]
         return ExtractedToolCalls(
-            [ToolCall(delta.id or "", delta.name or "", delta.arguments) for delta in deltas], None
+            [ToolCall(delta.id or "", delta.name or "", delta.arguments) for delta in deltas],
+            (pushed.content + final.content) or None,
         )
 
     def stream(self) -> CallStream:
@@ -281,7 +285,8 @@ class _ArrayElementStream:
     pieces), parsing each once its closing brace is seen.
 
     Invariant: `buffer[:scanned]` has been scanned; `element_start` is the index of the current top-level object's
-    `{` in `buffer` (None between elements), and nothing before it is still needed.
+    `{` in `buffer` (None between elements); `buffer[:consumed]` is the text of the calls released (their
+    elements) or the whole array once its `]` closed it: what `finish` returns as content is the rest.
     """
 
     def __init__(self, names: set[str]) -> None:
@@ -293,6 +298,7 @@ class _ArrayElementStream:
         self.escaped = False
         self.element_start: int | None = None
         self.num_calls = 0
+        self.consumed = 0
 
     def push(self, delta_text: str) -> StreamDelta:
         self.buffer += delta_text
@@ -318,12 +324,20 @@ class _ArrayElementStream:
                     call = self._call(self.buffer[self.element_start : index + 1])
                     if call is not None:
                         calls.append(call)
+                        self.consumed = index + 1
                     self.element_start = None
+                elif char == "]" and self.depth == 0:
+                    self.consumed = len(self.buffer)
         self.scanned = len(self.buffer)
         return StreamDelta("", calls)
 
     def finish(self) -> StreamDelta:
-        return StreamDelta("", [])
+        """The text after the released calls when the array never closed (a cut reply), without the `,` and
+        whitespace that separated it from the last call; "" for a complete reply."""
+        rest = self.buffer[self.consumed :]
+        if self.num_calls:
+            rest = rest.lstrip(", \t\r\n")
+        return StreamDelta(rest if rest.strip() else "", [])
 
     def _call(self, element: str) -> ToolCallDelta | None:
         try:
