@@ -1,6 +1,8 @@
 """Structured outputs' cost, same run, on the built-in default model: constrained vs unconstrained.
 
     python benchmarks/structured_outputs.py [--rounds 3] [--num-requests 64] [--max-tokens 128] [--quick]
+    python benchmarks/structured_outputs.py --hostile [...]   (compiles beside a hostile client: see
+                                                               benchmarks/hostile_constraints.py)
 
 For each backend (xgrammar, guidance) one `LLM` (async scheduling, the default) runs, after an untimed warm-up
 that also compiles the schema once:
@@ -19,12 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvflow import LLM, SamplingParams, StructuredOutputsParams
+
+# Run as a script, Python puts this folder first on sys.path, where a file could shadow an installed
+# distribution: the repo root takes its place, and siblings import through the package.
+if Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 PROMPTS = ["The capital of France is", "Once upon a time", "She walked into the room and"]
 # An inventory that cannot close before 40 items: the constraint stays active for every token.
@@ -166,6 +175,14 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--hostile" in argv:
+        from benchmarks import (
+            hostile_constraints,
+        )  # the HTTP client and server helpers: only for this mode
+
+        return [hostile_constraints.main([arg for arg in argv if arg != "--hostile"])]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=64)
