@@ -127,8 +127,9 @@ def test_a_token_the_grammar_rejects_ends_the_request_with_an_error() -> None:
         outputs = {o.request_id: o for o in scheduler.update_from_output(output, runner_output)}
         assert outputs["r"].finish_reason == "error" and outputs["r"].client_error
         assert str(outputs["r"].stop_reason) == (
-            "structured_outputs: the constraint allows no token after 0 output tokens (a grammar without a "
-            "finite string, such as `root ::= root`?); token 1 was sampled unconstrained"
+            "structured_outputs: the constraint allows no token after 0 output tokens: no token of the model's "
+            "vocabulary continues it (a grammar without a finite string, such as `root ::= root`, or text the "
+            "vocabulary cannot spell from here); token 1 was sampled unconstrained"
         )
     finally:
         core.shutdown()

@@ -46,7 +46,8 @@ class StructuredOutputRejected(RuntimeError):
     """A sampled token that the request's grammar does not allow: the request ends, as its own fault
     (`client_error`). Sampling only picks a forbidden token when the grammar's tokens were all forbidden too, by the
     request's own logits controls (min_tokens' EOS ban, bad_words, allowed_token_ids, a -100 logit_bias), or when
-    the grammar allows nothing (one without a finite string, e.g. `root ::= root`)."""
+    the grammar allows nothing (one without a finite string, e.g. `root ::= root`, or a dead end no token of the
+    vocabulary continues)."""
 
     client_error = True
 
@@ -79,8 +80,9 @@ def _rejection_message(request: Request, token_id: int) -> str:
             "itself"
         )
     return (
-        f"structured_outputs: the constraint allows no token {where} (a grammar without a finite string, such "
-        f"as `root ::= root`?); token {token_id} was sampled unconstrained"
+        f"structured_outputs: the constraint allows no token {where}: no token of the model's vocabulary "
+        "continues it (a grammar without a finite string, such as `root ::= root`, or text the vocabulary cannot "
+        f"spell from here); token {token_id} was sampled unconstrained"
     )
 
 
