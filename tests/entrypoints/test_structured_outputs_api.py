@@ -573,6 +573,16 @@ def test_a_constraint_the_requests_own_controls_forbid_is_a_400_naming_them(
     assert "Traceback" not in server.log
 
 
+@pytest.mark.parametrize(
+    ("field", "fields"), CONTRADICTIONS, ids=[case[0] for case in CONTRADICTIONS]
+)
+def test_contradictions_are_400s_on_the_guidance_backend_too(
+    guidance_client: openai.OpenAI, field: str, fields: dict[str, Any]
+) -> None:
+    error = refused(guidance_client, "completions", **fields)
+    assert field in error.message and "contradicts itself" in error.message, error.message
+
+
 def test_a_grammar_without_a_finite_string_is_a_400(
     server: RemoteServer, client: openai.OpenAI
 ) -> None:
