@@ -195,15 +195,10 @@ class ParallelConfig:
 
 # `StructuredOutputsConfig.backend` values: the registered backends plus "auto".
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
-_STRUCTURED_OUTPUTS_KEYS = (
-    "backend",
-    "reasoning_parser",
-    "enable_in_reasoning",
-    "max_choices",
-    "max_alternatives",
-    "max_constraint_chars",
-    "compile_timeout_s",
-)
+# What a constraint may cost (`StructuredOutputsConfig`): the size limits, ints >= 1, then the compile timeout.
+_COMPILE_SIZE_LIMITS = ("max_choices", "max_alternatives", "max_constraint_chars")
+_COMPILE_LIMITS = (*_COMPILE_SIZE_LIMITS, "compile_timeout_s")
+_STRUCTURED_OUTPUTS_KEYS = ("backend", "reasoning_parser", "enable_in_reasoning", *_COMPILE_LIMITS)
 
 
 @dataclass(frozen=True)
@@ -249,7 +244,7 @@ class StructuredOutputsConfig:
             f"structured_outputs_config enable_in_reasoning must be true or false, got "
             f"{self.enable_in_reasoning!r}",
         )
-        for name in ("max_choices", "max_alternatives", "max_constraint_chars"):
+        for name in _COMPILE_SIZE_LIMITS:
             value = getattr(self, name)
             _require(
                 isinstance(value, int) and not isinstance(value, bool) and value >= 1,
@@ -289,16 +284,7 @@ class StructuredOutputsConfig:
             reasoning_parser is None or isinstance(reasoning_parser, str),
             f"structured_outputs_config reasoning_parser must be a string, got {reasoning_parser!r}",
         )
-        limits = {
-            key: option[key]
-            for key in (
-                "max_choices",
-                "max_alternatives",
-                "max_constraint_chars",
-                "compile_timeout_s",
-            )
-            if key in option
-        }
+        limits = {key: option[key] for key in _COMPILE_LIMITS if key in option}
         return cls(
             backend=backend,  # type: ignore[arg-type]
             reasoning_parser=reasoning_parser,  # type: ignore[arg-type]

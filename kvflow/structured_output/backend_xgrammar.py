@@ -4,7 +4,7 @@ request."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -150,31 +150,22 @@ def unenforced_keyword(schema: object, path: str = "#") -> str | None:
     all_of = schema.get("allOf")
     if isinstance(all_of, list) and len(all_of) > 1:
         return f"'allOf' of {len(all_of)} subschemas at {path}"
-    for key, value in schema.items():
-        found = None
-        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
-            found = next(
-                (
-                    hit
-                    for name, sub in value.items()
-                    if (hit := unenforced_keyword(sub, f"{path}/{key}/{name}"))
-                ),
-                None,
-            )
-        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
-            found = next(
-                (
-                    hit
-                    for i, sub in enumerate(value)
-                    if (hit := unenforced_keyword(sub, f"{path}/{key}/{i}"))
-                ),
-                None,
-            )
-        elif key in _SUBSCHEMAS:
-            found = unenforced_keyword(value, f"{path}/{key}")
+    for subschema, subpath in _subschemas(schema, path):
+        found = unenforced_keyword(subschema, subpath)
         if found is not None:
             return found
     return None
+
+
+def _subschemas(schema: dict[str, object], path: str) -> Iterator[tuple[object, str]]:
+    """Each subschema of `schema` (one level down) with its JSON pointer."""
+    for key, value in schema.items():
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            yield from ((sub, f"{path}/{key}/{name}") for name, sub in value.items())
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            yield from ((sub, f"{path}/{key}/{index}") for index, sub in enumerate(value))
+        elif key in _SUBSCHEMAS:
+            yield value, f"{path}/{key}"
 
 
 def _json_options(params: StructuredOutputsParams) -> dict[str, object]:

@@ -88,9 +88,6 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._compiled: OrderedDict[tuple[object, ...], Future[GrammarFactory]] = OrderedDict()
         self._compiling: dict[str, Request] = {}
-        self._deadlines: dict[
-            str, float
-        ] = {}  # request id -> time.monotonic() its compile must end by
         self.compile_timeout_s = config.compile_timeout_s
         self.num_compiles = 0
 
@@ -100,11 +97,13 @@ class StructuredOutputManager:
         params = request.sampling_params.structured_outputs
         assert params is not None
         request.structured_output_request = StructuredOutputRequest(
-            params, self._compile(params), owner=weakref.ref(request)
+            params,
+            self._compile(params),
+            owner=weakref.ref(request),
+            compile_deadline=time.monotonic() + self.compile_timeout_s,
         )
         request.status = RequestStatus.WAITING_FOR_FSM
         self._compiling[request.request_id] = request
-        self._deadlines[request.request_id] = time.monotonic() + self.compile_timeout_s
 
     def _compile(self, params: StructuredOutputsParams) -> Future[GrammarFactory]:
         key = params.cache_key()
@@ -164,7 +163,7 @@ class StructuredOutputManager:
                 self._stop_waiting(request_id)
                 continue
             if not so_request.compiled.done():
-                if now >= self._deadlines[request_id]:
+                if now >= so_request.compile_deadline:
                     self._stop_waiting(request_id)
                     message = (
                         f"structured_outputs.{so_request.params.kind} did not compile within "
@@ -191,7 +190,6 @@ class StructuredOutputManager:
         """`request_id` no longer waits for its compile: cancel the compile when it has not started and no other
         waiting request shares it (then it leaves the cache too)."""
         request = self._compiling.pop(request_id)
-        del self._deadlines[request_id]
         so_request = request.structured_output_request
         if so_request is None or so_request.compiled.done():
             return
@@ -210,16 +208,19 @@ class StructuredOutputManager:
         return bool(self._compiling)
 
     def wait_for_compile(self, timeout_s: float) -> None:
-        """Block until some pending compilation finishes (or `timeout_s`): the engine has nothing else to do."""
-        futures = [
-            request.structured_output_request.compiled
+        """Block until some pending compilation finishes, `timeout_s` passes or the first compile deadline comes:
+        the engine has nothing else to do."""
+        waiting = [
+            request.structured_output_request
             for request in self._compiling.values()
             if request.structured_output_request is not None
         ]
-        if futures:
-            until_deadline = max(0.0, min(self._deadlines.values()) - time.monotonic())
+        if waiting:
+            first_deadline = min(so_request.compile_deadline for so_request in waiting)
             concurrent.futures.wait(
-                futures, min(timeout_s, until_deadline), concurrent.futures.FIRST_COMPLETED
+                [so_request.compiled for so_request in waiting],
+                min(timeout_s, max(0.0, first_deadline - time.monotonic())),
+                concurrent.futures.FIRST_COMPLETED,
             )
 
     # ------------------------------------------------------------------------------------------------ bitmask

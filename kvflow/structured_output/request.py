@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ class StructuredOutputRequest:
     params: StructuredOutputsParams
     compiled: Future[GrammarFactory]
     owner: Callable[[], Request | None] = _no_owner
+    # The time.monotonic() by which `compiled` must be done (the manager ends the request past it).
+    compile_deadline: float = math.inf
     grammar: StructuredOutputGrammar | None = None
     reasoning_gate: ReasoningGate | None = None
     reasoning_end: ReasoningEndDetector | None = None

@@ -49,8 +49,6 @@ class StructuredOutputRejected(RuntimeError):
     the grammar allows nothing (one without a finite string, e.g. `root ::= root`, or a dead end no token of the
     vocabulary continues)."""
 
-    client_error = True
-
 
 def _rejection_message(request: Request, token_id: int) -> str:
     """Why a constrained request sampled a token its grammar refuses, naming the fields that can cause it."""
@@ -886,10 +884,10 @@ class Scheduler:
     def _fail_request(self, request: Request, error: Exception) -> EngineCoreOutput:
         """A request whose output could not be applied (a fault that is its own, e.g. a bad value that slipped past
         admission): logged with its traceback, marked FINISHED_ERROR (finish_reason "error", the error's text as
-        `stop_reason`), and finished like a stopped request, so the engine and every other request go on. An error
-        with `client_error` (the request contradicts itself) is one WARNING line and `client_error` on the output
-        (the API answers 400)."""
-        client_error = bool(getattr(error, "client_error", False))
+        `stop_reason`), and finished like a stopped request, so the engine and every other request go on. A
+        `StructuredOutputRejected` (the request contradicts itself) is one WARNING line and `client_error` on the
+        output (the API answers 400)."""
+        client_error = isinstance(error, StructuredOutputRejected)
         if client_error:  # the request's own contradiction: one line, no traceback
             logger.warning(
                 "request %s ends with finish_reason 'error': %s", request.request_id, error
