@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import time
 from pathlib import Path
@@ -90,14 +91,18 @@ async def _measured_load(base_url: str, args: argparse.Namespace) -> dict[str, l
     return latencies
 
 
-async def _hostile_client(
-    base_url: str, model: str, stop: asyncio.Event
-) -> dict[str, dict[str, int]]:
-    """Send the hostile bodies in a loop until `stop`; per body, how it was answered (status code or "gone").
-    Each body is encoded once, with a marker that a counter replaces per request (a new constraint each time: no
-    compile cache hit), so this client spends little CPU of the cores the server runs on."""
+def _hostile_client(
+    base_url: str, model: str, kinds: list[int] | None, stop: Any, outcomes: Any
+) -> None:
+    """Send the hostile bodies in a loop until `stop` is set; per body, how it was answered (status code or
+    "gone"), into the shared dict `outcomes`. Runs in a process of its own, as a client on another machine would
+    (here it still shares the 2 cores), with one connection, re-opened after each client timeout. Each body is
+    encoded once, with a marker that a counter replaces per request (a new constraint each time: no compile cache
+    hit), so this client spends little CPU."""
     encoded = []
-    for what, fields, timeout in _hostile_bodies():
+    for index, (what, fields, timeout) in enumerate(_hostile_bodies()):
+        if kinds is not None and index not in kinds:
+            continue
         constraint = fields["structured_outputs"]
         if "choice" in constraint:
             constraint["choice"][0] += " SALT"
@@ -108,37 +113,47 @@ async def _hostile_client(
             )
         body = {"model": model, "prompt": "Pick one:", "max_tokens": 8, **fields}
         encoded.append((what, json.dumps(body).encode(), timeout))
-    outcomes: dict[str, dict[str, int]] = {}
+    counts: dict[str, dict[str, int]] = {}
     salt = 0
     headers = {"Content-Type": "application/json"}
-    while not stop.is_set():
-        for what, template, timeout in encoded:
-            if stop.is_set():
-                break
-            salt += 1
-            content = template.replace(b"SALT", f"s{salt}".encode(), 1)
-            async with httpx.AsyncClient(base_url=base_url, timeout=timeout or 600) as http:
+    with httpx.Client(base_url=base_url) as http:
+        while not stop.is_set():
+            for what, template, timeout in encoded:
+                if stop.is_set():
+                    break
+                salt += 1
+                content = template.replace(b"SALT", f"s{salt}".encode(), 1)
                 try:
-                    response = await http.post("/v1/completions", content=content, headers=headers)
+                    response = http.post(
+                        "/v1/completions", content=content, headers=headers, timeout=timeout or 600
+                    )
                     status = str(response.status_code)
                 except httpx.TimeoutException:
                     status = "gone"
-            counts = outcomes.setdefault(what, {})
-            counts[status] = counts.get(status, 0) + 1
-    return outcomes
+                per_body = counts.setdefault(what, {})
+                per_body[status] = per_body.get(status, 0) + 1
+    outcomes.update(counts)
 
 
 async def _round(base_url: str, args: argparse.Namespace, hostile: bool) -> dict[str, Any]:
-    stop = asyncio.Event()
-    attacker = (
-        asyncio.ensure_future(_hostile_client(base_url, args.model, stop)) if hostile else None
-    )
-    try:
-        latencies = await _measured_load(base_url, args)
-    finally:
-        stop.set()
-    outcomes = await attacker if attacker is not None else {}
-    return {"latencies": latencies, "hostile_outcomes": outcomes}
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        stop, outcomes = manager.Event(), manager.dict()
+        attacker = None
+        if hostile:
+            attacker = context.Process(
+                target=_hostile_client,
+                args=(base_url, args.model, args.hostile_kinds, stop, outcomes),
+                daemon=True,
+            )
+            attacker.start()
+        try:
+            latencies = await _measured_load(base_url, args)
+        finally:
+            stop.set()
+            if attacker is not None:
+                attacker.join(timeout=600)
+        return {"latencies": latencies, "hostile_outcomes": dict(outcomes)}
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -183,6 +198,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--hostile-kinds",
+        type=lambda text: [int(index) for index in text.split(",")],
+        default=None,
+        help="send only these hostile bodies (0-based indices into the list above, comma-separated)",
+    )
     args = parser.parse_args(argv)
     summary = run(args)
     print(json.dumps(summary, indent=1))
