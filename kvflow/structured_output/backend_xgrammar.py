@@ -50,13 +50,17 @@ class XgrammarGrammar(StructuredOutputGrammar):
 
 
 class XgrammarBackend(StructuredOutputBackend):
-    """Compiles with one `GrammarCompiler` (its own cache plus the manager's) over the engine's vocabulary."""
+    """Compiles with one `GrammarCompiler` over the engine's vocabulary. Its own cache is off: the manager's
+    (bounded, keyed by constraint) is the one cache, so a stream of distinct constraints cannot grow the engine
+    (xgrammar's cache is unbounded by default: ~1 MB of RSS per 4,096-alternative regex, kept forever)."""
 
     name = "xgrammar"
 
     def __init__(self, vocab: GrammarVocab) -> None:
         super().__init__(vocab)
-        self.compiler = xgr.GrammarCompiler(_tokenizer_info(vocab), max_threads=2)
+        self.compiler = xgr.GrammarCompiler(
+            _tokenizer_info(vocab), max_threads=2, cache_enabled=False
+        )
 
     def compile(self, params: StructuredOutputsParams) -> Callable[[], StructuredOutputGrammar]:
         compiled = _compile_checked(self.compiler, params)

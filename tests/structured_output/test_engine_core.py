@@ -18,6 +18,7 @@ from kvflow.models.hash_model import hash_grammar_stop_token_id
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
 from kvflow.structured_output.backend import GrammarVocab, allocate_bitmask
+from kvflow.structured_output.backend_xgrammar import XgrammarBackend
 from kvflow.structured_output.manager import COMPILE_WORKERS, StructuredOutputManager
 from kvflow.structured_output.setup import _hash_vocab
 from kvflow.structured_output.validation import validate_structured_outputs
@@ -268,6 +269,16 @@ def test_a_compile_past_its_timeout_ends_only_its_request() -> None:
         assert not finished["small"].client_error
     finally:
         core.shutdown()
+
+
+def test_distinct_constraints_leave_nothing_in_xgrammars_own_cache() -> None:
+    """The manager's bounded cache is the only one: xgrammar's (unbounded by default) stays empty however many
+    distinct constraints compile, so a client sending a new constraint each time cannot grow the engine."""
+    backend = XgrammarBackend(_hash_vocab(64))
+    for index in range(5):
+        compiled = backend.compile(StructuredOutputsParams(regex=f"(a{index}|b{index})+"))
+        assert compiled() is not None
+    assert backend.compiler.get_cache_size_bytes() == 0
 
 
 def test_a_request_that_leaves_before_its_compile_starts_cancels_it() -> None:
