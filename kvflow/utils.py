@@ -88,3 +88,20 @@ def kvflow_cache_dir() -> Path:
     """kvflow's cache root: `$KVFLOW_CACHE_DIR` when set, else `~/.cache/kvflow` (not created here)."""
     root = os.environ.get("KVFLOW_CACHE_DIR")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "kvflow"
+
+
+OPENMP_WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def openmp_threads_sleep_while_waiting() -> bool:
+    """Make the OpenMP threads of torch loaded from here on (in this process and the processes it starts) sleep
+    when they wait, instead of spinning (`OMP_WAIT_POLICY=PASSIVE`), unless the environment already says how they
+    wait (`OPENMP_WAIT_ENV`); True if it did. For a server: the API process shares the cores with the engine's
+    OpenMP team, and a spinning team stalls at every barrier where one of its threads lost its core to it (on 2
+    cores a client flooding the API process tripled the engine's p99 latency; sleeping workers are woken on a free
+    core). The price on an otherwise idle machine is a wake-up per parallel region (benchmarks/RESULTS.md,
+    "Constraint compiles beside a hostile client"). libgomp reads the variable once, when torch loads it."""
+    if any(name in os.environ for name in OPENMP_WAIT_ENV):
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True

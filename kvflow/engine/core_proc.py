@@ -477,7 +477,9 @@ def share_the_cores_between_engine_cores(device: str, num_engine_cores: int = 1)
     for one core (each would stall at every barrier whenever one of its threads is descheduled). No core is kept
     back for the front end: it costs ~35 us of CPU per streamed token (benchmarks/RESULTS.md, "The serving hot
     path"), and on a 2-core machine keeping one back cost the default model 20-30% of its throughput under load
-    and raised its TPOT at every request rate. An explicit OMP_NUM_THREADS is left alone."""
+    and raised its TPOT at every request rate; instead `kvflow serve` has the team's threads sleep while they wait
+    (`kvflow.utils.openmp_threads_sleep_while_waiting`), so that a busy API process does not stall it. An explicit
+    OMP_NUM_THREADS is left alone."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     from kvflow.utils import resolve_device

@@ -50,7 +50,11 @@ class RemoteServer:
     """
 
     def __init__(
-        self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None
+        self,
+        *args: str,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        replace_env: bool = False,
     ) -> None:
         self.api_key = api_key
         descriptor, log_path = tempfile.mkstemp(prefix="kvflow-serve-", suffix=".log")
@@ -58,7 +62,8 @@ class RemoteServer:
         command = [*kvflow_command(), "serve", *args, "--port", "0"]
         if api_key is not None:
             command += ["--api-key", api_key]
-        environ = {k: v for k, v in os.environ.items() if k != "KVFLOW_LOGGING_LEVEL"}
+        inherited = {} if replace_env else os.environ
+        environ = {k: v for k, v in inherited.items() if k != "KVFLOW_LOGGING_LEVEL"}
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
@@ -220,9 +225,14 @@ class RemoteServer:
 
 @contextlib.contextmanager
 def running_server(
-    *args: str, api_key: str | None = None, env: dict[str, str] | None = None
+    *args: str,
+    api_key: str | None = None,
+    env: dict[str, str] | None = None,
+    replace_env: bool = False,
 ) -> Iterator[RemoteServer]:
-    server = RemoteServer(*args, api_key=api_key, env=env)
+    """A started `RemoteServer`, stopped on exit. Its environment: this process's plus `env`, or with
+    `replace_env` only `env`."""
+    server = RemoteServer(*args, api_key=api_key, env=env, replace_env=replace_env)
     try:
         yield server
     finally:

@@ -3,16 +3,25 @@ SIGTERM (status 0, no traceback, streams in flight ended, no process left behind
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvflow.entrypoints.cli import build_parser
-from tests.entrypoints.server import HASH_SERVER, kvflow_command, running_server, sse_payloads
+from kvflow.utils import OPENMP_WAIT_ENV
+from tests.entrypoints.server import (
+    HASH_SERVER,
+    child_pids,
+    kvflow_command,
+    running_server,
+    sse_payloads,
+)
 
 
 def run_serve(*args: str) -> subprocess.CompletedProcess[str]:
@@ -173,3 +182,37 @@ def test_a_signal_stops_the_server_cleanly(sig: signal.Signals) -> None:
         )  # kvflow's INFO lines are on
         assert "POST /v1/completions" not in log  # uvicorn's access log is off
         assert "kvflow serve stopped" in log
+
+
+def _environment_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
+
+
+@pytest.mark.parametrize(
+    ("given", "engine_sees"),
+    [
+        ({}, "PASSIVE"),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE"),
+        ({"GOMP_SPINCOUNT": "1000"}, None),
+    ],
+    ids=["default", "user-policy", "user-spincount"],
+)
+def test_the_engine_cores_openmp_threads_sleep_while_waiting_unless_the_user_chose(
+    given: dict[str, str], engine_sees: str | None
+) -> None:
+    """The engine core shares the cores with the API server: its OpenMP threads wait passively (a spinning team
+    stalls whenever the API process takes one of its cores), unless the environment already says how they wait."""
+    environ = {k: v for k, v in os.environ.items() if k not in OPENMP_WAIT_ENV}
+    with running_server(*HASH_SERVER, env=environ | given, replace_env=True) as server:
+        engines = [
+            pid
+            for pid in child_pids(server.process.pid)
+            if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
+        ]
+        assert engines, "the engine core process is not among the server's children"
+        for pid in engines:
+            environment = _environment_of(pid)
+            assert environment.get("OMP_WAIT_POLICY") == engine_sees
+            assert {k: environment.get(k) for k in given} == given
+        assert ("OMP_WAIT_POLICY=PASSIVE" in server.log) == (not given)

@@ -6,12 +6,17 @@ The port is bound before the model loads, so a port in use fails at once; the se
 
 `--api-server-count N` (N > 1) runs N API server processes on the one port in front of shared engine cores
 (`kvflow.entrypoints.openai.api_servers`); this process then supervises them.
+
+On CPU the API server and the engine's OpenMP team share the cores, so the server has OpenMP threads sleep while
+they wait (`OMP_WAIT_POLICY=PASSIVE`, `kvflow.utils.openmp_threads_sleep_while_waiting`) unless the environment
+sets `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import socket
 from typing import TYPE_CHECKING
@@ -24,9 +29,12 @@ from kvflow.entrypoints.openai.server_config import (
     ServingLimits,
 )
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from kvflow.utils import openmp_threads_sleep_while_waiting
 
 if TYPE_CHECKING:
     from kvflow.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
 
 API_KEY_ENV = "KVFLOW_API_KEY"
 LISTEN_BACKLOG = 2048  # uvicorn's default
@@ -207,6 +215,11 @@ def run_serve(args: argparse.Namespace) -> None:
         raise CommandError(
             f"--api-server-count {args.api_server_count} needs the engine core in its own process (shared by "
             "the API servers): drop --no-engine-process"
+        )
+    if openmp_threads_sleep_while_waiting():
+        logger.info(
+            "OpenMP threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE): the API server shares the "
+            "cores with the engine; set OMP_WAIT_POLICY=ACTIVE to have them spin"
         )
     try:
         sock = bind_socket(args.host, args.port)
