@@ -216,17 +216,18 @@ def run_serve(args: argparse.Namespace) -> None:
             f"--api-server-count {args.api_server_count} needs the engine core in its own process (shared by "
             "the API servers): drop --no-engine-process"
         )
-    if openmp_threads_sleep_while_waiting():
-        logger.info(
-            "OpenMP threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE): the API server shares the "
-            "cores with the engine; set OMP_WAIT_POLICY=ACTIVE to have them spin"
-        )
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as error:
         raise CommandError(
             f"cannot listen on {args.host}:{args.port}: {error.strerror or error}"
         ) from error
+    # After the port is ours (a port in use fails with one line) and before anything starts OpenMP.
+    if openmp_threads_sleep_while_waiting():
+        logger.info(
+            "OpenMP threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE): the API server shares the "
+            "cores with the engine; set OMP_WAIT_POLICY=ACTIVE to have them spin"
+        )
     try:
         config = _server_config(args)
         if args.api_server_count > 1:
