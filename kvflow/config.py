@@ -218,7 +218,8 @@ class StructuredOutputsConfig:
     grammar; enum values and anyOf / oneOf branches in a JSON schema), `max_constraint_chars` characters of
     constraint text (the regex, grammar, schema or choices). A request whose compile has not ended
     `compile_timeout_s` seconds after it arrived ends with finish_reason "error" (the API answers 400 naming the
-    field); the compile's result, if it ever comes, stays cached.
+    field); the compile's result, if it ever comes, stays cached. The one-time load of the vocabulary at the first
+    constrained request does not count against anyone's timeout.
     """
 
     backend: str = "xgrammar"

@@ -90,6 +90,11 @@ class StructuredOutputManager:
         self._compiling: dict[str, Request] = {}
         self.compile_timeout_s = config.compile_timeout_s
         self.num_compiles = 0
+        # Seconds spent setting up backends (vocabulary, compilers), and when the setup running now began: one-time
+        # work that no request's compile deadline pays for (`_compile_clock`).
+        self._setup_s = 0.0
+        self._setup_began: float | None = None
+        self._setup_clock_lock = threading.Lock()  # the two fields change together
 
     # ------------------------------------------------------------------------------------------------ compile
     def grammar_init(self, request: Request) -> None:
@@ -100,7 +105,7 @@ class StructuredOutputManager:
             params,
             self._compile(params),
             owner=weakref.ref(request),
-            compile_deadline=time.monotonic() + self.compile_timeout_s,
+            compile_deadline=self._compile_clock() + self.compile_timeout_s,
         )
         request.status = RequestStatus.WAITING_FOR_FSM
         self._compiling[request.request_id] = request
@@ -136,11 +141,26 @@ class StructuredOutputManager:
         with self._backend_lock:
             backend = self._backends.get(name)
             if backend is None:
-                if self._vocab is None:
-                    self._vocab = self._load_vocab()
-                backend = STRUCTURED_OUTPUT_BACKENDS.get(name)(self._vocab)
+                with self._setup_clock_lock:
+                    self._setup_began = time.monotonic()
+                try:
+                    if self._vocab is None:
+                        self._vocab = self._load_vocab()
+                    backend = STRUCTURED_OUTPUT_BACKENDS.get(name)(self._vocab)
+                finally:
+                    with self._setup_clock_lock:
+                        self._setup_s += time.monotonic() - self._setup_began
+                        self._setup_began = None
                 self._backends[name] = backend
             return backend
+
+    def _compile_clock(self) -> float:
+        """time.monotonic() less the time spent setting up backends (it stands still during a setup): compile
+        deadlines run on it, so the first constrained request does not pay for loading the vocabulary (seconds
+        for a large one) within its own `compile_timeout_s`."""
+        with self._setup_clock_lock:
+            began = self._setup_began
+            return (time.monotonic() if began is None else began) - self._setup_s
 
     def _load_vocab(self) -> GrammarVocab:
         """The vocabulary (and, with a reasoning parser, its token texts): on the pool, before any compile ends."""
@@ -156,7 +176,7 @@ class StructuredOutputManager:
         if not self._compiling:
             return []
         failed: list[tuple[Request, str]] = []
-        now = time.monotonic()
+        now = self._compile_clock()
         for request_id, request in list(self._compiling.items()):
             so_request = request.structured_output_request
             if request.is_finished() or so_request is None:
@@ -219,7 +239,7 @@ class StructuredOutputManager:
             first_deadline = min(so_request.compile_deadline for so_request in waiting)
             concurrent.futures.wait(
                 [so_request.compiled for so_request in waiting],
-                min(timeout_s, max(0.0, first_deadline - time.monotonic())),
+                min(timeout_s, max(0.0, first_deadline - self._compile_clock())),
                 concurrent.futures.FIRST_COMPLETED,
             )
 

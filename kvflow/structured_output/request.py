@@ -43,7 +43,8 @@ class StructuredOutputRequest:
     params: StructuredOutputsParams
     compiled: Future[GrammarFactory]
     owner: Callable[[], Request | None] = _no_owner
-    # The time.monotonic() by which `compiled` must be done (the manager ends the request past it).
+    # When `compiled` must be done by, on the manager's compile clock (time.monotonic() less the time spent setting
+    # up backends): the manager ends the request past it.
     compile_deadline: float = math.inf
     grammar: StructuredOutputGrammar | None = None
     reasoning_gate: ReasoningGate | None = None
