@@ -27,7 +27,11 @@ import httpx
 import pytest
 
 from kvflow.default_model import ensure_default_model
-from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.entrypoints.openai.protocol import (
+    BodySurrogateScan,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from kvflow.testing.hash_model import reference_tokens
 from kvflow.testing.waiting import wait_until
 from kvflow.tokenizer import load_tokenizer, render_chat
@@ -367,6 +371,18 @@ def test_thousands_of_distinct_request_templates_do_not_grow_the_server(
         ),
         ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
         ("/tokenize", b'{"messages": [{"role": "user", "content": "x\\udc00"}]}', "messages"),
+        # a surrogate's own UTF-8 bytes (JSON decodes bytes with "surrogatepass"), and a UTF-16 body
+        ("/v1/completions", b'{"prompt": "a\xed\xa0\x80b", "max_tokens": 2}', "prompt"),
+        (
+            "/v1/completions",
+            '{"prompt": "a\\ud800", "max_tokens": 2}'.encode("utf-16-le", "surrogatepass"),
+            "prompt",
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "max_tokens": 2, "structured_outputs": {"choice": ["ok", "\\ud800"]}}',
+            "structured_outputs",
+        ),
     ],
 )
 def test_lone_surrogates_are_400s_naming_the_field(
@@ -376,6 +392,34 @@ def test_lone_surrogates_are_400s_naming_the_field(
         response = http.post(path, content=raw, headers={"content-type": "application/json"})
         error = assert_error(response, 400, param)
         assert "lone surrogate" in error["message"]
+
+
+def test_a_surrogate_pair_escape_is_valid_text(text_server: RemoteServer) -> None:
+    raw = b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2}'
+    response = text_server.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("chunks", "possible"),
+    [
+        ([b'{"prompt": "plain ascii and caf\xc3\xa9"}'], False),
+        ([b'{"a": "\\u00e9 \\uD7FF \\ue000"}'], False),  # escapes next to the surrogate range
+        ([b'{"a": "\\uDBFF"}'], True),
+        ([b'{"a": "\\', b"ud", b'800"}'], True),  # an escape split across three chunks
+        ([b'{"a": "\xed', b'\xbf\xbf"}'], True),
+        ([b"{\x00}"], True),
+    ],
+)
+def test_the_body_scan_finds_every_way_to_a_lone_surrogate(
+    chunks: list[bytes], possible: bool
+) -> None:
+    scan = BodySurrogateScan()
+    for chunk in chunks:
+        scan.feed(chunk)
+    assert scan.possible is possible
 
 
 # ------------------------------------------------------------------------------------------------ control

@@ -56,6 +56,7 @@ from kvflow.entrypoints.openai.metrics import CONTENT_TYPE_LATEST
 from kvflow.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
+    BodySurrogateScanMiddleware,
     RequestIdMiddleware,
     UnexpectedErrorMiddleware,
 )
@@ -211,7 +212,9 @@ def build_app(
     if config.enable_admin_endpoints:
         app.include_router(admin_router)
     _add_error_handlers(app)
-    # Added innermost first: requests pass RequestId, UnexpectedError, BodySizeLimit, APIKey, then the routes.
+    # Added innermost first: requests pass RequestId, UnexpectedError, BodySizeLimit, APIKey, BodySurrogateScan,
+    # then the routes.
+    app.add_middleware(BodySurrogateScanMiddleware)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.limits.max_request_body_bytes)

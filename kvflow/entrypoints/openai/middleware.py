@@ -5,6 +5,8 @@
                                 and traceback, answered with a 500 in OpenAI's shape on a connection that stays usable
     BodySizeLimitMiddleware     a body over `--max-request-body-bytes`: 413 before the route reads it
     APIKeyMiddleware            `Authorization: Bearer <key>` on every path but the open ones (401)
+    BodySurrogateScanMiddleware scans the body as the route reads it, so that validation checks its text for lone
+                                surrogates only when the body can hold one (`protocol.BodySurrogateScan`)
 
 Why the error middleware: Starlette's own handler for `Exception` answers and then re-raises, so uvicorn closes
 the connection after the 500 without saying `Connection: close`, and a client that pools connections fails its
@@ -22,6 +24,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 
 from kvflow.entrypoints.openai.errors import error_response
+from kvflow.entrypoints.openai.protocol import BODY_SURROGATE_SCAN, BodySurrogateScan
 
 if TYPE_CHECKING:
     from collections.abc import Collection
@@ -158,3 +161,29 @@ class APIKeyMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodySurrogateScanMiddleware:
+    """Feeds each body chunk the route reads to a `BodySurrogateScan` that the request's validation finds in
+    `BODY_SURROGATE_SCAN` (a context variable: set here, read in the same request's task)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scan = BodySurrogateScan()
+
+        async def scanning_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                scan.feed(message.get("body", b""))
+            return message
+
+        token = BODY_SURROGATE_SCAN.set(scan)
+        try:
+            await self.app(scope, scanning_receive, send)
+        finally:
+            BODY_SURROGATE_SCAN.reset(token)

@@ -16,7 +16,9 @@ naming the field.
 from __future__ import annotations
 
 import json
+import re
 import time
+from contextvars import ContextVar
 from typing import Any, Literal
 
 from pydantic import (
@@ -50,10 +52,44 @@ class OpenAIBaseModel(BaseModel):
         return self
 
 
+class BodySurrogateScan:
+    """What a scan of a request's raw body found: whether its JSON can decode to a lone surrogate at all. Only
+    three things make one: a `\\uD800`-`\\uDFFF` escape, the UTF-8 bytes of a surrogate (JSON decodes bytes
+    with "surrogatepass"), or a body that is not UTF-8 (a NUL byte: UTF-16 or UTF-32). A body with none of them
+    needs no Unicode check of its values. `feed` takes the body chunk by chunk; a pattern split across two chunks
+    is still found."""
+
+    _PATTERN = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]|\x00")
+    _OVERLAP = 3  # one byte shorter than the longest pattern (`\\ud8`)
+
+    def __init__(self) -> None:
+        self.possible = False
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.possible or not chunk:
+            return
+        window = self._tail + chunk
+        self.possible = self._PATTERN.search(window) is not None
+        self._tail = window[-self._OVERLAP :]
+
+
+# The scan of the body being validated (set per request by `middleware.BodySurrogateScanMiddleware`). Without one
+# (a model built outside a request), every value is checked.
+BODY_SURROGATE_SCAN: ContextVar[BodySurrogateScan | None] = ContextVar(
+    "kvflow_body_surrogate_scan", default=None
+)
+
+
 def check_unicode(value: Any) -> None:
     """ValueError if `value` (a JSON value) holds a string that is not valid Unicode: a lone surrogate, which
-    JSON's `\\ud800`-style escapes can produce and UTF-8 cannot encode. Containers are checked by encoding them
-    (C speed: a prompt of token ids costs microseconds), strings directly."""
+    JSON's `\\ud800`-style escapes can produce and UTF-8 cannot encode. Nothing to check when the request's body
+    scan found no way to one (`BodySurrogateScan`: a large body of choices is not encoded twice).
+    Otherwise containers are checked by encoding them (C speed: a prompt of token ids costs microseconds), strings
+    directly."""
+    scan = BODY_SURROGATE_SCAN.get()
+    if scan is not None and not scan.possible:
+        return
     if isinstance(value, str):
         _check_text(value)
     elif isinstance(value, list | dict):
