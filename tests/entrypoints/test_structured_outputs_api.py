@@ -616,8 +616,8 @@ def test_guidance_s_own_reason_reaches_the_client(
 # ------------------------------------------------------------------------------------------- compile timeout
 def test_a_constraint_that_outlives_the_compile_timeout_is_a_400_and_others_are_served() -> None:
     """`--structured-outputs-compile-timeout 0.3` with the size limits raised: 50,000 choices compile for seconds
-    on the hash-logits vocabulary (2.9 s on a 2-core EPYC), so that request is a 400 naming its field (one WARNING line, no traceback),
-    while a small constraint sent beside it is served."""
+    on the hash-logits vocabulary (2.9 s on a 2-core EPYC), so that request is a 400 naming its field (one WARNING
+    line, no traceback), while a small constraint sent beside it is served."""
     options = json.dumps({"max_choices": 100_000, "max_constraint_chars": 1_000_000})
     with running_server(
         "hash-logits",

@@ -334,7 +334,9 @@ def test_the_first_constraint_does_not_pay_for_loading_the_vocabulary() -> None:
         vocab_may_load.set()
         deadline = time.monotonic() + 60
         while first.status != RequestStatus.WAITING or second.status != RequestStatus.WAITING:
-            assert time.monotonic() < deadline, "the constraints never compiled after the vocabulary loaded"
+            assert time.monotonic() < deadline, (
+                "the constraints never compiled after the vocabulary loaded"
+            )
             assert manager.poll() == []
             manager.wait_for_compile(0.1)
     finally:
