@@ -125,7 +125,7 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
         if kind == "regex":
             return llguidance.grammar_from("regex", params.regex)
         if kind == "choice":
-            return llguidance.grammar_from("choice", json.dumps(params.choice))
+            return llguidance.LLMatcher.grammar_from_lark(_choice_lark(params.choice or []))
         if kind == "grammar":
             return llguidance.grammar_from("grammar", params.grammar)
     except ValueError as error:
@@ -135,6 +135,13 @@ def _grammar_text(params: StructuredOutputsParams) -> str:
     raise ValueError(
         f"structured_outputs.{kind} is not supported by the guidance backend (use xgrammar)"
     )
+
+
+def _choice_lark(choices: list[str]) -> str:
+    """The choices as one lexeme (a terminal whose alternatives are the strings): the lexer matches them as one
+    automaton. llguidance's own "choice" grammar makes each string a parser alternative, and its Earley parser
+    refuses a row of more than 2,000 items (`max_items_in_row`), so 2,001 choices failed at the first token."""
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(choice) for choice in choices)
 
 
 def _json_grammar(schema: Any, params: StructuredOutputsParams) -> str:

@@ -76,6 +76,25 @@ def test_json_object_choice_regex_and_grammar(llm: LLM) -> None:
         assert re.fullmatch(SUM_PATTERN, text), text
 
 
+def test_thousands_of_choices_within_the_limit_are_served(llm: LLM) -> None:
+    """4,000 choices (under the default max_choices, 4,096) on both backends. llguidance's own "choice" grammar
+    made each string a parser alternative and its parser refuses rows of more than 2,000 items, so on guidance
+    every such request failed at its first token."""
+    choices = [f"option {index}" for index in range(4000)]
+    params = SamplingParams(
+        n=2,
+        temperature=1.0,
+        seed=11,
+        max_tokens=16,
+        structured_outputs=StructuredOutputsParams(choice=choices),
+    )
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for output in outputs:
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop", completion
+            assert completion.text in choices, completion.text
+
+
 def test_compact_json_has_no_whitespace(llm: LLM) -> None:
     params = SamplingParams(
         temperature=0.0,
