@@ -7,16 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HASH_MODEL_NAME = "hash"
-# The hash model with logits (structured outputs and logits controls apply to it): `HashLogitsModel`.
-HASH_LOGITS_MODEL_NAME = "hash-logits"
-# The architecture keys of the hash models (no checkpoint); `kvflow.models.registry` maps them to model classes.
-HASH_MODEL_ARCHITECTURE = "HashModel"
-HASH_LOGITS_MODEL_ARCHITECTURE = "HashLogitsModel"
-_HASH_ARCHITECTURES = {
-    HASH_MODEL_NAME: HASH_MODEL_ARCHITECTURE,
-    HASH_LOGITS_MODEL_NAME: HASH_LOGITS_MODEL_ARCHITECTURE,
-}
+from kvflow.builtin_models import HASH_ARCHITECTURES, HASH_MODEL_ARCHITECTURE
+
 _HASH_MODEL_MAX_MODEL_LEN = 4096
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json keys that become request defaults (vLLM's list), and the SamplingParams field each sets.
@@ -69,7 +61,7 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> Path |
     folder or *.gguf file -> itself, a Hugging Face id ("org/name") -> its snapshot in the local Hugging Face
     cache (`revision`: a branch, tag or commit; default "main"). Nothing is downloaded; a miss is a ValueError
     saying where kvflow looked."""
-    if model in _HASH_ARCHITECTURES:
+    if model in HASH_ARCHITECTURES:
         return None
     if model is None:
         from kvflow.default_model import ensure_default_model
@@ -137,7 +129,7 @@ def resolve_model_info(model: str | None, revision: str | None = None) -> ModelI
             DEFAULT_VOCAB_SIZE,
             _HASH_MODEL_MAX_MODEL_LEN,
             (DEFAULT_EOS_TOKEN_ID,),
-            _HASH_ARCHITECTURES[model],
+            HASH_ARCHITECTURES[model],
         )
     if path.is_file():  # a GGUF file: the configuration is in its metadata
         from kvflow.models.quantization.gguf_file import GGUFCheckpoint

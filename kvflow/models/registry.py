@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvflow.model_info import HASH_LOGITS_MODEL_ARCHITECTURE, HASH_MODEL_ARCHITECTURE
+from kvflow.builtin_models import HASH_LOGITS_MODEL_ARCHITECTURE, HASH_MODEL_ARCHITECTURE
 from kvflow.registry import LazyRegistry
 
 if TYPE_CHECKING:

@@ -96,7 +96,7 @@ def test_registries_import_no_model(module: str) -> None:
 
 def test_model_info_imports_no_model() -> None:
     """`kvflow.model_info` (what the engine knows of a model before it starts) imports no model module, the
-    registry included: the hash model's architecture key lives with `ModelInfo`."""
+    registry included: the hash models' architecture keys live below both, in `kvflow.builtin_models`."""
     probe = "import sys, kvflow.model_info; print([n for n in sys.modules if n.startswith('kvflow.models')])"
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
