@@ -4,6 +4,10 @@ Both RoPE styles found in the wild are accepted: hub checkpoints written by tran
 `rope_scaling` at the top level, the scaling dict keyed by `type` or `rope_type`) and transformers 5
 (`rope_parameters: {"rope_type", "rope_theta", ...}`). Either way `TransformerConfig.rope_scaling` is None for plain
 RoPE, else a dict holding `rope_type` and that type's parameters (never `rope_theta`).
+
+Every architecture parses into the one `TransformerConfig`; where an architecture reads its keys differently from
+Llama, its entry in `ARCHITECTURE_RULES` says how (the one place for per-architecture config handling). Which
+architectures are accepted is the model registry's list, checked before any other key is read.
 """
 
 from __future__ import annotations
@@ -27,16 +31,34 @@ _REQUIRED_KEYS = (
 )
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
-# Architectures whose q/k/v projections always carry a bias (and whose o_proj never does).
-_QKV_BIAS_ARCHITECTURES = frozenset({"Qwen2ForCausalLM"})
-# Architectures whose `sliding_window` is gated by `use_sliding_window` and `max_window_layers`.
-_GATED_SLIDING_ARCHITECTURES = frozenset({"Qwen2ForCausalLM", "Qwen3ForCausalLM"})
-_QK_NORM_ARCHITECTURES = frozenset({"Qwen3ForCausalLM"})
+
+
+@dataclass(frozen=True)
+class ArchitectureRules:
+    """How one Hugging Face architecture's `config.json` is read where it departs from Llama's.
+
+    `qkv_bias`: the q/k/v projections always carry a bias and the output projection never does (whatever
+    `attention_bias` says); `gated_sliding_window`: `sliding_window` applies only with `use_sliding_window`, to the
+    layers from `max_window_layers` on; `qk_norm`: each query and key head is RMS-normalised before RoPE.
+    """
+
+    qkv_bias: bool = False
+    gated_sliding_window: bool = False
+    qk_norm: bool = False
+
+
+# The per-architecture config hooks, in one place: an architecture the registry runs and this table does not list
+# reads its config.json as Llama's (`ArchitectureRules()`).
+ARCHITECTURE_RULES: dict[str, ArchitectureRules] = {
+    "Qwen2ForCausalLM": ArchitectureRules(qkv_bias=True, gated_sliding_window=True),
+    "Qwen3ForCausalLM": ArchitectureRules(gated_sliding_window=True, qk_norm=True),
+}
+_LLAMA_RULES = ArchitectureRules()
 
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    """A Llama-family decoder's shape and numerics, as parsed from `config.json`.
+    """A decoder-only transformer's shape and numerics, as parsed from `config.json`.
 
     Invariants: `num_attention_heads` is a multiple of `num_key_value_heads`; `head_dim` is the explicit `head_dim`
     key or `hidden_size // num_attention_heads`; `rope_scaling` is None or a dict with a `rope_type` key and no
@@ -125,10 +147,10 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
             raise KeyError(key)
     num_layers = int(raw["num_hidden_layers"])
     num_heads = int(raw["num_attention_heads"])
+    rules = ARCHITECTURE_RULES.get(architecture, _LLAMA_RULES)
     rope_theta, rope_scaling = rope_settings(raw)
-    sliding_window, layer_types = _sliding_window(raw, architecture, num_layers)
-    qkv_bias_always = architecture in _QKV_BIAS_ARCHITECTURES
-    attention_bias = qkv_bias_always or bool(raw.get("attention_bias", False))
+    sliding_window, layer_types = _sliding_window(raw, rules, num_layers)
+    attention_bias = rules.qkv_bias or bool(raw.get("attention_bias", False))
     return TransformerConfig(
         architecture=architecture,
         vocab_size=int(raw["vocab_size"]),
@@ -146,12 +168,12 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         ),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
-        qk_norm=architecture in _QK_NORM_ARCHITECTURES,
+        qk_norm=rules.qk_norm,
         sliding_window=sliding_window,
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=raw.get("eos_token_id"),
-        o_proj_bias=attention_bias and not qkv_bias_always,
+        o_proj_bias=attention_bias and not rules.qkv_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=str(raw.get("hidden_act", "silu")),
         layer_types=layer_types,
@@ -190,18 +212,18 @@ def rope_settings(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def _sliding_window(
-    raw: dict[str, Any], architecture: str, num_layers: int
+    raw: dict[str, Any], rules: ArchitectureRules, num_layers: int
 ) -> tuple[int | None, tuple[str, ...]]:
-    """(window, per-layer attention types), following each architecture's rules in transformers."""
+    """(window, per-layer attention types), following the architecture's rules in transformers."""
     window = raw.get("sliding_window")
-    if architecture in _GATED_SLIDING_ARCHITECTURES and not raw.get("use_sliding_window", False):
+    if rules.gated_sliding_window and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
         return None, (FULL_ATTENTION,) * num_layers
     explicit = raw.get("layer_types")
     if explicit:
         layer_types = tuple(str(layer_type) for layer_type in explicit)
-    elif architecture in _GATED_SLIDING_ARCHITECTURES:
+    elif rules.gated_sliding_window:
         first_sliding = int(raw.get("max_window_layers", num_layers))
         layer_types = tuple(
             SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(num_layers)

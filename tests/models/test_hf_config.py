@@ -8,7 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvflow.models.hf_config import SLIDING_ATTENTION, TransformerConfig, load_hf_config
+from kvflow.models.hf_config import (
+    ARCHITECTURE_RULES,
+    SLIDING_ATTENTION,
+    TransformerConfig,
+    load_hf_config,
+)
 from kvflow.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 
 
@@ -172,3 +177,8 @@ def test_registry_maps_every_supported_architecture() -> None:
 def test_registry_rejects_unsupported_architecture() -> None:
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
         get_model_class(["GPT2LMHeadModel"])
+
+
+def test_every_architecture_with_config_rules_is_registered() -> None:
+    """A rule for an architecture the registry does not run would never apply."""
+    assert set(ARCHITECTURE_RULES) <= set(SUPPORTED_ARCHITECTURES)
