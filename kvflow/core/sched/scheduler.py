@@ -3,144 +3,43 @@
 from __future__ import annotations
 
 import copy
-import enum
 import functools
 import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvflow.core.kv_cache_utils import RequestBlockHasher
+from kvflow.core.sched.failures import (
+    RequestFailedInStep,
+    StructuredOutputRejected,
+    fail_request,
+    rejection_message,
+)
 from kvflow.core.sched.output import (
     CachedRequestData,
     EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,
-    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
+from kvflow.core.sched.pause import PauseState
+from kvflow.core.sched.prompt_logprobs import logprobs_rows, receive_prompt_logprobs
 from kvflow.core.sched.request_queue import SchedulingPolicy, create_request_queue
 from kvflow.core.sched.sessions import StreamingSessions
+from kvflow.core.sched.stats import PrefixCacheStats
+from kvflow.core.sched.step_output import StepPlan, make_cached_request_data
 from kvflow.core.sched.stop import check_stop
 from kvflow.request import Request, RequestStatus, StreamingUpdate
 from kvflow.spec_decode.metrics import SpecDecodingStats
 from kvflow.utils import cdiv
 
 logger = logging.getLogger(__name__)
-
-# `CachedRequestData.new_token_ids` of a request with nothing new (steady decoding): shared, never modified.
-_NO_TOKENS: list[int] = []
-
-
-class RequestFailedInStep(RuntimeError):
-    """The worker could not run a request's part of a step (e.g. its sampling failed); the text says why."""
-
-
-class StructuredOutputRejected(RuntimeError):
-    """A sampled token that the request's grammar does not allow: the request ends, as its own fault
-    (`client_error`). Sampling only picks a forbidden token when the grammar's tokens were all forbidden too, by the
-    request's own logits controls (min_tokens' EOS ban, bad_words, allowed_token_ids, a -100 logit_bias), or when
-    the grammar allows nothing (one without a finite string, e.g. `root ::= root`, or a dead end no token of the
-    vocabulary continues)."""
-
-
-def _rejection_message(request: Request, token_id: int) -> str:
-    """Why a constrained request sampled a token its grammar refuses, naming the fields that can cause it."""
-    params = request.sampling_params
-    num_output = request.num_output_tokens
-    controls = [
-        name
-        for name, in_effect in (
-            ("min_tokens", params.min_tokens > num_output),
-            ("bad_words", bool(params.bad_words or params.bad_words_token_ids)),
-            ("allowed_token_ids", params.allowed_token_ids is not None),
-            ("logit_bias", bool(params.logit_bias)),
-        )
-        if in_effect
-    ]
-    where = f"after {num_output} output tokens"
-    so_request = request.structured_output_request
-    backend_error = (
-        None if so_request is None or so_request.grammar is None else so_request.grammar.error()
-    )
-    if backend_error is not None:
-        return f"structured_outputs: the backend's matcher failed {where}: {backend_error}"
-    if controls:
-        return (
-            f"structured_outputs: no token the constraint allows {where} passes the request's "
-            f"{' and '.join(controls)} (token {token_id} was sampled from what was left): the request contradicts "
-            "itself"
-        )
-    return (
-        f"structured_outputs: the constraint allows no token {where}: no token of the model's vocabulary "
-        "continues it (a grammar without a finite string, such as `root ::= root`, or text the vocabulary cannot "
-        f"spell from here); token {token_id} was sampled unconstrained"
-    )
-
-
-class PauseState(enum.Enum):
-    """What `schedule()` may do while the engine is paused. Requests that arrive meanwhile still queue."""
-
-    UNPAUSED = "unpaused"
-    PAUSED_NEW = "paused_new"  # running requests continue; nothing is admitted
-    PAUSED_ALL = "paused_all"  # nothing is scheduled
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups at admission: prompt tokens queried and tokens found in the cache.
-
-    Only a request's first admission counts: its recompute after a preemption would hit the blocks it wrote
-    itself (vLLM #25780). Requests that skip the cache (prompt logprobs) look nothing up and count nothing.
-    Invariant: `num_hit_tokens <= num_query_tokens`; all three counts only grow.
-    """
-
-    num_queries: int = 0
-    num_query_tokens: int = 0
-    num_hit_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
-
-
-@dataclass
-class _StepPlan:
-    """What one `schedule()` call decided, before it is turned into a `SchedulerOutput`.
-
-    Invariants: `token_budget` is the step's budget minus the sum of `num_scheduled_tokens`; every scheduled
-    request is in exactly one of `cached` (the worker holds it), `new` and `resumed`, and has an entry in
-    `req_to_new_blocks`; a request in `preempted` is scheduled nowhere.
-    """
-
-    token_budget: int
-    timestamp: float = 0.0  # time.monotonic() when the step was planned
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    req_to_new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
-    cached: list[Request] = field(default_factory=list)
-    new: list[Request] = field(default_factory=list)
-    resumed: list[Request] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # Draft tokens scheduled for verification, per request (a prefix of its `spec_token_ids`).
-    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-
-    def add(self, request: Request, num_tokens: int, new_blocks: KVCacheBlocks) -> None:
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.req_to_new_blocks[request.request_id] = new_blocks
-        self.token_budget -= num_tokens
-
-    def undo(self, request: Request) -> None:
-        """Take back a running request scheduled earlier in this step (it is being preempted)."""
-        self.cached.remove(request)
-        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
-        self.req_to_new_blocks.pop(request.request_id)
-        self.spec_decode_tokens.pop(request.request_id, None)
 
 
 class Scheduler:
@@ -398,7 +297,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_scheduled_tokens if self._pause_state != PauseState.PAUSED_ALL else 0
         timestamp = time.monotonic()
-        plan = _StepPlan(token_budget=budget, timestamp=timestamp)
+        plan = StepPlan(token_budget=budget, timestamp=timestamp)
         self._schedule_running(plan, timestamp)
         if not plan.preempted and self._pause_state != PauseState.PAUSED_ALL:
             self._schedule_waiting(plan, only_started=self._pause_state == PauseState.PAUSED_NEW)
@@ -423,7 +322,7 @@ class Scheduler:
             num_new_tokens = threshold
         return num_new_tokens if num_new_tokens < token_budget else token_budget
 
-    def _schedule_running(self, plan: _StepPlan, timestamp: float) -> None:
+    def _schedule_running(self, plan: StepPlan, timestamp: float) -> None:
         # Runs once per running request per step: methods are looked up once, outside the loop.
         running = self.running  # preemption below deletes from this very list
         num_new_tokens_for_running = self._num_new_tokens_for_running
@@ -507,7 +406,7 @@ class Scheduler:
         request.events.append(EngineCoreEvent(EngineCoreEventType.PREEMPTED, timestamp))
         self.waiting.prepend_request(request)
 
-    def _schedule_waiting(self, plan: _StepPlan, only_started: bool = False) -> None:
+    def _schedule_waiting(self, plan: StepPlan, only_started: bool = False) -> None:
         """Admit from the head of `waiting` until something does not fit.
 
         With `only_started` (PAUSED_NEW) only requests that already ran (preempted ones, slot-holding sessions)
@@ -541,7 +440,7 @@ class Scheduler:
         if skipped:
             self.waiting.prepend_requests(skipped)
 
-    def _try_admit(self, request: Request, plan: _StepPlan) -> bool:
+    def _try_admit(self, request: Request, plan: StepPlan) -> bool:
         """Schedule the head of the waiting queue. Returns False when it does not fit (stop admitting)."""
         computed_blocks: KVCacheBlocks | None = None
         num_hit_tokens = 0
@@ -574,7 +473,7 @@ class Scheduler:
         else:
             plan.new.append(request)
         if computed_blocks is not None and request.num_preemptions == 0:
-            self._record_prefix_lookup(request, num_hit_tokens)
+            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens  # the first admission's hit
         if not request.scheduled_since_queued:
@@ -585,15 +484,8 @@ class Scheduler:
         request.num_computed_tokens = num_computed_tokens
         return True
 
-    def _record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
-        """Count a first admission's lookup (see `PrefixCacheStats`)."""
-        stats = self.prefix_cache_stats
-        stats.num_queries += 1
-        stats.num_query_tokens += request.num_tokens
-        stats.num_hit_tokens += num_hit_tokens
-
     # ------------------------------------------------------------------------------------------------ output
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+    def _build_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_reqs_data = [
             NewRequestData.from_request(request, kv.get_block_ids(request.request_id))
@@ -656,78 +548,17 @@ class Scheduler:
         spec_decode_tokens: dict[str, list[int]],
         req_to_new_blocks: dict[str, KVCacheBlocks],
     ) -> CachedRequestData:
-        """Per-request deltas for requests the worker holds; resumed ones only in the persistent-batch protocol.
-
-        Cost is O(1) per request in steady decoding: new block ids and counters, no token history. A full
-        token list goes out only to the persistent-batch runner, for requests it did not run in the previous
-        step (its copy may be stale); a streaming session's new chunk goes out once as `new_token_ids`.
-        """
-        scheduled = running_reqs + resumed_reqs if resumed_reqs else running_reqs
-        data = CachedRequestData(
-            req_ids=[request.request_id for request in scheduled],
-            resumed_req_ids={request.request_id for request in resumed_reqs},
-            num_computed_tokens=[request.num_computed_tokens for request in scheduled],
-            num_output_tokens=[
-                request.num_output_tokens + request.num_output_placeholders for request in scheduled
-            ],
+        """Per-request deltas for requests the worker holds; resumed ones only in the persistent-batch protocol
+        (see `make_cached_request_data`)."""
+        return make_cached_request_data(
+            running_reqs,
+            resumed_reqs,
+            req_to_new_blocks,
+            kv_cache_manager=self.kv_cache_manager,
+            sessions=self.sessions,
+            send_all_tokens=not self.use_v2_model_runner,
+            prev_step_scheduled_req_ids=self.prev_step_scheduled_req_ids,
         )
-        new_block_ids = data.new_block_ids
-        # Most decode steps allocate nothing: that shared result is recognised by identity.
-        no_new_blocks = self.kv_cache_manager.no_new_blocks
-        for request in running_reqs:
-            new_blocks = req_to_new_blocks.get(request.request_id)
-            new_block_ids.append(
-                None
-                if new_blocks is no_new_blocks or new_blocks is None or new_blocks.is_empty
-                else new_blocks.get_block_ids()
-            )
-        # A resumed request's block table is replaced whole.
-        new_block_ids += [
-            self.kv_cache_manager.get_block_ids(request.request_id) for request in resumed_reqs
-        ]
-        send_all_tokens = not self.use_v2_model_runner
-        if send_all_tokens or self.sessions.has_unsent_chunks:
-            data.new_token_ids = self._unsent_token_ids(
-                running_reqs, resumed_reqs, send_all_tokens, data.all_token_ids
-            )
-        else:
-            # Steady decoding on the slot runner: the worker feeds its own sampled tokens. One shared empty
-            # list (read-only, like every field the worker receives): a list per request only fed the collector.
-            data.new_token_ids = [_NO_TOKENS] * len(scheduled)
-        return data
-
-    def _unsent_token_ids(
-        self,
-        running_reqs: list[Request],
-        resumed_reqs: list[Request],
-        send_all_tokens: bool,
-        all_token_ids: dict[str, list[int]],
-    ) -> list[list[int]]:
-        """`CachedRequestData.new_token_ids` (a streaming session's unsent chunk, else empty), filling
-        `all_token_ids` for the persistent-batch runner's requests whose copy may be stale."""
-        sessions = self.sessions
-        # Steady decoding has no unsent chunk: then skip the per-request lookup (the set only shrinks here).
-        any_unsent_chunk = sessions.has_unsent_chunks
-        num_running = len(running_reqs)
-        prev_step_scheduled_req_ids = self.prev_step_scheduled_req_ids
-        new_token_ids: list[list[int]] = []
-        for position, request in enumerate(itertools.chain(running_reqs, resumed_reqs)):
-            request_id = request.request_id
-            chunk: list[int] = []
-            # With placeholders the worker's copy is ahead of ours, not stale: sending ours would drop their tokens.
-            worker_copy_may_be_stale = position >= num_running or (
-                request_id not in prev_step_scheduled_req_ids
-                and request.num_output_placeholders == 0
-            )
-            has_unsent_chunk = any_unsent_chunk and sessions.take_unsent_chunk(request_id)
-            if send_all_tokens and worker_copy_may_be_stale:
-                all_token_ids[request_id] = request.all_token_ids.copy()  # the chunk included
-            elif has_unsent_chunk:
-                # The chunk is exactly the tokens past the computed ones: applying it cut the computed count
-                # back to the kept history. E.g., 12 kept tokens computed, chunk [x, y]: all_token_ids[12:].
-                chunk = list(request.all_token_ids[request.num_computed_tokens :])
-            new_token_ids.append(chunk)
-        return new_token_ids
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         """Advance computed counts right away, so the next step can be planned before this one's output."""
@@ -753,7 +584,7 @@ class Scheduler:
         scheduled_drafts = scheduler_output.scheduled_spec_decode_tokens
         proposed_drafts = model_runner_output.spec_token_ids
         if model_runner_output.prompt_logprobs_dict:
-            self._receive_prompt_logprobs(model_runner_output.prompt_logprobs_dict)
+            receive_prompt_logprobs(self.requests, model_runner_output.prompt_logprobs_dict)
         # Runs once per scheduled request per step: lookups are hoisted out of the loop.
         requests = self.requests
         stale_placeholders = self._stale_placeholders
@@ -791,7 +622,7 @@ class Scheduler:
                     num_cached_tokens=num_cached_tokens if num_cached_tokens > 0 else 0,
                     new_logprobs=None
                     if logprobs is None
-                    else _logprobs_rows(
+                    else logprobs_rows(
                         logprobs,
                         index,
                         len(new_token_ids),
@@ -882,45 +713,8 @@ class Scheduler:
         return max(room - request.num_output_placeholders - 1, 0)
 
     def _fail_request(self, request: Request, error: Exception) -> EngineCoreOutput:
-        """A request whose output could not be applied (a fault that is its own, e.g. a bad value that slipped past
-        admission): logged with its traceback, marked FINISHED_ERROR (finish_reason "error", the error's text as
-        `stop_reason`), and finished like a stopped request, so the engine and every other request go on. A
-        `StructuredOutputRejected` (the request contradicts itself) is one WARNING line and `client_error` on the
-        output (the API answers 400)."""
-        client_error = isinstance(error, StructuredOutputRejected)
-        if client_error:  # the request's own contradiction: one line, no traceback
-            logger.warning(
-                "request %s ends with finish_reason 'error': %s", request.request_id, error
-            )
-        else:
-            logger.error(
-                "request %s failed in an engine step and ends with finish_reason 'error'",
-                request.request_id,
-                exc_info=error,
-            )
-        request.status = RequestStatus.FINISHED_ERROR
-        request.resumable = False  # a streaming session ends with it
-        return EngineCoreOutput(
-            request.request_id,
-            [],
-            finish_reason=request.get_finished_reason(),
-            stop_reason=str(error) if client_error else f"{type(error).__name__}: {error}",
-            client_error=client_error,
-        )
-
-    def _receive_prompt_logprobs(self, prompt_logprobs_dict: dict[str, LogprobsLists]) -> None:
-        """Hold each request's new prompt-logprob rows until its first output token carries them out.
-
-        Rows may come in a step that samples nothing (a partial prefill), and for a request preempted since the
-        step was planned; a request recomputing its prompt sends rows again, which are dropped. Cost: O(rows).
-        """
-        for request_id, rows in prompt_logprobs_dict.items():
-            request = self.requests.get(request_id)
-            if request is None or request.is_finished() or request.num_output_tokens:
-                continue
-            request.prompt_logprobs_rows = _extend_prompt_logprobs(
-                request.prompt_logprobs_rows, rows, request.prompt_token_ids
-            )
+        """End `request` alone on its own fault (see `fail_request`)."""
+        return fail_request(request, error)
 
     def _drop_stale_placeholder(self, request_id: str) -> bool:
         """True for a stale placeholder: a token of an earlier, finished request with this id, in flight at finish."""
@@ -948,7 +742,7 @@ class Scheduler:
             so_request = None  # a streaming chunk without a constraint
         for num_appended, token_id in enumerate(new_token_ids, 1):
             if so_request is not None and not so_request.accept_token(token_id):
-                raise StructuredOutputRejected(_rejection_message(request, token_id))
+                raise StructuredOutputRejected(rejection_message(request, token_id))
             request.append_output_token_id(token_id)
             if so_request is not None and so_request.is_terminated():
                 # The constraint is complete (its end accepted): the request stops, as with EOS, also when
@@ -991,51 +785,7 @@ class Scheduler:
         return reset_ok
 
 
-def _logprobs_rows(
-    logprobs: LogprobsLists, index: int, num_new_tokens: int, row_starts: list[int] | None
-) -> LogprobsLists | None:
-    """The batch row's logprobs for the tokens kept (a stop may have cut the step's tokens short): its one row,
-    or with drafts (`row_starts`) its first `num_new_tokens` rows."""
-    start = index if row_starts is None else row_starts[index]
-    if num_new_tokens == 0 or start >= logprobs.num_rows or not logprobs.logprob_token_ids[start]:
-        return None
-    end = start + (1 if row_starts is None else num_new_tokens)
-    return LogprobsLists(
-        logprobs.logprob_token_ids[start:end],
-        logprobs.logprobs[start:end],
-        logprobs.sampled_token_ranks[start:end],
-    )
-
-
 def _record_queued(request: Request) -> None:
     """A request (or a streaming session's chunk) entered the scheduler: it will be reported scheduled once."""
     request.events.append(EngineCoreEvent(EngineCoreEventType.QUEUED, time.monotonic()))
     request.scheduled_since_queued = False
-
-
-def _extend_prompt_logprobs(
-    held: LogprobsLists | None, rows: LogprobsLists, prompt_token_ids: list[int]
-) -> LogprobsLists | None:
-    """`held` (the rows of prompt tokens 1..k, or None) extended by the rows of `rows` past token k.
-
-    Rows it repeats (a recompute after a preemption) are dropped. E.g., held 1..6 and rows 5..8 -> held 1..8.
-    `rows` are ignored when they cannot continue `held`: they start past token k + 1 or are not the logprobs of
-    this prompt's tokens. Both happen only when the request id was reused while a step of its finished namesake
-    was in flight; rows of the same tokens at the same positions are the same logprobs, whoever computed them.
-    """
-    next_index = 1 if held is None else held.start_index + held.num_rows
-    num_repeated = next_index - rows.start_index
-    new_token_ids = rows.logprob_token_ids[max(num_repeated, 0) :]
-    if num_repeated < 0 or not new_token_ids:
-        return held
-    prompt_tokens = prompt_token_ids[next_index : next_index + len(new_token_ids)]
-    if [token_ids[0] for token_ids in new_token_ids] != prompt_tokens:
-        return held
-    if num_repeated == 0 and held is None:
-        return rows
-    if held is None:
-        held = LogprobsLists([], [], [], start_index=next_index)
-    held.logprob_token_ids += new_token_ids
-    held.logprobs += rows.logprobs[num_repeated:]
-    held.sampled_token_ranks += rows.sampled_token_ranks[num_repeated:]
-    return held
