@@ -2,8 +2,9 @@
 
 * `build_frontend`: what the API side needs (model info, configs, tokenizer, input and output processors); no model,
   no KV cache, no torch compute.
-* `build_engine_core`: the core (scheduler + executor + worker + model), in the engine-core process when
-  `EngineArgs.engine_process` is on, else in this one.
+* `build_engine_core` (`kvflow.engine.core_builder`, below the clients, which the engine-core process imports):
+  the core (scheduler + executor + worker + model), in the engine-core process when `EngineArgs.engine_process` is
+  on, else in this one.
 
 `start_engine_core_client` starts the core behind the client both front ends (`LLM`, `AsyncLLM`) drive it through:
 on a thread of this process, in an engine-core process of its own, or several of them (data parallelism).
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvflow.engine.core_builder import build_engine_core
 from kvflow.engine.input_processor import InputProcessor
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.model_info import ModelInfo, resolve_model_info
@@ -21,7 +23,6 @@ from kvflow.model_info import ModelInfo, resolve_model_info
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
     from kvflow.engine.arg_utils import EngineArgs
-    from kvflow.engine.core import EngineCore
     from kvflow.engine.core_client import EngineCoreClient
     from kvflow.engine.death import DeadHandler
     from kvflow.engine.loop import OutputHandler
@@ -66,24 +67,6 @@ def build_frontend(
     return FrontendParts(
         engine_config, model_info, tokenizer, input_processor, OutputProcessor(tokenizer)
     )
-
-
-def build_engine_core(engine_config: EngineConfig, model_info: ModelInfo | None) -> EngineCore:
-    """Start the core (loads the model and allocates the KV cache). ValueError, with the core released, when the
-    KV cache cannot hold one sequence of `max_model_len` tokens."""
-    from kvflow.engine.core import EngineCore  # imports the model code: only where the core runs
-
-    engine_core = EngineCore(engine_config, model_info)
-    block_size = engine_config.cache_config.block_size
-    kv_capacity_tokens = engine_core.executor.num_kv_blocks * block_size
-    max_model_len = engine_config.scheduler_config.max_model_len
-    if kv_capacity_tokens < max_model_len:
-        engine_core.shutdown()
-        raise ValueError(
-            f"max_model_len={max_model_len} does not fit in the KV cache ({kv_capacity_tokens} tokens); "
-            "lower max_model_len or raise num_kv_blocks / kv_cache_memory_bytes"
-        )
-    return engine_core
 
 
 def start_engine_core_client(

@@ -51,6 +51,7 @@ import msgspec
 import zmq
 
 from kvflow.core.sched.output import EngineCoreOutput
+from kvflow.engine.core_builder import build_engine_core
 from kvflow.engine.death import EngineDeadError, EngineDeath
 from kvflow.engine.loop import (
     EngineLoop,
@@ -197,8 +198,6 @@ class EngineCoreProc:
         return 1 if self._failed else 0
 
     def _build(self) -> EngineCore | None:
-        from kvflow.engine.builder import build_engine_core
-
         try:
             share_the_cores_between_engine_cores(
                 self._config.engine_config.model_config.device, self._config.data_parallel_size

@@ -40,6 +40,7 @@ from kvflow.engine.core_proc import (
     run_engine_core,
 )
 from kvflow.engine.messages import EngineReady, EngineStartupFailed, make_output_decoder
+from kvflow.engine.placement import core_devices
 from kvflow.engine.process_names import stop_processes
 
 if TYPE_CHECKING:
@@ -106,8 +107,6 @@ class SharedEngines:
         data_parallel_size: int,
         num_clients: int,
     ) -> None:
-        from kvflow.engine.dp_client import core_devices
-
         self.num_clients = num_clients
         self.ipc_dir = tempfile.mkdtemp(prefix=IPC_FOLDER_PREFIX)
         self._context = zmq.Context()

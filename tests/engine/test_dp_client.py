@@ -14,12 +14,8 @@ import pytest
 from kvflow import LLM, AsyncLLM, SamplingParams
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.core_client import EngineDeadError
-from kvflow.engine.dp_client import (
-    DPEngineCoreClient,
-    core_devices,
-    split_devices,
-    visible_cuda_devices,
-)
+from kvflow.engine.dp_client import DPEngineCoreClient
+from kvflow.engine.placement import core_devices, split_devices, visible_cuda_devices
 from kvflow.model_info import resolve_model_info
 from kvflow.outputs import RequestOutput
 from kvflow.testing.hash_model import reference_tokens
