@@ -19,10 +19,10 @@ import dataclasses
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING
 
 from kvflow.entrypoints.cli.args import LOGGING_EPILOG, HelpFormatter
 from kvflow.entrypoints.cli.engine import CommandError, make_async_llm
+from kvflow.entrypoints.openai.server_chat_template import load_server_chat_template
 from kvflow.entrypoints.openai.server_config import (
     REQUEST_TEMPLATE_TIMEOUT_S,
     ServerConfig,
@@ -30,9 +30,6 @@ from kvflow.entrypoints.openai.server_config import (
 )
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kvflow.utils import openmp_threads_sleep_while_waiting
-
-if TYPE_CHECKING:
-    from kvflow.engine.async_llm import AsyncLLM
 
 logger = logging.getLogger(__name__)
 
@@ -285,28 +282,6 @@ def _serve_in_this_process(
         run_server(engine, config, stat_logger, sock)
     finally:
         engine.shutdown()
-
-
-def load_server_chat_template(value: str | None, engine: AsyncLLM) -> str | None:
-    """`--chat-template`, loaded by vLLM's rule (`load_chat_template`: a file is read, a template kept) once the
-    checkpoint's tokenizer is known (its named templates count too) and compiled; CommandError for a value that is
-    none of these, or a template that is not valid Jinja."""
-    if value is None:
-        return None
-    tokenizer = engine.get_tokenizer()
-    if tokenizer is None:
-        raise CommandError(
-            f"--chat-template: model {engine.model_info.name!r} has no tokenizer (--skip-tokenizer-init, or "
-            "the hash model), so no chat endpoint to template"
-        )
-    from kvflow.tokenizer import compile_chat_template, load_chat_template
-
-    try:
-        template = load_chat_template(value, named_templates=tokenizer.named_chat_templates)
-        compile_chat_template(tokenizer.chat_template_source(template))  # a syntax error fails now
-    except ValueError as error:
-        raise CommandError(f"--chat-template: {error}") from error
-    return template
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.engine.process_names import die_with_parent, set_process_name, stop_processes
 from kvflow.entrypoints.cli.engine import CommandError
+from kvflow.entrypoints.openai.server_chat_template import load_server_chat_template
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -230,7 +231,6 @@ def _serve(
 
     from kvflow.engine.shared_engines import attached_engines
     from kvflow.entrypoints.cli.engine import make_async_llm
-    from kvflow.entrypoints.cli.serve import load_server_chat_template
     from kvflow.entrypoints.openai.api_server import run_server
     from kvflow.entrypoints.openai.metrics import PrometheusStatLogger
 
