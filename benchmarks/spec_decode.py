@@ -272,10 +272,9 @@ class StepProbe:
         self._wrap(core.scheduler, "schedule", self._noting_schedule)
         self._wrap(runner.model, "forward", self._part("forward_s"))
         self._wrap(runner, "_sample", self._part("sample_s"))
-        if runner.spec_proposer is not None:
-            # A draft model drafts for the whole batch (its forward passes included), n-gram per request.
-            method = "propose_batch" if runner._drafts_with_model else "propose"
-            self._wrap(runner.spec_proposer, method, self._part("propose_s"))
+        if runner.spec_decode is not None:
+            # Every proposer drafts for the whole batch (a draft model's forward passes included).
+            self._wrap(runner.spec_decode.proposer, "propose_batch", self._part("propose_s"))
 
     def take(self) -> list[StepRecord]:
         records, self.records = self.records, []

@@ -90,15 +90,13 @@ def _bitmask_cost(llm: LLM, num_requests: int) -> dict[str, float]:
     schema) and of masking those rows of a logits batch, in microseconds."""
     from kvflow.core.sched.output import SchedulerOutput
     from kvflow.request import Request
-    from kvflow.worker.model_runner import _apply_grammar_bitmask, _StepArrays
+    from kvflow.structured_output.bitmask import apply_grammar_bitmask
 
     tokenizer = llm.get_tokenizer()
     assert tokenizer is not None
     prefix = tokenizer.encode('{"items": [{"name": "ab', add_special_tokens=False)
 
     def measure(core: Any) -> dict[str, float]:
-        import numpy as np
-
         manager = core.structured_output_manager
         requests = {}
         for i in range(num_requests):
@@ -118,15 +116,9 @@ def _bitmask_cost(llm: LLM, num_requests: int) -> dict[str, float]:
         fill_us = (time.perf_counter() - start) / repeats * 1e6
         vocab_size = manager.vocab_size
         logits = torch.randn(num_requests, vocab_size)
-        arrays = _StepArrays(
-            np.arange(num_requests),
-            np.ones(num_requests, dtype=np.int64),
-            np.arange(num_requests),
-            {request_id: i for i, request_id in enumerate(requests)},
-        )
         start = time.perf_counter()
         for _ in range(repeats):
-            _apply_grammar_bitmask(logits, list(requests), arrays, grammar_output)
+            apply_grammar_bitmask(logits, list(requests), grammar_output)
         mask_us = (time.perf_counter() - start) / repeats * 1e6
         return {
             "fill_us_per_step": fill_us,

@@ -26,13 +26,14 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
 
 from kvflow.batch import BatchInputs
 from kvflow.default_model import DEFAULT_DRAFT_NAME, SHIPPED_DRAFT
+from kvflow.spec_decode.proposer import Proposal, Proposer
 from kvflow.utils import to_device
 from kvflow.worker.sampler import Sampler, build_sampling_metadata, mix_seed
 
@@ -45,20 +46,10 @@ if TYPE_CHECKING:
 DRAFT_SEED_SALT = 0x6472616674  # "draft"
 
 
-@dataclasses.dataclass
-class Proposal:
-    """One request's drafts and, for a sampled request, the distribution each was drawn from ([k, vocab])."""
-
-    token_ids: list[int]
-    draft_probs: torch.Tensor | None = None
-
-
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     """Drafts from a smaller model with the target's vocabulary, run by the worker beside the target."""
 
-    # The runner drives this proposer through `propose_batch` (a batched forward pass over its KV cache), not the
-    # per-request `propose` of the lookup proposers.
-    needs_kv_cache = True
+    needs_kv_cache: ClassVar[bool] = True
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
@@ -130,10 +121,16 @@ class DraftModelProposer:
         eos_token_id: int | None,
     ) -> dict[int, Proposal]:
         """Bring each slot of `catch_up` (slot -> end) to `end` computed draft positions, then draft up to
-        `max_drafts[slot]` tokens after the known tokens of each slot in `max_drafts` (whose end must be its
-        `num_tokens`; its last known token is recomputed when already covered, for its logits). Drafts are cut to
-        the positions the slot's blocks can hold. Returns the proposals by slot."""
+        min(`max_drafts[slot]`, `num_speculative_tokens`) tokens after the known tokens of each slot of
+        `max_drafts` whose end is its `num_tokens` (one whose blocks do not hold its known tokens yet drafts
+        nothing this step; its last known token is recomputed when already covered, for its logits). Drafts are
+        cut to the positions the slot's blocks can hold. Returns the proposals by slot."""
         assert self.model is not None and self.kv_cache is not None, "the draft model is not set up"
+        max_drafts = {
+            index: min(room, self.num_speculative_tokens)
+            for index, room in max_drafts.items()
+            if catch_up.get(index) == slots.num_tokens[index]
+        }
         block_size = self.block_size
         rows: list[int] = []
         starts: list[int] = []

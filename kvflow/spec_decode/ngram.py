@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvflow.spec_decode.proposer import LookupProposer
+
 if TYPE_CHECKING:
     from kvflow.config import SpeculativeConfig
 
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
 _FEW_CANDIDATES = 8
 
 
-class NgramProposer:
+class NgramProposer(LookupProposer):
     """Drafts by prompt lookup in one request's own tokens (prompt and output so far).
 
     The rule: for n from `prompt_lookup_max` down to `prompt_lookup_min`, if the last n tokens occurred earlier

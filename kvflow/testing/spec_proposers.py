@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvflow.models.hash_model import DEFAULT_VOCAB_SIZE, reference_tokens
+from kvflow.spec_decode.proposer import LookupProposer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 HASH_ORACLE_METHOD = "hash-oracle"
 
 
-class HashOracleProposer:
+class HashOracleProposer(LookupProposer):
     """Drafts the hash model's own continuation with one token spoiled (see the module docstring).
 
     Invariant: for a request of n known tokens, the first `n mod (k + 1)` drafts are the model's next tokens and

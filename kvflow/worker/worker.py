@@ -16,6 +16,7 @@ from kvflow.config import GIB
 from kvflow.distributed.parallel_state import TensorParallelGroup
 from kvflow.model_info import resolve_model_info
 from kvflow.models.registry import build_model
+from kvflow.spec_decode import SPEC_PROPOSERS
 from kvflow.utils import cdiv, resolve_device
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.persistent_batch import PersistentBatchModelRunner
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from kvflow.config import CacheConfig, EngineConfig
     from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
     from kvflow.model_info import ModelInfo
-    from kvflow.worker.model_runner import DraftProposer
+    from kvflow.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -238,17 +239,14 @@ def _log_kv_cache_plan(
 
 def _spec_proposer(
     engine_config: EngineConfig, device: torch.device, vocab_size: int
-) -> DraftProposer | None:
-    """The speculative-decoding proposer the engine option names (`SPEC_PROPOSERS`), or None without one; a
-    proposer with a model of its own (`needs_kv_cache`) is loaded onto `device` here."""
-    spec_config = getattr(engine_config, "speculative_config", None)
+) -> Proposer | None:
+    """The speculative-decoding proposer the engine option names (`SPEC_PROPOSERS`), loaded onto `device` (a
+    proposer with a model of its own builds it here), or None without one."""
+    spec_config = engine_config.speculative_config
     if spec_config is None:
         return None
-    from kvflow.spec_decode import SPEC_PROPOSERS
-
     proposer = SPEC_PROPOSERS.get(spec_config.method)(spec_config)
-    if getattr(proposer, "needs_kv_cache", False):
-        proposer.load(engine_config, device, vocab_size)
+    proposer.load(engine_config, device, vocab_size)
     return proposer
 
 
@@ -285,9 +283,9 @@ class Worker:
         self.model = build_model(model_config, self.model_info, self.device, self.tp)
         spec_proposer = _spec_proposer(engine_config, self.device, self.model_info.vocab_size)
         bytes_per_block = self.model.kv_cache_bytes_per_block(block_size)
-        if getattr(spec_proposer, "needs_kv_cache", False):
-            # A draft model's KV cache has the target's blocks: each block costs both.
-            bytes_per_block += spec_proposer.kv_cache_bytes_per_block(block_size)  # type: ignore[union-attr]
+        if spec_proposer is not None:
+            # A draft model's KV cache has the target's blocks: each block costs both (n-gram: nothing more).
+            bytes_per_block += spec_proposer.kv_cache_bytes_per_block(block_size)
         self.kv_cache_plan = plan_kv_cache(
             engine_config, bytes_per_block, measure_device_memory(self.device), self.tp.size
         )
@@ -304,8 +302,10 @@ class Worker:
             eos_token_id=self.model_info.eos_token_id,
             seed=model_config.seed,
             spec_proposer=spec_proposer,
-            spec_disable_by_batch_size=getattr(
-                engine_config.speculative_config, "disable_by_batch_size", None
+            spec_disable_by_batch_size=(
+                None
+                if engine_config.speculative_config is None
+                else engine_config.speculative_config.disable_by_batch_size
             ),
         )
 
