@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
     from kvflow.config import EngineConfig
     from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+    from kvflow.executor.messages import RunMethod
     from kvflow.model_info import ModelInfo
 
 
@@ -60,7 +61,6 @@ class Executor(ABC):
         """Sample the step whose forward pass ran last, under `grammar_output`'s bitmask, on every rank (in
         submission order with the steps); rank 0's output (or a Future of it)."""
 
-    @abstractmethod
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
@@ -68,6 +68,13 @@ class Executor(ABC):
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """`Worker.execute_method(method, args, kwargs)` on every rank; the results in rank order."""
+        from kvflow.executor.messages import RunMethod  # cloudpickle: imported once a call is made
+
+        return self._run_method(RunMethod(method, tuple(args), dict(kwargs or {})))
+
+    @abstractmethod
+    def _run_method(self, message: RunMethod) -> list[Any]:
+        """`collective_rpc`'s call on every rank, between steps; the results in rank order."""
 
     def update_weights(self, weights: str | Any) -> None:
         """Load new weights on every rank (each reads its own shards of a checkpoint folder)."""

@@ -44,6 +44,21 @@ class RankStartup:
     dist_init_method: str
     num_threads: int
 
+    @classmethod
+    def for_every_rank(
+        cls,
+        engine_config: EngineConfig,
+        model_info: ModelInfo | None,
+        world_size: int,
+        dist_init_method: str,
+        num_threads: int,
+    ) -> list[RankStartup]:
+        """The startups of ranks 0 .. world_size - 1, alike but for `rank`."""
+        return [
+            cls(engine_config, model_info, rank, world_size, dist_init_method, num_threads)
+            for rank in range(world_size)
+        ]
+
 
 @dataclass(frozen=True)
 class ExecuteModel:

@@ -27,15 +27,15 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
 
-from kvflow.executor.base import Executor
+from kvflow.executor.broadcast import BroadcastExecutor, WorkerDeath, WorkerDiedError
 from kvflow.executor.messages import (
     STARTUP_CALL_ID,
     ExecuteModel,
@@ -51,7 +51,7 @@ from kvflow.executor.mp_worker import MultiprocWorkerArgs
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
-    from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+    from kvflow.core.sched.output import ModelRunnerOutput
     from kvflow.model_info import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -60,10 +60,6 @@ _STARTUP_TIMEOUT_S = 600.0
 _POLL_MS = 50
 _STOP_TIMEOUT_S = 5.0
 _DEATH_GRACE_S = 1.0  # after a rank's failure, how long to look for the rank whose death caused it
-
-
-class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker failed or exited; the engine cannot go on."""
 
 
 def available_cpus() -> int:
@@ -102,11 +98,11 @@ class _PendingCall:
     failures: dict[int, BaseException] = field(default_factory=dict)
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(BroadcastExecutor):
     """Runs `tensor_parallel_size` worker processes and drives them by broadcast (see the module docstring).
 
     Invariants: calls are published in the order they are made and every rank applies them in that order;
-    `_pending` holds exactly the calls not yet answered (completed by the reply thread); once `_dead_error` is set
+    `_pending` holds exactly the calls not yet answered (completed by the reply thread); once `death.error` is set
     every pending Future has failed with it and every later call raises it; `shutdown()` leaves no worker process.
     """
 
@@ -133,7 +129,7 @@ class MultiprocExecutor(Executor):
         self._call_ids = itertools.count()
         self._pending: dict[int, _PendingCall] = {}
         self._lock = threading.Lock()
-        self._dead_error: WorkerDiedError | None = None
+        self.death = WorkerDeath(self._lock)
         self._stop_event = threading.Event()  # set first by shutdown and by the finalizer
         self._ipc_dir = tempfile.mkdtemp(prefix="kvflow-mp-")
         self._context = zmq.Context()
@@ -155,15 +151,10 @@ class MultiprocExecutor(Executor):
             self, _kill_processes, self._procs, self._ipc_dir, self._stop_event
         )
         try:
-            for rank in range(self.world_size):
-                startup = RankStartup(
-                    engine_config,
-                    model_info,
-                    rank,
-                    self.world_size,
-                    dist_init_method,
-                    num_threads,
-                )
+            startups = RankStartup.for_every_rank(
+                engine_config, model_info, self.world_size, dist_init_method, num_threads
+            )
+            for startup in startups:
                 args = MultiprocWorkerArgs(startup, broadcast_address, reply_address, os.getpid())
                 self._procs.append(_start_worker_process(args))
             ready = self._wait_until_ready(_STARTUP_TIMEOUT_S)
@@ -219,16 +210,6 @@ class MultiprocExecutor(Executor):
         return ready
 
     # ------------------------------------------------------------------------------------------------ calls
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self._step(ExecuteModel(scheduler_output), non_block)
-
-    def sample_tokens(
-        self, grammar_output: GrammarOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self._step(SampleTokens(grammar_output), non_block)
-
     def _step(
         self, message: ExecuteModel | SampleTokens, non_block: bool
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
@@ -236,14 +217,8 @@ class MultiprocExecutor(Executor):
         future = self._call(message, frozenset({0}))
         return _first_result(future) if non_block else future.result()[0]
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
+    def _run_method(self, message: RunMethod) -> list[Any]:
         """Every rank's result, in rank order; the lowest failing rank's exception (naming it) if any failed."""
-        message = RunMethod(method, tuple(args), dict(kwargs or {}))
         return self._call(message, frozenset(range(self.world_size))).result()
 
     def _call(
@@ -254,8 +229,7 @@ class MultiprocExecutor(Executor):
         frame = encode_broadcast(call_id, message)
         future: Future[list[Any]] = Future()
         with self._lock:
-            if self._dead_error is not None:
-                raise self._dead_error
+            self.death.raise_if_dead_locked()
             if self._stop_event.is_set():
                 raise RuntimeError("the mp executor is shut down")
             self._pending[call_id] = _PendingCall(
@@ -284,7 +258,7 @@ class MultiprocExecutor(Executor):
                     except zmq.Again:
                         break
                     self._on_reply(pickle.loads(frame))
-            if self._dead_error is None and not self._stop_event.is_set():
+            if self.death.error is None and not self._stop_event.is_set():
                 dead = self._dead_ranks()
                 if dead:
                     self._fail(self._death_message(dead))
@@ -339,17 +313,12 @@ class MultiprocExecutor(Executor):
 
     def _fail(self, message: str) -> None:
         """Mark the executor dead: kill the other workers, fail every pending call, refuse every later one."""
-        error = WorkerDiedError(message)
-        logger.error("%s", message)
-        with self._lock:
-            if self._dead_error is not None:
-                return
-            self._dead_error = error
-            pending, self._pending = list(self._pending.values()), {}
-        _kill_processes(self._procs)
-        for call in pending:
-            if not call.future.done():
-                call.future.set_exception(error)
+        self.death.publish(message, self._take_pending, partial(_kill_processes, self._procs))
+
+    def _take_pending(self) -> list[Future[Any]]:
+        """The Futures of every call not answered yet, no longer pending (under `_lock`)."""
+        pending, self._pending = self._pending, {}
+        return [call.future for call in pending.values()]
 
     # ------------------------------------------------------------------------------------------------ stop
     def shutdown(self) -> None:
@@ -362,7 +331,7 @@ class MultiprocExecutor(Executor):
                 return
             self._stop_event.set()
             pending, self._pending = list(self._pending.values()), {}
-        if not kill and self._dead_error is None:
+        if not kill and self.death.error is None:
             with contextlib.suppress(zmq.ZMQError):
                 self._broadcast.send(encode_broadcast(next(self._call_ids), StopWorker()))
             _wait_for_exit(self._procs, _STOP_TIMEOUT_S)

@@ -18,25 +18,18 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvflow.executor.base import Executor
-from kvflow.executor.messages import (
-    ExecuteModel,
-    RankStartup,
-    RunMethod,
-    SampleTokens,
-    WorkerReady,
-    WorkerReply,
-)
-from kvflow.executor.multiproc import WorkerDiedError, available_cpus, free_tcp_port
+from kvflow.executor.broadcast import BroadcastExecutor, WorkerDeath
+from kvflow.executor.messages import RankStartup, WorkerReply
+from kvflow.executor.multiproc import available_cpus, free_tcp_port
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
-    from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+    from kvflow.core.sched.output import ModelRunnerOutput
+    from kvflow.executor.messages import ExecuteModel, RunMethod, SampleTokens, WorkerReady
     from kvflow.model_info import ModelInfo
     from kvflow.worker.worker import Worker
 
@@ -90,7 +83,7 @@ class RayRankWorker:
         return handle_message(self.worker, call_id, message)
 
 
-class RayExecutor(Executor):
+class RayExecutor(BroadcastExecutor):
     """Drives one `RayRankWorker` actor per rank (see the module docstring).
 
     Invariants: `actors[r]` is rank r's actor in bundle r of `placement_group`; every call reaches every actor in
@@ -112,8 +105,8 @@ class RayExecutor(Executor):
         if self._owns_ray:
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
         self._call_ids = itertools.count()
-        self._dead_error: WorkerDiedError | None = None
         self._lock = threading.Lock()
+        self.death = WorkerDeath(self._lock)
         self._stopped = False
         self.actors: list[Any] = []
         self.placement_group: Any = None
@@ -142,19 +135,13 @@ class RayExecutor(Executor):
                     ).remote()
                 )
             dist_init_method = ray.get(self.actors[0].rendezvous_address.remote())
+            startups = RankStartup.for_every_rank(
+                engine_config, model_info, self.world_size, dist_init_method, num_threads
+            )
             answers = ray.get(
                 [
-                    actor.start.remote(
-                        RankStartup(
-                            engine_config,
-                            model_info,
-                            rank,
-                            self.world_size,
-                            dist_init_method,
-                            num_threads,
-                        )
-                    )
-                    for rank, actor in enumerate(self.actors)
+                    actor.start.remote(startup)
+                    for actor, startup in zip(self.actors, startups, strict=True)
                 ]
             )
         except BaseException:
@@ -176,16 +163,6 @@ class RayExecutor(Executor):
         )
 
     # ------------------------------------------------------------------------------------------------ calls
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self._step(ExecuteModel(scheduler_output), non_block)
-
-    def sample_tokens(
-        self, grammar_output: GrammarOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self._step(SampleTokens(grammar_output), non_block)
-
     def _step(
         self, message: ExecuteModel | SampleTokens, non_block: bool
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
@@ -201,32 +178,27 @@ class RayExecutor(Executor):
             reply: WorkerReply | None = done.result()
         except Exception as error:
             self._set_dead(f"tensor-parallel rank {rank} (Ray actor) died or failed: {error}")
-            self._settle(future, error=self._dead_error)
+            self._settle(future, error=self.death.error)
             return
         if reply is not None and reply.failure is not None:
             self._set_dead(
                 f"tensor-parallel rank {rank} failed during a step: {reply.failure.description}"
             )
-            self._settle(future, error=self._dead_error)
+            self._settle(future, error=self.death.error)
         elif rank == 0:
             assert reply is not None
             self._settle(future, result=reply.result)
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        refs = self._submit(RunMethod(method, tuple(args), dict(kwargs or {})))
+    def _run_method(self, message: RunMethod) -> list[Any]:
+        refs = self._submit(message)
         replies: list[WorkerReply] = []
         for rank, ref in enumerate(refs):
             try:
                 replies.append(self._ray.get(ref))
             except Exception as error:
                 self._set_dead(f"tensor-parallel rank {rank} (Ray actor) died or failed: {error}")
-                assert self._dead_error is not None
-                raise self._dead_error from error
+                assert self.death.error is not None
+                raise self.death.error from error
         for reply in replies:
             if reply.failure is not None:
                 raise reply.failure.to_exception(reply.rank)
@@ -235,8 +207,7 @@ class RayExecutor(Executor):
     def _submit(self, message: ExecuteModel | SampleTokens | RunMethod) -> list[Any]:
         """Put `message` in the object store once and hand the one reference to every actor."""
         with self._lock:
-            if self._dead_error is not None:
-                raise self._dead_error
+            self.death.raise_if_dead_locked()
             if self._stopped:
                 raise RuntimeError("the ray executor is shut down")
             call_id = next(self._call_ids)
@@ -244,10 +215,7 @@ class RayExecutor(Executor):
             return [actor.run.remote(call_id, payload) for actor in self.actors]
 
     def _set_dead(self, message: str) -> None:
-        with self._lock:
-            if self._dead_error is None:
-                logger.error("%s", message)
-                self._dead_error = WorkerDiedError(message + ": the engine cannot continue")
+        self.death.publish(message + ": the engine cannot continue")
 
     def _settle(
         self,

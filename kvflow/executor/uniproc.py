@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
 from kvflow.executor.base import Executor
 from kvflow.worker.worker import Worker
@@ -12,6 +11,7 @@ from kvflow.worker.worker import Worker
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
     from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+    from kvflow.executor.messages import RunMethod
     from kvflow.model_info import ModelInfo
 
 
@@ -36,16 +36,6 @@ class UniProcExecutor(Executor):
             worker_thread == "auto" and self.worker.device.type == "cuda"
         )
         self._thread: ThreadPoolExecutor | None = None
-
-    @overload
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: Literal[False] = False
-    ) -> ModelRunnerOutput: ...
-
-    @overload
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: Literal[True]
-    ) -> Future[ModelRunnerOutput]: ...
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False
@@ -74,14 +64,10 @@ class UniProcExecutor(Executor):
     def update_weights(self, weights: str | Any) -> None:
         self.worker.update_weights(weights)
 
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        """Run `Worker.execute_method(method, args, kwargs)` on every rank (one here); results in rank order. With a
-        worker thread the call queues behind the steps already submitted, so it never overlaps a step."""
+    def _run_method(self, message: RunMethod) -> list[Any]:
+        """On the one rank here. With a worker thread the call queues behind the steps already submitted, so it
+        never overlaps a step."""
+        method, args, kwargs = message.method, message.args, message.kwargs
         if self._thread is None:
             return [self.worker.execute_method(method, args, kwargs)]
         return [self._thread.submit(self.worker.execute_method, method, args, kwargs).result()]

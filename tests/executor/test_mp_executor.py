@@ -23,7 +23,8 @@ import pytest
 from kvflow import LLM, SamplingParams
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.death import EngineDeadError
-from kvflow.executor.multiproc import MultiprocExecutor, WorkerDiedError
+from kvflow.executor.broadcast import WorkerDiedError
+from kvflow.executor.multiproc import MultiprocExecutor
 from kvflow.testing.hash_model import reference_tokens
 from kvflow.testing.waiting import wait_until
 from tests.entrypoints.server import HASH_SERVER, running_server

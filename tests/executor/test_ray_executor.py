@@ -17,7 +17,7 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from kvflow.engine.death import EngineDeadError
-from kvflow.executor.multiproc import WorkerDiedError
+from kvflow.executor.broadcast import WorkerDiedError
 from kvflow.testing.hf_checkpoints import hf_greedy, load_hf_model, make_tiny_checkpoint
 
 MAX_TOKENS = 10
