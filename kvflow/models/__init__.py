@@ -1,5 +1,7 @@
-"""The models: the one model contract (`RunnerModel`), the Llama-family implementation and its config parser, the
-hash model (the test oracle, a model like any other), the architecture registry and the checkpoint loader."""
+"""The models: the one model contract (`RunnerModel`), one module per model family (`llama`) over the shared layers
+(`layers/`, `attention/`) and causal-LM shell (`decoder_lm`), the config parser (`hf_config`), the hash model (the
+test oracle, a model like any other), the architecture registry and the checkpoint loader (`loader`,
+`weight_loading`, `checkpoint_files`)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
 """Which model class runs which architecture: one `LazyRegistry` table, architecture -> "module:Class".
 
-A checkpoint's architecture is the Hugging Face name its config.json lists; every supported one is
-`kvflow.models.llama.LlamaForCausalLM` (the differences, such as q/k/v bias, q/k norm and sliding windows, come from
-the parsed config). `HASH_MODEL_ARCHITECTURE` names the hash model, which has no checkpoint.
+A checkpoint's architecture is the Hugging Face name its config.json lists. Each model family has its own module
+under `kvflow.models` (Llama, Mistral, Qwen2 and Qwen3: `llama`, whose differences, such as q/k/v bias, q/k norm and
+sliding windows, come from the parsed config); adding a family is its module plus its lines in this table, and,
+where its config.json reads differently from Llama's, its entry in `hf_config.ARCHITECTURE_RULES`. The table's
+checkpoint architectures are the ones kvflow accepts (`SUPPORTED_ARCHITECTURES`). `HASH_MODEL_ARCHITECTURE` names
+the hash model, which has no checkpoint.
 
 Invariants: this module imports no model (the table holds import paths, resolved on lookup), so any module may
 import it without a cycle; every registered class has `build(model_config, model_info, device, tp)`, which makes a

@@ -1,0 +1,172 @@
+"""The causal-LM shell every decoder family shares: the KV cache, the per-forward attention metadata and RoPE, the
+layer loop, the final norm and the LM head, around a family's decoder layers.
+
+A family's module subclasses `DecoderForCausalLM`, names its layer class in `decoder_layer` (and, when its fused
+modules differ, its `packed_modules_mapping`), and is registered in `kvflow.models.registry` under its Hugging Face
+architecture names; the checkpoint loading is `CheckpointModel`'s.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from kvflow import kernels
+from kvflow.distributed.parallel_state import TensorParallelGroup
+from kvflow.models.attention import AttentionBackend, get_attention_backend
+from kvflow.models.layers import LMHead, RotaryEmbedding
+from kvflow.models.layers.decoder import DecoderLayerFactory, DecoderModel
+from kvflow.models.layers.self_attention import tp_head_ranges
+from kvflow.models.loader import CheckpointModel
+
+if TYPE_CHECKING:
+    from kvflow.batch import BatchInputs
+    from kvflow.models.hf_config import TransformerConfig
+    from kvflow.models.quantization import QuantizationPlan
+
+
+class DecoderForCausalLM(CheckpointModel):
+    """A decoder-only causal LM run by the model runner over a paged KV cache.
+
+    Invariants: every parameter is in `dtype` on `device`; with tied embeddings `lm_head.weight` IS
+    `model.embed_tokens.weight`. The KV cache is `[num_layers, *backend.kv_cache_shape(...)]`
+    (K then V) in `dtype`; `forward` writes each scheduled token's K/V at `batch.slot_mapping` before any layer reads
+    it, and returns float32 logits for `batch.logits_indices` only. Attention metadata and RoPE cos/sin are built once
+    per forward (one metadata per distinct sliding window in `layer_windows`) and shared by all layers; in the last
+    layer only the rows at `logits_indices` go past attention. It does not sample: the runner's `Sampler` turns its
+    logits into tokens (`samples_own_tokens` is False).
+
+    Tensor parallelism (`tp` of N ranks): each rank holds its query heads and KV heads (`tp_head_ranges`), its
+    slice of the feed-forward blocks and of the vocabulary; `num_kv_heads` and the KV cache are this rank's, and the
+    logits are gathered, so every rank returns the whole vocabulary's logits. With `tp=None` (one rank) nothing is
+    split and no collective runs. A `quantization` plan is applied to the layers before any weight loads.
+    """
+
+    samples_own_tokens = False
+    # The fused modules of the shared layers (`SelfAttention`, `GatedMLP`), each with its checkpoint parts in order.
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    decoder_layer: ClassVar[DecoderLayerFactory]
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        attention_backend: str = "torch",
+        tp: TensorParallelGroup | None = None,
+        quantization: QuantizationPlan | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp = tp if tp is not None else TensorParallelGroup.single()
+        (_, num_heads), (_, num_kv_heads) = tp_head_ranges(config, self.tp)
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = config.head_dim
+        self.attention_backend: AttentionBackend = get_attention_backend(attention_backend)(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=config.head_dim,
+            scale=config.head_dim**-0.5,
+        )
+        self.model = DecoderModel(
+            config,
+            self.attention_backend,
+            type(self).decoder_layer,
+            dtype=dtype,
+            device=self.device,
+            tp=self.tp,
+        )
+        self.lm_head = LMHead(
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            device=self.device,
+            tied_to=self.model.embed_tokens if config.tie_word_embeddings else None,
+            tp=self.tp,
+        )
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            device=self.device,
+        )
+        # The sliding window of each layer (None: it attends to the whole sequence).
+        self.layer_windows = [
+            config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
+        ]
+        self.quantization = quantization
+        if (
+            quantization is not None
+        ):  # before any weight loads: the layers take the plan's storage and kernels
+            quantization.apply(self)
+        if dtype is torch.bfloat16 and self.device.type == "cpu":
+            kernels.bf16_gemm_kernel()  # a bad KVFLOW_BF16_GEMM fails here, at load, not in a forward pass
+
+    # ------------------------------------------------------------------------------------------ KV cache
+    def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """A zeroed cache `[num_layers, *backend.kv_cache_shape(...)]` (torch backend: `[layers, 2, kv_heads,
+        blocks, block_size, head_dim]`); zeros because padding that attention masks out must still be finite."""
+        layer_shape = self.attention_backend.kv_cache_shape(
+            num_blocks, block_size, self.num_kv_heads, self.head_dim
+        )
+        return torch.zeros((self.num_layers, *layer_shape), dtype=self.dtype, device=self.device)
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * element_size
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run the batch's tokens, fill their KV slots, and return float32 logits `[num_sampled, vocab_size]`."""
+        metadata_by_window = {
+            window: self.attention_backend.build_metadata(batch, window)
+            for window in set(self.layer_windows)
+        }
+        max_position = int(batch.seq_lens.max()) - 1 if batch.num_reqs else 0
+        cos, sin = self.rotary_emb.cos_sin(batch.positions, self.dtype, max_position)
+        logits_indices = batch.logits_indices.to(torch.int64)
+        hidden_states = self.model.embed_tokens(batch.input_ids)
+        hidden_states, residual = self.run_layers(
+            batch, hidden_states, cos, sin, kv_cache, metadata_by_window, logits_indices
+        )
+        if residual is None:  # no layers
+            hidden_states = hidden_states.index_select(0, logits_indices)
+        hidden_states, _ = self.model.norm.forward_with_residual(hidden_states, residual)
+        return self.lm_head(hidden_states)
+
+    def run_layers(
+        self,
+        batch: BatchInputs,
+        hidden_states: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata_by_window: dict[int | None, Any],
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every decoder layer in turn: `(block output, residual)` of the last one (the residual is None when there
+        are no layers), the last layer's rows cut to `logits_indices`."""
+        residual: torch.Tensor | None = None
+        last_layer = self.num_layers - 1
+        for layer_index, layer in enumerate(self.model.layers):
+            hidden_states, residual = layer(
+                hidden_states,
+                residual,
+                cos,
+                sin,
+                kv_cache[layer_index],
+                metadata_by_window[self.layer_windows[layer_index]],
+                logits_indices if layer_index == last_layer else None,
+            )
+        return hidden_states, residual
