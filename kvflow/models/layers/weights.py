@@ -3,8 +3,8 @@
 `param.weight_loader(param, loaded_weight, shard_id=None)` copies one checkpoint tensor into `param`: it takes this
 tensor-parallel rank's part of `loaded_weight` (`narrow`), picks where in `param` it goes (a fused layer's
 `shard_id`: 0, 1, 2 for q, k, v), checks the shapes and copies, casting to the parameter's dtype. The checkpoint
-loader (`kvflow.models.loader`) only maps names and calls it, so a layer with another layout (quantized weights,
-say) plugs in by setting its own loaders.
+name mapping (`kvflow.models.weight_loading`) only maps names and calls it, so a layer with another layout
+(quantized weights, say) plugs in by setting its own loaders.
 
 Invariants: a weight loader copies into `param` in place (the Parameter object is never replaced, so anything
 holding it, like the fused decode path, sees the loaded values); a shape that does not fit raises
