@@ -130,8 +130,8 @@ def run_engine_core(config: EngineCoreProcConfig) -> None:
     """The process target: serve until told to stop; the exit code is 0 after a clean stop, 1 after a failure.
 
     Once `EngineCoreProc.run` has released everything it holds (core, threads, sockets), the process ends with
-    `os._exit`: the interpreter's teardown of torch's modules would add about half a second to every shutdown and
-    has nothing left to release.
+    `os._exit`: the interpreter's teardown of torch's modules would only slow every shutdown down, with nothing
+    left to release.
     """
     if config.visible_devices is not None:  # before anything initializes CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = config.visible_devices
@@ -474,11 +474,10 @@ def share_the_cores_between_engine_cores(device: str, num_engine_cores: int = 1)
     """On CPU, run torch on every core this process may use, shared out between the `num_engine_cores`
     data-parallel engine cores (each gets its share, at least one thread), so that two OpenMP teams never compete
     for one core (each would stall at every barrier whenever one of its threads is descheduled). No core is kept
-    back for the front end: it costs ~35 us of CPU per streamed token (benchmarks/RESULTS.md, "The serving hot
-    path"), and on a 2-core machine keeping one back cost the default model 20-30% of its throughput under load
-    and raised its TPOT at every request rate; instead `kvflow serve` has the team's threads sleep while they wait
-    (`kvflow.utils.openmp_threads_sleep_while_waiting`), so that a busy API process does not stall it. An explicit
-    OMP_NUM_THREADS is left alone."""
+    back for the front end, whose CPU per streamed token is small next to what a core held back would cost the
+    engine (benchmarks/RESULTS.md, "The serving hot path"); instead `kvflow serve` has the team's threads sleep
+    while they wait (`kvflow.utils.openmp_threads_sleep_while_waiting`), so that a busy API process does not stall
+    it. An explicit OMP_NUM_THREADS is left alone."""
     if "OMP_NUM_THREADS" in os.environ:
         return
     from kvflow.utils import resolve_device

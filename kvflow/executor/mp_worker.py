@@ -104,7 +104,7 @@ def main() -> None:
     args: MultiprocWorkerArgs = pickle.load(sys.stdin.buffer)
     _watch_parent(args.parent_pid)
     exit_code = run_worker(args)
-    # Everything is closed: skip the interpreter's teardown (seconds with torch loaded on a busy machine).
+    # Everything is closed: skip the interpreter's teardown (slow with torch loaded, and nothing left to release).
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
