@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -15,7 +14,12 @@ from kvflow.core.sched.output import LogprobsLists, ModelRunnerOutput
 from kvflow.spec_decode.runner import SpecDecodeRunner, SpecStep, rows_per_token
 from kvflow.structured_output.bitmask import apply_grammar_bitmask
 from kvflow.utils import cdiv, to_device
-from kvflow.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata, token_logprobs
+from kvflow.worker.prompt_logprobs import (
+    PromptLogprobRows,
+    compute_prompt_logprobs,
+    prompt_logprob_rows,
+)
+from kvflow.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
 from kvflow.worker.states import RequestSlots
 
 if TYPE_CHECKING:
@@ -29,29 +33,6 @@ if TYPE_CHECKING:
     from kvflow.spec_decode.proposer import Proposer
 
 
-logger = logging.getLogger(__name__)
-
-
-# Prompt-logprob rows go through log_softmax / rank / top-k this many at a time, bounding the temporaries.
-_PROMPT_LOGPROBS_CHUNK_ROWS = 512
-
-
-@dataclass
-class _PromptLogprobRows:
-    """The step's prompt-logprob rows, after the sampled rows in `BatchInputs.logits_indices`, grouped by request.
-
-    Request `req_ids[i]` owns `counts[i]` consecutive rows; row j of it holds the logits at prompt position
-    `start_indices[i] - 1 + j`, which predict prompt token `start_indices[i] + j` (`target_token_ids`).
-    """
-
-    req_ids: list[str]
-    num_logprobs: list[int]
-    start_indices: list[int]
-    counts: list[int]
-    flat_indices: np.ndarray  # [num_rows] flat batch token of each row
-    target_token_ids: np.ndarray  # [num_rows] the prompt token each row predicts
-
-
 @dataclass
 class _StepArrays:
     """Numpy views of one step's batch that the post-forward state update needs."""
@@ -60,7 +41,7 @@ class _StepArrays:
     num_scheduled: np.ndarray  # [num_reqs]
     sampled_rows: np.ndarray  # [num_sampled] each sampled row's batch row (repeated for drafts)
     req_id_to_index: dict[str, int]  # batch row of each request
-    prompt_rows: _PromptLogprobRows | None = None
+    prompt_rows: PromptLogprobRows | None = None
     # Requests whose sampling failed on their own this step -> why (see `ModelRunnerOutput.failed_req_ids`).
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -81,7 +62,10 @@ class ModelRunner:
       * `prompt_logprob_reqs` holds exactly the held requests with `SamplingParams.prompt_logprobs` whose prompt
         positions that predict a prompt token (0 .. num_prompt_tokens - 2) are not all computed yet, and that had
         no output when they took their slot (a resume with outputs computed them before). Only they add logits rows
-        beyond the sampled ones, so requests without prompt logprobs cost nothing extra.
+        beyond the sampled ones, so requests without prompt logprobs cost nothing extra;
+      * every draft lives in `spec_decode` (a `SpecDecodeRunner`, None without speculative decoding): the runner
+        hands it each step's scheduled drafts before the forward pass (`write`, giving the step's `SpecStep`) and
+        the step's logits and samples after it (`verify`, `accept`, `propose`), and keeps no draft state itself.
     Another protocol (`kvflow.worker.persistent_batch`) subclasses this runner and overrides the per-request steps
     `_forget`, `_preempt`, `_apply_cached_blocks` and `_apply_cached_tokens`, and `_update_cached_requests`.
     """
@@ -172,7 +156,7 @@ class ModelRunner:
             prompt_logprobs = None
             if arrays.prompt_rows is not None:
                 prompt_logits = model_output[batch.num_sampled :]
-                prompt_logprobs = _compute_prompt_logprobs(prompt_logits, arrays.prompt_rows)
+                prompt_logprobs = compute_prompt_logprobs(prompt_logits, arrays.prompt_rows)
         output = self._update_states(batch, arrays, sampled, spec, verified)
         output.prompt_logprobs_dict = prompt_logprobs
         return output
@@ -363,7 +347,15 @@ class ModelRunner:
             {req_id: row for row, req_id in enumerate(req_ids)},
         )
         if self.prompt_logprob_reqs:
-            arrays.prompt_rows = self._prompt_logprob_rows(arrays, start, query_start_loc)
+            arrays.prompt_rows = prompt_logprob_rows(
+                self.prompt_logprob_reqs,
+                self.slots,
+                arrays.req_id_to_index,
+                slot_indices,
+                start,
+                num_scheduled,
+                query_start_loc,
+            )
             if arrays.prompt_rows is not None:
                 # Prompt-logprob rows follow the sampled ones: the model returns logits for both.
                 logits_indices = np.concatenate([logits_indices, arrays.prompt_rows.flat_indices])
@@ -382,44 +374,6 @@ class ModelRunner:
             sampled_req_indices=to_device(sampled_rows.astype(np.int64), self.device),
         )
         return batch, arrays, spec
-
-    def _prompt_logprob_rows(
-        self, arrays: _StepArrays, start: np.ndarray, query_start_loc: np.ndarray
-    ) -> _PromptLogprobRows | None:
-        """The logits rows this step's prompt-logprob requests need (None if none); O(their scheduled tokens).
-
-        A request computing positions [first, end) needs the logits of those below `num_prompt_tokens - 1` (the
-        last prompt position predicts the first output, a sampled row). It leaves `prompt_logprob_reqs` once
-        `end` reaches that position. E.g., a 10-token prompt in chunks of 4: positions 0-3 give prompt tokens 1-4,
-        4-7 give 5-8, and the last chunk's position 8 gives token 9 (position 9 samples).
-        """
-        rows = _PromptLogprobRows([], [], [], [], np.empty(0, np.int64), np.empty(0, np.int64))
-        flat_parts: list[np.ndarray] = []
-        target_parts: list[np.ndarray] = []
-        for req_id, num_logprobs in list(self.prompt_logprob_reqs.items()):
-            row = arrays.req_id_to_index.get(req_id)
-            if row is None:
-                continue  # not scheduled this step
-            slot = int(arrays.slot_indices[row])
-            first = int(start[row])
-            end = first + int(arrays.num_scheduled[row])
-            last_position = int(self.slots.num_prompt_tokens[slot]) - 1
-            if end >= last_position:
-                del self.prompt_logprob_reqs[req_id]  # complete after this step
-            stop = min(end, last_position)
-            if stop <= first:
-                continue
-            flat_parts.append(np.arange(stop - first) + query_start_loc[row])
-            target_parts.append(self.slots.token_ids[slot, first + 1 : stop + 1])
-            rows.req_ids.append(req_id)
-            rows.num_logprobs.append(num_logprobs)
-            rows.start_indices.append(first + 1)
-            rows.counts.append(stop - first)
-        if not rows.req_ids:
-            return None
-        rows.flat_indices = np.concatenate(flat_parts)
-        rows.target_token_ids = np.concatenate(target_parts)
-        return rows
 
     def _check_scheduled(
         self,
@@ -606,39 +560,3 @@ def _spread_rows(
         values[row] = logprobs.logprobs[index]
         ranks[row] = logprobs.sampled_token_ranks[index]
     return LogprobsLists(token_ids, values, ranks)
-
-
-def _compute_prompt_logprobs(
-    logits: torch.Tensor, rows: _PromptLogprobRows
-) -> dict[str, LogprobsLists]:
-    """Each prompt-logprob request's rows: the actual prompt token, then its top `prompt_logprobs` tokens.
-
-    `logits` are the raw float32 logits of `rows`, in order; no sampling setting (temperature, penalties) applies.
-    """
-    targets = torch.from_numpy(rows.target_token_ids).to(logits.device)
-    num_top = max(rows.num_logprobs)
-    ids: list[list[int]] = []
-    values: list[list[float]] = []
-    ranks: list[int] = []
-    for begin in range(0, logits.shape[0], _PROMPT_LOGPROBS_CHUNK_ROWS):
-        end = begin + _PROMPT_LOGPROBS_CHUNK_ROWS
-        chunk_ids, chunk_values, chunk_ranks = token_logprobs(
-            logits[begin:end], targets[begin:end], num_top
-        )
-        ids += chunk_ids
-        values += chunk_values
-        ranks += chunk_ranks
-    result: dict[str, LogprobsLists] = {}
-    offset = 0
-    for req_id, num_logprobs, start_index, count in zip(
-        rows.req_ids, rows.num_logprobs, rows.start_indices, rows.counts, strict=True
-    ):
-        width = 1 + num_logprobs
-        result[req_id] = LogprobsLists(
-            [row[:width] for row in ids[offset : offset + count]],
-            [row[:width] for row in values[offset : offset + count]],
-            ranks[offset : offset + count],
-            start_index=start_index,
-        )
-        offset += count
-    return result
