@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from kvflow.kernels import load_cpu_kernels
 from kvflow.kernels.build import _CFLAGS, _LDFLAGS, kernels_build_dir
 from kvflow.kernels.quant import _GGML_TYPE_CODES, INTEGER_PRODUCT_TYPES, int8_quantize
-from kvflow.testing.ggml_quants import quantize
+from kvflow.models.quantization.ggml_quantize import quantize
 
 SHAPES = ((2048, 8192), (8192, 2048))  # (K, N): a gate/up-like and a down-like projection
 ROTATION_BYTES = 160 * 2**20  # weights rotated per measurement: well past the last-level cache

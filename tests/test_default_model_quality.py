@@ -128,7 +128,7 @@ def quantized_model(kind: str, model_dir: Path, tmp_path: Path) -> Path:
     1024-wide down projection is Q4_K / Q6_K), or the folder itself for int8 (quantized at load)."""
     if kind == "int8":
         return model_dir
-    from kvflow.testing.gguf_files import write_gguf
+    from kvflow.models.quantization.gguf_writer import write_gguf
 
     return write_gguf(model_dir, tmp_path / f"default-{kind}.gguf", kind)
 

@@ -5,7 +5,8 @@ Usage: `python tools/convert_to_gguf.py CHECKPOINT_DIR OUT.gguf [--dtype bf16|f3
 
 For `benchmarks/latency.py` and `benchmarks/quantized.py`'s comparisons with llama.cpp on the same weights, and to
 make GGUF files kvflow serves (`kvflow serve OUT.gguf --tokenizer CHECKPOINT_DIR`). The writer is
-`kvflow.testing.gguf_files.write_gguf` (its docstring says what is written); it needs the optional `gguf` package.
+`kvflow.models.quantization.gguf_writer.write_gguf` (its docstring says what is written); it needs the optional
+`gguf` package.
 `--outtype` stores the matrices as F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K or the Q4_K_M mix (kvflow's own
 quantizers; llama.cpp's `llama-quantize` makes the same block formats); `--dtype` is the older spelling of F32/BF16.
 A checkpoint without tokenizer.json (such as the random-weight benchmark checkpoints) gets a placeholder
@@ -19,7 +20,7 @@ import logging
 import sys
 from pathlib import Path
 
-from kvflow.testing.gguf_files import (  # noqa: F401 (re-exported for the scripts that load this file)
+from kvflow.models.quantization.gguf_writer import (  # noqa: F401 (re-exported for the scripts that load this file)
     gguf_tensor_name,
     permute_for_interleaved_rope,
     write_gguf,

@@ -189,7 +189,7 @@ def test_llama_perplexity_agrees_with_kvflow_on_the_same_gguf(kind: str, tmp_pat
     """The default model's held-out sample through llama-perplexity and through kvflow, on one GGUF file: the same
     chunks (n_ctx = the training window, each chunk's first token BOS, its second half scored)."""
     from kvflow.default_model import SAMPLE_SEPARATOR, SHIPPED_CHECKPOINT, ensure_default_model
-    from kvflow.testing.gguf_files import write_gguf
+    from kvflow.models.quantization.gguf_writer import write_gguf
     from kvflow.tokenizer import load_tokenizer
 
     model_dir = ensure_default_model()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvflow import LLM, SamplingParams
 from kvflow.default_model import ensure_default_model
-from kvflow.testing.gguf_files import write_gguf
+from kvflow.models.quantization.gguf_writer import write_gguf
 from tests.entrypoints.server import DEFAULT_SERVER, running_server
 
 PROMPT = "Once upon a time"

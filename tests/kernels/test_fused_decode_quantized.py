@@ -17,7 +17,7 @@ from kvflow.kernels import quant
 from kvflow.models.fused_decode import FusedDecodeLayers
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import load_model
-from kvflow.testing.gguf_files import write_gguf
+from kvflow.models.quantization.gguf_writer import write_gguf
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 from tests.kernels.test_fused_decode_layer import _drive
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvflow.kernels import quant
-from kvflow.testing.ggml_quants import quantize
+from kvflow.models.quantization.ggml_quantize import quantize
 
 QTYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 # Columns per type: whole blocks, several blocks, and for the 32-element types short rows.

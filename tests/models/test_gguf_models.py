@@ -1,9 +1,9 @@
 """GGUF files as the model: loaded from their blocks, matching the same weights dequantized to float32.
 
-Files are made here from random tiny checkpoints (`kvflow.testing.gguf_files.write_gguf`: gguf-py's quantizer for
-Q8_0 / Q4_0, kvflow's NumPy one for the K-quants). The oracle for a quantized file is the float32 checkpoint holding
-exactly its dequantized weights (`dequantized_checkpoint`), run through kvflow: greedy tokens must be equal, since both
-compute in float32 on the same weight values (only the summation order differs).
+Files are made here from random tiny checkpoints (`kvflow.models.quantization.gguf_writer.write_gguf`: gguf-py's
+quantizer for Q8_0 / Q4_0, kvflow's NumPy one for the K-quants). The oracle for a quantized file is the float32
+checkpoint holding exactly its dequantized weights (`dequantized_checkpoint`), run through kvflow: greedy tokens must
+be equal, since both compute in float32 on the same weight values (only the summation order differs).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from kvflow import LLM, SamplingParams
 from kvflow.models.loader import load_model
 from kvflow.models.quantization.gguf_file import GGUFCheckpoint, GGUFTensor
 from kvflow.models.quantization.gguf_plan import GGUFLinear
-from kvflow.testing.gguf_files import dequantized_checkpoint, write_gguf
+from kvflow.models.quantization.gguf_writer import write_gguf
+from kvflow.testing.gguf_files import dequantized_checkpoint
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 from tests.models.greedy import GREEDY, PROMPTS, greedy_tokens
 

@@ -1,4 +1,5 @@
-"""Test-file maker for llama.cpp's GGUF block formats: float32 weights -> the bytes of a GGUF tensor's rows.
+"""Quantizers for llama.cpp's GGUF block formats: float32 weights -> the bytes of a GGUF tensor's rows (what the
+GGUF writer, `kvflow.models.quantization.gguf_writer`, stores).
 
 Q8_0 and Q4_0 come from `gguf.quants.quantize` (the gguf package's bit-exact port of ggml's reference quantizers).
 Q4_K and Q6_K are written here from ggml's documented block layouts (ggml-common.h); a plain min/max fit per

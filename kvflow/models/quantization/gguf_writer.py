@@ -1,0 +1,308 @@
+"""Writing GGUF files from kvflow / Hugging Face checkpoint folders (`tools/convert_to_gguf.py`; tests and
+benchmarks make their files with it too).
+
+`write_gguf(checkpoint_dir, out_path, tensor_type=...)` writes what llama.cpp's own converter writes for the Llama
+family (`llama`, which also covers Mistral, `qwen2`, `qwen3`): the architecture's metadata, every tensor under
+llama.cpp's name (`kvflow.models.quantization.gguf_file.GGUF_LAYER_NAMES` read backwards), and the tokenizer.
+
+* Matrices are stored as `tensor_type` says: a type name (`F32`, `F16`, `BF16`, `Q8_0`, `Q4_0`, `Q4_K`, `Q6_K`)
+  for every matrix, `"Q4_K_M"` for llama.cpp's mix (see `q4_k_m_type`), or a function `(gguf name, (rows,
+  columns)) -> type`. Quantized blocks come from `kvflow.models.quantization.ggml_quantize.quantize` (gguf-py's
+  quantizer for Q8_0 / Q4_0, kvflow's NumPy one for the K-quants). 1-D tensors (norms, biases) are float32, as
+  llama.cpp's converter stores them.
+* `llama` q/k rows are permuted from Hugging Face's half-split rotary layout to llama.cpp's interleaved one; Llama 3
+  rope scaling is written as llama.cpp does, a `rope_freqs.weight` tensor of per-frequency divisors.
+* The tokenizer: tokenizer.json's byte-level BPE vocabulary (`tokenizer.ggml.*`, model "gpt2") and the chat
+  template; with `embed_hf_tokenizer` the whole tokenizer.json too (`tokenizer.huggingface.json`, which kvflow
+  reads when no tokenizer folder is given). A checkpoint without tokenizer.json gets model "none" (enough for
+  llama-bench, not for text).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from kvflow.models.hf_config import rope_settings
+from kvflow.models.layers.rotary import rope_inverse_frequencies
+from kvflow.models.quantization.ggml_quantize import quantize
+from kvflow.models.quantization.gguf_file import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+
+logger = logging.getLogger(__name__)
+
+# config.json model_type -> GGUF general.architecture.
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Hugging Face parameter name (inside `model.layers.N.`) -> llama.cpp tensor name (inside `blk.N.`), and the globals.
+LAYER_TENSOR_NAMES = {hf: name for name, hf in GGUF_LAYER_NAMES.items()}
+GLOBAL_TENSOR_NAMES = {hf: name for name, hf in GGUF_GLOBAL_NAMES.items()}
+_LAYER_PATTERN = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# llama.cpp's Q4_K_M falls back where a row is not a whole number of 256-element blocks; it uses Q5_0 / Q8_0 there,
+# kvflow's test files Q4_0 / Q8_0 (types kvflow reads).
+_K_QUANT_FALLBACK = {"Q4_K": "Q4_0", "Q6_K": "Q8_0"}
+TensorType = str | Callable[[str, tuple[int, int]], str]
+
+
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """llama.cpp's name for a Hugging Face parameter; None for tensors llama.cpp does not load (rotary caches)."""
+    if hf_name in GLOBAL_TENSOR_NAMES:
+        return GLOBAL_TENSOR_NAMES[hf_name]
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    match = _LAYER_PATTERN.fullmatch(hf_name)
+    if match is None or match.group(2) not in LAYER_TENSOR_NAMES:
+        raise ValueError(f"tensor {hf_name!r} has no llama.cpp name (not a Llama-family parameter)")
+    layer, rest = match.groups()
+    return f"blk.{layer}.{LAYER_TENSOR_NAMES[rest]}"
+
+
+def permute_for_interleaved_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder each head's rows (or bias entries) from Hugging Face's rotary layout (first half, second half) to
+    llama.cpp's `llama` layout (pairs of adjacent rows), as llama.cpp's converter does."""
+    head_rows = weight.shape[0] // num_heads
+    return (
+        weight.reshape(num_heads, 2, head_rows // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def q4_k_m_type(num_layers: int) -> Callable[[str, tuple[int, int]], str]:
+    """llama.cpp's Q4_K_M mix: Q6_K for the output matrix (the token embedding when tied) and for attn_v and ffn_down
+    in the layers llama.cpp gives more bits (the first and last eighth, and every third between), Q4_K elsewhere;
+    each falls back (`_K_QUANT_FALLBACK`) where the row length is not a multiple of 256."""
+
+    def more_bits(layer: int) -> bool:
+        return (
+            layer < num_layers // 8
+            or layer >= 7 * num_layers // 8
+            or (layer - num_layers // 8) % 3 == 2
+        )
+
+    def choose(name: str, shape: tuple[int, int]) -> str:
+        qtype = "Q4_K"
+        if name == "output.weight":
+            qtype = "Q6_K"
+        elif name.startswith("blk.") and name.endswith(("attn_v.weight", "ffn_down.weight")):
+            qtype = "Q6_K" if more_bits(int(name.split(".")[1])) else "Q4_K"
+        return qtype if shape[1] % 256 == 0 else _K_QUANT_FALLBACK[qtype]
+
+    return choose
+
+
+def _type_chooser(
+    tensor_type: TensorType, num_layers: int, tied: bool
+) -> Callable[[str, tuple[int, int]], str]:
+    """`tensor_type` as a function of (gguf name, shape); under Q4_K_M a tied embedding is the output matrix."""
+    if callable(tensor_type):
+        return tensor_type
+    if tensor_type != "Q4_K_M":
+        return lambda name, shape: tensor_type
+    mix = q4_k_m_type(num_layers)
+
+    def choose(name: str, shape: tuple[int, int]) -> str:
+        return mix("output.weight" if tied and name == "token_embd.weight" else name, shape)
+
+    return choose
+
+
+def iterate_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file of the checkpoint, one at a time."""
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {checkpoint_dir}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 (safe_open is no dict)
+                yield name, reader.get_tensor(name)
+
+
+def _encode(tensor: torch.Tensor, qtype: str, gguf: Any) -> tuple[np.ndarray, Any]:
+    """(array, raw GGML type or None for float32) of a tensor in `qtype`."""
+    if tensor.dim() <= 1 or qtype == "F32":
+        return tensor.to(torch.float32).contiguous().numpy(), None
+    if qtype == "BF16":
+        bits = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view("uint16")
+        return bits, gguf.GGMLQuantizationType.BF16
+    if qtype == "F16":  # a float16 array carries its own type
+        return tensor.to(torch.float16).contiguous().numpy(), None
+    blocks = quantize(qtype, tensor.to(torch.float32).contiguous().numpy())
+    return blocks, gguf.GGMLQuantizationType[qtype]
+
+
+def detect_tokenizer_pre(tokenizer: dict[str, Any]) -> str:
+    """llama.cpp's pre-tokenizer name for a byte-level BPE tokenizer.json: GPT-2's regex split ('gpt-2') is the one
+    recognised; others need `tokenizer_pre` (see llama.cpp's src/llama-vocab.cpp for the names)."""
+    pre = tokenizer.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt-2"
+    raise ValueError(
+        f"unrecognised pre_tokenizer {json.dumps(pre)[:200]}; pass --tokenizer-pre (e.g. qwen2, llama-bpe)"
+    )
+
+
+def write_tokenizer(
+    writer: Any,
+    gguf: Any,
+    checkpoint_dir: Path,
+    config: dict[str, Any],
+    tokenizer_pre: str | None,
+    embed_hf_tokenizer: bool = False,
+) -> None:
+    """The vocabulary from tokenizer.json (byte-level BPE), or a placeholder vocabulary without one."""
+    vocab_size = int(config["vocab_size"])
+    tokenizer_path = checkpoint_dir / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        logger.warning("no tokenizer.json: writing a placeholder vocabulary (llama-bench only)")
+        writer.add_tokenizer_model("none")
+        return
+    text = tokenizer_path.read_text(encoding="utf-8")
+    tokenizer = json.loads(text)
+    model = tokenizer["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(
+            f"tokenizer.json model.type is {model.get('type')!r}; only BPE is supported"
+        )
+    tokens = [f"[PAD{index}]" for index in range(vocab_size)]
+    token_types = [gguf.TokenType.UNUSED] * vocab_size
+    for token, index in model["vocab"].items():
+        tokens[index], token_types[index] = token, gguf.TokenType.NORMAL
+    for added in tokenizer.get("added_tokens", []):
+        tokens[added["id"]] = added["content"]
+        special = added.get("special", False)
+        token_types[added["id"]] = (
+            gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
+        )
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(tokenizer_pre or detect_tokenizer_pre(tokenizer))
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    for key, add in (
+        ("bos_token_id", writer.add_bos_token_id),
+        ("eos_token_id", writer.add_eos_token_id),
+        ("pad_token_id", writer.add_pad_token_id),
+    ):
+        value = config.get(key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            add(int(value))
+    tokenizer_config_path = checkpoint_dir / "tokenizer_config.json"
+    if tokenizer_config_path.is_file():
+        tokenizer_config = json.loads(tokenizer_config_path.read_text())
+        if "add_bos_token" in tokenizer_config:
+            writer.add_add_bos_token(bool(tokenizer_config["add_bos_token"]))
+        if isinstance(tokenizer_config.get("chat_template"), str):
+            writer.add_chat_template(tokenizer_config["chat_template"])
+    if embed_hf_tokenizer:
+        writer.add_string("tokenizer.huggingface.json", text)
+
+
+def _llama3_rope_freqs(config: dict[str, Any], head_dim: int) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs` for Llama 3 scaling (plain inverse frequencies / scaled ones); None without
+    scaling; ValueError for a scaling llama.cpp's `llama` files do not express. Reads either spelling of the RoPE
+    keys (transformers 4's `rope_scaling`, 5's `rope_parameters`)."""
+    theta, scaling = rope_settings(config)
+    if scaling is None:
+        return None
+    if scaling["rope_type"] != "llama3":
+        raise ValueError(f"rope_scaling {scaling} is not supported by this converter")
+    plain = rope_inverse_frequencies(head_dim, theta, None)
+    scaled = rope_inverse_frequencies(head_dim, theta, scaling)
+    return (plain / scaled).numpy().astype(np.float32)
+
+
+def write_hparams(writer: Any, gguf: Any, config: dict[str, Any], file_type: Any) -> None:
+    """The architecture block: what llama.cpp's loader reads to shape the graph."""
+    num_heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // num_heads)
+    writer.add_name(config.get("_name_or_path") or config["model_type"])
+    writer.add_vocab_size(int(config["vocab_size"]))
+    writer.add_context_length(int(config.get("max_position_embeddings", 4096)))
+    writer.add_embedding_length(int(config["hidden_size"]))
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(int(config.get("num_key_value_heads") or num_heads))
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(rope_settings(config)[0])
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    writer.add_file_type(int(file_type))
+
+
+_FILE_TYPES = {
+    "F32": "ALL_F32",
+    "F16": "MOSTLY_F16",
+    "BF16": "MOSTLY_BF16",
+    "Q8_0": "MOSTLY_Q8_0",
+    "Q4_0": "MOSTLY_Q4_0",
+    "Q4_K": "MOSTLY_Q4_K_S",
+    "Q6_K": "MOSTLY_Q6_K",
+    "Q4_K_M": "MOSTLY_Q4_K_M",
+}
+
+
+def write_gguf(
+    checkpoint_dir: str | Path,
+    out_path: str | Path,
+    tensor_type: TensorType = "BF16",
+    *,
+    tokenizer_pre: str | None = None,
+    embed_hf_tokenizer: bool = False,
+) -> Path:
+    """Write `out_path` from `checkpoint_dir` (see the module docstring); returns `out_path`. Raises ValueError
+    naming the field or tensor that cannot be written."""
+    import gguf
+
+    checkpoint_dir, out_path = Path(checkpoint_dir), Path(out_path)
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"config.json model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}"
+        )
+    arch = ARCHITECTURES[model_type]
+    tied = bool(config.get("tie_word_embeddings", False))
+    num_heads = int(config["num_attention_heads"])
+    num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // num_heads)
+    choose = _type_chooser(tensor_type, int(config["num_hidden_layers"]), tied)
+    file_type_name = tensor_type if isinstance(tensor_type, str) else "F32"
+    rope_freqs = _llama3_rope_freqs(config, head_dim)
+    if rope_freqs is not None and arch != "llama":
+        raise ValueError(f"rope_scaling is only written for llama files, not {arch}")
+
+    writer = gguf.GGUFWriter(str(out_path), arch)
+    write_hparams(writer, gguf, config, gguf.LlamaFileType[_FILE_TYPES[file_type_name]])
+    write_tokenizer(writer, gguf, checkpoint_dir, config, tokenizer_pre, embed_hf_tokenizer)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs)
+    for hf_name, tensor in iterate_checkpoint(checkpoint_dir):
+        name = gguf_tensor_name(hf_name)
+        if name is None or (tied and name == "output.weight"):
+            continue
+        if arch == "llama" and ".attn_q." in name:
+            tensor = permute_for_interleaved_rope(tensor, num_heads)
+        elif arch == "llama" and ".attn_k." in name and "_norm" not in name:
+            tensor = permute_for_interleaved_rope(tensor, num_kv_heads)
+        qtype = choose(name, tuple(tensor.shape)) if tensor.dim() == 2 else "F32"  # type: ignore[arg-type]
+        array, raw_dtype = _encode(tensor, qtype, gguf)
+        writer.add_tensor(
+            name, array, raw_dtype=raw_dtype
+        )  # a quantized byte shape is converted by gguf
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
