@@ -41,7 +41,14 @@ _SOURCES = (
     "elementwise.cpp",
     "attention.cpp",
     "decode_layer.cpp",
-    "quant.cpp",
+    "quant_reference.cpp",
+    "quant_activations.cpp",
+    "quant_gemv_8bit.cpp",
+    "quant_gemv_integer.cpp",
+    "quant_repack.cpp",
+    "quant_tiled.cpp",
+    "quant_w8a8.cpp",
+    "quant_linear.cpp",
 )
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _LDFLAGS = ("-fopenmp",)

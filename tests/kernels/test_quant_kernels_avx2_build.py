@@ -1,6 +1,6 @@
 """The quantized-weight kernels' AVX2 code paths, run on an AVX-512 machine.
 
-csrc/quant.cpp has an AVX-512 form of the Q8_0 and int8 GEMVs and an AVX2 form of every kernel; `-march=native`
+csrc/quant_*.cpp have an AVX-512 form of the Q8_0 and int8 GEMVs and an AVX2 form of every kernel; `-march=native`
 builds only the one this CPU takes, so on an AVX-512 machine the suite never runs the AVX2 ones (the CI machine may
 be either). This test builds the extension once more with `-mno-avx512f`, into its own cache folder, and runs the
 kernel tests and the GGUF / int8 model tests in a subprocess against that build. Slow: one more compile (~30 s)

@@ -1,0 +1,105 @@
+// The GEMV on quantized blocks (M <= gemv_max_rows activation rows, decode), shared by the per-type block kinds
+// (quant_gemv_8bit.cpp: Q8_0; quant_gemv_integer.cpp: Q4_0, Q4_K, Q6_K). It works on the blocks as stored, never
+// writing dequantized weights: threads split the weight rows into contiguous bands, so each weight byte streams
+// from memory once, and each band runs one weight row at a time against register passes of up to 8 x rows.
+//
+// A block kind `Block` provides kElements and kBytes (per block), Acc (its accumulator vector), and
+// `accumulate<MT>(block, rows, b, acc)`, which adds block b of one weight row against MT x rows (`Rows`: FloatRows
+// or QuantRows) into acc[m]. kPairRowsMinK > 0 (Q8_0 on AVX-512) also gives `two_rows`: two weight rows per pass
+// against one x row, each summed exactly as accumulate sums it alone, taken when K >= kPairRowsMinK.
+#pragma once
+
+#include <omp.h>
+
+#include "quant_internal.h"
+
+#ifdef KVFLOW_QUANT_SIMD
+namespace kvflow {
+namespace quant {
+
+// How far ahead of the current block each weight row is prefetched.
+constexpr int kPrefetchBytes = 1024;
+
+// Accumulator vectors: 8 fp32 lanes (AVX2), 16 on AVX-512 builds for the blocks that use them.
+inline __m256 zero_like(__m256) { return _mm256_setzero_ps(); }
+inline float reduce(__m256 values) { return sum8(values); }
+#ifdef KVFLOW_AVX512
+inline __m512 zero_like(__m512) { return _mm512_setzero_ps(); }
+inline float reduce(__m512 values) { return _mm512_reduce_add_ps(values); }
+#endif
+
+// Prefetches the cache lines of `bytes` bytes at `start` + kPrefetchBytes (every line: a K-quant block spans
+// 3-4 of them, and one prefetch per block left most of each row to the hardware prefetcher).
+inline void prefetch_ahead(const void* start, int bytes) {
+  for (int line = 0; line < bytes; line += 64)
+    _mm_prefetch(static_cast<const char*>(start) + kPrefetchBytes + line, _MM_HINT_T0);
+}
+
+// Weight rows [n_begin, n_end) against x rows [m0, m0 + MT), one weight row at a time: one sequential stream
+// per thread (the hardware prefetchers follow one stream far better than two rows interleaved).
+template <class Block, int MT, class Rows>
+void ggml_band(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const Rows& x, int64_t m0, int64_t n_begin,
+               int64_t n_end, const float* bias, float* y, int64_t N) {
+  const Rows rows = x.at(m0);
+  if constexpr (Block::kPairRowsMinK > 0 && MT == 1) {
+    // Only where x outgrows L1's share: below, two weight streams cost the prefetchers more than the shared x
+    // loads save.
+    for (; num_blocks * Block::kElements >= Block::kPairRowsMinK && n_begin + 2 <= n_end; n_begin += 2) {
+      float sum0, sum1;
+      Block::two_rows(w + n_begin * row_bytes, w + (n_begin + 1) * row_bytes, num_blocks, rows.x, &sum0, &sum1);
+      y[m0 * N + n_begin] = sum0 + (bias ? bias[n_begin] : 0.f);
+      y[m0 * N + n_begin + 1] = sum1 + (bias ? bias[n_begin + 1] : 0.f);
+    }
+  }
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    typename Block::Acc acc[MT];
+    for (int m = 0; m < MT; ++m) acc[m] = zero_like(acc[m]);
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const uint8_t* block = row + b * Block::kBytes;
+      prefetch_ahead(block, Block::kBytes);
+      Block::template accumulate<MT>(block, rows, b, acc);
+    }
+    for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = reduce(acc[m]) + (bias ? bias[n] : 0.f);
+  }
+}
+
+template <class Block, class Rows>
+void ggml_band_any_m(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const Rows& x, int64_t M,
+                     int64_t n_begin, int64_t n_end, const float* bias, float* y, int64_t N) {
+  by_row_passes(M, [&](auto rows, int64_t m) {
+    ggml_band<Block, decltype(rows)::value>(w, row_bytes, num_blocks, x, m, n_begin, n_end, bias, y, N);
+  });
+}
+
+// More x rows than one register pass holds (8): blocked so that a weight tile (kGemvTileRows rows, L1/L2) runs
+// against every group of 8 rows of an x block (kGemvBlockRows rows, L2) before the next tile streams in, and the
+// weights are read from memory once per x block. Up to 8 rows this is the plain one-stream GEMV.
+constexpr int64_t kGemvTileRows = 16;
+constexpr int64_t kGemvBlockRows = 64;
+
+template <class Block, class Rows>
+void ggml_gemv(const Rows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
+               int num_threads) {
+  const int64_t num_blocks = K / Block::kElements, row_bytes = num_blocks * Block::kBytes;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / 2)));
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t begin, end;
+    thread_range(N, omp_get_thread_num(), omp_get_num_threads(), begin, end);
+    if (M <= 8) {
+      ggml_band_any_m<Block>(w, row_bytes, num_blocks, x, M, begin, end, bias, y, N);
+    } else {
+      for (int64_t m0 = 0; m0 < M; m0 += kGemvBlockRows) {
+        const int64_t rows = std::min(kGemvBlockRows, M - m0);
+        for (int64_t n = begin; n < end; n += kGemvTileRows)
+          ggml_band_any_m<Block>(w, row_bytes, num_blocks, x.at(m0), rows, n, std::min(end, n + kGemvTileRows),
+                                 bias, y + m0 * N, N);
+      }
+    }
+  }
+}
+
+}  // namespace quant
+}  // namespace kvflow
+#endif  // KVFLOW_QUANT_SIMD
