@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvflow.core.sched.drafts import max_drafts
 from kvflow.core.sched.output import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 from kvflow.core.sched.scheduler import Scheduler
 from kvflow.request import Request, RequestStatus
@@ -56,13 +57,13 @@ class AsyncScheduler(Scheduler):
     def _draft_slots(self, request: Request) -> list[int]:
         """Draft slots for a step planned while this request has steps in flight: as many as the worker proposed
         after the request's latest applied step (a guess: a request whose text gives the proposer nothing costs
-        no wasted positions), within `_max_drafts`. Any count is exact: slots the worker cannot fill are padding."""
+        no wasted positions), within `max_drafts`. Any count is exact: slots the worker cannot fill are padding."""
         if request.structured_output_request is not None:
             # A constrained request's bitmask rows follow its drafts, so it verifies only drafts the scheduler
             # knows: those proposed after its latest step, when no step of it is in flight.
             return []
         wanted = min(self.num_speculative_tokens, request.num_last_proposed_drafts)
-        return [DRAFT_PLACEHOLDER] * min(wanted, self._max_drafts(request))
+        return [DRAFT_PLACEHOLDER] * min(wanted, max_drafts(request, self.max_model_len))
 
     def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         # The drafts proposed after this output were already used by the request's step in flight, if any.

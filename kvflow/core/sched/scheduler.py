@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvflow.core.kv_cache_utils import RequestBlockHasher
+from kvflow.core.sched.drafts import cut_drafts, roll_back_rejected
 from kvflow.core.sched.failures import (
     RequestFailedInStep,
     StructuredOutputRejected,
@@ -663,32 +664,10 @@ class Scheduler:
         """Apply one step's tokens for `request` (`generated`, the row `index` of `outcome`), which verified
         `num_drafts` drafts: roll back over the rejected ones, then append (`_update_request_with_output`)."""
         if num_drafts:
-            self._verified(request, num_drafts, len(generated), index, outcome)
+            roll_back_rejected(
+                request, num_drafts, len(generated), index, outcome, self.spec_decoding_stats
+            )
         return self._update_request_with_output(request, generated)
-
-    def _verified(
-        self,
-        request: Request,
-        num_drafts: int,
-        num_generated: int,
-        index: int,
-        outcome: ModelRunnerOutput,
-    ) -> None:
-        """A step verified `num_drafts` drafts of `request` and produced `num_generated` tokens (the accepted drafts
-        and one more): the rejected drafts' positions were computed for nothing, so `num_computed_tokens` rolls
-        back over them (their KV is overwritten later; no block holding them was hashed, since blocks are cached
-        only over known tokens). E.g., 10 tokens, 9 computed, drafts [a, b, c]: 4 scheduled, 13 computed; a
-        accepted, b rejected -> 2 generated, 2 rejected, 11 computed (the 10 tokens and a; the new 12th is next).
-        The statistics count the worker's real drafts (`ModelRunnerOutput.num_real_drafts`: with async
-        scheduling, draft slots the worker had no draft for are padding, not drafts).
-        """
-        num_rejected = num_drafts + 1 - num_generated
-        if request.status == RequestStatus.RUNNING:
-            request.num_computed_tokens -= num_rejected
-        if self.spec_decoding_stats is not None:
-            real = outcome.num_real_drafts[index] if outcome.num_real_drafts else num_drafts
-            if real:
-                self.spec_decoding_stats.observe_draft(real, min(num_generated - 1, real))
 
     def _take_drafts(self, request: Request, drafts: list[int]) -> None:
         """Record the runner's drafts for `request`'s next step (`_next_drafts` decides what is scheduled)."""
@@ -696,21 +675,8 @@ class Scheduler:
         request.spec_token_ids = self._next_drafts(request, drafts)
 
     def _next_drafts(self, request: Request, drafts: list[int]) -> list[int]:
-        drafts = drafts[: self._max_drafts(request)]
-        so_request = request.structured_output_request
-        if drafts and so_request is not None:
-            # Drafts the constraint refuses would be rejected anyway: they are not verified at all.
-            drafts = drafts[: so_request.valid_draft_prefix(drafts)]
-        return drafts
-
-    def _max_drafts(self, request: Request) -> int:
-        """The most drafts `request`'s next step may verify without passing `max_tokens` or `max_model_len`, even
-        if every draft and every placeholder in flight becomes a token (a step yields one more than it verifies)."""
-        room = min(
-            request.max_tokens - request.num_output_tokens,
-            self.max_model_len - request.num_tokens,
-        )
-        return max(room - request.num_output_placeholders - 1, 0)
+        """What `request`'s next step verifies of the runner's `drafts` (see `cut_drafts`)."""
+        return cut_drafts(request, drafts, self.max_model_len)
 
     def _fail_request(self, request: Request, error: Exception) -> EngineCoreOutput:
         """End `request` alone on its own fault (see `fail_request`)."""
