@@ -33,7 +33,7 @@ import torch
 
 from kvflow.batch import BatchInputs
 from kvflow.default_model import DEFAULT_DRAFT_NAME, SHIPPED_DRAFT
-from kvflow.spec_decode.proposer import Proposal, Proposer
+from kvflow.spec_decode.proposer import DraftBatch, Proposal, Proposer
 from kvflow.utils import to_device
 from kvflow.worker.sampler import Sampler, build_sampling_metadata, mix_seed
 
@@ -113,22 +113,17 @@ class DraftModelProposer(Proposer):
         self.kv_cache = self.model.make_kv_cache(num_blocks, block_size).to(self.device)
 
     # ------------------------------------------------------------------------------------------ proposing
-    def propose_batch(
-        self,
-        slots: RequestSlots,
-        catch_up: dict[int, int],
-        max_drafts: dict[int, int],
-        eos_token_id: int | None,
-    ) -> dict[int, Proposal]:
-        """Bring each slot of `catch_up` (slot -> end) to `end` computed draft positions, then draft up to
+    def propose_batch(self, batch: DraftBatch) -> dict[int, Proposal]:
+        """Bring each slot of `batch.catch_up` (slot -> end) to `end` computed draft positions, then draft up to
         min(`max_drafts[slot]`, `num_speculative_tokens`) tokens after the known tokens of each slot of
         `max_drafts` whose end is its `num_tokens` (one whose blocks do not hold its known tokens yet drafts
         nothing this step; its last known token is recomputed when already covered, for its logits). Drafts are
         cut to the positions the slot's blocks can hold. Returns the proposals by slot."""
         assert self.model is not None and self.kv_cache is not None, "the draft model is not set up"
+        slots, catch_up, eos_token_id = batch.slots, batch.catch_up, batch.eos_token_id
         max_drafts = {
             index: min(room, self.num_speculative_tokens)
-            for index, room in max_drafts.items()
+            for index, room in batch.max_drafts.items()
             if catch_up.get(index) == slots.num_tokens[index]
         }
         block_size = self.block_size

@@ -2,6 +2,7 @@
 
     Proposer        the base: set-up (`load`, `kv_cache_bytes_per_block`, `make_kv_cache`) and `propose_batch`
     LookupProposer  a proposer that drafts each request from its own tokens (`propose`), with no model and no KV
+    DraftBatch      what one `propose_batch` call is asked: the slots to draft for and the slots to catch up
     Proposal        one request's drafts and, for drafts drawn from a distribution, that distribution
 
 Proposers are looked up by method name in `kvflow.spec_decode.SPEC_PROPOSERS` and built with the
@@ -21,6 +22,23 @@ if TYPE_CHECKING:
 
     from kvflow.config import EngineConfig
     from kvflow.worker.states import RequestSlots
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftBatch:
+    """One step's request to a proposer, after the target sampled.
+
+    `max_drafts` (slot -> room) names the slots to draft for, each at most `room` drafts (its room before
+    `max_model_len`); `catch_up` (slot -> end) names every slot the step computed and how many of its leading
+    positions the target has K/V for (a proposer with a KV cache brings its own to that point; others ignore
+    it); both in batch order. `slots` holds the requests' tokens: slot i's known tokens are
+    `token_ids[i, :num_tokens[i]]`.
+    """
+
+    slots: RequestSlots
+    max_drafts: dict[int, int]
+    catch_up: dict[int, int]
+    eos_token_id: int | None
 
 
 @dataclasses.dataclass
@@ -62,17 +80,9 @@ class Proposer(ABC):
         del num_blocks, block_size
 
     @abstractmethod
-    def propose_batch(
-        self,
-        slots: RequestSlots,
-        catch_up: dict[int, int],
-        max_drafts: dict[int, int],
-        eos_token_id: int | None,
-    ) -> dict[int, Proposal]:
-        """Drafts for the slots of `max_drafts` (slot -> room: at most that many drafts, each slot's room before
-        `max_model_len`), after each slot's known tokens. `catch_up` (slot -> end) names every slot this step
-        computed and how many of its leading positions the target has K/V for (a proposer with a KV cache brings
-        its own to that point; others ignore it). Returns proposals by slot (a slot may be missing: no draft)."""
+    def propose_batch(self, batch: DraftBatch) -> dict[int, Proposal]:
+        """Drafts for the slots of `batch.max_drafts`, after each slot's known tokens. Returns proposals by slot
+        (a slot may be missing: no draft)."""
 
 
 class LookupProposer(Proposer):
@@ -85,17 +95,12 @@ class LookupProposer(Proposer):
     def propose(self, token_ids: np.ndarray, max_drafts: int) -> list[int]:
         """Up to `max_drafts` draft tokens to follow `token_ids` (a request's known tokens)."""
 
-    def propose_batch(
-        self,
-        slots: RequestSlots,
-        catch_up: dict[int, int],
-        max_drafts: dict[int, int],
-        eos_token_id: int | None,
-    ) -> dict[int, Proposal]:
-        """`propose` for each slot of `max_drafts`, over its known tokens."""
+    def propose_batch(self, batch: DraftBatch) -> dict[int, Proposal]:
+        """`propose` for each slot of `batch.max_drafts`, over its known tokens."""
+        slots = batch.slots
         return {
             index: Proposal(
                 self.propose(slots.token_ids[index, : int(slots.num_tokens[index])], room)
             )
-            for index, room in max_drafts.items()
+            for index, room in batch.max_drafts.items()
         }

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvflow.core.sched.output import DRAFT_PLACEHOLDER, LogprobsLists
+from kvflow.spec_decode.proposer import DraftBatch
 from kvflow.spec_decode.rejection_sampler import accept_point_mass_drafts, rejection_sample
 from kvflow.worker.sampler import build_sampling_metadata, mix_seed
 
@@ -275,7 +276,9 @@ class SpecDecodeRunner:
                 wanted[index] = room
                 row_of[index] = row
         catch_up = self._catch_up(slot_indices, sampled, failed_rows)
-        proposals = self.proposer.propose_batch(slots, catch_up, wanted, self.eos_token_id)
+        proposals = self.proposer.propose_batch(
+            DraftBatch(slots, wanted, catch_up, self.eos_token_id)
+        )
         for index, proposal in proposals.items():
             drafts[row_of[index]] = proposal.token_ids
             self.slot_drafts[index] = proposal.token_ids
