@@ -29,6 +29,7 @@ __all__ = [
     "MAX_GEMV_ROWS",
     "add_rms_norm",
     "bf16_gemm_kernel",
+    "bf16_kernel_max_rows",
     "cpu_executes_avx512_bf16",
     "cpu_kernels_available",
     "cpu_kernels_requested",
@@ -143,6 +144,13 @@ def gemm_kernel_wins_here() -> bool:
     return bf16_gemm_kernel() is not None
 
 
+def bf16_kernel_max_rows() -> int | None:
+    """The most bfloat16 rows `linear` runs on the kernels in this process: `MAX_GEMV_ROWS` (the GEMV; torch's
+    F.linear above it), or None (every M) where kvflow's GEMM takes the rows above it (`gemm_kernel_wins_here`).
+    The fused decode layer reads its row limit here too."""
+    return None if gemm_kernel_wins_here() else MAX_GEMV_ROWS
+
+
 def linear(
     hidden_states: torch.Tensor,
     weight: torch.Tensor,
@@ -167,9 +175,10 @@ def linear(
     num_rows = hidden_states.numel() // input_size if input_size else 0
     if num_rows <= 0 or not weight.is_contiguous():
         return None
-    use_gemm = num_rows > MAX_GEMV_ROWS
-    if use_gemm and not gemm_kernel_wins_here():
+    max_rows = bf16_kernel_max_rows()
+    if max_rows is not None and num_rows > max_rows:
         return None
+    use_gemm = num_rows > MAX_GEMV_ROWS
     ops = load_cpu_kernels()
     # The GEMV wins with AVX-512 and, measured since, with AVX2 + FMA (bf16 widened in registers: 1.25x torch's
     # one-row bf16 product on a 2-core EPYC, 2.9x at 4 rows); the GEMM only with AVX-512 (`gemm_kernel_wins`).

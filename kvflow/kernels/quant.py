@@ -61,6 +61,7 @@ sum as torch's BLAS does, which on some CPUs splits a sum by thread count (a 2-c
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -72,9 +73,11 @@ __all__ = [
     "ACTIVATION_BLOCK_SIZES",
     "GGML_BLOCK_SIZES",
     "INT8_TILED_MAX_ROWS",
+    "INT8_TYPE_CODE",
     "INTEGER_PRODUCT_TYPES",
     "QUANT_GEMV_MAX_ROWS",
     "QUANT_TILED_MAX_ROWS",
+    "KernelRows",
     "dequantize",
     "dequantize_reference",
     "fake_quantize_activations",
@@ -86,6 +89,9 @@ __all__ = [
     "int8_linear",
     "int8_linear_for",
     "int8_quantize",
+    "kernel_rows",
+    "kernel_type_code",
+    "kernels_in_use",
     "quantize_activations_reference",
     "quantizes_activation_rows",
 ]
@@ -108,6 +114,8 @@ ACTIVATION_BLOCK_SIZES: dict[str, int] = {"Q4_0": 32, "Q4_K": 256, "Q6_K": 256}
 INTEGER_PRODUCT_TYPES = frozenset(ACTIVATION_BLOCK_SIZES)
 # The extension's type codes (csrc/kernels.h, `GgmlType`).
 _GGML_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
+# The extension's type code of int8 rows with a float32 scale per row (csrc/kernels.h, `kInt8Weights`).
+INT8_TYPE_CODE = -1
 
 # Up to this many activation rows the Q8_0 / int8 GEMV runs (decode); above it, the tiled kernel. The Q4_0 / Q4_K /
 # Q6_K form on int8 activations against the fp32-widening one it replaced (commit
@@ -132,12 +140,53 @@ _W8A8_ABOVE_ROWS = {
     "Q8_0": QUANT_TILED_MAX_ROWS,
 }
 
+
+@dataclass(frozen=True)
+class KernelRows:
+    """How a weight type's kernel product picks by the number of activation rows M: up to `max_rows` rows (None:
+    every M) it is the extension's `ggml_linear` / `int8_linear` with `gemv_max_rows` (None: M itself, so the
+    integer product at every M); above `max_rows`, torch's fp32 GEMM on the dequantized weight, or W8A8
+    (`quantizes_activation_rows`). The per-op products and the fused decode layer both read it here."""
+
+    gemv_max_rows: int | None
+    max_rows: int | None
+
+    def gemv_rows_for(self, num_rows: int) -> int:
+        """The `gemv_max_rows` the extension's product takes for `num_rows` rows."""
+        return num_rows if self.gemv_max_rows is None else self.gemv_max_rows
+
+
+_KERNEL_ROWS: dict[str, KernelRows] = {
+    "int8": KernelRows(gemv_max_rows=QUANT_GEMV_MAX_ROWS, max_rows=INT8_TILED_MAX_ROWS),
+    "Q8_0": KernelRows(gemv_max_rows=QUANT_GEMV_MAX_ROWS, max_rows=QUANT_TILED_MAX_ROWS),
+    **{
+        qtype: KernelRows(gemv_max_rows=None, max_rows=None)
+        for qtype in sorted(INTEGER_PRODUCT_TYPES)
+    },
+}
+
 LinearFn = Callable[..., torch.Tensor]
 
 
 def ggml_type_code(qtype: str) -> int:
     """The C++ extension's code for a GGUF block type (csrc/kernels.h `GgmlType`)."""
     return _GGML_TYPE_CODES[qtype]
+
+
+def kernel_type_code(weight_type: str) -> int:
+    """The extension's code for a weight type's runs: `ggml_type_code` for GGUF types, `INT8_TYPE_CODE` for "int8"."""
+    return INT8_TYPE_CODE if weight_type == "int8" else _GGML_TYPE_CODES[weight_type]
+
+
+def kernel_rows(weight_type: str) -> KernelRows:
+    """`KernelRows` of a weight type ("int8" or a GGUF block type); KeyError for another."""
+    return _KERNEL_ROWS[weight_type]
+
+
+def kernels_in_use() -> bool:
+    """Whether quantized products run on the C++ kernels in this process (the extension loaded, built for AVX2 or
+    AVX-512): what `ggml_linear_for` and `int8_linear_for` decide when called now."""
+    return _kernel_ops() is not None
 
 
 def ggml_row_bytes(qtype: str, num_columns: int) -> int:
@@ -352,14 +401,14 @@ def _ggml_linear_kernel(
     num_columns = _num_columns(qtype, blocks)
     rows = _rows_of(x, num_columns)
     code = _GGML_TYPE_CODES[qtype]
-    if qtype in _W8A8_ABOVE_ROWS and _runs_w8a8(ops, qtype, rows.shape[0]):
+    limits = _KERNEL_ROWS[qtype]
+    num_rows = rows.shape[0]
+    if qtype in _W8A8_ABOVE_ROWS and _runs_w8a8(ops, qtype, num_rows):
         out = ops.ggml_linear_w8a8(rows, blocks, code, _float_bias(bias))  # prefill-sized M
-    elif qtype in INTEGER_PRODUCT_TYPES:
-        out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), rows.shape[0])
-    elif rows.shape[0] > QUANT_TILED_MAX_ROWS:  # Q8_0: float32 x
+    elif limits.max_rows is not None and num_rows > limits.max_rows:  # Q8_0: float32 x
         out = F.linear(rows.float(), ops.ggml_dequantize(blocks, code), _float_bias(bias))
     else:
-        out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), QUANT_GEMV_MAX_ROWS)
+        out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), limits.gemv_rows_for(num_rows))
     return out.to(x.dtype).view(*x.shape[:-1], blocks.shape[0])
 
 
@@ -391,7 +440,7 @@ def ggml_linear_for(qtype: str) -> LinearFn:
         raise ValueError(
             f"unknown GGML quantization type {qtype!r} (known: {sorted(GGML_BLOCK_SIZES)})"
         )
-    use_kernel = _kernel_ops() is not None
+    use_kernel = kernels_in_use()
     implementation = _ggml_linear_kernel if use_kernel else _ggml_linear_reference
 
     def linear(
@@ -436,10 +485,18 @@ def _int8_linear_kernel(
     ops = load_cpu_kernels()
     rows = _rows_of(x, qweight.shape[1])
     scale = scale.float().contiguous()
-    if rows.shape[0] > INT8_TILED_MAX_ROWS and not _runs_w8a8(ops, "int8", rows.shape[0]):
+    limits = _KERNEL_ROWS["int8"]
+    num_rows = rows.shape[0]
+    if (
+        limits.max_rows is not None
+        and num_rows > limits.max_rows
+        and not _runs_w8a8(ops, "int8", num_rows)
+    ):
         out = F.linear(rows.float(), qweight.float() * scale[:, None], _float_bias(bias))
     else:
-        out = ops.int8_linear(rows, qweight, scale, _float_bias(bias), QUANT_GEMV_MAX_ROWS)
+        out = ops.int8_linear(
+            rows, qweight, scale, _float_bias(bias), limits.gemv_rows_for(num_rows)
+        )
     return out.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
 
 
@@ -460,7 +517,7 @@ def int8_linear(
 
 def int8_linear_for() -> LinearFn:
     """`int8_linear` with the path chosen once: `fn(x, qweight, scale, bias)`; `__name__` / `.path` say which."""
-    use_kernel = _kernel_ops() is not None
+    use_kernel = kernels_in_use()
     implementation = _int8_linear_kernel if use_kernel else _int8_linear_reference
 
     def linear(

@@ -8,10 +8,11 @@ every row is a decode row (one token each, every one sampled) and there are at m
 returns None and the model runs its per-op layers.
 
 Invariants: `decode_layer` chains the very kernels the per-op path calls, in the same order, so a fused step's
-results equal the per-op path's bit for bit. That is why `max_rows` is `MAX_GEMV_ROWS` unless `kernels.linear`
-itself sends more rows to the kernel's GEMM (`gemm_kernel_wins_here`), and then the extension's own limit
-(`kernels.decode_layer_max_rows()`, its `kMaxDecodeLayerRows`); for quantized weights it stops where the per-op
-product leaves the kernels (`QUANT_TILED_MAX_ROWS` with Q8_0 runs, `INT8_TILED_MAX_ROWS` with int8). A float32
+results equal the per-op path's bit for bit. That is why `max_rows` never exceeds the row count up to which the
+per-op products stay on those kernels, as each states it: dense bfloat16 layers `kernels.bf16_kernel_max_rows()`
+(the rows `kernels.linear` runs on the kernels), quantized layers their method's `fused_decode_product()` (its runs
+and their row limit); and never the extension's own limit (`kernels.decode_layer_max_rows()`). This module inspects
+no quantization method: a layer whose method states no fused product keeps its model on the per-op path. A float32
 quantized model's per-op norms run the C++ RMSNorm too (`RMSNorm.float32_kernel`, set here), which the fused layer
 calls: torch's float32 RMSNorm sums in another order. The layer weights are gathered once: weight loaders copy into
 the parameters in place, so the tensors gathered here always hold the loaded values.
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvflow import kernels
-from kvflow.kernels import load_cpu_kernels, quant
+from kvflow.kernels import load_cpu_kernels
 from kvflow.models.attention.cpu_paged import CpuPagedAttention, CpuPagedMetadata
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
     from kvflow.models.attention.base import AttentionBackend
     from kvflow.models.hf_config import TransformerConfig
+    from kvflow.models.layers.linear import FusedProduct
 
 LayerWeights = tuple["torch.Tensor | None", ...]
 
@@ -59,10 +61,6 @@ def decode_layer_weights(layer: nn.Module) -> LayerWeights:
     )
 
 
-# Type code of an int8 run for `decode_layer_quantized` (kernels.h `kInt8Weights`); GGUF runs use quant's codes.
-_INT8_RUN = -1
-
-
 @functools.cache
 def _no_tensor() -> torch.Tensor:
     """The empty tensor that stands for "none" (a GGUF run's scale, a missing bias); made on first use, so that
@@ -70,32 +68,28 @@ def _no_tensor() -> torch.Tensor:
     return torch.empty(0)
 
 
-# One run of a quantized product: (weight, type code, int8 row scales or empty, bias rows or None).
-QuantRun = tuple[torch.Tensor, int, torch.Tensor, "torch.Tensor | None"]
-
-
 class QuantizedLayerArgs:
     """One layer's arguments for `decode_layer_quantized`, gathered once: the norms, then per run of the four
-    products (qkv, o, gate_up, down) its weight, type code, int8 scale (else empty) and bias (float32, else empty).
+    products (qkv, o, gate_up, down) its weight, type code, int8 scale (else empty), bias (float32, else empty) and
+    `gemv_max_rows` (a run whose product is the same at every row count gets `max_rows`, which no step exceeds).
     A bias in another dtype is converted per call (`biases`), as the per-op path does, so weight updates show."""
 
-    def __init__(
-        self,
-        layer: nn.Module,
-        runs: list[QuantRun],
-        runs_per_product: list[int],
-    ) -> None:
+    def __init__(self, layer: nn.Module, products: Sequence[FusedProduct], max_rows: int) -> None:
+        runs = [run for product in products for run in product.runs]
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
-        self.weights = [weight for weight, _, _, _ in runs]
-        self.types = [code for _, code, _, _ in runs]
-        self.scales = [scale for _, _, scale, _ in runs]
-        self._biases = [bias for _, _, _, bias in runs]
+        self.weights = [run.weight for run in runs]
+        self.types = [run.type_code for run in runs]
+        self.scales = [_no_tensor() if run.scale is None else run.scale for run in runs]
+        self.gemv_max_rows = [
+            max_rows if run.gemv_max_rows is None else run.gemv_max_rows for run in runs
+        ]
+        self._biases = [run.bias for run in runs]
         self._convert = any(
             bias is not None and bias.dtype is not torch.float32 for bias in self._biases
         )
         self._float_biases = [_no_tensor() if bias is None else bias for bias in self._biases]
-        self.runs_per_product = runs_per_product
+        self.runs_per_product = [len(product.runs) for product in products]
         self.intermediate = layer.mlp.down_proj.input_size
 
     def biases(self) -> list[torch.Tensor]:
@@ -106,65 +100,41 @@ class QuantizedLayerArgs:
         ]
 
 
-def _quantized_runs(linear: nn.Module) -> list[QuantRun] | None:
-    """A quantized linear layer's runs for `decode_layer_quantized`, or None when its product is not the kernels'
-    (float runs, the PyTorch reference path, another method)."""
-    from kvflow.models.quantization.gguf_plan import GGUFLinear
-    from kvflow.models.quantization.int8 import Int8Linear
-
-    method = getattr(linear, "quant_method", None)
-    bias = linear.bias
-    if not isinstance(method, (Int8Linear, GGUFLinear)) or not all(
-        name.endswith("_kernel") for name in method.kernel_names
-    ):
-        return None
-    if isinstance(method, Int8Linear):
-        return [(linear.weight, _INT8_RUN, linear.weight_scale, bias)]
-    runs: list[QuantRun] = []
-    for run in method.runs:
-        assert run.matrix is not None
-        run_bias = None if bias is None else bias[run.row_start : run.row_start + run.rows]
-        runs.append((run.matrix, quant.ggml_type_code(run.qtype), _no_tensor(), run_bias))
-    return runs
-
-
-def quantized_layer_args(layer: nn.Module) -> QuantizedLayerArgs | None:
-    """`QuantizedLayerArgs` for a decoder layer whose four products are all quantized on the kernels, else None."""
+def fused_products(layer: nn.Module) -> list[FusedProduct] | None:
+    """The fused products of a decoder layer's four linear layers (qkv, o, gate_up, down), as their quantization
+    methods state them; None when any layer has no method or its method states none."""
     attention, mlp = layer.self_attn, layer.mlp
-    runs: list[QuantRun] = []
-    runs_per_product = []
+    products = []
     for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        product_runs = _quantized_runs(linear)
-        if product_runs is None:
+        method = linear.quant_method
+        product = None if method is None else method.fused_decode_product()
+        if product is None:
             return None
-        runs.extend(product_runs)
-        runs_per_product.append(len(product_runs))
-    return QuantizedLayerArgs(layer, runs, runs_per_product)
+        products.append(product)
+    return products
 
 
-def _all_quantized_layer_args(layers: Sequence[nn.Module]) -> list[QuantizedLayerArgs] | None:
-    """Every layer's `QuantizedLayerArgs`, or None when any layer's products are not all the kernels'."""
-    args = []
+def _all_quantized_layer_args(
+    layers: Sequence[nn.Module],
+) -> tuple[list[QuantizedLayerArgs], int] | None:
+    """Every layer's `QuantizedLayerArgs` and the fused path's row limit (the extension's, or the fewest rows any
+    product stays on its kernels), or None when any layer's products are not all fused products."""
+    products_by_layer = []
     for layer in layers:
-        each = quantized_layer_args(layer)
-        if each is None:
+        products = fused_products(layer)
+        if products is None:
             return None
-        args.append(each)
-    return args
-
-
-def _quantized_max_rows(args: Sequence[QuantizedLayerArgs]) -> int:
-    """The most rows a fused step may take while every per-op product stays the kernel the fused layer calls: Q8_0
-    runs leave it above QUANT_TILED_MAX_ROWS (for the dense path, or W8A8 on VNNI CPUs), int8 above
-    INT8_TILED_MAX_ROWS, Q4_0 / Q4_K / Q6_K never (ggml_linear's integer product at every M, as the fused layer
-    calls it)."""
-    types = {code for each in args for code in each.types}
+        products_by_layer.append(products)
     max_rows = kernels.decode_layer_max_rows()
-    if quant.ggml_type_code("Q8_0") in types:
-        max_rows = min(max_rows, quant.QUANT_TILED_MAX_ROWS)
-    if _INT8_RUN in types:
-        max_rows = min(max_rows, quant.INT8_TILED_MAX_ROWS)
-    return max_rows
+    for products in products_by_layer:
+        for product in products:
+            if product.max_rows is not None:
+                max_rows = min(max_rows, product.max_rows)
+    args = [
+        QuantizedLayerArgs(layer, products, max_rows)
+        for layer, products in zip(layers, products_by_layer, strict=True)
+    ]
+    return args, max_rows
 
 
 class FusedDecodeLayers:
@@ -227,10 +197,10 @@ class FusedDecodeLayers:
             return None
         quantized_args: list[QuantizedLayerArgs] | None = None
         if quantized:
-            quantized_args = _all_quantized_layer_args(layers) if ops.has_avx2() else None
-            if quantized_args is None:
+            gathered = _all_quantized_layer_args(layers) if ops.has_avx2() else None
+            if gathered is None:
                 return None
-            max_rows = _quantized_max_rows(quantized_args)
+            quantized_args, max_rows = gathered
             if dtype is torch.float32:  # the per-op norms must be the C++ ones decode_layer calls
                 for layer in layers:
                     layer.input_layernorm.float32_kernel = True
@@ -238,11 +208,10 @@ class FusedDecodeLayers:
         elif dtype is not torch.bfloat16 or not ops.has_avx512():
             return None
         else:
-            max_rows = (
-                kernels.decode_layer_max_rows()
-                if kernels.gemm_kernel_wins_here()
-                else kernels.MAX_GEMV_ROWS
-            )
+            max_rows = kernels.decode_layer_max_rows()
+            dense_rows = kernels.bf16_kernel_max_rows()
+            if dense_rows is not None:
+                max_rows = min(max_rows, dense_rows)
         return cls(
             ops,
             layers,
@@ -307,10 +276,10 @@ class FusedDecodeLayers:
                     args.types,
                     args.scales,
                     args.biases(),
+                    args.gemv_max_rows,
                     args.runs_per_product,
                     args.intermediate,
                     *step,
-                    quant.QUANT_GEMV_MAX_ROWS,
                 )
             else:
                 assert self._weights is not None

@@ -253,7 +253,7 @@ DecodeStep check_decode_step(const at::Tensor& hidden, const c10::optional<at::T
                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache, int64_t layer,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale, int64_t window,
-                             int64_t gemv_max_rows, int64_t quant_gemv_max_rows) {
+                             int64_t gemv_max_rows) {
   check_cpu(hidden, "hidden");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [rows, hidden]");
   const int64_t M = hidden.size(0), H = hidden.size(1);
@@ -299,8 +299,7 @@ DecodeStep check_decode_step(const at::Tensor& hidden, const c10::optional<at::T
                                    ptr<int32_t>(block_tables),
                                    block_tables.stride(0),
                                    ptr<int32_t>(seq_lens),
-                                   gemv_max_rows,
-                                   quant_gemv_max_rows};
+                                   gemv_max_rows};
   return {params, kv_cache.stride(0), kv_cache.stride(1)};
 }
 
@@ -341,7 +340,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     int64_t window, int64_t gemv_max_rows) {
   const DecodeStep step =
       check_decode_step(hidden, residual, input_norm, post_norm, down.size(1), cos, sin, kv_cache, layer,
-                        slot_mapping, block_tables, seq_lens, num_heads, eps, scale, window, gemv_max_rows, 0);
+                        slot_mapping, block_tables, seq_lens, num_heads, eps, scale, window, gemv_max_rows);
   const kvflow::DecodeLayerParams& p = step.params;
   check_weight(qkv, hidden, p.qkv_width(), p.hidden, "qkv");
   check_weight(o, hidden, p.hidden, num_heads * p.head_dim, "o");
@@ -367,8 +366,8 @@ int64_t ggml_columns(const at::Tensor& blocks, int64_t type);  // below, with th
 // One product's quantized runs from the flat lists decode_layer_quantized takes; checks each against K and N.
 void fill_quant_product(kvflow::QuantRun* runs, int* num_runs, const std::vector<at::Tensor>& weights,
                         const std::vector<int64_t>& types, const std::vector<at::Tensor>& scales,
-                        const std::vector<at::Tensor>& biases, int64_t first, int64_t count, int64_t K, int64_t N,
-                        const char* name) {
+                        const std::vector<at::Tensor>& biases, const std::vector<int64_t>& gemv_max_rows,
+                        int64_t first, int64_t count, int64_t K, int64_t N, const char* name) {
   TORCH_CHECK(count >= 1 && count <= kvflow::kMaxProductRuns, name, ": 1 to ", kvflow::kMaxProductRuns,
               " runs, got ", count);
   int64_t rows = 0;
@@ -392,7 +391,7 @@ void fill_quant_product(kvflow::QuantRun* runs, int* num_runs, const std::vector
                   ": a run's bias must be contiguous float32 [rows] (empty: none)");
     runs[i] = {weight.data_ptr(), static_cast<int>(type), weight.size(0),
                type == kvflow::kInt8Weights ? ptr<float>(scale) : nullptr,
-               bias.numel() > 0 ? ptr<float>(bias) : nullptr};
+               bias.numel() > 0 ? ptr<float>(bias) : nullptr, gemv_max_rows[first + i]};
     rows += weight.size(0);
   }
   TORCH_CHECK(rows == N, name, ": its runs hold ", rows, " rows, the layer needs ", N);
@@ -400,25 +399,27 @@ void fill_quant_product(kvflow::QuantRun* runs, int* num_runs, const std::vector
 }
 
 // decode_layer with quantized products: the four products' runs (qkv, o, gate_up, down) in one flat list each of
-// weights (GGUF blocks, or int8), type codes (kvflow::GgmlType, or kInt8Weights), scales (int8 runs; else empty)
-// and float32 biases (empty: none); `runs_per_product` says how many runs each product takes.
+// weights (GGUF blocks, or int8), type codes (kvflow::GgmlType, or kInt8Weights), scales (int8 runs; else empty),
+// float32 biases (empty: none) and the gemv_max_rows each run's product takes (QuantRun); `runs_per_product` says
+// how many runs each product takes.
 std::tuple<at::Tensor, at::Tensor> decode_layer_quantized(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
     const at::Tensor& post_norm, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
     const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& biases,
-    const std::vector<int64_t>& runs_per_product, int64_t intermediate, const at::Tensor& cos, const at::Tensor& sin,
-    at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale, int64_t window,
-    int64_t quant_gemv_max_rows) {
+    const std::vector<int64_t>& gemv_max_rows, const std::vector<int64_t>& runs_per_product, int64_t intermediate,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale,
+    int64_t window) {
   const DecodeStep step = check_decode_step(hidden, residual, input_norm, post_norm, intermediate, cos, sin, kv_cache,
                                             layer, slot_mapping, block_tables, seq_lens, num_heads, eps, scale,
-                                            window, 0, quant_gemv_max_rows);
+                                            window, 0);
   const kvflow::DecodeLayerParams& p = step.params;
   TORCH_CHECK(runs_per_product.size() == 4, "runs_per_product must have 4 entries (qkv, o, gate_up, down)");
   const size_t total = static_cast<size_t>(runs_per_product[0] + runs_per_product[1] + runs_per_product[2] +
                                            runs_per_product[3]);
-  TORCH_CHECK(weights.size() == total && types.size() == total && scales.size() == total && biases.size() == total,
-              "weights, types, scales and biases must each have one entry per run (", total, ")");
+  TORCH_CHECK(weights.size() == total && types.size() == total && scales.size() == total &&
+                  biases.size() == total && gemv_max_rows.size() == total,
+              "weights, types, scales, biases and gemv_max_rows must each have one entry per run (", total, ")");
   return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, true, [&](auto tag) {
     using T = decltype(tag);
     kvflow::DecodeLayerWeights<T> w{ptr<T>(input_norm), ptr<T>(post_norm)};
@@ -428,15 +429,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_quantized(
     const char* names[4] = {"qkv", "o", "gate_up", "down"};
     int64_t first = 0;
     for (int i = 0; i < 4; ++i) {
-      fill_quant_product(products[i]->runs, &products[i]->num_runs, weights, types, scales, biases, first,
-                         runs_per_product[i], K[i], N[i], names[i]);
+      fill_quant_product(products[i]->runs, &products[i]->num_runs, weights, types, scales, biases, gemv_max_rows,
+                         first, runs_per_product[i], K[i], N[i], names[i]);
       first += runs_per_product[i];
     }
     return w;
   });
 }
 
-// Quantized weights (quant.cpp): x [M, K] bfloat16/float32 with contiguous rows; the result is float32 [M, N].
+// Quantized weights (quant_*.cpp): x [M, K] bfloat16/float32 with contiguous rows; the result is float32 [M, N].
 void check_quant_operands(const at::Tensor& x, const at::Tensor& weight, int64_t K,
                           const c10::optional<at::Tensor>& bias) {
   check_cpu(x, "x");
@@ -595,12 +596,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_dequantize", &ggml_dequantize, "GGUF blocks [rows, row_bytes] -> float32 [rows, columns]",
         py::arg("blocks"), py::arg("type"));
   m.def("ggml_linear", &ggml_linear, "x @ dequantize(blocks).T (+ bias), float32 out", py::arg("x"),
-        py::arg("blocks"), py::arg("type"), py::arg("bias"), py::arg("gemv_max_rows") = 8);
+        py::arg("blocks"), py::arg("type"), py::arg("bias"), py::arg("gemv_max_rows"));
   m.def("ggml_quantize_activations", &ggml_quantize_activations,
         "x [M, K] -> (int8 quants [M, K], float32 scales [M, K / block]) as the Q4_0 / Q4_K / Q6_K products use",
         py::arg("x"), py::arg("type"));
   m.def("int8_linear", &int8_linear, "x @ (qweight * scale[:, None]).T (+ bias), float32 out", py::arg("x"),
-        py::arg("qweight"), py::arg("scale"), py::arg("bias"), py::arg("gemv_max_rows") = 8);
+        py::arg("qweight"), py::arg("scale"), py::arg("bias"), py::arg("gemv_max_rows"));
   // The most rows one decode_layer call takes: Python reads it here, so kernels.h stays the one source of truth.
   m.attr("MAX_DECODE_LAYER_ROWS") = py::int_(kvflow::kMaxDecodeLayerRows);
   m.def("has_avx2", []() {

@@ -42,12 +42,10 @@ void product(const DecodeLayerParams& p, const T* x, int64_t K, const LayerProdu
     const QuantRun& run = w.runs[r];
     if (run.type == kInt8Weights) {
       int8_linear<T>(x, M, K, K, static_cast<const int8_t*>(run.weight), run.scale, run.rows, run.bias, scratch,
-                     p.quant_gemv_max_rows, num_threads);
+                     run.gemv_max_rows, num_threads);
     } else {
-      // Q4_0 / Q4_K / Q6_K: the integer GEMV at every M (gemv_max_rows = M); Q8_0: the GEMV, then the tiled kernel.
-      const int64_t gemv_rows = run.type == kGgmlQ8_0 ? p.quant_gemv_max_rows : M;
       ggml_linear<T>(x, M, K, K, static_cast<const uint8_t*>(run.weight), run.rows, run.type, run.bias, scratch,
-                     gemv_rows, num_threads);
+                     run.gemv_max_rows, num_threads);
     }
     for (int64_t m = 0; m < M; ++m) {
       const float* source = scratch + m * run.rows;

@@ -74,15 +74,16 @@ struct DecodeLayerParams {
   int64_t table_stride;
   const int32_t* seq_lens;  // [rows], counting this step's token
   int64_t gemv_max_rows;     // above it (bf16) the products run on the GEMM, as kernels.linear dispatches
-  int64_t quant_gemv_max_rows;  // Q8_0 / int8 runs: the GEMV up to it, the tiled kernel above (quant.py)
   int64_t qkv_width() const;
   int64_t workspace_elements() const;
   // float32 scratch a quantized product needs (its widest output, M rows); 0 for dense weights
   int64_t quant_scratch_elements() const;
 };
 
-// A quantized weight's run of output rows (quant.cpp's products): GGUF blocks of `type` ([rows, row_bytes]), or,
-// with type kInt8Weights, int8 [rows, K] with a float32 scale per row. `bias` (float32 [rows]) may be nullptr.
+// A quantized weight's run of output rows (quant_linear.cpp's products): GGUF blocks of `type` ([rows,
+// row_bytes]), or, with type kInt8Weights, int8 [rows, K] with a float32 scale per row. `bias` (float32 [rows]) may
+// be nullptr. The run's product is ggml_linear / int8_linear with `gemv_max_rows`, the value the per-op path
+// (kvflow/kernels/quant.py) passes for the same rows.
 constexpr int kInt8Weights = -1;
 constexpr int kMaxProductRuns = 3;  // q, k, v: the most shards a fused layer has
 struct QuantRun {
@@ -91,6 +92,7 @@ struct QuantRun {
   int64_t rows;
   const float* scale;  // kInt8Weights only
   const float* bias;
+  int64_t gemv_max_rows;
 };
 
 // One linear layer's weight for decode_layer: dense (row-major [out, in] T, `bias` T or nullptr), or quantized:
@@ -156,7 +158,7 @@ void amx_int8_product(const int8_t* quants, int64_t M, int64_t K, const float* x
 
 namespace kvflow {
 
-// Quantized weights (quant.cpp). GGUF block types, as kvflow/kernels/quant.py's _GGML_TYPE_CODES numbers them.
+// Quantized weights (quant_*.cpp). GGUF block types, as kvflow/kernels/quant.py's _GGML_TYPE_CODES numbers them.
 enum GgmlType : int { kGgmlQ8_0 = 0, kGgmlQ4_0 = 1, kGgmlQ4_K = 2, kGgmlQ6_K = 3 };
 int64_t ggml_block_elements(int type);
 int64_t ggml_block_bytes(int type);
@@ -166,8 +168,8 @@ int64_t ggml_block_bytes(int type);
 void ggml_dequantize(const uint8_t* blocks, int64_t rows, int64_t row_bytes, int type, float* out, int num_threads);
 
 // y [M, N] float32 = x [M, K] (rows x_stride apart; for Q4_0 / Q4_K / Q6_K quantized as below) times the
-// dequantized weight [N, K] (+ bias [N] float32 or nullptr), fp32 accumulation. M <= gemv_max_rows: the GEMV on
-// the blocks (blocked over weight tiles and 64-row x blocks above 8 rows); more: the tiled kernel.
+// dequantized weight [N, K] (+ bias [N] float32 or nullptr), fp32 accumulation. M <= gemv_max_rows: the products
+// on the blocks (Q4_0 / Q4_K / Q6_K: integer dots); more: the tiled kernel (quant_linear.cpp says which when).
 template <typename T>
 void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
                  const float* bias, float* y, int64_t gemv_max_rows, int num_threads);

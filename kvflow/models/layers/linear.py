@@ -8,7 +8,8 @@ part out of a checkpoint tensor (`checkpoint_index`) and copies it into the rows
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,16 +22,49 @@ if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
 
 
-class LinearMethod(Protocol):
+@dataclass(frozen=True)
+class QuantRun:
+    """One run of a quantized product's output rows as the C++ kernels take it (`decode_layer_quantized`): `weight`
+    GGUF blocks `[rows, row_bytes]` or int8 `[rows, columns]`, its `type_code`
+    (`kvflow.kernels.quant.kernel_type_code`), the int8 rows' float32 `scale` (else None), the layer bias's rows
+    (else None), and the `gemv_max_rows` the per-op product passes the extension (None: the step's row count;
+    `kvflow.kernels.quant.KernelRows`)."""
+
+    weight: torch.Tensor
+    type_code: int
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None
+    gemv_max_rows: int | None
+
+
+@dataclass(frozen=True)
+class FusedProduct:
+    """A layer's product as the fused decode layer runs it (`kvflow.models.fused_decode`): `runs`, whose outputs
+    (each rounded to the activations' dtype) concatenate in order, and `max_rows`, the most activation rows for
+    which `LinearMethod.apply` multiplies on those very kernels (None: every row count)."""
+
+    runs: tuple[QuantRun, ...]
+    max_rows: int | None
+
+
+class LinearMethod:
     """How a layer whose weight is stored another way (quantized: `kvflow.models.quantization`) multiplies.
 
     Built once per layer when the model is built, before its weights load: it replaces the layer's `weight` with its
     own storage (and that parameter's `weight_loader`) and picks the kernel for this CPU; `apply` is then
-    `F.linear(hidden_states, dequantized weight, bias)` up to the kernel's accumulation error."""
+    `F.linear(hidden_states, dequantized weight, bias)` up to the kernel's accumulation error.
+    `fused_decode_product` states the method's fast path, decided with the kernel: the runs the fused decode layer
+    may call in place of `apply`, bit for bit the same products, or None (the default) where there are none."""
 
     name: str
 
-    def apply(self, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def apply(self, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fused_decode_product(self) -> FusedProduct | None:
+        """This layer's product on the C++ kernels for the fused decode layer, or None: `apply` runs elsewhere (the
+        PyTorch reference, a float run) or the method has no fused form."""
+        return None
 
 
 class Linear(nn.Module):

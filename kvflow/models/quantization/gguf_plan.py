@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.kernels import quant
-from kvflow.models.layers.linear import Linear
+from kvflow.models.layers.linear import FusedProduct, Linear, LinearMethod, QuantRun
 from kvflow.models.layers.vocab import LMHead, VocabEmbedding
 from kvflow.models.layers.weights import (
     CheckpointTensor,
@@ -71,7 +71,7 @@ def _aligned(offset: int) -> int:
     return -(-offset // _ALIGNMENT) * _ALIGNMENT
 
 
-class GGUFLinear:
+class GGUFLinear(LinearMethod):
     """The `LinearMethod` of a layer stored as GGUF blocks (see the module docstring)."""
 
     name = GGUF
@@ -114,11 +114,37 @@ class GGUFLinear:
         self._kernels: list[GGMLLinearFn | None] = [
             None if run.is_float else quant.ggml_linear_for(run.qtype) for run in self.runs
         ]
+        # Every run's product on the C++ kernels: the fused decode layer can run them (`fused_decode_product`).
+        self._on_kernels = quant.kernels_in_use() and not any(run.is_float for run in self.runs)
         self._dtype = dtype
 
     @property
     def kernel_names(self) -> list[str]:
         return ["float" if fn is None else getattr(fn, "__name__", "?") for fn in self._kernels]
+
+    def fused_decode_product(self) -> FusedProduct | None:
+        """The runs on the kernels, each with its rows of the bias; None when a run is float or the products are
+        the reference. `max_rows`: the fewest of the runs' types (`quant.kernel_rows`)."""
+        if not self._on_kernels:
+            return None
+        bias = self.layer.bias
+        runs = []
+        limits = []
+        for run in self.runs:
+            assert run.matrix is not None
+            rows = quant.kernel_rows(run.qtype)
+            runs.append(
+                QuantRun(
+                    weight=run.matrix,
+                    type_code=quant.kernel_type_code(run.qtype),
+                    scale=None,
+                    bias=None if bias is None else bias[run.row_start : run.row_start + run.rows],
+                    gemv_max_rows=rows.gemv_max_rows,
+                )
+            )
+            if rows.max_rows is not None:
+                limits.append(rows.max_rows)
+        return FusedProduct(runs=tuple(runs), max_rows=min(limits, default=None))
 
     def _place(self, shard_id: int | None) -> tuple[_Run, slice]:
         for run in self.runs:
@@ -171,7 +197,7 @@ class GGUFLinear:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
 
 
-class GGUFVocab:
+class GGUFVocab(LinearMethod):
     """The embedding table (and the LM head, tied or its own) stored as GGUF blocks: `weight` is uint8
     `[rows, row_bytes]` laid out like the float table (this rank's vocabulary rows first); `lookup` dequantizes just
     the looked-up rows, `apply` is the head's matmul on the blocks."""

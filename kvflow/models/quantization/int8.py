@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kvflow.kernels import quant
-from kvflow.models.layers.linear import Linear
+from kvflow.models.layers.linear import FusedProduct, Linear, LinearMethod, QuantRun
 from kvflow.models.layers.vocab import LMHead
 from kvflow.models.layers.weights import (
     CheckpointTensor,
@@ -32,7 +32,7 @@ from kvflow.models.quantization import INT8
 logger = logging.getLogger(__name__)
 
 
-class Int8Linear:
+class Int8Linear(LinearMethod):
     """The `LinearMethod` of one int8 layer: `weight` int8 `[rows, columns]`, buffer `weight_scale` float32
     `[rows]`; `weight[r] * weight_scale[r]` approximates the checkpoint's row r within `weight_scale[r] / 2`."""
 
@@ -48,11 +48,27 @@ class Int8Linear:
         layer.register_buffer("weight_scale", torch.ones(rows, dtype=torch.float32, device=device))
         set_weight_loader(layer.weight, self.weight_loader)
         self._linear = quant.int8_linear_for()
+        self._on_kernels = quant.kernels_in_use()
 
     @property
     def kernel_names(self) -> list[str]:
         """The product's name (`int8_linear_kernel` or `int8_linear_reference`), as GGUFLinear's for each run."""
         return [self._linear.__name__]
+
+    def fused_decode_product(self) -> FusedProduct | None:
+        """One int8 run on the kernels (`int8_linear`'s rows: `quant.kernel_rows("int8")`), or None on the
+        reference path."""
+        if not self._on_kernels:
+            return None
+        rows = quant.kernel_rows("int8")
+        run = QuantRun(
+            weight=self.layer.weight,
+            type_code=quant.kernel_type_code("int8"),
+            scale=self.layer.weight_scale,
+            bias=self.layer.bias,
+            gemv_max_rows=rows.gemv_max_rows,
+        )
+        return FusedProduct(runs=(run,), max_rows=rows.max_rows)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | None = None
@@ -74,7 +90,7 @@ class Int8Linear:
         return self._linear(hidden_states, self.layer.weight, self.layer.weight_scale, bias)
 
 
-class Int8Head:
+class Int8Head(LinearMethod):
     """The `LinearMethod` of an int8 LM head: an int8 copy (`weight_int8`, `weight_scale` buffers) of the float
     table, made by `requantize` after each load; the float `weight` stays (the embedding may share it)."""
 
