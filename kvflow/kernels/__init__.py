@@ -72,7 +72,7 @@ def gemm_kernel_wins(flags: Collection[str]) -> bool:
     AVX-512 (F, BW, VL) CPU, with the kernel `bf16_gemm_kernel` picks.
 
     Without native bf16 matmul (Skylake-X/Cascade Lake/Ice Lake servers) oneDNN's bf16 GEMM runs at a fraction of
-    its fp32 rate and the widened-fp32 kernel measured 2-4x faster (benchmarks/cpu_kernels.py). With AMX the kernel
+    its fp32 rate, below the widened-fp32 kernel (benchmarks/cpu_kernels.py). With AMX the kernel
     streams the weights through tiles as they lie, where oneDNN repacks them on every call; with AVX512_BF16 on AMD
     the vdpbf16ps kernel reads the bf16 weights in place (cpu_features.h, gemm.cpp).
     """
@@ -180,8 +180,8 @@ def linear(
         return None
     use_gemm = num_rows > MAX_GEMV_ROWS
     ops = load_cpu_kernels()
-    # The GEMV wins with AVX-512 and, measured since, with AVX2 + FMA (bf16 widened in registers: 1.25x torch's
-    # one-row bf16 product on a 2-core EPYC, 2.9x at 4 rows); the GEMM only with AVX-512 (`gemm_kernel_wins`).
+    # The GEMV runs with AVX-512 or AVX2 + FMA (bf16 widened in registers); the GEMM only with AVX-512
+    # (`gemm_kernel_wins`).
     if ops is None or not (ops.has_avx512() if use_gemm else ops.has_avx2()):
         return None
     rows = hidden_states.reshape(num_rows, input_size)
@@ -195,7 +195,7 @@ def _float32_linear(
     hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
     """float32 rows `FLOAT32_GEMV_ROWS[0]..[1]` through the GEMV (AVX2 or AVX-512 builds): torch's float32 GEMM
-    for a few rows costs ~2x its one-row GEMV, while the kernel streams each weight row once for all of them
+    for a few rows costs a multiple of its one-row GEMV, while the kernel streams each weight row once for all of them
     (speculative verification steps, small decode batches; benchmarks/cpu_kernels.py). Else None."""
     input_size = weight.shape[1]
     num_rows = hidden_states.numel() // input_size if input_size else 0

@@ -5,57 +5,45 @@ the bytes of a GGUF tensor's row (whole blocks). `dequantize_reference` is the p
 `gguf.quants.dequantize` bit for bit: the kernels and the model tests are checked against it, and it is the path
 when the C++ kernels are off (`KVFLOW_CPU_KERNELS=0`, no compiler, no AVX2).
 
-Products (`ggml_linear`, `int8_linear`) run in the C++ extension (csrc/quant.cpp) when it is loaded on an AVX2 or
-AVX-512 build, chosen by the number of activation rows M:
+Products (`ggml_linear`, `int8_linear`) run in the C++ extension (csrc/quant_*.cpp) when it is loaded on an AVX2 or
+AVX-512 build, chosen by the number of activation rows M; `kernel_rows` holds each weight type's row thresholds,
+which the per-op products here and the fused decode layer (through `LinearMethod.fused_decode_product`) both read:
 
 * Q4_0, Q4_K, Q6_K (int8 activations), every M: the integer block product. Up to 8 rows it is a GEMV on the
   blocks themselves, each weight byte read once per call, nothing dequantized to memory; above, the same kernel
   blocked (16-row weight tiles in cache against 64-row blocks of x, 8 rows per register pass), the weights read
-  once per 64 rows (figures at `INTEGER_PRODUCT_TYPES`).
-  On AVX-512 VNNI CPUs, above `k_quant_interleaved_above_rows()` (8) rows, Q4_0, Q4_K and Q6_K run on
+  once per 64 rows. On AVX-512 VNNI CPUs, above `k_quant_interleaved_above_rows()` (8) rows, they run on
   interleaved tiles instead: each thread repacks 16 weight rows at a time (in cache, per call; the weights in
   memory stay GGUF blocks) so that vector lanes are weight rows, one vpdpbusd adds 64 products against 4 of x's
   quants broadcast, and the scales apply once per 32 (Q4_0, Q4_K) or 16 (Q6_K) columns: the same int8
-  activations and integer dots, Q4_K 1.6-1.8x the blocked GEMV at M = 9 and 1.5-2.3x at M = 64-512, Q6_K
-  1.1-1.85x (2-core Intel Xeon, 2 threads; csrc/quant.cpp has the figures). Q4_0 keeps llama.cpp's per-32 x
-  quants at every M (it ran W8A8, x quantized per row, above 32 rows before the tiles).
+  activations and integer dots. Q4_0 keeps llama.cpp's per-32 x quants at every M.
 * Q8_0 and int8 (float32 activations; above the W8A8 thresholds below only on CPUs without VNNI), by M: up to
   `QUANT_GEMV_MAX_ROWS` (decode, speculative verification) the GEMV; up to `QUANT_TILED_MAX_ROWS` (int8:
   `INT8_TILED_MAX_ROWS`) a tiled kernel that dequantizes a few weight rows at a time into a thread-local fp32 tile
   (in cache) and multiplies every activation row against it (the weights still stream once per call); larger M
-  (prefill): the whole weight dequantized in C++, then torch's fp32 GEMM, which outruns the tiled kernel there.
-  The figures behind the thresholds are at `QUANT_TILED_MAX_ROWS`.
+  (prefill): the whole weight dequantized in C++, then torch's fp32 GEMM.
 * int8 on an AVX-512 VNNI CPU (`quantizes_activation_rows`), above `QUANT_GEMV_MAX_ROWS`, and Q8_0 there above
-  `QUANT_TILED_MAX_ROWS` (prefill; `ggml_linear_w8a8`: exact int32 dots per block, times d_b; Q8_0 2.0-2.3x
-  the dequantize + fp32 GEMM at M=512, ~150 G multiply-adds/s): W8A8, as the issue that brought int8 asked for
-  prefill and batches, and as llama.cpp multiplies Q8_0 at every M: each x row quantized alone (d = amax / 127, the
-  `fake_quantize_int8_rows` view), exact int32 dots (vpdpbusd, 4 weight rows x 5 x rows per register block, the
-  weights read once per ~512 KiB of x quants), times d_x * scale[n]. Against the tiled kernel and the dequantize +
-  fp32 GEMM it replaces there (2 threads, 2-core Zen 4 EPYC, K=2048,N=8192 / K=8192,N=2048): M=16 2.7 / 4.3x the
-  tiled kernel, M=64 3.8 / 3.5x, M=512 3.3 / 2.9x the dense path (~200 G multiply-adds/s; 1.28-1.40x more since,
-  with x shifted instead of every weight vector flipped). A row's output does not depend on the rows beside it;
-  the held-out perplexity of the built-in model moved -0.09 % (float32 activations: within 0.5 % of float32
-  either way).
+  `QUANT_TILED_MAX_ROWS` (prefill; `ggml_linear_w8a8`: exact int32 dots per block, times d_b): W8A8, as llama.cpp
+  multiplies Q8_0 at every M: each x row quantized alone (d = amax / 127, the `fake_quantize_int8_rows` view),
+  exact int32 dots (vpdpbusd, 4 weight rows x 5 x rows per register block, the weights read once per ~512 KiB of x
+  quants), times d_x * scale[n]. A row's output does not depend on the rows beside it.
 
 Activations: Q4_0, Q4_K and Q6_K products quantize x to int8 first, as llama.cpp does (its `vec_dot_type`: Q8_0
 blocks for Q4_0, Q8_K super-blocks for the K-quants), per block of the weight type: one float32 scale d = amax / 127
 per 32 (Q4_0) or 256 (Q4_K, Q6_K) elements, q = round(x / d) (`quantize_activations_reference`). The GEMV then
 multiplies integers (u8 x s8 pairs into int16, then int32 with the sub-block scales as int16 multipliers) and
-converts to float once per block or super-block: widening every 4-bit quant to fp32 cost ~3 instructions per 8
-weights and held those GEMVs at ~5-8 G weights/s per thread, below memory speed; the integer form runs 1.9-3.5x
-faster (figures at `QUANT_GEMV_MAX_ROWS`). The integer kernels sum each activation row alone, so a request's numbers
-do not depend on how many rows share its step (bit for bit) on either side of the interleaved tiles' threshold (the
-GEMV and the tiles add the same integers in different float orders); the C++ tiled kernel (reachable directly) and the
-reference (`KVFLOW_CPU_KERNELS=0`) multiply the fake-quantized x (`fake_quantize_activations`), the same sum up to
-fp32 summation order.
+converts to float once per block or super-block. The integer kernels sum each activation row alone, so a request's
+numbers do not depend on how many rows share its step (bit for bit) on either side of the interleaved tiles'
+threshold (the GEMV and the tiles add the same integers in different float orders); the C++ tiled kernel (reachable
+directly) and the reference (`KVFLOW_CPU_KERNELS=0`) multiply the fake-quantized x (`fake_quantize_activations`),
+the same sum up to fp32 summation order.
 Q8_0 keeps fp32 x up to `QUANT_TILED_MAX_ROWS` rows, int8 up to `QUANT_GEMV_MAX_ROWS` (decode), both at every M
-on CPUs without VNNI: their 8-bit quants widen in one instruction and their GEMVs reach ~20 GB/s on 2 threads,
-near this machine's memory speed, and a Q8_0 model decodes exactly like its float32 dequantization.
+on CPUs without VNNI: their 8-bit quants widen in one instruction, and a Q8_0 model decodes exactly like its float32
+dequantization.
 
 Every C++ path computes each output element on one thread in a fixed order: results do not depend on the thread
 count. The dequantize + torch fp32 GEMM paths (Q8_0 and int8 at prefill-sized M on CPUs without the W8A8 kernels)
-sum as torch's BLAS does, which on some CPUs splits a sum by thread count (a 2-core Intel Xeon: differences up to
-~1e-6 of the outputs between 1 and 2 threads).
+sum as torch's BLAS does, which on some CPUs splits a sum by thread count.
 """
 
 from __future__ import annotations
@@ -105,32 +93,17 @@ GGML_BLOCK_SIZES: dict[str, tuple[int, int]] = {
 }
 # Elements per activation scale for the weight types whose products quantize x to int8 (Q8_0 keeps fp32 x).
 ACTIVATION_BLOCK_SIZES: dict[str, int] = {"Q4_0": 32, "Q4_K": 256, "Q6_K": 256}
-# The types whose C++ product is the integer block kernel at every M (blocked above 8 rows). Against dequantize +
-# torch's fp32 GEMM (2-core Zen 4 EPYC with AVX-512, 2 threads, shared with a test run; same run, K=2048,N=8192 /
-# K=8192,N=2048), time ratio dequant+torch / blocked: Q4_K M=16 13.0 / 10.5x, M=64 5.5 / 3.1x, M=128 3.0 / 2.3x,
-# M=512 2.0 / 1.9x; Q6_K 6.1 / 2.2x, 2.9 / 1.8x, 2.0 / 1.2x, 1.6 / 1.6x; Q4_0 3.0 / 12.7x, 2.7 / 1.2x, 1.1 /
-# 1.3x, 0.88 / 1.05x (Q4_0's kernel converts to float per 32-element block). The tiled fp32 kernel lost to the
-# blocked one at every M measured (Q4_K M=32 32.5 vs 13.5 ms).
+# The types whose C++ product is the integer block kernel at every M (blocked above 8 rows).
 INTEGER_PRODUCT_TYPES = frozenset(ACTIVATION_BLOCK_SIZES)
 # The extension's type codes (csrc/kernels.h, `GgmlType`).
 _GGML_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
 # The extension's type code of int8 rows with a float32 scale per row (csrc/kernels.h, `kInt8Weights`).
 INT8_TYPE_CODE = -1
 
-# Up to this many activation rows the Q8_0 / int8 GEMV runs (decode); above it, the tiled kernel. The Q4_0 / Q4_K /
-# Q6_K form on int8 activations against the fp32-widening one it replaced (commit
-# 7010c1b), `benchmarks/quant_kernels.py --baseline 7010c1b --repeat 5` (2-core AVX2 EPYC shared with another
-# benchmark: fastest call of each path, same run, M=1, K=2048,N=8192 / K=8192,N=2048), G weights/s per thread:
-# Q4_0 16.3 / 17.7 (old 8.4 / 8.5, 1.9-2.1x), Q4_K 11.3 / 23.9 (old 5.8 / 6.9, 1.9-3.5x; other runs 19.7 / 29.4),
-# Q6_K 15.5 / 16.9 (old 5.2 / 6.3, 2.7-3.0x); Q8_0 8.8 / 10.1 and int8 11.7 / 11.7 unchanged (0.98-1.01x). At
-# K=N=4096, 1 thread, M = 1, 2, 4, 8: new/old 1.74, 1.63, 1.34, 1.44x (Q4_0), 2.03, 1.34, 1.98, 2.40x (Q4_K),
-# 2.37, 1.27, 1.71, 1.65x (Q6_K): the integer form wins at every GEMV row count.
+# Up to this many activation rows the Q8_0 / int8 GEMV runs (decode); above it, the tiled kernel.
 QUANT_GEMV_MAX_ROWS = 8
-# Up to this many rows the tiled kernel runs; above it, dequantization then torch's fp32 GEMM. Measured with
-# `benchmarks/quant_kernels.py` (2-core AVX2 EPYC, 2 threads, noisy; tiled time vs dequant + torch, same run) on
-# K=2048,N=8192 / K=8192,N=2048: GGUF types at M=16 1.6-4.8x faster, M=64 0.7-2.3x (0.85-0.97x on the quieter
-# K=8192 half), M=128 0.56-1.2x, M=512 0.41-0.86x (one 1.58x); int8 (whose dense path is two torch passes) at
-# M=64 2-3x, M=128 1.2-1.8x, M=512 0.56-0.8x.
+# Up to this many rows the tiled kernel runs (Q8_0; int8: INT8_TILED_MAX_ROWS); above it, dequantization then
+# torch's fp32 GEMM, or W8A8 on AVX-512 VNNI CPUs (`_W8A8_ABOVE_ROWS`).
 QUANT_TILED_MAX_ROWS = 32
 INT8_TILED_MAX_ROWS = 128
 

@@ -153,7 +153,7 @@ class FusedDecodeLayers:
         quantized: Sequence[QuantizedLayerArgs] | None = None,
     ) -> None:
         self._ops = ops
-        # Module attribute lookups cost ~1.5 ms a step, so the weights are gathered once.
+        # Module attribute lookups are paid per step, so the weights are gathered once.
         self._weights = (
             None if quantized is not None else [decode_layer_weights(layer) for layer in layers]
         )

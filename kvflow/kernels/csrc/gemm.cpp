@@ -15,10 +15,8 @@
 //   reduce each 4 x 4 of them to one vector of 16 dot products, added into a thread-local fp32 block of results.
 //   The last K block's results get the bias, are rounded once to bf16 (round-to-nearest-even, as torch), stored.
 // * Prefetches into L2, spread over the compute: the next weight block's rows (one line per row segment per k step,
-//   so its DRAM reads overlap FMAs rather than stall the packing; +5-15% at M = 16..64 on weights not in cache) and
-//   the next x tile (x outgrows L2 at M = 256, K = 4864).
-// Measured single-threaded on an Ice Lake Xeon (benchmarks/kernels.py): 60-110 GFLOP/s, 2-3.5x oneDNN's bf16
-// GEMM and about its fp32 GEMM on pre-converted weights.
+//   so its DRAM reads overlap FMAs rather than stall the packing) and the next x tile (x outgrows L2 at M = 256,
+//   K = 4864).
 #include <omp.h>
 
 #include <algorithm>
@@ -360,10 +358,8 @@ void gemm_rows_dpbf16(const bf16* x, int64_t M, int64_t K, int64_t x_stride, con
 
 }  // namespace
 
-// AMX where usable. Else vdpbf16ps only on AMD CPUs: on an Intel Xeon (Emerald Rapids, whose hypervisor hid the
-// flag but executed the instruction) vdpbf16ps ran at one per two cycles, half the fp32 FMA rate in flops, and the
-// kernel reached 0.53-0.93x the widened one (benchmarks/RESULTS.md); Zen 4 issues it at the zmm FMA rate with
-// twice the products.
+// AMX where usable. Else vdpbf16ps only on AMD CPUs, which issue it at the zmm FMA rate with twice the products;
+// Intel CPUs issue it at half the fp32 FMA rate in flops, where the widened-fp32 kernel is the faster one.
 GemmKernel default_gemm_kernel() {
   static const GemmKernel kernel = amx_usable()                          ? GemmKernel::kAmxBf16
                                    : cpu_has_avx512_bf16() && cpu_is_amd() ? GemmKernel::kAvx512Bf16
