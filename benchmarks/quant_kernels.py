@@ -1,4 +1,4 @@
-"""Microbenchmark of the quantized-weight kernels (kvflow/kernels/quant.py, csrc/quant.cpp).
+"""Microbenchmark of the quantized-weight kernels (kvflow/kernels/quant.py, csrc/quant_*.cpp).
 
 For each weight type and shape: M = 1 decode GEMV in GB/s of weight bytes against a plain memory read of the
 same bytes (the kernel's ceiling), and for larger M the three C++ products side by side: the block GEMV, the tiled

@@ -1,4 +1,4 @@
-"""Quantized weights (kvflow/kernels/quant.py, csrc/quant.cpp): the pure-PyTorch GGUF decoding against the gguf
+"""Quantized weights (kvflow/kernels/quant.py, csrc/quant_*.cpp): the pure-PyTorch GGUF decoding against the gguf
 package, the test-file quantizer's round trip, the activation quantization of the Q4_0 / Q4_K / Q6_K products,
 and the C++ dequantization, GEMV and tiled products against the reference over odd shapes, both activation
 dtypes, with and without bias, on 1 and 2 threads.

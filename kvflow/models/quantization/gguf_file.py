@@ -9,7 +9,7 @@ tensor)`: float tensors (F32, F16, BF16) as torch tensors, quantized ones as `GG
 Invariants: a quantized tensor's rows are a whole number of ggml blocks (`kvflow.kernels.quant.GGML_BLOCK_SIZES`);
 the `llama` architecture's q/k rows are put back from llama.cpp's interleaved rotary layout into Hugging Face's
 half-split one (a permutation of whole rows, so it applies to blocks as it does to floats). Name mapping is
-`GGUF_LAYER_NAMES` / `GGUF_GLOBAL_NAMES`, shared with the writer (`kvflow.testing.gguf_files`).
+`GGUF_LAYER_NAMES` / `GGUF_GLOBAL_NAMES`, shared with the writer (`kvflow.models.quantization.gguf_writer`).
 """
 
 from __future__ import annotations
