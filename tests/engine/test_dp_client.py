@@ -19,7 +19,7 @@ from kvflow.engine.placement import core_devices, split_devices, visible_cuda_de
 from kvflow.model_info import resolve_model_info
 from kvflow.outputs import RequestOutput
 from kvflow.testing.hash_model import reference_tokens
-from tests.engine.test_async_llm import ChunkFeed, session_reference
+from tests.engine.async_llm_helpers import ChunkFeed, session_reference
 
 TIMEOUT_S = 60.0
 MAX_TOKENS = 40
