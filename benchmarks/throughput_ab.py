@@ -10,7 +10,8 @@ greedy, `ignore_eos`) with `LLM(model, dtype="bfloat16", max_num_seqs=64, max_mo
 async_scheduling=True)` after an untimed warm-up, once for A and once for B, each in a fresh interpreter whose
 `kvflow` and `benchmarks` come from that checkout; the order alternates between rounds so that a machine that
 slows down or speeds up during the run favours neither. The default model is the built-in one, where the engine's
-per-step CPU work weighs most against the forward pass. Reported: each run's seconds and output tokens/s, the
+per-step CPU work weighs most against the forward pass. `--single-stream` sends the requests one at a time, each
+alone in the engine (one stream's prefill and decode). Reported: each run's seconds and output tokens/s, the
 median per checkout, and B's median tokens/s over A's (the same-run ratio RESULTS.md quotes).
 """
 
@@ -30,7 +31,7 @@ import json, sys, time
 from pathlib import Path
 from benchmarks import throughput as t
 from kvflow import LLM, SamplingParams
-model, num_requests = sys.argv[1], int(sys.argv[2])
+model, num_requests, single_stream = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 path = t._model_path(model) if model == "default" else t.ensure_checkpoint(Path(model), t.QWEN2_05B_SHAPE)
 vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
 workload = t.make_workload(num_requests, (32, 256), (32, 128), vocab_size, seed=0)
@@ -40,8 +41,12 @@ greedy = dict(ignore_eos=True, temperature=0.0)
 llm.generate([{"prompt_token_ids": workload.prompts[0]}], SamplingParams(max_tokens=4, **greedy), use_tqdm=False)
 llm.reset_prefix_cache()
 params = [SamplingParams(max_tokens=n, **greedy) for n in workload.output_lens]
+prompts = [{"prompt_token_ids": p} for p in workload.prompts]
 start = time.perf_counter()
-outputs = llm.generate([{"prompt_token_ids": p} for p in workload.prompts], params, use_tqdm=False)
+if single_stream:
+    outputs = [llm.generate([p], [q], use_tqdm=False)[0] for p, q in zip(prompts, params)]
+else:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
 elapsed = time.perf_counter() - start
 tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
 assert tokens == workload.num_output_tokens
@@ -49,10 +54,12 @@ print(json.dumps({"elapsed_s": elapsed, "tokens": tokens}))
 """
 
 
-def run_one(tree: Path, model: str, num_requests: int) -> dict[str, float]:
+def run_one(
+    tree: Path, model: str, num_requests: int, single_stream: bool = False
+) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     completed = subprocess.run(
-        [sys.executable, "-c", _RUN_ONE, model, str(num_requests)],
+        [sys.executable, "-c", _RUN_ONE, model, str(num_requests), "1" if single_stream else "0"],
         cwd=tree,
         env=env,
         capture_output=True,
@@ -76,12 +83,17 @@ def main(argv: list[str] | None = None) -> None:
         "Qwen2-0.5B-shaped checkpoint (created there if missing)",
     )
     parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument(
+        "--single-stream",
+        action="store_true",
+        help="run the requests one at a time, each alone in the engine (decode speed of one stream)",
+    )
     args = parser.parse_args(argv)
     rates: dict[str, list[float]] = {"A": [], "B": []}
     for round_index in range(args.rounds):
         order = [("A", args.a), ("B", args.b)]
         for name, tree in order if round_index % 2 == 0 else order[::-1]:
-            result = run_one(tree, args.model, args.num_requests)
+            result = run_one(tree, args.model, args.num_requests, args.single_stream)
             rate = result["tokens"] / result["elapsed_s"]
             rates[name].append(rate)
             print(
@@ -91,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     median_a, median_b = statistics.median(rates["A"]), statistics.median(rates["B"])
     print(
         f"# python benchmarks/throughput_ab.py --a {args.a} --rounds {args.rounds} --model {args.model} "
-        f"--num-requests {args.num_requests}"
+        f"--num-requests {args.num_requests}{' --single-stream' if args.single_stream else ''}"
     )
     print(
         f"median A {median_a:.1f} tok/s, median B {median_b:.1f} tok/s, B/A {median_b / median_a:.3f}"
