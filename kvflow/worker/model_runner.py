@@ -255,9 +255,6 @@ class ModelRunner:
                     num_computed_tokens, int(self.slots.num_computed_tokens[index])
                 )
             self.slots.set_num_computed_tokens(index, num_computed_tokens)
-            # Tokens past the computed ones may change (a streaming chunk replaces the unfed last token).
-            if self.slots.num_draft_computed[index] > num_computed_tokens:
-                self.slots.num_draft_computed[index] = num_computed_tokens
 
     def _apply_cached_blocks(self, cached: CachedRequestData, i: int) -> int:
         """Extend cached request `i`'s block table with its new blocks; returns its slot index."""

@@ -23,8 +23,8 @@ class RequestSlots:
         is the prompt (for a streaming session: everything up to its latest chunk);
       * entries past `num_tokens[i]` / `num_blocks[i]` (and every entry of a free slot) are stale and never read;
       * `num_draft_computed[i] <= num_tokens[i]`: with a draft-model proposer, the draft's own KV cache holds its
-        K/V of `token_ids[i, :num_draft_computed[i]]` in the slot's blocks (the runner cuts it back when a token
-        it covers may change, and the proposer advances it).
+        K/V of `token_ids[i, :num_draft_computed[i]]` in the slot's blocks (cut back to `num_computed_tokens[i]`
+        whenever that is set, since the tokens past it may change, and advanced by the proposer).
     A freed slot is not cleared: taking it overwrites the counters, so `add` and `remove` cost O(new data).
     """
 
@@ -160,13 +160,16 @@ class RequestSlots:
         self.append_block_ids(index, block_ids)
 
     def set_num_computed_tokens(self, index: int, num_computed_tokens: int) -> None:
-        """Record how many of the slot's tokens have their KV written."""
+        """Record how many of the slot's tokens have their KV written. The draft model's count is cut back to it:
+        a token past the computed ones may change (a streaming chunk replaces the unfed last token)."""
         if not 0 <= num_computed_tokens <= self.num_tokens[index]:
             raise ValueError(
                 f"slot {index}: num_computed_tokens={num_computed_tokens} is outside "
                 f"[0, {self.num_tokens[index]}]"
             )
         self.num_computed_tokens[index] = num_computed_tokens
+        if self.num_draft_computed[index] > num_computed_tokens:
+            self.num_draft_computed[index] = num_computed_tokens
 
     # ------------------------------------------------------------------------------------------ queries
     def __contains__(self, req_id: object) -> bool:
