@@ -12,7 +12,8 @@ async_scheduling=True)` after an untimed warm-up, once for A and once for B, eac
 slows down or speeds up during the run favours neither. The default model is the built-in one, where the engine's
 per-step CPU work weighs most against the forward pass. `--single-stream` sends the requests one at a time, each
 alone in the engine (one stream's prefill and decode). Reported: each run's seconds and output tokens/s, the
-median per checkout, and B's median tokens/s over A's (the same-run ratio RESULTS.md quotes).
+median per checkout, and B's median tokens/s over A's (the same-run ratio RESULTS.md quotes); also each run's
+process CPU time per output token, steadier than wall time on a machine whose neighbours take its cores.
 """
 
 from __future__ import annotations
@@ -42,15 +43,15 @@ llm.generate([{"prompt_token_ids": workload.prompts[0]}], SamplingParams(max_tok
 llm.reset_prefix_cache()
 params = [SamplingParams(max_tokens=n, **greedy) for n in workload.output_lens]
 prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-start = time.perf_counter()
+start, start_cpu = time.perf_counter(), time.process_time()
 if single_stream:
     outputs = [llm.generate([p], [q], use_tqdm=False)[0] for p, q in zip(prompts, params)]
 else:
     outputs = llm.generate(prompts, params, use_tqdm=False)
-elapsed = time.perf_counter() - start
+elapsed, cpu = time.perf_counter() - start, time.process_time() - start_cpu
 tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
 assert tokens == workload.num_output_tokens
-print(json.dumps({"elapsed_s": elapsed, "tokens": tokens}))
+print(json.dumps({"elapsed_s": elapsed, "cpu_s": cpu, "tokens": tokens}))
 """
 
 
@@ -90,14 +91,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     rates: dict[str, list[float]] = {"A": [], "B": []}
+    cpu_costs: dict[str, list[float]] = {"A": [], "B": []}
     for round_index in range(args.rounds):
         order = [("A", args.a), ("B", args.b)]
         for name, tree in order if round_index % 2 == 0 else order[::-1]:
             result = run_one(tree, args.model, args.num_requests, args.single_stream)
             rate = result["tokens"] / result["elapsed_s"]
             rates[name].append(rate)
+            cpu_ms = 1000 * result["cpu_s"] / result["tokens"]
+            cpu_costs[name].append(cpu_ms)
             print(
-                f"round {round_index} {name}: {result['elapsed_s']:.2f} s, {rate:.1f} output tok/s",
+                f"round {round_index} {name}: {result['elapsed_s']:.2f} s, {rate:.1f} output tok/s, "
+                f"{cpu_ms:.3f} CPU ms per token",
                 flush=True,
             )
     median_a, median_b = statistics.median(rates["A"]), statistics.median(rates["B"])
@@ -107,6 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(
         f"median A {median_a:.1f} tok/s, median B {median_b:.1f} tok/s, B/A {median_b / median_a:.3f}"
+    )
+    cpu_a, cpu_b = statistics.median(cpu_costs["A"]), statistics.median(cpu_costs["B"])
+    print(
+        f"median CPU ms per token: A {cpu_a:.3f}, B {cpu_b:.3f}, B/A {cpu_b / cpu_a:.3f} (the process's CPU "
+        "time: what a neighbour's load on a shared machine changes least)"
     )
 
 
