@@ -97,6 +97,9 @@ class PersistentBatchModelRunner(ModelRunner):
             )
             # Parked before its first output: its prompt (and prompt logprobs) are recomputed.
             self._track_prompt_logprobs(req_id, index)
+            # Drafts in the slot were proposed for its last holder.
+            if self.spec_decode is not None:
+                self.spec_decode.forget_slot(index)
             return index
         index = self._index_of(req_id)
         self.slots.set_block_ids(index, block_ids)
