@@ -188,6 +188,8 @@ class FusedDecodeLayers:
             or dtype not in (torch.bfloat16, torch.float32)
             or tp.size != 1
             or config.qk_norm
+            or config.hidden_act != "silu"  # decode_layer's MLP is SwiGLU
+            or backend.softcap is not None  # and its attention does not soft-cap
             or not isinstance(backend, CpuPagedAttention)
             or not layers
         ):

@@ -16,12 +16,22 @@ class AttentionBackend(ABC):
 
     Invariants: one instance serves every layer of a model (all layers share head counts and head size); the
     per-layer KV cache has `kv_cache_shape(...)` and the model's dtype; `build_metadata` does all the per-step index
-    and mask work, so `forward` only writes the step's K/V at `batch.slot_mapping` and attends.
+    and mask work, so `forward` only writes the step's K/V at `batch.slot_mapping` and attends. A backend that
+    cannot apply `softcap` itself must still give soft-capped results (by another path) or refuse it at
+    construction, never ignore it.
     """
 
     name: ClassVar[str]  # the name `ATTENTION_BACKENDS` registers it under
 
-    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        softcap: float | None = None,
+    ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) is not a multiple of num_kv_heads ({num_kv_heads})"
@@ -30,6 +40,9 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # Attention-logit soft-capping (Gemma 2): scores become `tanh(scale * q.k / softcap) * softcap` before
+        # the mask and the softmax; None: no capping.
+        self.softcap = softcap
 
     @staticmethod
     def kv_cache_shape(

@@ -6,7 +6,8 @@ In a step with decode rows, the K/V writes (`store_kv`) and the decode rows run 
 online softmax, each loaded K/V row shared by its GQA query group. Prefill rows, steps without decode rows and the
 cache layout are the torch backend's (this class extends it), and without the compiled kernels
 (`KVFLOW_CPU_KERNELS=0`, no compiler, a non-CPU tensor) every row takes the torch path, so the torch backend is
-both the fallback and the reference.
+both the fallback and the reference. A model with attention-logit soft-capping (`softcap`, Gemma 2) also runs
+every row in torch: the kernel does not soft-cap, so it is never given such a model's rows.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ class CpuPagedAttention(TorchPagedAttention):
         self, batch: BatchInputs, sliding_window: int | None = None
     ) -> CpuPagedMetadata:
         device = batch.input_ids.device
-        if device.type != "cpu" or load_cpu_kernels() is None:
+        if self.softcap is not None or device.type != "cpu" or load_cpu_kernels() is None:
+            # The C++ kernel has no logit soft-capping: such a model (Gemma 2) attends every row in torch.
             return CpuPagedMetadata(super().build_metadata(batch, sliding_window), None)
         query_start_loc = batch.query_start_loc.to(torch.int64)
         seq_lens = batch.seq_lens.to(torch.int64)

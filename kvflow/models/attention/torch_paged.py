@@ -95,9 +95,21 @@ class TorchPagedAttention(AttentionBackend):
 
     name: ClassVar[str] = "torch"
 
-    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__(
-            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            scale=scale,
+            softcap=softcap,
         )
         self._workspace: dict[int, torch.Tensor] = {}
 
@@ -221,7 +233,10 @@ class TorchPagedAttention(AttentionBackend):
         for kv_head in range(self.num_kv_heads):
             torch.bmm(grouped[:, kv_head], keys[kv_head].transpose(1, 2), out=scores[kv_head])
         bias = group.score_bias.view(1, num_rows, 1, -1)
-        probs = torch.softmax(scores.float().mul_(self.scale).add_(bias), dim=-1).to(values.dtype)
+        logits = scores.float().mul_(self.scale)
+        if self.softcap is not None:
+            logits = logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        probs = torch.softmax(logits.add_(bias), dim=-1).to(values.dtype)
         attended = query.new_empty(self.num_kv_heads, num_rows, group_size, self.head_dim)
         for kv_head in range(self.num_kv_heads):
             torch.bmm(probs[kv_head], values[kv_head], out=attended[kv_head])
@@ -245,18 +260,38 @@ class TorchPagedAttention(AttentionBackend):
         ).transpose(1, 2)
         keys = self._gather(key_blocks, group.kv, 0).transpose(0, 1)
         values = self._gather(value_blocks, group.kv, 1).transpose(0, 1)
-        attended = F.scaled_dot_product_attention(
-            padded,
-            keys,
-            values,
-            attn_mask=group.attn_mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
+        if self.softcap is None:
+            attended = F.scaled_dot_product_attention(
+                padded,
+                keys,
+                values,
+                attn_mask=group.attn_mask,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+        else:
+            attended = self._softcapped_attention(padded, keys, values, group.attn_mask)
         attended = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
         if group.output_rows is not None:
             attended = attended.index_select(0, group.output_rows)
         return group.token_indices, attended
+
+    def _softcapped_attention(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """SDPA's result with the logits soft-capped (SDPA has no soft-capping): `query` `[rows, heads, q, d]`,
+        `keys`/`values` `[rows, kv_heads, k, d]`, `mask` bool `[rows, 1, q, k]`; a float32 softmax, as
+        transformers' eager attention computes it."""
+        group_size = self.num_heads // self.num_kv_heads
+        if group_size > 1:
+            keys = keys.repeat_interleave(group_size, dim=1)
+            values = values.repeat_interleave(group_size, dim=1)
+        assert self.softcap is not None
+        logits = torch.matmul(query, keys.transpose(2, 3)) * self.scale
+        logits = torch.tanh(logits / self.softcap) * self.softcap
+        logits = logits.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(values.dtype)
+        return torch.matmul(probs, values)
 
 
 class _GroupBuilder:

@@ -12,17 +12,26 @@ import torch
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallelGroup, split_evenly
-from kvflow.models.layers.activation import silu_and_mul
+from kvflow.models.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from kvflow.models.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvflow.models.hf_config import TransformerConfig
+
+# `hidden_act` -> the gated activation of the fused gate/up output.
+_GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": silu_and_mul,
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,  # Gemma 2
+}
 
 
 class GatedMLP(nn.Module):
     """SwiGLU MLP: `down(silu(gate(x)) * up(x))` with gate and up fused in `gate_up_proj` (gate rows first).
 
-    Invariants: the config's `hidden_act` is "silu" (anything else is a ValueError at construction); its checkpoint
+    Invariants: the config's `hidden_act` is "silu" or "gelu_pytorch_tanh" (Gemma 2: `gelu_tanh` in silu's place;
+    anything else is a ValueError at construction); its checkpoint
     names are `gate_proj`, `up_proj` (packed into `gate_up_proj`) and `down_proj`. Under tensor parallelism each
     rank holds a slice of the intermediate size: gate/up column-parallel, down row-parallel (one all-reduce).
     """
@@ -36,10 +45,13 @@ class GatedMLP(nn.Module):
         tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
+        activation = _GATED_ACTIVATIONS.get(config.hidden_act)
+        if activation is None:
             raise ValueError(
-                f"unsupported hidden_act {config.hidden_act!r}; only 'silu' is implemented"
+                f"unsupported hidden_act {config.hidden_act!r}; implemented: "
+                f"{', '.join(repr(name) for name in _GATED_ACTIVATIONS)}"
             )
+        self.activation = activation
         intermediate_range = split_evenly(
             config.intermediate_size, tp.size, tp.rank, "intermediate_size"
         )
@@ -60,4 +72,4 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(hidden_states)))
+        return self.down_proj(self.activation(self.gate_up_proj(hidden_states)))

@@ -49,3 +49,32 @@ class RMSNorm(nn.Module):
         if residual is not None:
             hidden_states = hidden_states + residual
         return self(hidden_states), hidden_states
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: `x / sqrt(mean(x**2) + eps) * (1 + weight)`, all in float32, cast back at the end.
+
+    Invariants: `weight` is the checkpoint's offset from 1 (initialised to zeros); unlike `RMSNorm`, the weight
+    multiplies in float32 before the cast (as transformers' `Gemma2RMSNorm`), and no C++ kernel is used, so float32
+    results match the reference bit for bit.
+    """
+
+    def __init__(
+        self, hidden_size: int, eps: float, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__(hidden_size, eps, dtype=dtype, device=device)
+        with torch.no_grad():
+            self.weight.zero_()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        as_float = hidden_states.float()
+        normalised = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normalised * (1.0 + self.weight.float())).type_as(hidden_states)
+
+    def forward_with_residual(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the residual stream (if any) first; returns `(normalised, new residual)`."""
+        if residual is not None:
+            hidden_states = hidden_states + residual
+        return self(hidden_states), hidden_states
