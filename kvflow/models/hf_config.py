@@ -40,11 +40,15 @@ class ArchitectureRules:
     `qkv_bias`: the q/k/v projections always carry a bias and the output projection never does (whatever
     `attention_bias` says); `gated_sliding_window`: `sliding_window` applies only with `use_sliding_window`, to the
     layers from `max_window_layers` on; `qk_norm`: each query and key head is RMS-normalised before RoPE.
+    `phi3_rope`: Phi-3 keeps `original_max_position_embeddings` and `partial_rotary_factor` at the top level; they
+    go into `rope_scaling`, the top-level `original_max_position_embeddings` taking priority over the rope dict's
+    for LongRoPE (as transformers' `Phi3Config` does).
     """
 
     qkv_bias: bool = False
     gated_sliding_window: bool = False
     qk_norm: bool = False
+    phi3_rope: bool = False
 
 
 # The per-architecture config hooks, in one place: an architecture the registry runs and this table does not list
@@ -52,6 +56,7 @@ class ArchitectureRules:
 ARCHITECTURE_RULES: dict[str, ArchitectureRules] = {
     "Qwen2ForCausalLM": ArchitectureRules(qkv_bias=True, gated_sliding_window=True),
     "Qwen3ForCausalLM": ArchitectureRules(gated_sliding_window=True, qk_norm=True),
+    "Phi3ForCausalLM": ArchitectureRules(phi3_rope=True),
 }
 _LLAMA_RULES = ArchitectureRules()
 
@@ -149,6 +154,8 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
     num_heads = int(raw["num_attention_heads"])
     rules = ARCHITECTURE_RULES.get(architecture, _LLAMA_RULES)
     rope_theta, rope_scaling = rope_settings(raw)
+    if rules.phi3_rope:
+        rope_scaling = _phi3_rope_scaling(raw, rope_scaling)
     sliding_window, layer_types = _sliding_window(raw, rules, num_layers)
     attention_bias = rules.qkv_bias or bool(raw.get("attention_bias", False))
     return TransformerConfig(
@@ -178,6 +185,23 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         hidden_act=str(raw.get("hidden_act", "silu")),
         layer_types=layer_types,
     )
+
+
+def _phi3_rope_scaling(
+    raw: dict[str, Any], scaling: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """Phi-3's top-level rope keys folded into the scaling dict (see `ArchitectureRules.phi3_rope`)."""
+    partial = raw.get("partial_rotary_factor")
+    if partial is not None and float(partial) != 1.0:
+        scaling = {
+            "rope_type": "default",
+            "partial_rotary_factor": float(partial),
+            **(scaling or {}),
+        }
+    original = raw.get("original_max_position_embeddings")
+    if scaling is not None and scaling["rope_type"] in ("longrope", "su") and original is not None:
+        scaling = {**scaling, "original_max_position_embeddings": int(original)}
+    return scaling
 
 
 def _architecture(raw: dict[str, Any]) -> str:

@@ -37,6 +37,7 @@ MODEL_REGISTRY: LazyRegistry[type[RunnerModel]] = LazyRegistry(
         "Qwen2ForCausalLM": _LLAMA,
         "Qwen3ForCausalLM": _LLAMA,
         "MistralForCausalLM": _LLAMA,
+        "Phi3ForCausalLM": "kvflow.models.phi3:Phi3ForCausalLM",
         HASH_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashModel",
         HASH_LOGITS_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashLogitsModel",
     },

@@ -167,10 +167,22 @@ def test_missing_required_key_names_key_and_file(tmp_path: Path, key: str) -> No
 
 
 def test_registry_maps_every_supported_architecture() -> None:
+    """Llama, Qwen2, Qwen3 and Mistral run on `LlamaForCausalLM`; any other family on its own class, named as its
+    architecture."""
     from kvflow.models.llama import LlamaForCausalLM
 
+    llama_family = {
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "MistralForCausalLM",
+    }
     for architecture in SUPPORTED_ARCHITECTURES:
-        assert get_model_class([architecture]) is LlamaForCausalLM
+        model_class = get_model_class([architecture])
+        if architecture in llama_family:
+            assert model_class is LlamaForCausalLM
+        else:
+            assert model_class.__name__ == architecture
     assert get_model_class(["SomethingElse", "MistralForCausalLM"]) is LlamaForCausalLM
 
 
