@@ -75,7 +75,8 @@ class DecoderForCausalLM(CheckpointModel):
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=config.head_dim,
-            scale=config.head_dim**-0.5,
+            scale=(config.query_pre_attn_scalar or config.head_dim) ** -0.5,
+            softcap=config.attn_logit_softcapping,
         )
         self.model = DecoderModel(
             config,
@@ -136,7 +137,7 @@ class DecoderForCausalLM(CheckpointModel):
         max_position = int(batch.seq_lens.max()) - 1 if batch.num_reqs else 0
         cos, sin = self.rotary_emb.cos_sin(batch.positions, self.dtype, max_position)
         logits_indices = batch.logits_indices.to(torch.int64)
-        hidden_states = self.model.embed_tokens(batch.input_ids)
+        hidden_states = self.embed(batch.input_ids)
         hidden_states, residual = self.run_layers(
             batch, hidden_states, cos, sin, kv_cache, metadata_by_window, logits_indices
         )
@@ -144,6 +145,10 @@ class DecoderForCausalLM(CheckpointModel):
             hidden_states = hidden_states.index_select(0, logits_indices)
         hidden_states, _ = self.model.norm.forward_with_residual(hidden_states, residual)
         return self.lm_head(hidden_states)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for `input_ids` (a family that scales its embeddings overrides this)."""
+        return self.model.embed_tokens(input_ids)
 
     def run_layers(
         self,

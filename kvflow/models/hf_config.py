@@ -40,6 +40,8 @@ class ArchitectureRules:
     `qkv_bias`: the q/k/v projections always carry a bias and the output projection never does (whatever
     `attention_bias` says); `gated_sliding_window`: `sliding_window` applies only with `use_sliding_window`, to the
     layers from `max_window_layers` on; `qk_norm`: each query and key head is RMS-normalised before RoPE.
+    `gemma2`: Gemma 2's keys (`hidden_activation`, `query_pre_attn_scalar`, the two soft-caps), embeddings tied
+    unless `tie_word_embeddings` says otherwise, and without `layer_types` every even layer slides (transformers').
     `phi3_rope`: Phi-3 keeps `original_max_position_embeddings` and `partial_rotary_factor` at the top level; they
     go into `rope_scaling`, the top-level `original_max_position_embeddings` taking priority over the rope dict's
     for LongRoPE (as transformers' `Phi3Config` does).
@@ -48,6 +50,7 @@ class ArchitectureRules:
     qkv_bias: bool = False
     gated_sliding_window: bool = False
     qk_norm: bool = False
+    gemma2: bool = False
     phi3_rope: bool = False
 
 
@@ -56,6 +59,7 @@ class ArchitectureRules:
 ARCHITECTURE_RULES: dict[str, ArchitectureRules] = {
     "Qwen2ForCausalLM": ArchitectureRules(qkv_bias=True, gated_sliding_window=True),
     "Qwen3ForCausalLM": ArchitectureRules(gated_sliding_window=True, qk_norm=True),
+    "Gemma2ForCausalLM": ArchitectureRules(gemma2=True),
     "Phi3ForCausalLM": ArchitectureRules(phi3_rope=True),
 }
 _LLAMA_RULES = ArchitectureRules()
@@ -69,7 +73,9 @@ class TransformerConfig:
     key or `hidden_size // num_attention_heads`; `rope_scaling` is None or a dict with a `rope_type` key and no
     `rope_theta`; `layer_types` has one entry per layer, each `"full_attention"` or `"sliding_attention"`, and
     `sliding_window` is None exactly when no layer slides. `attention_bias` is the q/k/v bias, `o_proj_bias` the
-    output projection's, `mlp_bias` the MLP projections'.
+    output projection's, `mlp_bias` the MLP projections'. `query_pre_attn_scalar` (None: `head_dim`) sets the
+    attention scale `query_pre_attn_scalar ** -0.5`; `attn_logit_softcapping` / `final_logit_softcapping` (None:
+    none) cap attention scores / final logits as `tanh(x / cap) * cap`.
     """
 
     architecture: str
@@ -95,6 +101,9 @@ class TransformerConfig:
     mlp_bias: bool = False
     hidden_act: str = "silu"
     layer_types: tuple[str, ...] = ()
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -173,7 +182,7 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         max_position_embeddings=int(
             raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITION_EMBEDDINGS
         ),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", rules.gemma2)),
         attention_bias=attention_bias,
         qk_norm=rules.qk_norm,
         sliding_window=sliding_window,
@@ -182,8 +191,12 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         eos_token_id=raw.get("eos_token_id"),
         o_proj_bias=attention_bias and not rules.qkv_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        hidden_act=str(raw.get("hidden_act", "silu")),
         layer_types=layer_types,
+        **(
+            _gemma2_fields(raw)
+            if rules.gemma2
+            else {"hidden_act": str(raw.get("hidden_act", "silu"))}
+        ),
     )
 
 
@@ -202,6 +215,22 @@ def _phi3_rope_scaling(
     if scaling is not None and scaling["rope_type"] in ("longrope", "su") and original is not None:
         scaling = {**scaling, "original_max_position_embeddings": int(original)}
     return scaling
+
+
+def _gemma2_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's activation (transformers reads `hidden_activation`, not `hidden_act`), attention scale and
+    soft-caps, with `Gemma2Config`'s defaults."""
+
+    def optional_float(key: str, default: float) -> float | None:
+        value = raw.get(key, default)
+        return None if value is None else float(value)
+
+    return {
+        "hidden_act": str(raw.get("hidden_activation") or "gelu_pytorch_tanh"),
+        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256)),
+        "attn_logit_softcapping": optional_float("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": optional_float("final_logit_softcapping", 30.0),
+    }
 
 
 def _architecture(raw: dict[str, Any]) -> str:
@@ -247,6 +276,10 @@ def _sliding_window(
     explicit = raw.get("layer_types")
     if explicit:
         layer_types = tuple(str(layer_type) for layer_type in explicit)
+    elif rules.gemma2:
+        layer_types = tuple(
+            SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
+        )
     elif rules.gated_sliding_window:
         first_sliding = int(raw.get("max_window_layers", num_layers))
         layer_types = tuple(

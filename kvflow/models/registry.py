@@ -38,6 +38,7 @@ MODEL_REGISTRY: LazyRegistry[type[RunnerModel]] = LazyRegistry(
         "Qwen3ForCausalLM": _LLAMA,
         "MistralForCausalLM": _LLAMA,
         "Phi3ForCausalLM": "kvflow.models.phi3:Phi3ForCausalLM",
+        "Gemma2ForCausalLM": "kvflow.models.gemma2:Gemma2ForCausalLM",
         HASH_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashModel",
         HASH_LOGITS_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashLogitsModel",
     },
