@@ -31,6 +31,12 @@ _REQUIRED_KEYS = (
 )
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
+# Gemma3TextConfig's defaults.
+_GEMMA3_MAX_POSITION_EMBEDDINGS = 131_072
+_GEMMA3_GLOBAL_THETA = 1_000_000.0
+_GEMMA3_LOCAL_THETA = 10_000.0
+_GEMMA3_SLIDING_WINDOW = 4096
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,10 @@ class ArchitectureRules:
     `phi3_rope`: Phi-3 keeps `original_max_position_embeddings` and `partial_rotary_factor` at the top level; they
     go into `rope_scaling`, the top-level `original_max_position_embeddings` taking priority over the rope dict's
     for LongRoPE (as transformers' `Phi3Config` does).
+    `gemma3`: Gemma 3 text (`Gemma3TextConfig`): Gemma 2's keys with no soft-caps by default, q/k norms, layers
+    sliding unless every `sliding_window_pattern`-th (default 6) without `layer_types`, and two RoPE settings: sliding
+    layers `rope_local_base_freq` (plain), full ones `rope_theta` with `rope_scaling` (or transformers 5's
+    per-layer-type `rope_parameters`); `Gemma3TextConfig`'s defaults for omitted keys.
     """
 
     qkv_bias: bool = False
@@ -52,6 +62,7 @@ class ArchitectureRules:
     qk_norm: bool = False
     gemma2: bool = False
     phi3_rope: bool = False
+    gemma3: bool = False
 
 
 # The per-architecture config hooks, in one place: an architecture the registry runs and this table does not list
@@ -61,6 +72,7 @@ ARCHITECTURE_RULES: dict[str, ArchitectureRules] = {
     "Qwen3ForCausalLM": ArchitectureRules(gated_sliding_window=True, qk_norm=True),
     "Gemma2ForCausalLM": ArchitectureRules(gemma2=True),
     "Phi3ForCausalLM": ArchitectureRules(phi3_rope=True),
+    "Gemma3ForCausalLM": ArchitectureRules(gemma3=True, qk_norm=True),
 }
 _LLAMA_RULES = ArchitectureRules()
 
@@ -75,7 +87,8 @@ class TransformerConfig:
     `sliding_window` is None exactly when no layer slides. `attention_bias` is the q/k/v bias, `o_proj_bias` the
     output projection's, `mlp_bias` the MLP projections'. `query_pre_attn_scalar` (None: `head_dim`) sets the
     attention scale `query_pre_attn_scalar ** -0.5`; `attn_logit_softcapping` / `final_logit_softcapping` (None:
-    none) cap attention scores / final logits as `tanh(x / cap) * cap`.
+    none) cap attention scores / final logits as `tanh(x / cap) * cap`. `sliding_rope_theta` (None: as the full
+    layers) is the plain RoPE base of sliding-window layers (Gemma 3's local layers).
     """
 
     architecture: str
@@ -104,6 +117,7 @@ class TransformerConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    sliding_rope_theta: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -163,6 +177,12 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
     num_heads = int(raw["num_attention_heads"])
     rules = ARCHITECTURE_RULES.get(architecture, _LLAMA_RULES)
     rope_theta, rope_scaling = rope_settings(raw)
+    gemma_fields: dict[str, Any] = {}
+    if rules.gemma3:
+        rope_theta, rope_scaling, sliding_theta = _gemma3_rope(raw)
+        gemma_fields = {**_gemma2_fields(raw, None, None), "sliding_rope_theta": sliding_theta}
+    elif rules.gemma2:
+        gemma_fields = _gemma2_fields(raw, 50.0, 30.0)
     if rules.phi3_rope:
         rope_scaling = _phi3_rope_scaling(raw, rope_scaling)
     sliding_window, layer_types = _sliding_window(raw, rules, num_layers)
@@ -180,9 +200,14 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=int(
-            raw.get("max_position_embeddings") or _DEFAULT_MAX_POSITION_EMBEDDINGS
+            raw.get("max_position_embeddings")
+            or (
+                _GEMMA3_MAX_POSITION_EMBEDDINGS
+                if rules.gemma3
+                else _DEFAULT_MAX_POSITION_EMBEDDINGS
+            )
         ),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", rules.gemma2)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", rules.gemma2 or rules.gemma3)),
         attention_bias=attention_bias,
         qk_norm=rules.qk_norm,
         sliding_window=sliding_window,
@@ -192,11 +217,7 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         o_proj_bias=attention_bias and not rules.qkv_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         layer_types=layer_types,
-        **(
-            _gemma2_fields(raw)
-            if rules.gemma2
-            else {"hidden_act": str(raw.get("hidden_act", "silu"))}
-        ),
+        **(gemma_fields or {"hidden_act": str(raw.get("hidden_act", "silu"))}),
     )
 
 
@@ -217,20 +238,49 @@ def _phi3_rope_scaling(
     return scaling
 
 
-def _gemma2_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2's activation (transformers reads `hidden_activation`, not `hidden_act`), attention scale and
-    soft-caps, with `Gemma2Config`'s defaults."""
+def _gemma2_fields(
+    raw: dict[str, Any], attn_softcap: float | None, final_softcap: float | None
+) -> dict[str, Any]:
+    """Gemma's activation (transformers reads `hidden_activation`, not `hidden_act`), attention scale and
+    soft-caps, with the given soft-cap defaults (`Gemma2Config`'s: 50 and 30; `Gemma3TextConfig`'s: none)."""
 
-    def optional_float(key: str, default: float) -> float | None:
+    def optional_float(key: str, default: float | None) -> float | None:
         value = raw.get(key, default)
         return None if value is None else float(value)
 
     return {
         "hidden_act": str(raw.get("hidden_activation") or "gelu_pytorch_tanh"),
         "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar", 256)),
-        "attn_logit_softcapping": optional_float("attn_logit_softcapping", 50.0),
-        "final_logit_softcapping": optional_float("final_logit_softcapping", 30.0),
+        "attn_logit_softcapping": optional_float("attn_logit_softcapping", attn_softcap),
+        "final_logit_softcapping": optional_float("final_logit_softcapping", final_softcap),
     }
+
+
+def _gemma3_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(full layers' theta, their scaling, sliding layers' theta) as `Gemma3TextConfig` reads them: transformers 5's
+    `rope_parameters` keyed by layer type, else `rope_theta` / `rope_scaling` / `rope_local_base_freq`. Sliding
+    layers' RoPE must be plain (transformers' defaults); bidirectional attention is a ValueError."""
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (Gemma 3 embedding models) is not supported")
+    parameters = raw.get("rope_parameters")
+    if isinstance(parameters, dict) and (
+        "full_attention" in parameters or "sliding_attention" in parameters
+    ):
+        full = dict(parameters.get("full_attention") or {})
+        sliding = dict(parameters.get("sliding_attention") or {})
+        full.setdefault("rope_theta", _GEMMA3_GLOBAL_THETA)
+        sliding.setdefault("rope_theta", _GEMMA3_LOCAL_THETA)
+        theta, scaling = rope_settings({"rope_parameters": full})
+        sliding_theta, sliding_scaling = rope_settings({"rope_parameters": sliding})
+    else:
+        theta, scaling = rope_settings(
+            {**raw, "rope_theta": raw.get("rope_theta", _GEMMA3_GLOBAL_THETA)}
+        )
+        sliding_theta = float(raw.get("rope_local_base_freq", _GEMMA3_LOCAL_THETA))
+        sliding_scaling = None
+    if sliding_scaling is not None:
+        raise ValueError(f"sliding-window layers' rope scaling {sliding_scaling} is not supported")
+    return theta, scaling, sliding_theta
 
 
 def _architecture(raw: dict[str, Any]) -> str:
@@ -268,7 +318,9 @@ def _sliding_window(
     raw: dict[str, Any], rules: ArchitectureRules, num_layers: int
 ) -> tuple[int | None, tuple[str, ...]]:
     """(window, per-layer attention types), following the architecture's rules in transformers."""
-    window = raw.get("sliding_window")
+    window = raw.get("sliding_window", _GEMMA3_SLIDING_WINDOW if rules.gemma3 else None)
+    if rules.gemma3 and window is None:
+        raise ValueError("Gemma 3 needs a sliding_window")
     if rules.gated_sliding_window and not raw.get("use_sliding_window", False):
         window = None
     if window is None:
@@ -279,6 +331,11 @@ def _sliding_window(
     elif rules.gemma2:
         layer_types = tuple(
             SLIDING_ATTENTION if i % 2 == 0 else FULL_ATTENTION for i in range(num_layers)
+        )
+    elif rules.gemma3:
+        pattern = int(raw.get("sliding_window_pattern", _GEMMA3_SLIDING_WINDOW_PATTERN))
+        layer_types = tuple(
+            SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
         )
     elif rules.gated_sliding_window:
         first_sliding = int(raw.get("max_window_layers", num_layers))

@@ -39,6 +39,7 @@ MODEL_REGISTRY: LazyRegistry[type[RunnerModel]] = LazyRegistry(
         "MistralForCausalLM": _LLAMA,
         "Phi3ForCausalLM": "kvflow.models.phi3:Phi3ForCausalLM",
         "Gemma2ForCausalLM": "kvflow.models.gemma2:Gemma2ForCausalLM",
+        "Gemma3ForCausalLM": "kvflow.models.gemma3:Gemma3ForCausalLM",
         HASH_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashModel",
         HASH_LOGITS_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashLogitsModel",
     },
