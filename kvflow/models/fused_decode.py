@@ -189,6 +189,7 @@ class FusedDecodeLayers:
             or tp.size != 1
             or config.qk_norm
             or config.hidden_act != "silu"  # decode_layer's MLP is SwiGLU
+            or config.num_experts  # and dense (a mixture-of-experts block is not)
             or backend.softcap is not None  # and its attention does not soft-cap
             or not isinstance(backend, CpuPagedAttention)
             or not layers

@@ -55,9 +55,12 @@ class ArchitectureRules:
     sliding unless every `sliding_window_pattern`-th (default 6) without `layer_types`, and two RoPE settings: sliding
     layers `rope_local_base_freq` (plain), full ones `rope_theta` with `rope_scaling` (or transformers 5's
     per-layer-type `rope_parameters`); `Gemma3TextConfig`'s defaults for omitted keys.
+    `moe`: Mixtral's experts (`num_local_experts`, default 8; `num_experts_per_tok`, default 2); `sliding_window`
+    (when set) applies to every layer, as for Llama/Mistral.
     """
 
     qkv_bias: bool = False
+    moe: bool = False
     gated_sliding_window: bool = False
     qk_norm: bool = False
     gemma2: bool = False
@@ -73,6 +76,7 @@ ARCHITECTURE_RULES: dict[str, ArchitectureRules] = {
     "Gemma2ForCausalLM": ArchitectureRules(gemma2=True),
     "Phi3ForCausalLM": ArchitectureRules(phi3_rope=True),
     "Gemma3ForCausalLM": ArchitectureRules(gemma3=True, qk_norm=True),
+    "MixtralForCausalLM": ArchitectureRules(moe=True),
 }
 _LLAMA_RULES = ArchitectureRules()
 
@@ -88,7 +92,8 @@ class TransformerConfig:
     output projection's, `mlp_bias` the MLP projections'. `query_pre_attn_scalar` (None: `head_dim`) sets the
     attention scale `query_pre_attn_scalar ** -0.5`; `attn_logit_softcapping` / `final_logit_softcapping` (None:
     none) cap attention scores / final logits as `tanh(x / cap) * cap`. `sliding_rope_theta` (None: as the full
-    layers) is the plain RoPE base of sliding-window layers (Gemma 3's local layers).
+    layers) is the plain RoPE base of sliding-window layers (Gemma 3's local layers). `num_experts` (0: a dense
+    model) and `num_experts_per_tok` describe a mixture-of-experts feed-forward block.
     """
 
     architecture: str
@@ -118,6 +123,8 @@ class TransformerConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     sliding_rope_theta: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -217,6 +224,8 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         o_proj_bias=attention_bias and not rules.qkv_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         layer_types=layer_types,
+        num_experts=int(raw.get("num_local_experts") or 8) if rules.moe else 0,
+        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 2) if rules.moe else 0,
         **(gemma_fields or {"hidden_act": str(raw.get("hidden_act", "silu"))}),
     )
 

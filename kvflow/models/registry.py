@@ -40,6 +40,7 @@ MODEL_REGISTRY: LazyRegistry[type[RunnerModel]] = LazyRegistry(
         "Phi3ForCausalLM": "kvflow.models.phi3:Phi3ForCausalLM",
         "Gemma2ForCausalLM": "kvflow.models.gemma2:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": "kvflow.models.gemma3:Gemma3ForCausalLM",
+        "MixtralForCausalLM": "kvflow.models.mixtral:MixtralForCausalLM",
         HASH_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashModel",
         HASH_LOGITS_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashLogitsModel",
     },

@@ -5,7 +5,9 @@ loads into shard 0 of `qkv_proj`, and so on); `load_weights` maps each checkpoin
 calls that parameter's `weight_loader`, which cuts this rank's part, places it and casts it
 (`kvflow.models.layers.weights`); `checkpoint_index` tells the file reader which part of a tensor a rank needs.
 Nothing here knows a model family: a layer with another layout (quantized, or a stack of experts) plugs in through
-its parameters' weight loaders and `checkpoint_index`.
+its parameters' weight loaders and `checkpoint_index`. A stacked parameter filled from many checkpoint tensors (a
+`FusedMoE`'s experts) lists the shards it needs in its `checkpoint_shards` attribute, and the model maps those
+tensors' names with `checkpoint_target(name) -> (parameter name, shard) | None` (None: the usual mapping).
 """
 
 from __future__ import annotations
@@ -98,8 +100,13 @@ def load_weights(
     """
     names = PackedNames(getattr(model, "packed_modules_mapping", {}))
     params = dict(model.named_parameters())  # a tied head shares the embedding's entry
-    expected = {(name, shard) for name in params for shard in names.shards(name)}
-    loaded: set[tuple[str, int | None]] = set()
+    target = getattr(model, "checkpoint_target", None)
+
+    def shards_of(name: str) -> tuple[object, ...]:
+        return getattr(params[name], "checkpoint_shards", None) or names.shards(name)
+
+    expected = {(name, shard) for name in params for shard in shards_of(name)}
+    loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     mismatched: list[str] = []
     saw_lm_head = False
@@ -109,7 +116,8 @@ def load_weights(
         if checkpoint_name == LM_HEAD and LM_HEAD not in params:
             saw_lm_head = True  # tied: the embedding provides it
             continue
-        name, shard = names.target(checkpoint_name)
+        custom = target(checkpoint_name) if target is not None else None
+        name, shard = custom if custom is not None else names.target(checkpoint_name)
         param = params.get(name)
         if param is None:
             unexpected.append(checkpoint_name)
@@ -120,13 +128,20 @@ def load_weights(
         except WeightShapeError as error:
             mismatched.append(f"{checkpoint_name}: {error}")
             continue
-        filled = names.shards(name) if shard is None else (shard,)  # None: the whole parameter
+        filled = shards_of(name) if shard is None else (shard,)  # None: the whole parameter
         loaded.update((name, filled_shard) for filled_shard in filled)
     if strict:
         _tie_if_lm_head_absent(model, expected, loaded)
     missing = sorted(expected - loaded, key=str) if strict else []
     _raise_on_load_errors(
-        unexpected, mismatched, [names.checkpoint_name(name, shard) for name, shard in missing]
+        unexpected,
+        mismatched,
+        [
+            f"{name}{list(shard)}"
+            if isinstance(shard, tuple)
+            else names.checkpoint_name(name, shard)
+            for name, shard in missing
+        ],
     )
     if saw_lm_head:
         logger.debug("tie_word_embeddings: ignored the checkpoint's lm_head.weight")
@@ -134,8 +149,8 @@ def load_weights(
 
 def _tie_if_lm_head_absent(
     model: nn.Module,
-    expected: set[tuple[str, int | None]],
-    loaded: set[tuple[str, int | None]],
+    expected: set[tuple[str, object]],
+    loaded: set[tuple[str, object]],
 ) -> None:
     """A checkpoint without `lm_head.weight` ties the head to the embedding (as transformers does)."""
     lm_head = (LM_HEAD, None)
