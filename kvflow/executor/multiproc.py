@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -70,8 +71,37 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+# Below the kernel's ephemeral range, where store ports are drawn from (Linux's default range starts at 32768).
+_STORE_PORTS_FROM = 20000
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_port_start() -> int:
+    """The first port of the kernel's ephemeral range (from which bind(0) and outgoing connections take theirs)."""
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),
+        open(_EPHEMERAL_RANGE_FILE) as range_file,
+    ):
+        return int(range_file.read().split()[0])
+    return 32768
+
+
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A port on `host` free now (for rank 0's torch.distributed store)."""
+    """A port on `host` free now, for rank 0's torch.distributed store, drawn at random from below the ephemeral
+    range: a port bind(0) picked and released could be handed to any process's next outgoing connection before
+    rank 0 binds it (EADDRINUSE under load), which a port outside that range never is. Falls back to bind(0)."""
+    start = ephemeral_port_start()
+    draw = random.SystemRandom()
+    for _ in range(64):
+        if start <= _STORE_PORTS_FROM:
+            break
+        port = draw.randrange(_STORE_PORTS_FROM, start)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from kvflow import LLM, SamplingParams
 from kvflow.engine.async_llm import AsyncLLM
 from kvflow.engine.death import EngineDeadError
 from kvflow.executor.broadcast import WorkerDiedError
-from kvflow.executor.multiproc import MultiprocExecutor
+from kvflow.executor.multiproc import MultiprocExecutor, ephemeral_port_start, free_tcp_port
 from kvflow.testing.hash_model import reference_tokens
 from kvflow.testing.waiting import wait_until
 from tests.entrypoints.server import HASH_SERVER, running_server
@@ -60,6 +61,17 @@ def hash_tp2() -> Iterator[LLM]:
     yield llm
     llm.shutdown()  # also after the last test killed a rank
     assert not [pid for pid in executor.pids if is_running(pid)], "shutdown left worker processes"
+
+
+def test_the_store_port_lies_below_the_ephemeral_range_and_is_free() -> None:
+    """Rank 0's store port comes from below the kernel's ephemeral range: a port bind(0) released could go to any
+    process's next outgoing connection before rank 0 binds it (EADDRINUSE seen in the suite under load)."""
+    start = ephemeral_port_start()
+    ports = {free_tcp_port() for _ in range(20)}
+    assert all(port < start for port in ports), (ports, start)
+    assert len(ports) > 1  # drawn at random, not one fixed port every executor would fight over
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as store:
+        store.bind(("127.0.0.1", ports.pop()))
 
 
 def test_tp2_defaults_to_mp_and_runs_the_hash_model_replicated(hash_tp2: LLM) -> None:
