@@ -150,6 +150,13 @@ class DecoderForCausalLM(CheckpointModel):
         """The first layer's input for `input_ids` (a family that scales its embeddings overrides this)."""
         return self.model.embed_tokens(input_ids)
 
+    def layer_rotations(
+        self, batch: BatchInputs, cos: torch.Tensor, sin: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's `(cos, sin)` for this forward: the one table's for every layer (a family whose layers rotate
+        with tables of their own overrides this)."""
+        return [(cos, sin)] * self.num_layers
+
     def run_layers(
         self,
         batch: BatchInputs,
@@ -162,14 +169,16 @@ class DecoderForCausalLM(CheckpointModel):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every decoder layer in turn: `(block output, residual)` of the last one (the residual is None when there
         are no layers), the last layer's rows cut to `logits_indices`."""
+        rotations = self.layer_rotations(batch, cos, sin)
         residual: torch.Tensor | None = None
         last_layer = self.num_layers - 1
         for layer_index, layer in enumerate(self.model.layers):
+            layer_cos, layer_sin = rotations[layer_index]
             hidden_states, residual = layer(
                 hidden_states,
                 residual,
-                cos,
-                sin,
+                layer_cos,
+                layer_sin,
                 kv_cache[layer_index],
                 metadata_by_window[self.layer_windows[layer_index]],
                 logits_indices if layer_index == last_layer else None,

@@ -10,7 +10,7 @@ global layers chosen by the config's `layer_types`, each with its own rotary tab
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -88,32 +88,10 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         )
         self.layer_is_local = [layer_type == SLIDING_ATTENTION for layer_type in config.layer_types]
 
-    def run_layers(
-        self,
-        batch: BatchInputs,
-        hidden_states: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata_by_window: dict[int | None, Any],
-        logits_indices: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """As `DecoderForCausalLM.run_layers`, sliding-window layers rotating with the local table."""
+    def layer_rotations(
+        self, batch: BatchInputs, cos: torch.Tensor, sin: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Sliding-window layers rotate with the local table, the others with the global one."""
         max_position = int(batch.seq_lens.max()) - 1 if batch.num_reqs else 0
-        local_cos, local_sin = self.local_rotary_emb.cos_sin(
-            batch.positions, self.dtype, max_position
-        )
-        residual: torch.Tensor | None = None
-        last_layer = self.num_layers - 1
-        for layer_index, layer in enumerate(self.model.layers):
-            local = self.layer_is_local[layer_index]
-            hidden_states, residual = layer(
-                hidden_states,
-                residual,
-                local_cos if local else cos,
-                local_sin if local else sin,
-                kv_cache[layer_index],
-                metadata_by_window[self.layer_windows[layer_index]],
-                logits_indices if layer_index == last_layer else None,
-            )
-        return hidden_states, residual
+        local = self.local_rotary_emb.cos_sin(batch.positions, self.dtype, max_position)
+        return [local if is_local else (cos, sin) for is_local in self.layer_is_local]
