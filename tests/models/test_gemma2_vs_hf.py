@@ -9,18 +9,17 @@ sync and async scheduling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from family_suite import Checkpoint, FamilySuite, random_prompt
 from paged_model_driver import PagedDriver
 
 from kvflow.models.gemma2 import Gemma2ForCausalLM
 from kvflow.models.hf_config import parse_hf_config
 from kvflow.models.loader import load_model
-from kvflow.testing.hf_checkpoints import hf_greedy, hf_logits, load_hf_model
+from kvflow.testing.hf_checkpoints import hf_logits, load_hf_model
 
 VOCAB_SIZE = 384
 SLIDING_WINDOW = 8
@@ -66,24 +65,6 @@ def make_gemma2_checkpoint(path: Path, *, seed: int = 7) -> Path:
     return path
 
 
-@dataclass
-class Checkpoint:
-    """The checkpoint and its transformers model; greedy references are computed once for both backends."""
-
-    path: Path
-    reference: Any
-    _greedy: dict[tuple[tuple[int, ...], int], list[int]] = field(default_factory=dict)
-
-    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_new_tokens)
-        if key not in self._greedy:
-            self._greedy[key] = hf_greedy(self.path, prompt, max_new_tokens, self.reference)
-        return self._greedy[key]
-
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        return hf_logits(self.path, token_ids, self.reference)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     path = make_gemma2_checkpoint(tmp_path_factory.mktemp("gemma2"))
@@ -98,14 +79,7 @@ def model(request: pytest.FixtureRequest, checkpoint: Checkpoint) -> Gemma2ForCa
 
 
 def _prompt(seed: int, length: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB_SIZE, (length,), generator=generator).tolist()
-
-
-def _assert_argmax_equal(logits: torch.Tensor, reference: torch.Tensor) -> None:
-    """Teacher-forced argmax equal at every position, and the logits themselves within float32 rounding."""
-    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
-    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+    return random_prompt(seed, length, VOCAB_SIZE)
 
 
 def test_config_parsing() -> None:
@@ -155,97 +129,6 @@ def test_checkpoint_exercises_soft_capping(checkpoint: Checkpoint) -> None:
     assert float(capped.abs().max()) < 4.0  # the final soft-cap
 
 
-def test_prompt_logits_one_shot(model: Gemma2ForCausalLM, checkpoint: Checkpoint) -> None:
-    prompt = _prompt(1, 37)
-    driver = PagedDriver(model, block_size=4, seed=1)
-    driver.add_request("a", prompt)
-    _assert_argmax_equal(driver.prompt_logits("a", [37]), checkpoint.logits(prompt))
-
-
-def test_prompt_logits_chunked(model: Gemma2ForCausalLM, checkpoint: Checkpoint) -> None:
-    """Chunks continue the cached KV (some short enough for the decode kernel's rows); edges inside and on
-    block boundaries and past the sliding window."""
-    prompt = _prompt(2, 45)
-    driver = PagedDriver(model, block_size=16, seed=2)
-    driver.add_request("a", prompt)
-    logits = driver.prompt_logits("a", [7, 1, 8, 13, 16])
-    _assert_argmax_equal(logits, checkpoint.logits(prompt))
-
-
-def test_prompt_logits_with_shared_prefix_blocks(
-    model: Gemma2ForCausalLM, checkpoint: Checkpoint
-) -> None:
-    """Request b starts on request a's first 5 blocks (a prefix-cache hit) and computes only its own tail."""
-    prompt_a = _prompt(3, 30)
-    prompt_b = prompt_a[:20] + _prompt(4, 11)
-    driver = PagedDriver(model, block_size=4, seed=3)
-    driver.add_request("a", prompt_a)
-    driver.prompt_logits("a", [30])
-    driver.add_request("b", prompt_b, share_prefix_from="a", num_shared_blocks=5)
-    logits = driver.prompt_logits("b", [11])
-    _assert_argmax_equal(logits, checkpoint.logits(prompt_b)[20:])
-
-
-def test_greedy_batch_with_mixed_steps(model: Gemma2ForCausalLM, checkpoint: Checkpoint) -> None:
-    """Prompts arrive at different steps and prefill in chunks of 6 while earlier requests decode."""
-    prompts = {"a": _prompt(6, 9), "b": _prompt(7, 23), "c": _prompt(8, 3), "d": _prompt(9, 31)}
-    driver = PagedDriver(model, block_size=4, seed=6)
-    outputs = driver.generate(
-        prompts, max_new_tokens=16, chunk_size=6, arrival_steps={"c": 2, "d": 4}
-    )
-    assert any(lens.count(1) >= 2 and max(lens) > 1 for lens in driver.step_query_lens)
-    assert any(lens.count(1) >= 3 for lens in driver.step_query_lens)
-    for req_id, prompt in prompts.items():
-        assert outputs[req_id] == checkpoint.greedy(prompt, 16), req_id
-
-
-def test_greedy_with_shared_prefix(model: Gemma2ForCausalLM, checkpoint: Checkpoint) -> None:
-    """b reuses a's first three full blocks (prompt tokens only) and decodes alongside a."""
-    prompt_a = _prompt(10, 17)
-    prompt_b = prompt_a[:12] + _prompt(11, 6)
-    driver = PagedDriver(model, block_size=4, seed=7)
-    driver.generate({"a": prompt_a}, max_new_tokens=1)
-    driver.add_request("b", prompt_b, share_prefix_from="a", num_shared_blocks=3)
-    outputs = driver.generate({"a": prompt_a, "b": prompt_b}, max_new_tokens=14)
-    assert driver.step_query_lens[1] == [1, 6]
-    assert outputs["b"] == checkpoint.greedy(prompt_b, 14)
-    assert outputs["a"] == checkpoint.greedy(prompt_a, 14)
-
-
-@pytest.mark.parametrize(
-    ("use_v2_model_runner", "async_scheduling"), [(True, False), (True, True), (False, False)]
-)
-def test_llm_generates_transformers_greedy(
-    checkpoint: Checkpoint, use_v2_model_runner: bool, async_scheduling: bool
-) -> None:
-    """`LLM` on the checkpoint: batched, chunked prefill (8 tokens a step) and a prefix-cache hit (the third
-    prompt repeats the first's 16-token prefix), token for token transformers' greedy output."""
-    from kvflow import LLM, SamplingParams
-
-    first = _prompt(20, 21)
-    prompts = [first, _prompt(21, 5), first[:16] + _prompt(22, 7)]
-    llm = LLM(
-        str(checkpoint.path),
-        skip_tokenizer_init=True,
-        disable_log_stats=True,
-        block_size=4,
-        max_num_batched_tokens=8,
-        max_num_seqs=4,
-        use_v2_model_runner=use_v2_model_runner,
-        async_scheduling=async_scheduling,
-    )
-    try:
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)  # fills the cache
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    cached = [output.metrics.num_cached_tokens if output.metrics else None for output in outputs]
-    assert cached[0] == 20 and cached[2] == 16, cached
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert list(output.outputs[0].token_ids) == checkpoint.greedy(prompt, 12)
-
-
 def test_bfloat16_matches_transformers_bfloat16(checkpoint: Checkpoint) -> None:
     """In bfloat16 the model stays much closer to transformers in bfloat16 than that is to float32."""
     prompt = _prompt(13, 29)
@@ -259,3 +142,9 @@ def test_bfloat16_matches_transformers_bfloat16(checkpoint: Checkpoint) -> None:
     error_vs_bfloat16 = float((logits - reference).abs().max())
     bfloat16_error = float((reference - checkpoint.logits(prompt)).abs().max())
     assert error_vs_bfloat16 <= 0.5 * bfloat16_error, (error_vs_bfloat16, bfloat16_error)
+
+
+class TestGemma2Family(FamilySuite):
+    """The checks every family's comparison with transformers makes (`family_suite`)."""
+
+    vocab_size = VOCAB_SIZE

@@ -1,0 +1,161 @@
+"""What every decoder family's comparison with transformers checks (float32, tiny random checkpoint): teacher-
+forced logits and argmax one-shot, chunked and on a prefix hit, greedy token-exact with mixed prefill/decode steps
+and a shared prefix, through the paged layout (`paged_model_driver`), and `LLM` with both runner protocols and sync
+and async scheduling.
+
+A family's test module defines the `checkpoint` (a `Checkpoint`) and `model` fixtures and a subclass of
+`FamilySuite` naming its vocabulary size; pytest runs the suite's tests there with that module's fixtures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pytest
+import torch
+from paged_model_driver import PagedDriver
+
+from kvflow import LLM, SamplingParams
+from kvflow.testing.hf_checkpoints import hf_greedy, hf_logits
+
+if TYPE_CHECKING:
+    from kvflow.models.decoder_lm import DecoderForCausalLM
+
+
+@dataclass
+class Checkpoint:
+    """The checkpoint and its transformers model; greedy references are computed once for every backend."""
+
+    path: Path
+    reference: Any
+    _greedy: dict[tuple[tuple[int, ...], int], list[int]] = field(default_factory=dict)
+
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_new_tokens)
+        if key not in self._greedy:
+            self._greedy[key] = hf_greedy(self.path, prompt, max_new_tokens, self.reference)
+        return self._greedy[key]
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        return hf_logits(self.path, token_ids, self.reference)
+
+
+def random_prompt(seed: int, length: int, vocab_size: int) -> list[int]:
+    """`length` token ids from 3 up (past the special tokens), fixed by `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (length,), generator=generator).tolist()
+
+
+def assert_argmax_equal(logits: torch.Tensor, reference: torch.Tensor) -> None:
+    """Teacher-forced argmax equal at every position, and the logits themselves within float32 rounding."""
+    assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+
+
+class FamilySuite:
+    """The shared checks; a subclass sets `vocab_size` (the checkpoint's)."""
+
+    vocab_size: ClassVar[int]
+
+    def prompt(self, seed: int, length: int) -> list[int]:
+        return random_prompt(seed, length, self.vocab_size)
+
+    def test_prompt_logits_one_shot(
+        self, model: DecoderForCausalLM, checkpoint: Checkpoint
+    ) -> None:
+        prompt = self.prompt(1, 37)
+        driver = PagedDriver(model, block_size=4, seed=1)
+        driver.add_request("a", prompt)
+        assert_argmax_equal(driver.prompt_logits("a", [37]), checkpoint.logits(prompt))
+
+    def test_prompt_logits_chunked(self, model: DecoderForCausalLM, checkpoint: Checkpoint) -> None:
+        """Chunks continue the cached KV (some short enough for the decode kernel's rows); edges inside and on
+        block boundaries and past the sliding window."""
+        prompt = self.prompt(2, 45)
+        driver = PagedDriver(model, block_size=16, seed=2)
+        driver.add_request("a", prompt)
+        logits = driver.prompt_logits("a", [7, 1, 8, 13, 16])
+        assert_argmax_equal(logits, checkpoint.logits(prompt))
+
+    def test_prompt_logits_with_shared_prefix_blocks(
+        self, model: DecoderForCausalLM, checkpoint: Checkpoint
+    ) -> None:
+        """Request b starts on request a's first 5 blocks (a prefix-cache hit) and computes only its own tail."""
+        prompt_a = self.prompt(3, 30)
+        prompt_b = prompt_a[:20] + self.prompt(4, 11)
+        driver = PagedDriver(model, block_size=4, seed=3)
+        driver.add_request("a", prompt_a)
+        driver.prompt_logits("a", [30])
+        driver.add_request("b", prompt_b, share_prefix_from="a", num_shared_blocks=5)
+        logits = driver.prompt_logits("b", [11])
+        assert_argmax_equal(logits, checkpoint.logits(prompt_b)[20:])
+
+    def test_greedy_batch_with_mixed_steps(
+        self, model: DecoderForCausalLM, checkpoint: Checkpoint
+    ) -> None:
+        """Prompts arrive at different steps and prefill in chunks of 6 while earlier requests decode."""
+        prompts = {
+            "a": self.prompt(6, 9),
+            "b": self.prompt(7, 23),
+            "c": self.prompt(8, 3),
+            "d": self.prompt(9, 31),
+        }
+        driver = PagedDriver(model, block_size=4, seed=6)
+        outputs = driver.generate(
+            prompts, max_new_tokens=16, chunk_size=6, arrival_steps={"c": 2, "d": 4}
+        )
+        assert any(lens.count(1) >= 2 and max(lens) > 1 for lens in driver.step_query_lens)
+        assert any(lens.count(1) >= 3 for lens in driver.step_query_lens)
+        for req_id, prompt in prompts.items():
+            assert outputs[req_id] == checkpoint.greedy(prompt, 16), req_id
+
+    def test_greedy_with_shared_prefix(
+        self, model: DecoderForCausalLM, checkpoint: Checkpoint
+    ) -> None:
+        """b reuses a's first three full blocks (prompt tokens only) and decodes alongside a."""
+        prompt_a = self.prompt(10, 17)
+        prompt_b = prompt_a[:12] + self.prompt(11, 6)
+        driver = PagedDriver(model, block_size=4, seed=7)
+        driver.generate({"a": prompt_a}, max_new_tokens=1)
+        driver.add_request("b", prompt_b, share_prefix_from="a", num_shared_blocks=3)
+        outputs = driver.generate({"a": prompt_a, "b": prompt_b}, max_new_tokens=14)
+        assert driver.step_query_lens[1] == [1, 6]
+        assert outputs["b"] == checkpoint.greedy(prompt_b, 14)
+        assert outputs["a"] == checkpoint.greedy(prompt_a, 14)
+
+    @pytest.mark.parametrize(
+        ("use_v2_model_runner", "async_scheduling"), [(True, False), (True, True), (False, False)]
+    )
+    def test_llm_generates_transformers_greedy(
+        self, checkpoint: Checkpoint, use_v2_model_runner: bool, async_scheduling: bool
+    ) -> None:
+        """`LLM` on the checkpoint: batched, chunked prefill (8 tokens a step) and a prefix-cache hit (the third
+        prompt repeats the first's 16-token prefix), token for token transformers' greedy output."""
+        first = self.prompt(20, 21)
+        prompts = [first, self.prompt(21, 5), first[:16] + self.prompt(22, 7)]
+        llm = LLM(
+            str(checkpoint.path),
+            skip_tokenizer_init=True,
+            disable_log_stats=True,
+            block_size=4,
+            max_num_batched_tokens=8,
+            max_num_seqs=4,
+            use_v2_model_runner=use_v2_model_runner,
+            async_scheduling=async_scheduling,
+        )
+        try:
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)  # fills the cache
+            outputs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+            )
+        finally:
+            llm.shutdown()
+        cached = [
+            output.metrics.num_cached_tokens if output.metrics else None for output in outputs
+        ]
+        assert cached[0] == 20 and cached[2] == 16, cached
+        for prompt, output in zip(prompts, outputs, strict=True):
+            assert list(output.outputs[0].token_ids) == checkpoint.greedy(prompt, 12)
