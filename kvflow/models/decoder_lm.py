@@ -106,12 +106,16 @@ class DecoderForCausalLM(CheckpointModel):
             config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
         ]
         self.quantization = quantization
-        if (
-            quantization is not None
-        ):  # before any weight loads: the layers take the plan's storage and kernels
+        # Before any weight loads: the layers take the plan's storage and kernels.
+        if quantization is not None:
             quantization.apply(self)
+        self.add_family_parts(config)
         if dtype is torch.bfloat16 and self.device.type == "cpu":
             kernels.bf16_gemm_kernel()  # a bad KVFLOW_BF16_GEMM fails here, at load, not in a forward pass
+
+    def add_family_parts(self, config: TransformerConfig) -> None:
+        """What a family adds once the shared parts are built (and a quantization plan applied), before any weight
+        loads: a family-specific norm, an extra rotary table, a fast path. The shared model adds nothing."""
 
     # ------------------------------------------------------------------------------------------ KV cache
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:

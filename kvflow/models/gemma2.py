@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
     from kvflow.models.attention import AttentionBackend
     from kvflow.models.hf_config import TransformerConfig
-    from kvflow.models.quantization import QuantizationPlan
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -90,29 +89,14 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
     decoder_layer = Gemma2DecoderLayer
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        attention_backend: str = "torch",
-        tp: TensorParallelGroup | None = None,
-        quantization: QuantizationPlan | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            dtype=dtype,
-            device=device,
-            attention_backend=attention_backend,
-            tp=tp,
-            quantization=quantization,
-        )
+    def add_family_parts(self, config: TransformerConfig) -> None:
         self.model.norm = GemmaRMSNorm(
-            config.hidden_size, config.rms_norm_eps, dtype=dtype, device=self.device
+            config.hidden_size, config.rms_norm_eps, dtype=self.dtype, device=self.device
         )
         # transformers multiplies by the factor as a tensor of the model's dtype.
-        self.embed_scale = torch.tensor(config.hidden_size**0.5, dtype=dtype, device=self.device)
+        self.embed_scale = torch.tensor(
+            config.hidden_size**0.5, dtype=self.dtype, device=self.device
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) * self.embed_scale

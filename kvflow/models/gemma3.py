@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
     from kvflow.models.attention import AttentionBackend
     from kvflow.models.hf_config import TransformerConfig
-    from kvflow.models.quantization import QuantizationPlan
 
 
 class Gemma3DecoderLayer(Gemma2DecoderLayer):
@@ -59,24 +58,8 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
     decoder_layer = Gemma3DecoderLayer
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        attention_backend: str = "torch",
-        tp: TensorParallelGroup | None = None,
-        quantization: QuantizationPlan | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            dtype=dtype,
-            device=device,
-            attention_backend=attention_backend,
-            tp=tp,
-            quantization=quantization,
-        )
+    def add_family_parts(self, config: TransformerConfig) -> None:
+        super().add_family_parts(config)
         self.local_rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
     from kvflow.models.attention import AttentionBackend
     from kvflow.models.hf_config import TransformerConfig
-    from kvflow.models.quantization import QuantizationPlan
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -59,33 +58,16 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     decoder_layer = LlamaDecoderLayer
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-        attention_backend: str = "torch",
-        tp: TensorParallelGroup | None = None,
-        quantization: QuantizationPlan | None = None,
-    ) -> None:
-        super().__init__(
-            config,
-            dtype=dtype,
-            device=device,
-            attention_backend=attention_backend,
-            tp=tp,
-            quantization=quantization,
-        )
+    def add_family_parts(self, config: TransformerConfig) -> None:
         self.fused_decode = FusedDecodeLayers.select(
             config,
             list(self.model.layers),
             self.layer_windows,
             self.attention_backend,
-            dtype=dtype,
+            dtype=self.dtype,
             device=self.device,
             tp=self.tp,
-            quantized=quantization is not None,
+            quantized=self.quantization is not None,
         )
 
     def run_layers(
