@@ -30,8 +30,8 @@ class DraftBatch:
 
     `max_drafts` (slot -> room) names the slots to draft for, each at most `room` drafts (its room before
     `max_model_len`); `catch_up` (slot -> end) names every slot the step computed and how many of its leading
-    positions the target has K/V for (a proposer with a KV cache brings its own to that point; others ignore
-    it); both in batch order. `slots` holds the requests' tokens: slot i's known tokens are
+    positions the target has K/V for (a proposer with a KV cache brings its own to that point; it is empty for the
+    others); both in batch order. `slots` holds the requests' tokens: slot i's known tokens are
     `token_ids[i, :num_tokens[i]]`.
     """
 
@@ -60,7 +60,8 @@ class Proposer(ABC):
     """
 
     # Whether the proposer runs a model with a KV cache of its own (the worker sizes it by
-    # `kv_cache_bytes_per_block`; nothing branches on this flag).
+    # `kv_cache_bytes_per_block`; only such a proposer is sent `DraftBatch.catch_up`, which costs a pass over the
+    # step's rows to build).
     needs_kv_cache: ClassVar[bool] = False
     num_speculative_tokens: int
 

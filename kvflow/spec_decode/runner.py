@@ -275,7 +275,12 @@ class SpecDecodeRunner:
             if room > 0:
                 wanted[index] = room
                 row_of[index] = row
-        catch_up = self._catch_up(slot_indices, sampled, failed_rows)
+        # Only a proposer with a KV cache of its own catches up; the others never read it.
+        catch_up = (
+            self._catch_up(slot_indices, sampled, failed_rows)
+            if self.proposer.needs_kv_cache
+            else {}
+        )
         proposals = self.proposer.propose_batch(
             DraftBatch(slots, wanted, catch_up, self.eos_token_id)
         )

@@ -30,8 +30,9 @@ BLOCK_SIZE = 4
 class FixedProposer(LookupProposer):
     """Drafts `[100, 101, ...]`, as many as asked (at most k), and records what it was asked."""
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, needs_kv_cache: bool = True) -> None:
         self.num_speculative_tokens = k
+        self.needs_kv_cache = needs_kv_cache  # as a draft model: it is told what to catch up
         self.batches: list[DraftBatch] = []
 
     def propose(self, token_ids: np.ndarray, max_drafts: int) -> list[int]:
@@ -127,6 +128,9 @@ def test_propose_catches_up_all_but_failed_rows_and_obeys_disable_by_batch_size(
     assert runner.slot_drafts[0] == [100, 101] and runner.slot_draft_probs[0] is None
     assert list(proposer.batches[-1].catch_up) == [0]  # a failed row is not caught up
     assert proposer.batches[-1].catch_up[0] == min(3, 2 * BLOCK_SIZE)
+    lookup = FixedProposer(2, needs_kv_cache=False)
+    make_runner(make_slots([1, 2, 3]), lookup).propose(np.array([0]), np.array([0]), set(), [[3]])
+    assert lookup.batches[-1].catch_up == {}  # a proposer without a KV cache is spared building it
     slots3 = make_slots([1, 2, 3], [4, 5, 6], [7, 8, 9])
     runner3 = make_runner(slots3, FixedProposer(2), disable_by_batch_size=3)
     rows = np.array([0, 1, 2])
