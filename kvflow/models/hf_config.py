@@ -37,15 +37,39 @@ _GEMMA3_GLOBAL_THETA = 1_000_000.0
 _GEMMA3_LOCAL_THETA = 10_000.0
 _GEMMA3_SLIDING_WINDOW = 4096
 _GEMMA3_SLIDING_WINDOW_PATTERN = 6
+# Qwen2MoeConfig's and Qwen3MoeConfig's (used only with `use_sliding_window`).
+_QWEN_MOE_SLIDING_WINDOW = 4096
+
+
+@dataclass(frozen=True)
+class ExpertRules:
+    """How one mixture-of-experts architecture's `config.json` describes its experts; each default is its
+    transformers config class's, for a key the file omits.
+
+    `num_experts_keys`: the keys naming the expert count, first present wins (transformers 5 writes Qwen3-MoE's as
+    `num_local_experts`). `qwen_keys`: the expert size is `moe_intermediate_size` (else `intermediate_size`, as
+    Mixtral's), top-k weights are renormalised only with `norm_topk_prob` (else always, as Mixtral's), a shared
+    expert is `shared_expert_intermediate_size` wide (`shared_expert_intermediate_size` here 0: the architecture has
+    none), and `decoder_sparse_step` / `mlp_only_layers` make some layers dense.
+    """
+
+    num_experts_keys: tuple[str, ...]
+    num_experts: int
+    num_experts_per_tok: int
+    qwen_keys: bool = False
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
 
 @dataclass(frozen=True)
 class ArchitectureRules:
     """How one Hugging Face architecture's `config.json` is read where it departs from Llama's.
 
-    `qkv_bias`: the q/k/v projections always carry a bias and the output projection never does (whatever
-    `attention_bias` says); `gated_sliding_window`: `sliding_window` applies only with `use_sliding_window`, to the
-    layers from `max_window_layers` on; `qk_norm`: each query and key head is RMS-normalised before RoPE.
+    `qkv_bias`: the q/k/v projections carry a bias unless the config's `qkv_bias` is false (Qwen2-MoE's key),
+    and the output projection never does (whatever `attention_bias` says); `gated_sliding_window`:
+    `sliding_window` applies only with `use_sliding_window`, to the layers from `max_window_layers` on; `qk_norm`:
+    each query and key head is RMS-normalised before RoPE.
     `gemma2`: Gemma 2's keys (`hidden_activation`, `query_pre_attn_scalar`, the two soft-caps), embeddings tied
     unless `tie_word_embeddings` says otherwise, and without `layer_types` every even layer slides (transformers').
     `phi3_rope`: Phi-3 keeps `original_max_position_embeddings` and `partial_rotary_factor` at the top level; they
@@ -55,12 +79,16 @@ class ArchitectureRules:
     sliding unless every `sliding_window_pattern`-th (default 6) without `layer_types`, and two RoPE settings: sliding
     layers `rope_local_base_freq` (plain), full ones `rope_theta` with `rope_scaling` (or transformers 5's
     per-layer-type `rope_parameters`); `Gemma3TextConfig`'s defaults for omitted keys.
-    `moe`: Mixtral's experts (`num_local_experts`, default 8; `num_experts_per_tok`, default 2); `sliding_window`
-    (when set) applies to every layer, as for Llama/Mistral.
+    `experts`: the mixture-of-experts keys (`ExpertRules`), None for a dense architecture. Mixtral's
+    `sliding_window` (when set) applies to every layer, as for Llama/Mistral.
+    `qwen_moe_window`: `sliding_window` applies only with `use_sliding_window`: "alternate" (Qwen2-MoE's
+    `layer_types`, else every other layer from the first, below `max_window_layers`, default 28), "all" (Qwen3-MoE:
+    every layer).
     """
 
     qkv_bias: bool = False
-    moe: bool = False
+    experts: ExpertRules | None = None
+    qwen_moe_window: str = ""
     gated_sliding_window: bool = False
     qk_norm: bool = False
     gemma2: bool = False
@@ -76,7 +104,34 @@ ARCHITECTURE_RULES: dict[str, ArchitectureRules] = {
     "Gemma2ForCausalLM": ArchitectureRules(gemma2=True),
     "Phi3ForCausalLM": ArchitectureRules(phi3_rope=True),
     "Gemma3ForCausalLM": ArchitectureRules(gemma3=True, qk_norm=True),
-    "MixtralForCausalLM": ArchitectureRules(moe=True),
+    "MixtralForCausalLM": ArchitectureRules(
+        experts=ExpertRules(("num_local_experts",), num_experts=8, num_experts_per_tok=2)
+    ),
+    "Qwen2MoeForCausalLM": ArchitectureRules(
+        qkv_bias=True,
+        experts=ExpertRules(
+            ("num_experts", "num_local_experts"),
+            num_experts=60,
+            num_experts_per_tok=4,
+            qwen_keys=True,
+            moe_intermediate_size=1408,
+            shared_expert_intermediate_size=5632,
+            norm_topk_prob=False,
+        ),
+        qwen_moe_window="alternate",
+    ),
+    "Qwen3MoeForCausalLM": ArchitectureRules(
+        qk_norm=True,
+        experts=ExpertRules(
+            ("num_experts", "num_local_experts"),
+            num_experts=128,
+            num_experts_per_tok=8,
+            qwen_keys=True,
+            moe_intermediate_size=768,
+            norm_topk_prob=False,
+        ),
+        qwen_moe_window="all",
+    ),
 }
 _LLAMA_RULES = ArchitectureRules()
 
@@ -93,7 +148,10 @@ class TransformerConfig:
     attention scale `query_pre_attn_scalar ** -0.5`; `attn_logit_softcapping` / `final_logit_softcapping` (None:
     none) cap attention scores / final logits as `tanh(x / cap) * cap`. `sliding_rope_theta` (None: as the full
     layers) is the plain RoPE base of sliding-window layers (Gemma 3's local layers). `num_experts` (0: a dense
-    model) and `num_experts_per_tok` describe a mixture-of-experts feed-forward block.
+    model) and `num_experts_per_tok` describe a mixture-of-experts feed-forward block: experts
+    `moe_intermediate_size` wide, top-k weights renormalised when `norm_topk_prob`, a shared expert when
+    `shared_expert_intermediate_size` (0: none); layer i has experts when `layer_has_experts(i)` (every
+    `decoder_sparse_step`-th layer not in `mlp_only_layers`), the others a dense MLP `intermediate_size` wide.
     """
 
     architecture: str
@@ -125,6 +183,11 @@ class TransformerConfig:
     sliding_rope_theta: float | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -143,6 +206,24 @@ class TransformerConfig:
             raise ValueError(
                 f"unsupported layer_types {unknown}; supported: {FULL_ATTENTION!r}, {SLIDING_ATTENTION!r}"
             )
+        if self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"decoder_sparse_step {self.decoder_sparse_step} is not a positive integer"
+            )
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        if outside:
+            raise ValueError(
+                f"mlp_only_layers {outside} outside the {self.num_hidden_layers} layers (0.."
+                f"{self.num_hidden_layers - 1})"
+            )
+
+    def layer_has_experts(self, layer_index: int) -> bool:
+        """Whether layer `layer_index`'s feed-forward block is the mixture of experts (else a dense MLP)."""
+        return (
+            self.num_experts > 0
+            and layer_index not in self.mlp_only_layers
+            and (layer_index + 1) % self.decoder_sparse_step == 0
+        )
 
     def layer_sliding_window(self, layer_index: int) -> int | None:
         """The sliding window of layer `layer_index` (None: it attends to the whole sequence)."""
@@ -193,7 +274,9 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
     if rules.phi3_rope:
         rope_scaling = _phi3_rope_scaling(raw, rope_scaling)
     sliding_window, layer_types = _sliding_window(raw, rules, num_layers)
-    attention_bias = rules.qkv_bias or bool(raw.get("attention_bias", False))
+    attention_bias = bool(
+        raw.get("qkv_bias", True) if rules.qkv_bias else raw.get("attention_bias", False)
+    )
     return TransformerConfig(
         architecture=architecture,
         vocab_size=int(raw["vocab_size"]),
@@ -224,10 +307,36 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         o_proj_bias=attention_bias and not rules.qkv_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         layer_types=layer_types,
-        num_experts=int(raw.get("num_local_experts") or 8) if rules.moe else 0,
-        num_experts_per_tok=int(raw.get("num_experts_per_tok") or 2) if rules.moe else 0,
+        **_expert_fields(raw, rules.experts),
         **(gemma_fields or {"hidden_act": str(raw.get("hidden_act", "silu"))}),
     )
+
+
+def _expert_fields(raw: dict[str, Any], rules: ExpertRules | None) -> dict[str, Any]:
+    """The mixture-of-experts fields of `TransformerConfig` as `rules` reads them (none for a dense model)."""
+    if rules is None:
+        return {}
+    num_experts = next(
+        (raw[key] for key in rules.num_experts_keys if raw.get(key) is not None), rules.num_experts
+    )
+    fields: dict[str, Any] = {
+        "num_experts": int(num_experts),
+        "num_experts_per_tok": int(raw.get("num_experts_per_tok") or rules.num_experts_per_tok),
+        "moe_intermediate_size": int(raw["intermediate_size"]),
+        "norm_topk_prob": rules.norm_topk_prob,
+    }
+    if rules.qwen_keys:
+        shared = raw.get("shared_expert_intermediate_size", rules.shared_expert_intermediate_size)
+        fields.update(
+            moe_intermediate_size=int(
+                raw.get("moe_intermediate_size") or rules.moe_intermediate_size
+            ),
+            shared_expert_intermediate_size=int(shared or 0),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", rules.norm_topk_prob)),
+            decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+        )
+    return fields
 
 
 def _phi3_rope_scaling(
@@ -327,10 +436,15 @@ def _sliding_window(
     raw: dict[str, Any], rules: ArchitectureRules, num_layers: int
 ) -> tuple[int | None, tuple[str, ...]]:
     """(window, per-layer attention types), following the architecture's rules in transformers."""
-    window = raw.get("sliding_window", _GEMMA3_SLIDING_WINDOW if rules.gemma3 else None)
+    default_window = _GEMMA3_SLIDING_WINDOW if rules.gemma3 else None
+    if rules.qwen_moe_window:
+        default_window = _QWEN_MOE_SLIDING_WINDOW
+    window = raw.get("sliding_window", default_window)
     if rules.gemma3 and window is None:
         raise ValueError("Gemma 3 needs a sliding_window")
-    if rules.gated_sliding_window and not raw.get("use_sliding_window", False):
+    if (rules.gated_sliding_window or rules.qwen_moe_window) and not raw.get(
+        "use_sliding_window", False
+    ):
         window = None
     if window is None:
         return None, (FULL_ATTENTION,) * num_layers
@@ -345,6 +459,12 @@ def _sliding_window(
         pattern = int(raw.get("sliding_window_pattern", _GEMMA3_SLIDING_WINDOW_PATTERN))
         layer_types = tuple(
             SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)
+        )
+    elif rules.qwen_moe_window == "alternate":
+        below = int(raw.get("max_window_layers", 28))
+        layer_types = tuple(
+            SLIDING_ATTENTION if i % 2 == 0 and i < below else FULL_ATTENTION
+            for i in range(num_layers)
         )
     elif rules.gated_sliding_window:
         first_sliding = int(raw.get("max_window_layers", num_layers))

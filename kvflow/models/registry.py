@@ -41,6 +41,8 @@ MODEL_REGISTRY: LazyRegistry[type[RunnerModel]] = LazyRegistry(
         "Gemma2ForCausalLM": "kvflow.models.gemma2:Gemma2ForCausalLM",
         "Gemma3ForCausalLM": "kvflow.models.gemma3:Gemma3ForCausalLM",
         "MixtralForCausalLM": "kvflow.models.mixtral:MixtralForCausalLM",
+        "Qwen2MoeForCausalLM": "kvflow.models.qwen_moe:Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM": "kvflow.models.qwen_moe:Qwen3MoeForCausalLM",
         HASH_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashModel",
         HASH_LOGITS_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashLogitsModel",
     },

@@ -8,6 +8,7 @@ with another arrangement of norms writes its own layer with `PreNormDecoderLayer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -90,14 +91,14 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """Embedding, `num_hidden_layers` decoder layers made by `make_layer`, and the final norm (parameter names
-    follow the checkpoint's `model.*`: `embed_tokens`, `layers.<i>`, `norm`)."""
+    """Embedding, `num_hidden_layers` decoder layers (layer i made by `make_layers[i]`), and the final norm
+    (parameter names follow the checkpoint's `model.*`: `embed_tokens`, `layers.<i>`, `norm`)."""
 
     def __init__(
         self,
         config: TransformerConfig,
         backend: AttentionBackend,
-        make_layer: DecoderLayerFactory,
+        make_layers: Sequence[DecoderLayerFactory],
         *,
         dtype: torch.dtype,
         device: torch.device,
@@ -107,8 +108,12 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabEmbedding(
             config.vocab_size, config.hidden_size, dtype=dtype, device=device, tp=tp
         )
+        if len(make_layers) != config.num_hidden_layers:
+            raise ValueError(
+                f"{len(make_layers)} layer factories for {config.num_hidden_layers} layers"
+            )
         self.layers = nn.ModuleList(
             make_layer(config, backend, dtype=dtype, device=device, tp=tp)
-            for _ in range(config.num_hidden_layers)
+            for make_layer in make_layers
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
