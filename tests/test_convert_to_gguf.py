@@ -138,9 +138,9 @@ def test_unsupported_checkpoints_are_refused_naming_the_field(tmp_path: Path) ->
     checkpoint = make_tiny_checkpoint(tmp_path / "llama", "llama")
     config_file = checkpoint / "config.json"
     config = json.loads(config_file.read_text())
-    config_file.write_text(json.dumps({**config, "model_type": "phi3"}))
-    with pytest.raises(ValueError, match="model_type 'phi3'"):
-        load_converter().convert(checkpoint, tmp_path / "phi3.gguf")
+    config_file.write_text(json.dumps({**config, "model_type": "starcoder2"}))
+    with pytest.raises(ValueError, match="model_type 'starcoder2'"):
+        load_converter().convert(checkpoint, tmp_path / "starcoder2.gguf")
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
     config.pop("rope_parameters", None)  # transformers 5's spelling would take precedence
     config_file.write_text(json.dumps({**config, "rope_scaling": yarn}))

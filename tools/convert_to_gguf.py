@@ -1,4 +1,5 @@
-"""Convert a kvflow / Hugging Face Llama-family checkpoint (safetensors, config.json, tokenizer.json) to GGUF.
+"""Convert a kvflow / Hugging Face checkpoint (safetensors, config.json, tokenizer.json) to GGUF: Llama, Mistral,
+Qwen 2, Qwen 3, Gemma 2, Gemma 3 (text) and Phi-3, laid out as llama.cpp's own converter lays them out.
 
 Usage: `python tools/convert_to_gguf.py CHECKPOINT_DIR OUT.gguf [--dtype bf16|f32] [--outtype TYPE]
 [--tokenizer-pre NAME] [--embed-hf-tokenizer]`
@@ -7,8 +8,8 @@ For `benchmarks/latency.py` and `benchmarks/quantized.py`'s comparisons with lla
 make GGUF files kvflow serves (`kvflow serve OUT.gguf --tokenizer CHECKPOINT_DIR`). The writer is
 `kvflow.models.quantization.gguf_writer.write_gguf` (its docstring says what is written); it needs the optional
 `gguf` package.
-`--outtype` stores the matrices as F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K or the Q4_K_M mix (kvflow's own
-quantizers; llama.cpp's `llama-quantize` makes the same block formats); `--dtype` is the older spelling of F32/BF16.
+`--outtype` stores the matrices as F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K or the Q4_K_M mix (kvflow's
+own quantizers; llama.cpp's `llama-quantize` makes the same block formats); `--dtype` is the older spelling of F32/BF16.
 A checkpoint without tokenizer.json (such as the random-weight benchmark checkpoints) gets a placeholder
 vocabulary, enough for `llama-bench`, not for text.
 """
@@ -27,7 +28,7 @@ from kvflow.models.quantization.gguf_writer import (  # noqa: F401 (re-exported 
 )
 
 _DTYPE_TYPES = {"bf16": "BF16", "f32": "F32"}
-OUTTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "Q4_K_M")
+OUTTYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
 
 
 def convert(

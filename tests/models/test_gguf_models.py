@@ -100,13 +100,13 @@ def test_resident_weight_bytes_are_the_files_tensor_bytes(
 def test_an_unsupported_tensor_type_is_refused_naming_the_tensor_and_type(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    def q5_0_for_ffn_up(name: str, shape: tuple[int, int]) -> str:
+    def float_ffn_up(name: str, shape: tuple[int, int]) -> str:
         return "Q8_0" if "ffn_up" not in name else "F32"
 
-    path = write_gguf(checkpoints["llama"], tmp_path / "q5.gguf", q5_0_for_ffn_up)
-    # Rewrite one tensor as Q5_0 (a type kvflow does not read), with gguf-py's own quantizer.
+    path = write_gguf(checkpoints["llama"], tmp_path / "q5.gguf", float_ffn_up)
+    # Rewrite one tensor as Q5_1 (a type kvflow does not read), with gguf-py's own quantizer.
     reader = GGUFCheckpoint(path)
-    writer = gguf.GGUFWriter(str(tmp_path / "q5_0.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(tmp_path / "q5_1.gguf"), "llama")
     for key, field in reader._reader.fields.items():  # copy the metadata as it is
         if key.startswith(("GGUF.", "general.architecture")):
             continue
@@ -114,16 +114,16 @@ def test_an_unsupported_tensor_type_is_refused_naming_the_tensor_and_type(
     for tensor in reader._reader.tensors:
         data = np.asarray(tensor.data)
         if tensor.name == "blk.1.ffn_up.weight":
-            blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q5_0)
-            writer.add_tensor(tensor.name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+            blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q5_1)
+            writer.add_tensor(tensor.name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q5_1)
         else:
             writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight of type Q5_0"):
-        LLM(str(tmp_path / "q5_0.gguf"), skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight of type Q5_1"):
+        LLM(str(tmp_path / "q5_1.gguf"), skip_tokenizer_init=True)
 
 
 def test_the_tokenizer_comes_from_the_option_or_the_file_else_a_clear_error(

@@ -7,6 +7,14 @@ k, v or gate, up) are grouped into runs of one type (Q4_K_M files mix Q4_K and Q
 offset, so a layer's bytes are its file tensors' bytes and no dequantized copy exists. `apply` runs one kernel per run
 (`kvflow.kernels.quant.ggml_linear_for`, chosen when the layer is built) and concatenates the runs' outputs.
 
+Q5_0 and Q5_K (llama.cpp's Q4_K_M stores Q5_0 where a row is no whole number of 256-element blocks; the Q5_K_S /
+Q5_K_M mixes use Q5_K) have no kernel of their own: `GGUFCheckpoint` converts them as they load to Q8_0 blocks
+(`ggml_quantize.to_q8_0`), which this plan then keeps and runs like any Q8_0 tensor. Q5_0 -> Q8_0 is exact (the same
+fp16 scale, q - 16 as the int8); Q5_K's affine sub-blocks are requantized, within about half a Q8_0 step of the
+file's weights. The cost is memory: a Q8_0 block takes 34 bytes per 32 weights against Q5_0's 22 and Q5_K's 27.5
+(176 per 256), so those tensors are held at 1.55x (Q5_0) / 1.24x (Q5_K) their bytes in the file. The simpler choice
+than a 5-bit kernel (one more block type in the C++ products) for tensors that are a small share of a Q4_K_M file.
+
 Weight updates (`strict=False` loads of float tensors) into quantized storage are refused with the tensor's name.
 """
 

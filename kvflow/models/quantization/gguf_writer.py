@@ -2,16 +2,24 @@
 benchmarks make their files with it too).
 
 `write_gguf(checkpoint_dir, out_path, tensor_type=...)` writes what llama.cpp's own converter writes for the Llama
-family (`llama`, which also covers Mistral, `qwen2`, `qwen3`): the architecture's metadata, every tensor under
-llama.cpp's name (`kvflow.models.quantization.gguf_file.GGUF_LAYER_NAMES` read backwards), and the tokenizer.
+family (`llama`, which also covers Mistral, `qwen2`, `qwen3`), Gemma 2 (`gemma2`), Gemma 3 text (`gemma3`) and
+Phi-3 (`phi3`): the architecture's metadata, every tensor under llama.cpp's name (`kvflow.models.quantization.
+gguf_file.layer_names` read backwards), and the tokenizer; `kvflow.models.quantization.gguf_file` reads it back.
 
-* Matrices are stored as `tensor_type` says: a type name (`F32`, `F16`, `BF16`, `Q8_0`, `Q4_0`, `Q4_K`, `Q6_K`)
-  for every matrix, `"Q4_K_M"` for llama.cpp's mix (see `q4_k_m_type`), or a function `(gguf name, (rows,
-  columns)) -> type`. Quantized blocks come from `kvflow.models.quantization.ggml_quantize.quantize` (gguf-py's
-  quantizer for Q8_0 / Q4_0, kvflow's NumPy one for the K-quants). 1-D tensors (norms, biases) are float32, as
-  llama.cpp's converter stores them.
+* Matrices are stored as `tensor_type` says: a type name (`F32`, `F16`, `BF16`, `Q8_0`, `Q4_0`, `Q5_0`, `Q4_K`,
+  `Q5_K`, `Q6_K`) for every matrix, `"Q4_K_M"` for llama.cpp's mix (see `q4_k_m_type`), or a function `(gguf name,
+  (rows, columns)) -> type`. Quantized blocks come from `kvflow.models.quantization.ggml_quantize.quantize`
+  (gguf-py's quantizer for Q8_0 / Q4_0 / Q5_0, kvflow's NumPy one for the K-quants). 1-D tensors (norms, biases)
+  are float32, as llama.cpp's converter stores them.
 * `llama` q/k rows are permuted from Hugging Face's half-split rotary layout to llama.cpp's interleaved one; Llama 3
   rope scaling is written as llama.cpp does, a `rope_freqs.weight` tensor of per-frequency divisors.
+* Gemma: every RMSNorm weight is stored plus 1 (llama.cpp's norm multiplies by the weight), the soft-caps, the
+  sliding window (and `attention.sliding_window_pattern` as a per-layer list where the layers differ from
+  llama.cpp's default pattern), Gemma 3's local RoPE base (`rope.freq_base_swa`) and linear scaling; the head is
+  the embedding. llama.cpp derives the attention scale from the head size (see `gguf_file`): a checkpoint whose
+  `query_pre_attn_scalar` differs is refused rather than written to load differently.
+* Phi-3: the fused `qkv_proj` / `gate_up_proj` tensors as `attn_qkv` / `ffn_up`; LongRoPE as `rope_factors_long` /
+  `rope_factors_short` tensors with the original context length and the attention factor.
 * The tokenizer: tokenizer.json's byte-level BPE vocabulary (`tokenizer.ggml.*`, model "gpt2") and the chat
   template; with `embed_hf_tokenizer` the whole tokenizer.json too (`tokenizer.huggingface.json`, which kvflow
   reads when no tokenizer folder is given). A checkpoint without tokenizer.json gets model "none" (enough for
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,36 +40,60 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from kvflow.models.hf_config import rope_settings
+from kvflow.models.hf_config import (
+    SLIDING_ATTENTION,
+    TransformerConfig,
+    parse_hf_config,
+    rope_settings,
+)
 from kvflow.models.layers.rotary import rope_inverse_frequencies
 from kvflow.models.quantization.ggml_quantize import quantize
-from kvflow.models.quantization.gguf_file import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+from kvflow.models.quantization.gguf_file import (
+    GEMMA_ARCHITECTURES,
+    GGUF_GLOBAL_NAMES,
+    ROPE_FACTORS_LONG,
+    ROPE_FACTORS_SHORT,
+    gemma_query_pre_attn_scalar,
+    gemma_sliding_layers,
+    layer_names,
+)
 
 logger = logging.getLogger(__name__)
 
 # config.json model_type -> GGUF general.architecture.
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-# Hugging Face parameter name (inside `model.layers.N.`) -> llama.cpp tensor name (inside `blk.N.`), and the globals.
-LAYER_TENSOR_NAMES = {hf: name for name, hf in GGUF_LAYER_NAMES.items()}
+ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+    "phi3": "phi3",
+}
+# The Llama-family architectures (rope scaling as llama.cpp's `rope_freqs`).
+_LLAMA_FAMILY = frozenset({"llama", "qwen2", "qwen3"})
 GLOBAL_TENSOR_NAMES = {hf: name for name, hf in GGUF_GLOBAL_NAMES.items()}
 _LAYER_PATTERN = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# llama.cpp's Q4_K_M falls back where a row is not a whole number of 256-element blocks; it uses Q5_0 / Q8_0 there,
-# kvflow's test files Q4_0 / Q8_0 (types kvflow reads).
-_K_QUANT_FALLBACK = {"Q4_K": "Q4_0", "Q6_K": "Q8_0"}
+# llama.cpp's Q4_K_M falls back to Q5_0 / Q8_0 where a row is not a whole number of 256-element blocks.
+_K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 TensorType = str | Callable[[str, tuple[int, int]], str]
 
 
-def gguf_tensor_name(hf_name: str) -> str | None:
-    """llama.cpp's name for a Hugging Face parameter; None for tensors llama.cpp does not load (rotary caches)."""
+def gguf_tensor_name(hf_name: str, architecture: str = "llama") -> str | None:
+    """llama.cpp's name for a Hugging Face parameter of a GGUF `architecture`; None for tensors llama.cpp does not
+    load (rotary caches)."""
     if hf_name in GLOBAL_TENSOR_NAMES:
         return GLOBAL_TENSOR_NAMES[hf_name]
     if hf_name.endswith("rotary_emb.inv_freq"):
         return None
+    names = {hf: name for name, hf in layer_names(architecture).items()}
     match = _LAYER_PATTERN.fullmatch(hf_name)
-    if match is None or match.group(2) not in LAYER_TENSOR_NAMES:
-        raise ValueError(f"tensor {hf_name!r} has no llama.cpp name (not a Llama-family parameter)")
+    if match is None or match.group(2) not in names:
+        raise ValueError(
+            f"tensor {hf_name!r} has no llama.cpp name (not a parameter of a {architecture} model)"
+        )
     layer, rest = match.groups()
-    return f"blk.{layer}.{LAYER_TENSOR_NAMES[rest]}"
+    return f"blk.{layer}.{names[rest]}"
 
 
 def permute_for_interleaved_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -221,8 +254,11 @@ def _llama3_rope_freqs(config: dict[str, Any], head_dim: int) -> np.ndarray | No
     return (plain / scaled).numpy().astype(np.float32)
 
 
-def write_hparams(writer: Any, gguf: Any, config: dict[str, Any], file_type: Any) -> None:
-    """The architecture block: what llama.cpp's loader reads to shape the graph."""
+def write_hparams(
+    writer: Any, gguf: Any, config: dict[str, Any], file_type: Any, rope_theta: float | None = None
+) -> None:
+    """The architecture block: what llama.cpp's loader reads to shape the graph (`rope_theta`: the full-attention
+    layers' base where config.json's RoPE keys are per layer type, as Gemma 3's are)."""
     num_heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // num_heads)
     writer.add_name(config.get("_name_or_path") or config["model_type"])
@@ -236,9 +272,73 @@ def write_hparams(writer: Any, gguf: Any, config: dict[str, Any], file_type: Any
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(rope_settings(config)[0])
+    writer.add_rope_freq_base(rope_settings(config)[0] if rope_theta is None else rope_theta)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_file_type(int(file_type))
+
+
+def write_gemma_hparams(writer: Any, gguf: Any, arch: str, parsed: TransformerConfig) -> None:
+    """Gemma 2 / 3's keys past the common block (see the module docstring); ValueError for what llama.cpp's Gemma
+    files cannot say."""
+    expected = gemma_query_pre_attn_scalar(
+        arch,
+        parsed.num_hidden_layers,
+        parsed.hidden_size,
+        parsed.num_attention_heads,
+        parsed.head_dim,
+    )
+    if parsed.query_pre_attn_scalar is not None and parsed.query_pre_attn_scalar != expected:
+        raise ValueError(
+            f"query_pre_attn_scalar {parsed.query_pre_attn_scalar:g}: llama.cpp's {arch} scales attention by "
+            f"{expected} ** -0.5 (it derives the scale from the head size), so this file would load differently"
+        )
+    if parsed.attn_logit_softcapping is not None:
+        if arch == "gemma3":
+            raise ValueError("attn_logit_softcapping: llama.cpp's gemma3 has no attention soft-cap")
+        writer.add_attn_logit_softcapping(parsed.attn_logit_softcapping)
+    if parsed.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(parsed.final_logit_softcapping)
+    sliding = [layer_type == SLIDING_ATTENTION for layer_type in parsed.layer_types]
+    if parsed.sliding_window is not None:
+        writer.add_sliding_window(parsed.sliding_window)
+    if sliding != gemma_sliding_layers(arch, parsed.num_hidden_layers, bool(parsed.sliding_window)):
+        writer.add_sliding_window_pattern(sliding)
+    scaling = parsed.rope_scaling
+    if arch == "gemma3":
+        if parsed.sliding_rope_theta is not None:
+            writer.add_rope_freq_base_swa(parsed.sliding_rope_theta)
+        if scaling is not None and scaling["rope_type"] == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(scaling["factor"]))
+            scaling = None
+    if scaling is not None:
+        raise ValueError(f"rope_scaling {scaling} is not written for {arch} files")
+
+
+def write_phi3_hparams(
+    writer: Any, gguf: Any, config: dict[str, Any], parsed: TransformerConfig
+) -> None:
+    """Phi-3's keys past the common block and its LongRoPE factor tensors (as llama.cpp's converter writes them)."""
+    scaling = parsed.rope_scaling or {}
+    original = int(
+        scaling.get("original_max_position_embeddings")
+        or config.get("original_max_position_embeddings")
+        or parsed.max_position_embeddings
+    )
+    writer.add_rope_scaling_orig_ctx_len(original)
+    writer.add_sliding_window(parsed.sliding_window or 0)
+    partial = float(scaling.get("partial_rotary_factor", 1.0))
+    if scaling.get("rope_type", "default") == "default" and partial == 1.0:
+        return
+    if scaling["rope_type"] not in ("longrope", "su") or partial != 1.0:
+        raise ValueError(f"rope_scaling {scaling} is not written for phi3 files")
+    scale = parsed.max_position_embeddings / original
+    default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+    attention_factor = scaling.get("attention_factor")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+    writer.add_rope_scaling_attn_factors(default if attention_factor is None else attention_factor)
+    writer.add_tensor(ROPE_FACTORS_LONG, np.asarray(scaling["long_factor"], dtype=np.float32))
+    writer.add_tensor(ROPE_FACTORS_SHORT, np.asarray(scaling["short_factor"], dtype=np.float32))
 
 
 _FILE_TYPES = {
@@ -247,6 +347,8 @@ _FILE_TYPES = {
     "BF16": "MOSTLY_BF16",
     "Q8_0": "MOSTLY_Q8_0",
     "Q4_0": "MOSTLY_Q4_0",
+    "Q5_0": "MOSTLY_Q5_0",
+    "Q5_K": "MOSTLY_Q5_K_S",
     "Q4_K": "MOSTLY_Q4_K_S",
     "Q6_K": "MOSTLY_Q6_K",
     "Q4_K_M": "MOSTLY_Q4_K_M",
@@ -273,25 +375,35 @@ def write_gguf(
             f"config.json model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}"
         )
     arch = ARCHITECTURES[model_type]
-    tied = bool(config.get("tie_word_embeddings", False))
+    parsed = parse_hf_config(config)
+    tied = parsed.tie_word_embeddings
     num_heads = int(config["num_attention_heads"])
     num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
     head_dim = int(config.get("head_dim") or config["hidden_size"] // num_heads)
     choose = _type_chooser(tensor_type, int(config["num_hidden_layers"]), tied)
     file_type_name = tensor_type if isinstance(tensor_type, str) else "F32"
-    rope_freqs = _llama3_rope_freqs(config, head_dim)
+    rope_freqs = _llama3_rope_freqs(config, head_dim) if arch in _LLAMA_FAMILY else None
     if rope_freqs is not None and arch != "llama":
         raise ValueError(f"rope_scaling is only written for llama files, not {arch}")
 
     writer = gguf.GGUFWriter(str(out_path), arch)
-    write_hparams(writer, gguf, config, gguf.LlamaFileType[_FILE_TYPES[file_type_name]])
+    file_type = gguf.LlamaFileType[_FILE_TYPES[file_type_name]]
+    write_hparams(writer, gguf, config, file_type, parsed.rope_theta)
+    if arch in GEMMA_ARCHITECTURES:
+        write_gemma_hparams(writer, gguf, arch, parsed)
+    elif arch == "phi3":
+        write_phi3_hparams(writer, gguf, config, parsed)
     write_tokenizer(writer, gguf, checkpoint_dir, config, tokenizer_pre, embed_hf_tokenizer)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
     for hf_name, tensor in iterate_checkpoint(checkpoint_dir):
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, arch)
         if name is None or (tied and name == "output.weight"):
             continue
+        if arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):
+            tensor = (
+                tensor.to(torch.float32) + 1.0
+            )  # llama.cpp's Gemma norm multiplies by the weight
         if arch == "llama" and ".attn_q." in name:
             tensor = permute_for_interleaved_rope(tensor, num_heads)
         elif arch == "llama" and ".attn_k." in name and "_norm" not in name:
