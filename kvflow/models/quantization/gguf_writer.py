@@ -335,7 +335,6 @@ def write_phi3_hparams(
     scale = parsed.max_position_embeddings / original
     default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
     attention_factor = scaling.get("attention_factor")
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
     writer.add_rope_scaling_attn_factors(default if attention_factor is None else attention_factor)
     writer.add_tensor(ROPE_FACTORS_LONG, np.asarray(scaling["long_factor"], dtype=np.float32))
     writer.add_tensor(ROPE_FACTORS_SHORT, np.asarray(scaling["short_factor"], dtype=np.float32))
