@@ -30,7 +30,11 @@ from kvflow.models.loader import load_model
 from kvflow.models.quantization import ggml_quantize
 from kvflow.models.quantization.gguf_file import GGUFCheckpoint
 from kvflow.models.quantization.gguf_plan import GGUFLinear
-from kvflow.models.quantization.gguf_writer import write_gguf
+from kvflow.models.quantization.gguf_writer import (
+    LLAMA_CPP_K_QUANT_FALLBACK,
+    q4_k_m_type,
+    write_gguf,
+)
 from kvflow.testing.gguf_files import dequantized_checkpoint
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 from tests.models.greedy import greedy_tokens
@@ -294,7 +298,8 @@ def test_a_q4_k_m_file_with_short_rows_falls_back_to_q5_0_as_llama_cpp_does(
 ) -> None:
     """64-column rows are no whole 256-element block: llama.cpp's mix stores Q5_0 (and Q8_0 for its Q6_K
     tensors) there; the Gemma 2 file loads and decodes like its weights dequantized."""
-    path = write_gguf(checkpoints["gemma2"], tmp_path / "mix.gguf", "Q4_K_M")
+    mix = q4_k_m_type(4, LLAMA_CPP_K_QUANT_FALLBACK)
+    path = write_gguf(checkpoints["gemma2"], tmp_path / "mix.gguf", mix)
     file_types = {info.file_qtype for info in GGUFCheckpoint(path).tensor_infos().values()}
     assert {"Q5_0", "Q8_0"} <= file_types
     dequantized = dequantized_checkpoint(path, checkpoints["gemma2"], tmp_path / "dequantized")

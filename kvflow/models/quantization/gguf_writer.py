@@ -74,8 +74,11 @@ ARCHITECTURES = {
 _LLAMA_FAMILY = frozenset({"llama", "qwen2", "qwen3"})
 GLOBAL_TENSOR_NAMES = {hf: name for name, hf in GGUF_GLOBAL_NAMES.items()}
 _LAYER_PATTERN = re.compile(r"model\.layers\.(\d+)\.(.+)")
-# llama.cpp's Q4_K_M falls back to Q5_0 / Q8_0 where a row is not a whole number of 256-element blocks.
-_K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+# llama.cpp's Q4_K_M falls back to Q5_0 / Q8_0 where a row is not a whole number of 256-element blocks. kvflow's
+# files take Q4_0 there: kvflow reads Q5_0 but holds it as Q8_0 (gguf_plan), 1.55x its bytes, and the default
+# model's 384-wide rows would then be mostly Q8_0 in memory. `LLAMA_CPP_K_QUANT_FALLBACK` writes llama.cpp's mix.
+_K_QUANT_FALLBACK = {"Q4_K": "Q4_0", "Q6_K": "Q8_0"}
+LLAMA_CPP_K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
 TensorType = str | Callable[[str, tuple[int, int]], str]
 
 
@@ -107,10 +110,13 @@ def permute_for_interleaved_rope(weight: torch.Tensor, num_heads: int) -> torch.
     )
 
 
-def q4_k_m_type(num_layers: int) -> Callable[[str, tuple[int, int]], str]:
+def q4_k_m_type(
+    num_layers: int, fallback: dict[str, str] | None = None
+) -> Callable[[str, tuple[int, int]], str]:
     """llama.cpp's Q4_K_M mix: Q6_K for the output matrix (the token embedding when tied) and for attn_v and ffn_down
     in the layers llama.cpp gives more bits (the first and last eighth, and every third between), Q4_K elsewhere;
-    each falls back (`_K_QUANT_FALLBACK`) where the row length is not a multiple of 256."""
+    each falls back (`fallback`, default `_K_QUANT_FALLBACK`) where the row length is not a multiple of 256."""
+    fallback = fallback or _K_QUANT_FALLBACK
 
     def more_bits(layer: int) -> bool:
         return (
@@ -125,7 +131,7 @@ def q4_k_m_type(num_layers: int) -> Callable[[str, tuple[int, int]], str]:
             qtype = "Q6_K"
         elif name.startswith("blk.") and name.endswith(("attn_v.weight", "ffn_down.weight")):
             qtype = "Q6_K" if more_bits(int(name.split(".")[1])) else "Q4_K"
-        return qtype if shape[1] % 256 == 0 else _K_QUANT_FALLBACK[qtype]
+        return qtype if shape[1] % 256 == 0 else fallback[qtype]
 
     return choose
 
