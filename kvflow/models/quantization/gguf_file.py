@@ -224,7 +224,7 @@ class GGUFTensorInfo:
     qtype: str
     shape: tuple[int, ...]
     num_bytes: int
-    file_qtype: str = ""
+    file_qtype: str
     row_start: int = 0
 
 
@@ -409,7 +409,7 @@ class GGUFCheckpoint:
     # ------------------------------------------------------------------------------------------ tensors
     @cached_property
     def _infos(self) -> dict[str, GGUFTensorInfo]:
-        self._check_architecture()
+        config = self.hf_config()  # also refuses an architecture kvflow does not read
         infos = {}
         unsupported = []
         for name, tensor in self._tensors.items():
@@ -427,40 +427,13 @@ class GGUFCheckpoint:
                 int(n) for n in reversed(tensor.shape.tolist())
             )  # ggml lists columns first
             info = GGUFTensorInfo(name, qtype, shape, int(tensor.n_bytes), file_qtype)
-            infos.update(self._split_fused(hf_name, info))
+            infos.update(_split_fused(hf_name, info, config))
         if unsupported:
             raise ValueError(
                 f"{self.path}: cannot load {', '.join(unsupported)}; kvflow reads tensor types "
                 f"{', '.join(READ_TYPES)}"
             )
         return infos
-
-    def _split_fused(self, hf_name: str, info: GGUFTensorInfo) -> dict[str, GGUFTensorInfo]:
-        """A fused tensor's parts under their own names, each its rows of the file's tensor; else the tensor."""
-        prefix, _, suffix = hf_name.rpartition(".layers.")
-        layer, _, local_name = suffix.partition(".")
-        if local_name not in FUSED_PARTS:
-            return {hf_name: info}
-        config = self.hf_config()
-        kv_rows = config.num_key_value_heads * config.head_dim
-        sizes = (
-            (config.num_attention_heads * config.head_dim, kv_rows, kv_rows)
-            if local_name.startswith("self_attn.")
-            else (config.intermediate_size, config.intermediate_size)
-        )
-        if sum(sizes) != info.shape[0]:
-            raise ValueError(
-                f"{self.path}: {info.gguf_name} has {info.shape[0]} rows, the config's parts {sizes}"
-            )
-        parts = {}
-        row_start = 0
-        for part, rows in zip(FUSED_PARTS[local_name], sizes, strict=True):
-            num_bytes = info.num_bytes * rows // info.shape[0]
-            parts[f"{prefix}.layers.{layer}.{part}"] = dataclasses.replace(
-                info, shape=(rows, *info.shape[1:]), num_bytes=num_bytes, row_start=row_start
-            )
-            row_start += rows
-        return parts
 
     def tensor_infos(self) -> dict[str, GGUFTensorInfo]:
         """Hugging Face name -> the file's tensor (ValueError naming every tensor kvflow cannot read)."""
@@ -557,3 +530,30 @@ def _reorder_rows(
     if isinstance(tensor, GGUFTensor):
         return GGUFTensor(tensor.qtype, tensor.data.index_select(0, order), tensor.shape)
     return tensor.index_select(0, order)
+
+
+def _split_fused(
+    hf_name: str, info: GGUFTensorInfo, config: TransformerConfig
+) -> dict[str, GGUFTensorInfo]:
+    """A fused tensor's parts under their own names, each its rows of the file's tensor; else the tensor."""
+    prefix, _, suffix = hf_name.rpartition(".layers.")
+    layer, _, local_name = suffix.partition(".")
+    if local_name not in FUSED_PARTS:
+        return {hf_name: info}
+    kv_rows = config.num_key_value_heads * config.head_dim
+    sizes = (
+        (config.num_attention_heads * config.head_dim, kv_rows, kv_rows)
+        if local_name.startswith("self_attn.")
+        else (config.intermediate_size, config.intermediate_size)
+    )
+    if sum(sizes) != info.shape[0]:
+        raise ValueError(f"{info.gguf_name} has {info.shape[0]} rows, the config's parts {sizes}")
+    parts = {}
+    row_start = 0
+    for part, rows in zip(FUSED_PARTS[local_name], sizes, strict=True):
+        num_bytes = info.num_bytes * rows // info.shape[0]
+        parts[f"{prefix}.layers.{layer}.{part}"] = dataclasses.replace(
+            info, shape=(rows, *info.shape[1:]), num_bytes=num_bytes, row_start=row_start
+        )
+        row_start += rows
+    return parts
