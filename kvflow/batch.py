@@ -3,7 +3,7 @@ consumes. It sits below both `kvflow.worker` and `kvflow.models`, so neither imp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,6 +33,14 @@ class BatchInputs:
     block_tables: torch.Tensor  # [num_reqs, max_blocks_in_batch] int32
     logits_indices: torch.Tensor  # [num_sampled] int64
     sampled_req_indices: torch.Tensor  # [num_sampled] int64
+    other_groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(default=())
+
+    def for_group(self, group_id: int) -> BatchInputs:
+        """This batch with KV cache group `group_id`'s slot mapping and block tables (itself for group 0)."""
+        if group_id == 0:
+            return self
+        slot_mapping, block_tables = self.other_groups[group_id - 1]
+        return replace(self, slot_mapping=slot_mapping, block_tables=block_tables, other_groups=())
 
     @property
     def num_reqs(self) -> int:

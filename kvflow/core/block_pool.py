@@ -17,25 +17,46 @@ class BlockPool:
     Invariants: every block is either in use (`ref_cnt > 0`) or in `free_block_queue`, never both;
     `cached_block_hash_to_block[h].block_hash == h`; a hashed free block stays findable (a prefix hit revives
     it) until allocation evicts it from the head of the free queue.
+
+    With several KV cache groups a block's hash is keyed by its group (`group_key`): group g's blocks hit only
+    group g's lookups. With `reserve_null_block`, block 0 is `null_block`: never free, never hashed, the placeholder
+    a sliding-window group's block table holds for positions outside every future token's window.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False
+    ) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks must be >= {1 + reserve_null_block}, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.null_block: KVCacheBlock | None = None
+        # Blocks requests can hold: all of them, less the null block.
+        self.num_usable_blocks = num_blocks
+        if reserve_null_block:
+            self.null_block = self.free_block_queue.popleft()
+            self.null_block.ref_cnt = (
+                1  # never reaches 0: no free list, no double free goes unnoticed
+            )
+            self.num_usable_blocks -= 1
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 
     def get_usage(self) -> float:
-        return 1.0 - self.get_num_free_blocks() / self.num_blocks
+        return 1.0 - self.get_num_free_blocks() / self.num_usable_blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
+
+    @staticmethod
+    def group_key(block_hash: BlockHash, group_id: int) -> BlockHash:
+        """The prefix-cache key of a block of group `group_id`: the hash itself for group 0, else the hash followed
+        by the group id (a longer key, so never equal to a bare 32-byte hash)."""
+        return block_hash if group_id == 0 else block_hash + group_id.to_bytes(4, "little")
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the LRU head, evicting their cached hashes; each gets ref_cnt 1."""
@@ -82,28 +103,36 @@ class BlockPool:
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
+        group_id: int = 0,
     ) -> None:
-        """Register blocks [num_cached_blocks, num_full_blocks) of a request under their chained hashes.
+        """Register blocks [num_cached_blocks, num_full_blocks) of a request under their chained hashes (keyed by
+        `group_id`, see `group_key`).
 
         A block whose hash is already mapped (another request computed the same prefix concurrently) stays
-        unhashed: it is freed to the head and reused first, while the mapped twin serves future hits.
+        unhashed: it is freed to the head and reused first, while the mapped twin serves future hits. The null
+        block (a sliding group's skipped position) is never registered.
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
         block_hashes = request.block_hashes
         assert len(block_hashes) >= num_full_blocks, "block hashes lag behind the computed tokens"
+        null_block = self.null_block
         for index in range(num_cached_blocks, num_full_blocks):
             block = blocks[index]
-            if block.block_hash is not None:
-                continue  # a prefix hit: already registered
-            block_hash = block_hashes[index]
+            if block.block_hash is not None or block is null_block:
+                continue  # a prefix hit (already registered) or a skipped position
+            block_hash = (
+                block_hashes[index]
+                if group_id == 0
+                else self.group_key(block_hashes[index], group_id)
+            )
             if block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refuses (returns False) while any block is in use."""
-        if self.get_num_free_blocks() != self.num_blocks:
+        if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:

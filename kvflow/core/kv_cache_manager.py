@@ -71,6 +71,10 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
 
+    def min_blocks_for(self, num_tokens: int) -> int:
+        """Blocks a sequence of `num_tokens` tokens needs at least."""
+        return cdiv(num_tokens, self.block_size)
+
     @property
     def usage(self) -> float:
         """Fraction of blocks in use (0..1)."""

@@ -140,3 +140,61 @@ class FreeKVCacheBlockQueue:
             blocks.append(block)
             block = block.next_free_block
         return blocks
+
+
+class KVCacheLayout:
+    """How a model's layers share the paged KV cache: layers grouped by attention kind, each group with its own block
+    table per request, all groups drawing block ids from one pool (vLLM's hybrid allocator idea).
+
+    Invariants: `group_windows[g]` is group g's sliding window (None: full attention); full-attention groups come
+    first, so group 0 covers every position whenever any layer attends the whole sequence; every layer is in exactly
+    one group (`layer_groups`) and owns one of `num_pages` per-layer KV tensors (`layer_pages`); no two layers of one
+    group share a tensor, so a block id held by group g names a page that only g's layers read or write. With one
+    kind of attention there is one group and layer i owns tensor i (today's layout). With several kinds, every group
+    has at most `num_pages` layers (the fewest layers of any kind), so one block costs `num_pages` layers' K/V instead
+    of every layer's, and a sliding group holds only its window's blocks.
+    """
+
+    __slots__ = ("group_windows", "layer_groups", "layer_pages", "num_pages")
+
+    def __init__(self, layer_windows: Iterable[int | None]) -> None:
+        windows = list(layer_windows)
+        kinds: dict[int | None, list[int]] = {}
+        for layer_index, window in enumerate(windows):
+            kinds.setdefault(window, []).append(layer_index)
+        if len(kinds) <= 1:
+            self.group_windows: tuple[int | None, ...] = (windows[0] if windows else None,)
+            self.layer_groups: tuple[int, ...] = (0,) * len(windows)
+            self.layer_pages: tuple[int, ...] = tuple(range(len(windows)))
+            self.num_pages = len(windows)
+            return
+        group_size = min(len(layers) for layers in kinds.values())
+        # Full attention first, then windows in increasing size (a fixed order on every rank and in the scheduler).
+        ordered = sorted(kinds, key=lambda window: (window is not None, window or 0))
+        group_windows: list[int | None] = []
+        layer_groups = [0] * len(windows)
+        layer_pages = [0] * len(windows)
+        for window in ordered:
+            layers = kinds[window]
+            # E.g., 22 sliding layers, group_size 4: groups of 4, 4, 4, 4, 4, 2 layers.
+            for start in range(0, len(layers), group_size):
+                for page, layer_index in enumerate(layers[start : start + group_size]):
+                    layer_groups[layer_index] = len(group_windows)
+                    layer_pages[layer_index] = page
+                group_windows.append(window)
+        self.group_windows = tuple(group_windows)
+        self.layer_groups = tuple(layer_groups)
+        self.layer_pages = tuple(layer_pages)
+        self.num_pages = group_size
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """True when layers are split into several groups (block ids then differ per group)."""
+        return len(self.group_windows) > 1
+
+    def __repr__(self) -> str:
+        return f"KVCacheLayout(group_windows={self.group_windows}, num_pages={self.num_pages})"

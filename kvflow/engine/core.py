@@ -138,6 +138,10 @@ class EngineCore:
                 num_lookahead_tokens=spec_config.num_speculative_tokens
                 if spec_config is not None and spec_config.method == "draft_model"
                 else 0,
+                # The model's KV cache groups (every rank has the same): sliding-window layers hold their window.
+                kv_cache_group_windows=tuple(
+                    self.executor.collective_rpc("kv_cache_group_windows")[0]
+                ),
             )
         except BaseException:
             self.executor.shutdown()  # no worker process outlives a core that failed to start

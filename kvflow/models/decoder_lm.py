@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from kvflow import kernels
+from kvflow.core.kv_cache_utils import KVCacheLayout
 from kvflow.distributed.parallel_state import TensorParallelGroup
 from kvflow.models.attention import AttentionBackend, get_attention_backend
 from kvflow.models.layers import LMHead, RotaryEmbedding
@@ -31,10 +32,13 @@ class DecoderForCausalLM(CheckpointModel):
     """A decoder-only causal LM run by the model runner over a paged KV cache.
 
     Invariants: every parameter is in `dtype` on `device`; with tied embeddings `lm_head.weight` IS
-    `model.embed_tokens.weight`. The KV cache is `[num_layers, *backend.kv_cache_shape(...)]`
-    (K then V) in `dtype`; `forward` writes each scheduled token's K/V at `batch.slot_mapping` before any layer reads
-    it, and returns float32 logits for `batch.logits_indices` only. Attention metadata and RoPE cos/sin are built once
-    per forward (one metadata per distinct sliding window in `layer_windows`) and shared by all layers; in the last
+    `model.embed_tokens.weight`. The KV cache is `[kv_cache_layout.num_pages, *backend.kv_cache_shape(...)]`
+    (K then V) in `dtype`: one tensor per layer, unless the layers mix attention kinds, in which case they form KV
+    cache groups (`KVCacheLayout`) and layer i reads and writes tensor `layer_pages[i]` through its group's block
+    tables (`batch.for_group`). `forward` writes each scheduled token's K/V at its group's slot mapping before any
+    layer reads it, and returns float32 logits for `batch.logits_indices` only. Attention metadata and RoPE cos/sin
+    are built once per forward (one metadata per distinct sliding window in `layer_windows`, or per KV cache group
+    when there are several) and shared by the layers; in the last
     layer only the rows at `logits_indices` go past attention. It does not sample: the runner's `Sampler` turns its
     logits into tokens (`samples_own_tokens` is False).
 
@@ -106,11 +110,22 @@ class DecoderForCausalLM(CheckpointModel):
         self.layer_windows = [
             config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
         ]
+        self.kv_cache_layout = KVCacheLayout(self.layer_windows)
+        layout = self.kv_cache_layout
+        # Per layer: its KV tensor, and the key of its metadata in the dict `forward` builds (its window, or with
+        # several KV cache groups its group).
+        self.layer_pages = layout.layer_pages
+        self.layer_metadata_keys: tuple[int | None, ...] = (
+            layout.layer_groups if layout.is_hybrid else tuple(self.layer_windows)
+        )
         self.quantization = quantization
         # Before any weight loads: the layers take the plan's storage and kernels.
         if quantization is not None:
             quantization.apply(self)
         self.add_family_parts(config)
+        if layout.is_hybrid and getattr(self, "fused_decode", None) is not None:
+            # The fused decode path reads one slot mapping and a tensor per layer: not this layout.
+            self.fused_decode = None
         if dtype is torch.bfloat16 and self.device.type == "cpu":
             kernels.bf16_gemm_kernel()  # a bad KVFLOW_BF16_GEMM fails here, at load, not in a forward pass
 
@@ -125,25 +140,38 @@ class DecoderForCausalLM(CheckpointModel):
 
     # ------------------------------------------------------------------------------------------ KV cache
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
-        """A zeroed cache `[num_layers, *backend.kv_cache_shape(...)]` (torch backend: `[layers, 2, kv_heads,
-        blocks, block_size, head_dim]`); zeros because padding that attention masks out must still be finite."""
+        """A zeroed cache `[num_pages, *backend.kv_cache_shape(...)]` (torch backend: `[pages, 2, kv_heads, blocks,
+        block_size, head_dim]`; a page per layer unless the layers form KV cache groups); zeros because padding that
+        attention masks out must still be finite."""
         layer_shape = self.attention_backend.kv_cache_shape(
             num_blocks, block_size, self.num_kv_heads, self.head_dim
         )
-        return torch.zeros((self.num_layers, *layer_shape), dtype=self.dtype, device=self.device)
+        return torch.zeros(
+            (self.kv_cache_layout.num_pages, *layer_shape), dtype=self.dtype, device=self.device
+        )
 
     def kv_cache_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block takes across all layers, K and V."""
+        """Bytes one block takes, K and V: across all layers, or with KV cache groups across one group's layers (a
+        block belongs to one group at a time)."""
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * element_size
+        num_pages = self.kv_cache_layout.num_pages
+        return num_pages * 2 * block_size * self.num_kv_heads * self.head_dim * element_size
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run the batch's tokens, fill their KV slots, and return float32 logits `[num_sampled, vocab_size]`."""
-        metadata_by_window = {
-            window: self.attention_backend.build_metadata(batch, window)
-            for window in set(self.layer_windows)
-        }
+        layout = self.kv_cache_layout
+        if layout.is_hybrid:
+            # Keyed by KV cache group: each group reads its own block tables.
+            metadata_by_window = {
+                group_id: self.attention_backend.build_metadata(batch.for_group(group_id), window)
+                for group_id, window in enumerate(layout.group_windows)
+            }
+        else:
+            metadata_by_window = {
+                window: self.attention_backend.build_metadata(batch, window)
+                for window in set(self.layer_windows)
+            }
         max_position = int(batch.seq_lens.max()) - 1 if batch.num_reqs else 0
         cos, sin = self.rotary_emb.cos_sin(batch.positions, self.dtype, max_position)
         logits_indices = batch.logits_indices.to(torch.int64)
@@ -178,10 +206,12 @@ class DecoderForCausalLM(CheckpointModel):
         logits_indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Every decoder layer in turn: `(block output, residual)` of the last one (the residual is None when there
-        are no layers), the last layer's rows cut to `logits_indices`."""
+        are no layers), the last layer's rows cut to `logits_indices`. `metadata_by_window` is keyed by
+        `layer_metadata_keys` (windows, or KV cache groups)."""
         rotations = self.layer_rotations(batch, cos, sin)
         residual: torch.Tensor | None = None
         last_layer = self.num_layers - 1
+        layer_pages, metadata_keys = self.layer_pages, self.layer_metadata_keys
         for layer_index, layer in enumerate(self.model.layers):
             layer_cos, layer_sin = rotations[layer_index]
             hidden_states, residual = layer(
@@ -189,8 +219,8 @@ class DecoderForCausalLM(CheckpointModel):
                 residual,
                 layer_cos,
                 layer_sin,
-                kv_cache[layer_index],
-                metadata_by_window[self.layer_windows[layer_index]],
+                kv_cache[layer_pages[layer_index]],
+                metadata_by_window[metadata_keys[layer_index]],
                 logits_indices if layer_index == last_layer else None,
             )
         return hidden_states, residual

@@ -90,7 +90,16 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        self.slots = RequestSlots(max_num_reqs, max_model_len, int(cdiv(max_model_len, block_size)))
+        # KV cache groups (a model without sliding-window layers, or with only one kind, has one): each group has
+        # its own block table per request (`KVCacheLayout`).
+        layout = getattr(model, "kv_cache_layout", None)
+        self.num_kv_groups = 1 if layout is None else layout.num_groups
+        self.slots = RequestSlots(
+            max_num_reqs,
+            max_model_len,
+            int(cdiv(max_model_len, block_size)),
+            num_kv_groups=self.num_kv_groups,
+        )
         self.kv_cache = model.make_kv_cache(num_blocks, block_size).to(self.device)
         # Speculative decoding (None: off): writes, verifies and proposes each step's drafts.
         self.spec_decode: SpecDecodeRunner | None = None
@@ -196,6 +205,7 @@ class ModelRunner:
                 new_req.num_computed_tokens,
                 new_req.sampling_params,
                 num_prompt_tokens=len(new_req.prompt_token_ids),
+                other_group_block_ids=new_req.block_ids[1:],
             )
             self._track_prompt_logprobs(new_req.req_id, index)
             if self.spec_decode is not None:
@@ -257,11 +267,14 @@ class ModelRunner:
             self.slots.set_num_computed_tokens(index, num_computed_tokens)
 
     def _apply_cached_blocks(self, cached: CachedRequestData, i: int) -> int:
-        """Extend cached request `i`'s block table with its new blocks; returns its slot index."""
+        """Extend cached request `i`'s block tables (one per KV cache group) with its new blocks; returns its slot
+        index."""
         index = self._index_of(cached.req_ids[i])
         new_block_ids = cached.new_block_ids[i]
         if new_block_ids is not None:
             self.slots.append_block_ids(index, new_block_ids[0])
+            for group_id in range(1, self.num_kv_groups):
+                self.slots.append_block_ids(index, new_block_ids[group_id], group_id)
         return index
 
     def _apply_cached_tokens(self, index: int, cached: CachedRequestData, i: int) -> None:
@@ -337,6 +350,11 @@ class ModelRunner:
         # E.g., [9, 1, 2, ...] * 4 + [3, 0, 0, ...] -> [39, 4, 8, 9, 10, 11, 24, 12, 13, 14]
         slot_mapping = block_ids * self.block_size + positions % self.block_size
 
+        other_groups = (
+            self._other_group_tables(token_slots, positions, slot_indices, seq_lens)
+            if self.num_kv_groups > 1
+            else ()
+        )
         arrays = _StepArrays(
             slot_indices,
             num_scheduled,
@@ -369,8 +387,33 @@ class ModelRunner:
             ),
             logits_indices=to_device(logits_indices, self.device),
             sampled_req_indices=to_device(sampled_rows.astype(np.int64), self.device),
+            other_groups=other_groups,
         )
         return batch, arrays, spec
+
+    def _other_group_tables(
+        self,
+        token_slots: np.ndarray,
+        positions: np.ndarray,
+        slot_indices: np.ndarray,
+        seq_lens: np.ndarray,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """`(slot_mapping, block_tables)` of KV cache groups 1, 2, ...: the same gathers as group 0's, through each
+        group's own block tables."""
+        block_size = self.block_size
+        tables = []
+        for group_id in range(1, self.num_kv_groups):
+            block_ids = self.slots.block_tables[group_id][
+                token_slots, positions // block_size
+            ].astype(np.int64)
+            slot_mapping = block_ids * block_size + positions % block_size
+            block_tables = self.slots.batch_block_tables(
+                slot_indices, seq_lens, block_size, group_id
+            )
+            tables.append(
+                (to_device(slot_mapping, self.device), to_device(block_tables, self.device))
+            )
+        return tuple(tables)
 
     def _check_scheduled(
         self,

@@ -24,11 +24,20 @@ class RequestSlots:
       * entries past `num_tokens[i]` / `num_blocks[i]` (and every entry of a free slot) are stale and never read;
       * `num_draft_computed[i] <= num_tokens[i]`: with a draft-model proposer, the draft's own KV cache holds its
         K/V of `token_ids[i, :num_draft_computed[i]]` in the slot's blocks (cut back to `num_computed_tokens[i]`
-        whenever that is set, since the tokens past it may change, and advanced by the proposer).
+        whenever that is set, since the tokens past it may change, and advanced by the proposer);
+      * with several KV cache groups (`num_kv_groups`), group g's table of slot `i` is
+        `block_tables[g][i, :group_num_blocks[g][i]]`; `block_table` / `num_blocks` are group 0's, and every group's
+        table covers the same positions (a sliding group's skipped positions hold the null block, never read).
     A freed slot is not cleared: taking it overwrites the counters, so `add` and `remove` cost O(new data).
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_blocks_per_req: int,
+        num_kv_groups: int = 1,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.max_blocks_per_req = max_blocks_per_req
@@ -37,8 +46,15 @@ class RequestSlots:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_draft_computed = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_tables = [
+            np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+            for _ in range(num_kv_groups)
+        ]
+        self.group_num_blocks = [
+            np.zeros(max_num_reqs, dtype=np.int64) for _ in range(num_kv_groups)
+        ]
+        self.block_table = self.block_tables[0]
+        self.num_blocks = self.group_num_blocks[0]
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         self.req_ids: list[str | None] = [None] * max_num_reqs
         # Popped from the end, so slot 0 is taken first.
@@ -54,8 +70,10 @@ class RequestSlots:
         num_computed_tokens: int,
         sampling_params: SamplingParams | None = None,
         num_prompt_tokens: int | None = None,
+        other_group_block_ids: Sequence[Sequence[int]] = (),
     ) -> int:
-        """Take a free slot for `req_id` and fill it; returns the slot index.
+        """Take a free slot for `req_id` and fill it; returns the slot index. `block_ids` is KV cache group 0's
+        table, `other_group_block_ids` the tables of groups 1, 2, ... (one per further group).
 
         `num_prompt_tokens` (default: all of `token_ids`) marks where the prompt ends and outputs begin (a
         resumed request brings its outputs back among `token_ids`); the sampler reads it for penalties, seeds
@@ -78,12 +96,13 @@ class RequestSlots:
         self.req_ids[index] = req_id
         self.sampling_params[index] = sampling_params
         self.num_tokens[index] = 0
-        self.num_blocks[index] = 0
         self.write_tokens(index, 0, token_ids)
         self.num_prompt_tokens[index] = (
             len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
         )
-        self.append_block_ids(index, block_ids)
+        self.set_block_ids(index, block_ids)
+        for group_id, group_block_ids in enumerate(other_group_block_ids, 1):
+            self.set_block_ids(index, group_block_ids, group_id)
         self.set_num_computed_tokens(index, num_computed_tokens)
         # Prefix-hit blocks hold the draft's K/V too: the draft computes every position the target does.
         self.num_draft_computed[index] = num_computed_tokens
@@ -143,21 +162,22 @@ class RequestSlots:
         self.token_ids[index, start:end] = token_ids
         self.num_tokens[index] = end
 
-    def append_block_ids(self, index: int, block_ids: Sequence[int]) -> None:
-        """Append `block_ids` to the slot's block table."""
-        start = int(self.num_blocks[index])
+    def append_block_ids(self, index: int, block_ids: Sequence[int], group_id: int = 0) -> None:
+        """Append `block_ids` to the slot's block table of KV cache group `group_id`."""
+        num_blocks = self.group_num_blocks[group_id]
+        start = int(num_blocks[index])
         end = start + len(block_ids)
         if end > self.max_blocks_per_req:
             raise ValueError(
                 f"slot {index}: {end} blocks exceed max_blocks_per_req={self.max_blocks_per_req}"
             )
-        self.block_table[index, start:end] = block_ids
-        self.num_blocks[index] = end
+        self.block_tables[group_id][index, start:end] = block_ids
+        num_blocks[index] = end
 
-    def set_block_ids(self, index: int, block_ids: Sequence[int]) -> None:
-        """Replace the slot's whole block table (a resumed request's new blocks)."""
-        self.num_blocks[index] = 0
-        self.append_block_ids(index, block_ids)
+    def set_block_ids(self, index: int, block_ids: Sequence[int], group_id: int = 0) -> None:
+        """Replace the slot's whole block table of group `group_id` (a resumed request's new blocks)."""
+        self.group_num_blocks[group_id][index] = 0
+        self.append_block_ids(index, block_ids, group_id)
 
     def set_num_computed_tokens(self, index: int, num_computed_tokens: int) -> None:
         """Record how many of the slot's tokens have their KV written. The draft model's count is cut back to it:
@@ -188,10 +208,10 @@ class RequestSlots:
         return self.token_ids[index, : self.num_tokens[index]].tolist()
 
     def batch_block_tables(
-        self, slot_indices: np.ndarray, seq_lens: np.ndarray, block_size: int
+        self, slot_indices: np.ndarray, seq_lens: np.ndarray, block_size: int, group_id: int = 0
     ) -> np.ndarray:
-        """The block tables of a batch (slot `slot_indices[r]` reading `seq_lens[r]` positions), as wide as its
-        longest sequence needs; entries past a row's blocks are 0.
+        """The block tables of a batch (slot `slot_indices[r]` reading `seq_lens[r]` positions) in KV cache group
+        `group_id`, as wide as its longest sequence needs; entries past a row's blocks are 0.
 
         A slot's table keeps stale entries past its `num_blocks` (a previous holder's blocks); they are zeroed so
         no model can read another request's KV through the padding.
@@ -200,10 +220,11 @@ class RequestSlots:
         width = int(-(-seq_lens.max() // block_size)) if seq_lens.size else 0
         # Fancy indexing copies the rows, so zeroing the padding below leaves the slots' own tables intact.
         # E.g., slots [3, 0, 1] -> [[5, 9, 1], [2, 6, 7], [8, 3, 7]] (7: a previous holder's block)
-        tables = self.block_table[slot_indices, :width]
+        tables = self.block_tables[group_id][slot_indices, :width]
         # Column j is padding where j >= the row's block count.
         # E.g., num_blocks [3, 2, 2] -> [[5, 9, 1], [2, 6, 0], [8, 3, 0]]
-        tables[np.arange(width)[None, :] >= self.num_blocks[slot_indices][:, None]] = 0
+        num_blocks = self.group_num_blocks[group_id][slot_indices]
+        tables[np.arange(width)[None, :] >= num_blocks[:, None]] = 0
         return tables
 
     def get_block_ids(self, req_id: str) -> list[int]:

@@ -348,6 +348,12 @@ class Worker:
             "kv_cache_shape": list(self.model_runner.kv_cache.shape),
         }
 
+    def kv_cache_group_windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each KV cache group of the model's layers (None: full attention), the layout the
+        scheduler's KV cache manager must allocate by (`KVCacheLayout`); `(None,)` for a model without groups."""
+        layout = getattr(self.model, "kv_cache_layout", None)
+        return (None,) if layout is None else layout.group_windows
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one scheduled step (None: its sampling waits for `sample_tokens`)."""
         return self.model_runner.execute_model(scheduler_output)

@@ -1,7 +1,9 @@
 """A minimal engine for model tests: builds `BatchInputs` over a real paged KV cache, step by step.
 
 Blocks come from a shuffled pool (non-contiguous, arbitrary ids); a request can start on another request's first
-blocks (a prefix-cache hit). `generate` runs a tiny continuous-batching loop (arrivals, chunked prefill, decodes
+blocks (a prefix-cache hit). A model whose layers form several KV cache groups (`KVCacheLayout`) gets a cache of
+`num_groups` pages per driver block: group g of driver block b is page `b * num_groups + g`.
+`generate` runs a tiny continuous-batching loop (arrivals, chunked prefill, decodes
 mixed in one step) with greedy sampling, so model tests exercise exactly the layouts the runner produces.
 """
 
@@ -42,7 +44,9 @@ class PagedDriver:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv_cache = model.make_kv_cache(num_blocks, block_size)
+        layout = getattr(model, "kv_cache_layout", None)
+        self.num_kv_groups = 1 if layout is None else layout.num_groups
+        self.kv_cache = model.make_kv_cache(num_blocks * self.num_kv_groups, block_size)
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)
         self.requests: dict[str, DriverRequest] = {}
@@ -111,17 +115,27 @@ class PagedDriver:
         for row, req_id in enumerate(schedule):
             blocks = self.requests[req_id].block_ids[: -(-seq_lens[row] // self.block_size)]
             tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slot_mapping = torch.tensor(slots, dtype=torch.int64)
+        groups = [
+            (
+                (slot_mapping // self.block_size * self.num_kv_groups + group_id) * self.block_size
+                + slot_mapping % self.block_size,
+                tables * self.num_kv_groups + group_id,
+            )
+            for group_id in range(self.num_kv_groups)
+        ]
         return BatchInputs(
             req_ids=list(schedule),
             block_size=self.block_size,
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            slot_mapping=groups[0][0],
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=tables,
+            block_tables=groups[0][1],
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             sampled_req_indices=torch.tensor(sampled_rows, dtype=torch.int64),
+            other_groups=tuple(groups[1:]),
         )
 
     def step(

@@ -10,7 +10,8 @@ import time
 from collections.abc import Iterable
 
 from kvflow.config import CacheConfig, SchedulerConfig
-from kvflow.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvflow.core.hybrid_kv_cache_manager import make_kv_cache_manager
+from kvflow.core.kv_cache_manager import KVCacheBlocks
 from kvflow.core.kv_cache_utils import RequestBlockHasher
 from kvflow.core.sched.drafts import cut_drafts, roll_back_rejected
 from kvflow.core.sched.failures import (
@@ -38,7 +39,6 @@ from kvflow.core.sched.step_output import StepPlan, make_cached_request_data
 from kvflow.core.sched.stop import check_stop
 from kvflow.request import Request, RequestStatus, StreamingUpdate
 from kvflow.spec_decode.metrics import SpecDecodingStats
-from kvflow.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class Scheduler:
         has_structured_outputs: bool = False,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        kv_cache_group_windows: tuple[int | None, ...] = (None,),
     ) -> None:
         num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
         if num_blocks is None:
@@ -96,11 +97,21 @@ class Scheduler:
         self.long_prefill_token_threshold = scheduler_config.long_prefill_token_threshold
         self.block_size = cache_config.block_size
         self.policy = SchedulingPolicy(scheduler_config.policy)
-        self.kv_cache_manager = KVCacheManager(
+        # One KV cache group per attention kind of the model's layers (`KVCacheLayout.group_windows`, from the
+        # worker): sliding-window groups hold only their window. Their blocks are given back behind the computed
+        # count less what may still move back: rejected drafts, and async steps in flight (two at most).
+        num_unsettled_tokens = (
+            2 * (num_speculative_tokens + 1)
+            if scheduler_config.async_scheduling
+            else num_speculative_tokens
+        )
+        self.kv_cache_manager = make_kv_cache_manager(
             num_blocks,
             cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             max_model_len=self.max_model_len,
+            group_windows=kv_cache_group_windows,
+            num_unsettled_tokens=num_unsettled_tokens,
         )
         self.block_hasher = RequestBlockHasher(cache_config.block_size)
 
@@ -202,7 +213,7 @@ class Scheduler:
                 f"request {request_id!r}: prompt of {num_tokens} tokens is longer than "
                 f"max_model_len={self.max_model_len}"
             )
-        num_blocks_needed = cdiv(num_tokens, self.block_size)
+        num_blocks_needed = self.kv_cache_manager.min_blocks_for(num_tokens)
         if num_blocks_needed > self.kv_cache_manager.num_blocks:
             raise ValueError(
                 f"request {request_id!r}: prompt of {num_tokens} tokens needs {num_blocks_needed} "

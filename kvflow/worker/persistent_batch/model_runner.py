@@ -81,19 +81,21 @@ class PersistentBatchModelRunner(ModelRunner):
             return super()._apply_cached_blocks(cached, i)
         new_block_ids = cached.new_block_ids[i]
         assert new_block_ids is not None, f"resumed request {req_id!r} came without block ids"
-        return self._resume(req_id, new_block_ids[0])
+        return self._resume(req_id, new_block_ids)
 
-    def _resume(self, req_id: str, block_ids: Sequence[int]) -> int:
-        """Give a parked request a slot again (nothing computed yet), or replace a held one's block table."""
+    def _resume(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> int:
+        """Give a parked request a slot again (nothing computed yet), or replace a held one's block tables (one per
+        KV cache group)."""
         parked = self.parked.pop(req_id, None)
         if parked is not None:
             index = self.slots.add(
                 req_id,
                 parked.token_ids,
-                block_ids,
+                block_ids[0],
                 0,
                 parked.sampling_params,
                 num_prompt_tokens=parked.num_prompt_tokens,
+                other_group_block_ids=block_ids[1:],
             )
             # Parked before its first output: its prompt (and prompt logprobs) are recomputed.
             self._track_prompt_logprobs(req_id, index)
@@ -102,7 +104,8 @@ class PersistentBatchModelRunner(ModelRunner):
                 self.spec_decode.forget_slot(index)
             return index
         index = self._index_of(req_id)
-        self.slots.set_block_ids(index, block_ids)
+        for group_id, group_block_ids in enumerate(block_ids):
+            self.slots.set_block_ids(index, group_block_ids, group_id)
         return index
 
     def _apply_cached_tokens(self, index: int, cached: CachedRequestData, i: int) -> None:

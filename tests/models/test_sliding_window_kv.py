@@ -1,0 +1,201 @@
+"""Sliding-window layers hold only their window (KV cache groups, `KVCacheLayout`): Gemma 2 (alternating layers),
+Gemma 3 (local/global) and Mixtral (every layer slides) on tiny random checkpoints.
+
+The memory test steps an `EngineCore` on a long Gemma 2 request and reads the scheduler's KV cache manager after
+every step: the sliding group's blocks stay within a window while the full group grows, and the request costs fewer
+bytes than one table of whole-sequence blocks across all layers. The other tests check transformers' greedy output
+token for token through `LLM` / `EngineCore` with prompts several windows long, chunked prefill, prefix hits longer
+than a window, preemption under a small cache, both runner protocols and async scheduling.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from family_suite import Checkpoint, random_prompt
+from test_gemma2_vs_hf import SLIDING_WINDOW as GEMMA2_WINDOW
+from test_gemma2_vs_hf import make_gemma2_checkpoint
+from test_gemma3_vs_hf import make_gemma3_checkpoint
+from test_mixtral_vs_hf import make_mixtral_checkpoint
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from kvflow.engine.core import EngineCore
+from kvflow.request import Request
+from kvflow.testing.hf_checkpoints import load_hf_model
+from kvflow.utils import cdiv
+
+VOCAB_SIZE = 384
+BLOCK_SIZE = 4
+MAKERS = {
+    "gemma2": make_gemma2_checkpoint,
+    "gemma3": make_gemma3_checkpoint,
+    "mixtral": make_mixtral_checkpoint,
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Checkpoint]:
+    made: dict[str, Checkpoint] = {}
+    for family, maker in MAKERS.items():
+        path = maker(tmp_path_factory.mktemp(family))
+        made[family] = Checkpoint(path, load_hf_model(path))
+    return made
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return random_prompt(seed, length, VOCAB_SIZE)
+
+
+def make_core(path: Path, *, num_kv_blocks: int, **scheduler_options: object) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            model_config=ModelConfig(model=str(path), max_model_len=256),
+            cache_config=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=num_kv_blocks),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, **scheduler_options
+            ),
+        )
+    )  # type: ignore[arg-type]
+
+
+def greedy_request(request_id: str, prompt_token_ids: list[int], max_tokens: int) -> Request:
+    return Request(
+        request_id,
+        prompt_token_ids,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def test_gemma2_sliding_group_holds_its_window_while_the_full_group_grows(
+    checkpoints: dict[str, Checkpoint],
+) -> None:
+    checkpoint = checkpoints["gemma2"]
+    core = make_core(checkpoint.path, num_kv_blocks=256)
+    try:
+        manager = core.scheduler.kv_cache_manager
+        assert isinstance(manager, HybridKVCacheManager)
+        assert manager.group_windows == (None, GEMMA2_WINDOW)
+        model = core.executor.worker.model
+        # Four layers, two per group: one tensor per pair, so a block costs two layers' K/V, not four.
+        assert model.kv_cache_layout.num_pages == 2
+        assert core.executor.worker.model_runner.kv_cache.shape[0] == 2
+        bytes_per_block = model.kv_cache_bytes_per_block(BLOCK_SIZE)
+        single_group_bytes_per_block = bytes_per_block * model.num_layers // 2
+
+        long_prompt = prompt(1, 50)
+        core.add_request(greedy_request("long", long_prompt, 70))
+        tokens: list[int] = []
+        null_id = manager.null_block.block_id
+        # In a decode step the sliding group holds the window before the token and the token's block.
+        decode_bound = cdiv(GEMMA2_WINDOW, BLOCK_SIZE) + 1
+        max_held_sliding = 0
+        while core.has_work():
+            for output in core.step():
+                tokens.extend(output.new_token_ids)
+            request = core.scheduler.requests.get("long")
+            if request is None:
+                break
+            full_ids, sliding_ids = manager.get_block_ids("long")
+            held_sliding = [block_id for block_id in sliding_ids if block_id != null_id]
+            assert null_id not in full_ids
+            assert (
+                len(full_ids) == len(sliding_ids) >= cdiv(request.num_computed_tokens, BLOCK_SIZE)
+            )
+            if request.num_computed_tokens > len(long_prompt):
+                assert len(held_sliding) <= decode_bound, (request.num_computed_tokens, sliding_ids)
+            max_held_sliding = max(max_held_sliding, len(held_sliding))
+            num_used = (
+                manager.block_pool.num_usable_blocks - manager.block_pool.get_num_free_blocks()
+            )
+            assert num_used == len(full_ids) + len(held_sliding)
+            # Bytes held now vs one table of whole-sequence blocks across all layers.
+            if request.num_computed_tokens > 2 * GEMMA2_WINDOW:
+                assert num_used * bytes_per_block < len(full_ids) * single_group_bytes_per_block
+        assert len(full_ids) >= cdiv(len(long_prompt) + 69, BLOCK_SIZE)
+        assert max_held_sliding <= cdiv(GEMMA2_WINDOW - 1 + 16, BLOCK_SIZE) + 1  # a 16-token chunk
+        assert tokens == checkpoint.greedy(long_prompt, 70)
+        assert manager.block_pool.get_num_free_blocks() == manager.block_pool.num_usable_blocks
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mixtral"])
+@pytest.mark.parametrize(
+    ("use_v2_model_runner", "async_scheduling"), [(True, False), (True, True), (False, False)]
+)
+def test_llm_long_prompts_and_prefix_hits_past_the_window_are_token_exact(
+    checkpoints: dict[str, Checkpoint],
+    family: str,
+    use_v2_model_runner: bool,
+    async_scheduling: bool,
+) -> None:
+    """Prompts of several windows, 16-token chunks, and a prefix hit of 36 tokens (past every window) whose
+    sliding groups revive only their window's blocks; greedy output equals transformers'."""
+    checkpoint = checkpoints[family]
+    first = prompt(30, 45)
+    prompts = [first, first[:37] + prompt(31, 10), prompt(32, 30)]
+    llm = LLM(
+        str(checkpoint.path),
+        skip_tokenizer_init=True,
+        disable_log_stats=True,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_kv_blocks=400,
+        use_v2_model_runner=use_v2_model_runner,
+        async_scheduling=async_scheduling,
+    )
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)  # fills the cache
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    cached = [output.metrics.num_cached_tokens if output.metrics else None for output in outputs]
+    assert cached[0] == 44 and cached[1] == 36, cached
+    for prompt_token_ids, output in zip(prompts, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == checkpoint.greedy(prompt_token_ids, 24)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mixtral"])
+@pytest.mark.parametrize(
+    ("use_v2_model_runner", "async_scheduling"), [(True, False), (True, True), (False, False)]
+)
+def test_preemption_under_a_small_cache_is_token_exact(
+    checkpoints: dict[str, Checkpoint],
+    family: str,
+    use_v2_model_runner: bool,
+    async_scheduling: bool,
+) -> None:
+    """Three long requests in a cache too small for them all: preempted requests recompute (hitting their own
+    freed-window blocks where still cached) and every output equals transformers'."""
+    checkpoint = checkpoints[family]
+    num_kv_blocks = {"gemma2": 40, "gemma3": 52, "mixtral": 14}[family]
+    core = make_core(
+        checkpoint.path,
+        num_kv_blocks=num_kv_blocks,
+        use_v2_model_runner=use_v2_model_runner,
+        async_scheduling=async_scheduling,
+    )
+    prompts = {str(index): prompt(40 + index, 30 + 7 * index) for index in range(3)}
+    tokens: dict[str, list[int]] = {request_id: [] for request_id in prompts}
+    try:
+        for request_id, prompt_token_ids in prompts.items():
+            core.add_request(greedy_request(request_id, prompt_token_ids, 30))
+        for _ in range(2000):
+            if not core.has_work():
+                break
+            for output in core.step():
+                tokens[output.request_id].extend(output.new_token_ids)
+        assert not core.has_work()
+        assert core.scheduler.num_preemptions_total > 0
+        manager = core.scheduler.kv_cache_manager
+        assert manager.block_pool.get_num_free_blocks() == manager.block_pool.num_usable_blocks
+        assert core.scheduler.reset_prefix_cache()
+    finally:
+        core.shutdown()
+    for request_id, prompt_token_ids in prompts.items():
+        assert tokens[request_id] == checkpoint.greedy(prompt_token_ids, 30), request_id
