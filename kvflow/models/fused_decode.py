@@ -1,7 +1,8 @@
 """The fused decode path: a decode-only step runs each Llama-family decoder layer as one C++ `decode_layer` call.
 
 `FusedDecodeLayers.select(...)` decides once, when the model is built, whether the model can take this path at all
-(a CPU with the C++ kernels, the "cpu" attention backend, one rank, no per-head q/k norm, and either bfloat16
+(a CPU with the C++ kernels, the "cpu" attention backend, one rank, no per-head q/k norm, RoPE over whole heads
+(`decode_layer` rotates every dim of a head: a partial-rotary model stays per-op), and either bfloat16
 float weights on AVX-512 or quantized weights: GGUF blocks or int8 in every layer's four products, float32 or
 bfloat16 activations); a model that cannot holds None and never asks again. Per step, `run` takes the step only when
 every row is a decode row (one token each, every one sampled) and there are at most `max_rows` of them; otherwise it
@@ -30,6 +31,7 @@ import torch
 from kvflow import kernels
 from kvflow.kernels import load_cpu_kernels
 from kvflow.models.attention.cpu_paged import CpuPagedAttention, CpuPagedMetadata
+from kvflow.models.layers.rotary import rotary_dimension
 
 if TYPE_CHECKING:
     from torch import nn
@@ -188,6 +190,7 @@ class FusedDecodeLayers:
             or dtype not in (torch.bfloat16, torch.float32)
             or tp.size != 1
             or config.qk_norm
+            or rotary_dimension(config.head_dim, config.rope_scaling) != config.head_dim
             or config.hidden_act != "silu"  # decode_layer's MLP is SwiGLU
             or config.num_experts  # and dense (a mixture-of-experts block is not)
             or backend.softcap is not None  # and its attention does not soft-cap

@@ -74,7 +74,8 @@ class ArchitectureRules:
     unless `tie_word_embeddings` says otherwise, and without `layer_types` every even layer slides (transformers').
     `phi3_rope`: Phi-3 keeps `original_max_position_embeddings` and `partial_rotary_factor` at the top level; they
     go into `rope_scaling`, the top-level `original_max_position_embeddings` taking priority over the rope dict's
-    for LongRoPE (as transformers' `Phi3Config` does).
+    for LongRoPE (as transformers' `Phi3Config` does), the rope dict's `partial_rotary_factor` over the top-level
+    one (transformers 5 writes both; Phi-4-mini's is 0.75).
     `gemma3`: Gemma 3 text (`Gemma3TextConfig`): Gemma 2's keys with no soft-caps by default, q/k norms, layers
     sliding unless every `sliding_window_pattern`-th (default 6) without `layer_types`, and two RoPE settings: sliding
     layers `rope_local_base_freq` (plain), full ones `rope_theta` with `rope_scaling` (or transformers 5's
@@ -152,6 +153,8 @@ class TransformerConfig:
     `moe_intermediate_size` wide, top-k weights renormalised when `norm_topk_prob`, a shared expert when
     `shared_expert_intermediate_size` (0: none); layer i has experts when `layer_has_experts(i)` (every
     `decoder_sparse_step`-th layer not in `mlp_only_layers`), the others a dense MLP `intermediate_size` wide.
+    A `partial_rotary_factor` in `rope_scaling`: RoPE rotates only the first `int(head_dim * factor)` dims of each
+    head (`kvflow.models.layers.rotary`).
     """
 
     architecture: str

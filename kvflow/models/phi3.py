@@ -1,8 +1,8 @@
-"""Phi-3 (`Phi3ForCausalLM`: Phi-3 / Phi-3.5 mini and medium) over the paged KV cache.
+"""Phi-3 (`Phi3ForCausalLM`: Phi-3 / Phi-3.5 mini and medium, Phi-4-mini) over the paged KV cache.
 
-After loading, a Phi-3 layer is a Llama layer: pre-norm RMSNorm blocks, one fused QKV product (no bias), RoPE on
-the whole head, the SwiGLU MLP with gate rows before up rows. So `Phi3ForCausalLM` is `LlamaForCausalLM` (its
-layers, and the fused decode path where that one takes the model) with two differences:
+After loading, a Phi-3 layer is a Llama layer: pre-norm RMSNorm blocks, one fused QKV product (no bias), RoPE (on
+the whole head but for Phi-4-mini, below), the SwiGLU MLP with gate rows before up rows. So `Phi3ForCausalLM` is
+`LlamaForCausalLM` (its layers, and the fused decode path where that one takes the model) with two differences:
 
 * The checkpoint already stores the fused `qkv_proj` and `gate_up_proj` tensors. `load_weights` splits each into its
   q / k / v (gate / up) parts by the config's head counts and loads them as a Llama checkpoint's separate tensors,
@@ -10,7 +10,9 @@ layers, and the fused decode path where that one takes the model) with two diffe
   (`checkpoint_index`) and each part is cut to this rank's rows, as a Llama checkpoint's would be.
 * LongRoPE (`rope_type` "longrope", legacy "su"): `LongRopeRotaryEmbedding`, see its rule below.
 
-`partial_rotary_factor` other than 1 (Phi-4-mini) is refused when the model is built.
+`partial_rotary_factor` below 1 (Phi-4-mini: 0.75) rotates only the first `int(head_dim * partial_rotary_factor)`
+dims of each head (`kvflow.models.layers.rotary`), with plain RoPE or LongRoPE (whose factor lists then hold one
+entry per rotated frequency). The fused decode path rotates whole heads, so it declines such a model.
 """
 
 from __future__ import annotations
@@ -42,11 +44,19 @@ _FUSED_PARTS = {
 }
 
 
+def _plain_rope(scaling: dict[str, Any]) -> dict[str, Any] | None:
+    """Plain RoPE over the rotary dims `scaling` gives (its `partial_rotary_factor`): None for whole heads."""
+    partial = float(scaling.get("partial_rotary_factor", 1.0))
+    return None if partial == 1.0 else {"rope_type": "default", "partial_rotary_factor": partial}
+
+
 class LongRopeRotaryEmbedding(RotaryEmbedding):
-    """LongRoPE as transformers computes it: inverse frequencies `1 / (ext_factor * theta ** (2i / head_dim))` with
-    `ext_factor` the `short_factor` or the `long_factor` list, and cos/sin multiplied by the attention factor
-    (`attention_factor`, else `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))` when `factor` (default
-    `max_position_embeddings / original_max_position_embeddings`) exceeds 1, else 1) for both lists.
+    """LongRoPE as transformers computes it: inverse frequencies `1 / (ext_factor * theta ** (2i / rotary_dim))`
+    (`rotary_dim` the head size, or its rotated part under `partial_rotary_factor`) with `ext_factor` the
+    `short_factor` or the `long_factor` list (`rotary_dim // 2` entries each), and cos/sin multiplied by the
+    attention factor (`attention_factor`, else `sqrt(1 + ln(factor) / ln(original_max_position_embeddings))` when
+    `factor` (default `max_position_embeddings / original_max_position_embeddings`) exceeds 1, else 1) for both
+    lists. Partial rotary scales only the rotated dims; the others pass through unscaled, as in transformers.
 
     The rule (the factor set is fixed for the engine, chosen once): the long factors when the engine's
     `max_model_len` exceeds `original_max_position_embeddings`, else the short ones (vLLM's rule since
@@ -70,7 +80,7 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         *,
         device: torch.device | str,
     ) -> None:
-        super().__init__(head_dim, max_position, theta, None, device=device)
+        super().__init__(head_dim, max_position, theta, _plain_rope(scaling), device=device)
         for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
             if scaling.get(key) is None:
                 raise ValueError(f"rope_scaling of type {scaling['rope_type']!r} lacks {key!r}")
@@ -88,7 +98,7 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
                 )
             )
         self.attention_factor = float(attention_factor)
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float() / self.rotary_dim
         self.inverse_frequencies: dict[bool, torch.Tensor] = {}
         for long, key in ((False, "short_factor"), (True, "long_factor")):
             ext_factors = torch.tensor(scaling[key], dtype=torch.float32)
@@ -137,14 +147,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         quantization: QuantizationPlan | None = None,
     ) -> None:
         scaling = config.rope_scaling or {}
-        partial = float(scaling.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise ValueError(
-                f"Phi3ForCausalLM: partial_rotary_factor {partial} is not supported (only 1.0)"
-            )
         longrope = scaling.get("rope_type") in LONGROPE_TYPES
         super().__init__(
-            dataclasses.replace(config, rope_scaling=None) if longrope else config,
+            dataclasses.replace(config, rope_scaling=_plain_rope(scaling)) if longrope else config,
             dtype=dtype,
             device=device,
             attention_backend=attention_backend,

@@ -1,4 +1,10 @@
-"""Rotary position embeddings (the rotate-half form used by Llama, Qwen and Mistral) with a precomputed cache."""
+"""Rotary position embeddings (the rotate-half form used by Llama, Qwen and Mistral) with a precomputed cache.
+
+Partial rotary (`partial_rotary_factor` < 1 in the scaling dict: Phi-4-mini, GGUF `rope.dimension_count` below the
+head size): RoPE rotates the first `rotary_dim = int(head_dim * partial_rotary_factor)` dims of each head, as if they
+were a whole head of that size (its frequencies, and every scaling type's, computed for `rotary_dim`, as transformers
+does), and the remaining dims pass through unchanged.
+"""
 
 from __future__ import annotations
 
@@ -15,14 +21,29 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 _INITIAL_CACHED_POSITIONS = 8192
 
 
+def rotary_dimension(head_dim: int, scaling: dict[str, Any] | None) -> int:
+    """How many leading dims of each head RoPE rotates: `int(head_dim * partial_rotary_factor)` (transformers'
+    rounding), the whole head without the key. A ValueError unless it is even and within `1..head_dim`."""
+    factor = float((scaling or {}).get("partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(
+            f"partial_rotary_factor {factor} gives {rotary_dim} rotary dims of head_dim {head_dim}; "
+            "RoPE needs an even count from 2 to head_dim"
+        )
+    return rotary_dim
+
+
 def rope_inverse_frequencies(
     head_dim: int, theta: float, scaling: dict[str, Any] | None
 ) -> torch.Tensor:
-    """The `[head_dim // 2]` float32 inverse frequencies, scaled as `scaling["rope_type"]` says.
+    """The `[rotary_dimension(head_dim, scaling) // 2]` float32 inverse frequencies, scaled as
+    `scaling["rope_type"]` says.
 
-    Matches transformers' `ROPE_INIT_FUNCTIONS` for the supported types; any other type is a ValueError naming it.
-    "freq_factors" divides each frequency by its entry of `factors` (llama.cpp's `rope_freqs` tensor, which GGUF
-    files of Llama 3.1+ carry instead of the scaling parameters).
+    Matches transformers' `ROPE_INIT_FUNCTIONS` for the supported types, partial rotary included (the exponents are
+    over the rotary dims); any other type is a ValueError naming it. "freq_factors" divides each frequency by its
+    entry of `factors` (llama.cpp's `rope_freqs` tensor, which GGUF files of Llama 3.1+ carry instead of the scaling
+    parameters).
     """
     scaling = scaling or {}
     rope_type = scaling.get("rope_type", "default")
@@ -30,11 +51,8 @@ def rope_inverse_frequencies(
         raise ValueError(
             f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(
-            f"partial_rotary_factor {scaling['partial_rotary_factor']} is not supported"
-        )
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    rotary_dim = rotary_dimension(head_dim, scaling)
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
         return inv_freq / float(_parameter(scaling, "factor"))
@@ -73,11 +91,13 @@ def _llama3_inverse_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any])
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates query/key heads by their positions: `x1' = x1 cos - x2 sin`, `x2' = x2 cos + x1 sin` (halves).
+    """Rotates query/key heads by their positions: `x1' = x1 cos - x2 sin`, `x2' = x2 cos + x1 sin` (halves of the
+    first `rotary_dim` dims; any dims past them pass through).
 
-    Invariants: `cos_cache`/`sin_cache` are float32 `[num_cached_positions, head_dim // 2]` (`position * inv_freq`,
-    as transformers computes it), built at construction for min(max_position, 8192) positions and grown only when
-    a forward reaches past them. `cos_sin` is called once per forward; every layer reuses its result.
+    Invariants: `rotary_dim` is `rotary_dimension(head_dim, scaling)`; `cos_cache`/`sin_cache` are float32
+    `[num_cached_positions, rotary_dim // 2]` (`position * inv_freq`, as transformers computes it), built at
+    construction for min(max_position, 8192) positions and grown only when a forward reaches past them. `cos_sin` is
+    called once per forward; every layer reuses its result, and `apply` reads the rotary width off it.
     """
 
     cos_cache: torch.Tensor
@@ -96,16 +116,17 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head_dim, got {head_dim}")
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dimension(head_dim, scaling)
         self.register_buffer(
             "inv_freq",
             rope_inverse_frequencies(head_dim, theta, scaling).to(device),
             persistent=False,
         )
         self.register_buffer(
-            "cos_cache", torch.empty(0, head_dim // 2, device=device), persistent=False
+            "cos_cache", torch.empty(0, self.rotary_dim // 2, device=device), persistent=False
         )
         self.register_buffer(
-            "sin_cache", torch.empty(0, head_dim // 2, device=device), persistent=False
+            "sin_cache", torch.empty(0, self.rotary_dim // 2, device=device), persistent=False
         )
         self._grow(max(min(max_position, _INITIAL_CACHED_POSITIONS), 1))
 
@@ -118,7 +139,7 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(cos, sin)` for each position as `[num_tokens, 1, head_dim // 2]` in `dtype`.
+        """`(cos, sin)` for each position as `[num_tokens, 1, rotary_dim // 2]` in `dtype`.
 
         `max_position`, if known, is the largest entry of `positions`; the cache grows to cover it.
         """
@@ -130,10 +151,20 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate `[num_tokens, num_heads, head_dim]` heads (any strides); returns a new contiguous tensor."""
-        fused = kernels.rotary(heads, cos, sin)  # one pass on CPU, else None
-        if fused is not None:
-            return fused
-        half = heads.shape[-1] // 2
-        first, second = heads[..., :half], heads[..., half:]
-        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        """Rotate `[num_tokens, num_heads, head_dim]` heads (any strides) by `cos_sin`'s tables; returns a new
+        contiguous tensor. The first `2 * cos.shape[-1]` dims of each head rotate, the rest are copied."""
+        rotary_dim = 2 * cos.shape[-1]
+        if rotary_dim == heads.shape[-1]:
+            return _rotate(heads, cos, sin)
+        rotated = _rotate(heads[..., :rotary_dim], cos, sin)
+        return torch.cat((rotated, heads[..., rotary_dim:]), dim=-1)
+
+
+def _rotate(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate every dim of `[num_tokens, num_heads, 2 * cos.shape[-1]]` heads into a new contiguous tensor."""
+    fused = kernels.rotary(heads, cos, sin)  # one pass on CPU, else None
+    if fused is not None:
+        return fused
+    half = heads.shape[-1] // 2
+    first, second = heads[..., :half], heads[..., half:]
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
