@@ -1,10 +1,12 @@
 """kvflow's Phi-3 against transformers (float32) on tiny random `Phi3ForCausalLM` checkpoints.
 
-Two checkpoints, both written by transformers' own class: plain RoPE with a sliding window, and LongRoPE with a tiny
-`original_max_position_embeddings` (32) so both factor sets are reached. Everything runs through the real paged
-layout (`paged_model_driver`): chunked prefill, batched decodes mixed with prefill chunks, prefix blocks shared
-between requests; then through `LLM` (sync and async scheduling, both runner protocols) and tensor-parallel
-loading of the fused checkpoint tensors.
+Checkpoints written by transformers' own class: plain RoPE with a sliding window, LongRoPE with a tiny
+`original_max_position_embeddings` (32) so both factor sets are reached, and Phi-4-mini's shape (partial rotary:
+`partial_rotary_factor` 0.75 with LongRoPE factors for the 12 rotated dims of 16, tied embeddings, 6 query heads on 2
+KV heads), once with one factor set (the `family_suite` checks) and once with both. Everything runs through the real
+paged layout (`paged_model_driver`): chunked prefill, batched decodes mixed with prefill chunks, prefix blocks shared
+between requests; then through `LLM` (sync and async scheduling, both runner protocols) and tensor-parallel loading of
+the fused checkpoint tensors.
 
 The LongRoPE rule (`kvflow.models.phi3.LongRopeRotaryEmbedding`): the long factors exactly when the engine's
 `max_model_len` exceeds `original_max_position_embeddings`. It matches transformers token for token with a
@@ -14,23 +16,26 @@ already past the threshold (transformers uses the long factors from the first fo
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from family_suite import Checkpoint, FamilySuite
 from paged_model_driver import PagedDriver
 
 from kvflow import LLM, SamplingParams
 from kvflow.distributed import TensorParallelGroup
+from kvflow.kernels import load_cpu_kernels
+from kvflow.models.fused_decode import FusedDecodeLayers
 from kvflow.models.hf_config import load_hf_config, parse_hf_config
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import iterate_safetensors_weights, load_model
 from kvflow.models.phi3 import LongRopeRotaryEmbedding, Phi3ForCausalLM
 from kvflow.testing import hf_checkpoints
-from kvflow.testing.hf_checkpoints import hf_greedy, hf_logits, load_hf_model
+from kvflow.testing.hf_checkpoints import load_hf_model
 
 ATOL = RTOL = 1e-4
 ORIGINAL_MAX = 32
@@ -57,10 +62,10 @@ def make_phi3_checkpoint(path: Path, *, seed: int = 7, **overrides: Any) -> Path
     return path
 
 
-def _factors(seed: int, low: float, spread: float) -> list[float]:
+def _factors(seed: int, low: float, spread: float, count: int = 8) -> list[float]:
+    """LongRoPE factors, one per rotated frequency (head_dim 16, whole heads: 8)."""
     generator = torch.Generator().manual_seed(seed)
-    # head_dim 16: 8 frequencies
-    return (low + spread * torch.rand(8, generator=generator)).tolist()
+    return (low + spread * torch.rand(count, generator=generator)).tolist()
 
 
 LONGROPE = {
@@ -74,16 +79,40 @@ LONGROPE = {
 }
 
 
-@dataclass
-class Checkpoint:
-    path: Path
-    reference: Any
-
-    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        return hf_greedy(self.path, prompt, max_new_tokens, self.reference)
-
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        return hf_logits(self.path, token_ids, self.reference)
+# Phi-4-mini's shape, scaled down: head_dim 16 of which the first 12 rotate (factor 0.75; Phi-4-mini: 96 of 128), so
+# LongRoPE has 6 factors per list; 6 query heads on 2 KV heads (Phi-4-mini: 24 on 8); tied embeddings.
+PHI4_MINI_SHAPE = {
+    "hidden_size": 96,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+    "partial_rotary_factor": 0.75,
+}
+PHI4_ROTARY_DIM = 12
+# One factor set for every sequence the suite runs (max_position_embeddings is the original length), with an explicit
+# attention factor (Phi-4-mini's default one, sqrt(1 + ln 32 / ln 4096)), so the scaled tables are checked too.
+PHI4_MINI = {
+    **PHI4_MINI_SHAPE,
+    "max_position_embeddings": 64,
+    "original_max_position_embeddings": 64,
+    "rope_scaling": {
+        "rope_type": "longrope",
+        "short_factor": _factors(3, 1.0, 0.5, PHI4_ROTARY_DIM // 2),
+        "long_factor": _factors(4, 1.0, 8.0, PHI4_ROTARY_DIM // 2),
+        "attention_factor": 1.19,
+    },
+}
+# Both factor sets, as `LONGROPE`.
+PHI4_MINI_LONG = {
+    **PHI4_MINI_SHAPE,
+    "max_position_embeddings": 128,
+    "original_max_position_embeddings": ORIGINAL_MAX,
+    "rope_scaling": {
+        "rope_type": "longrope",
+        "short_factor": _factors(5, 1.0, 0.1, PHI4_ROTARY_DIM // 2),
+        "long_factor": _factors(6, 1.0, 8.0, PHI4_ROTARY_DIM // 2),
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +124,20 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
 @pytest.fixture(scope="module")
 def longrope(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
     path = make_phi3_checkpoint(tmp_path_factory.mktemp("phi3_longrope"), seed=8, **LONGROPE)
+    return Checkpoint(path, load_hf_model(path))
+
+
+@pytest.fixture(scope="module")
+def phi4_mini(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    path = make_phi3_checkpoint(tmp_path_factory.mktemp("phi4_mini"), seed=9, **PHI4_MINI)
+    return Checkpoint(path, load_hf_model(path))
+
+
+@pytest.fixture(scope="module")
+def phi4_mini_long(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    path = make_phi3_checkpoint(
+        tmp_path_factory.mktemp("phi4_mini_long"), seed=10, **PHI4_MINI_LONG
+    )
     return Checkpoint(path, load_hf_model(path))
 
 
@@ -330,7 +373,8 @@ def test_llm_generates_token_exact(
 
 
 def test_legacy_su_config_reads_the_top_level_original_length() -> None:
-    """Hub Phi-3 configs: `rope_scaling` type "su" without the original length, which sits at the top level."""
+    """Hub Phi-3 configs: `rope_scaling` type "su" without the original length, which sits at the top level; hub
+    Phi-4-mini configs: `partial_rotary_factor` at the top level too, with factor lists for the rotated dims."""
     raw = {
         "architectures": ["Phi3ForCausalLM"],
         "vocab_size": VOCAB,
@@ -351,11 +395,125 @@ def test_legacy_su_config_reads_the_top_level_original_length() -> None:
     }
     model = Phi3ForCausalLM(config, dtype=torch.float32)
     assert isinstance(model.rotary_emb, LongRopeRotaryEmbedding) and model.rotary_emb.long
-    with pytest.raises(ValueError, match=r"partial_rotary_factor 0\.75"):
+    phi4 = {
+        **raw,
+        "partial_rotary_factor": 0.75,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6},
+    }
+    config = parse_hf_config(phi4)
+    assert config.rope_scaling == {
+        "rope_type": "longrope",
+        "partial_rotary_factor": 0.75,
+        "short_factor": [1.0] * 6,
+        "long_factor": [2.0] * 6,
+        "original_max_position_embeddings": 4096,
+    }
+    rotary = Phi3ForCausalLM(config, dtype=torch.float32).rotary_emb
+    assert isinstance(rotary, LongRopeRotaryEmbedding) and rotary.rotary_dim == 12
+    plain = parse_hf_config({**raw, "partial_rotary_factor": 0.75, "rope_scaling": None})
+    assert plain.rope_scaling == {"rope_type": "default", "partial_rotary_factor": 0.75}
+    assert Phi3ForCausalLM(plain, dtype=torch.float32).rotary_emb.rotary_dim == 12
+    with pytest.raises(ValueError, match="short_factor has 8 entries for 6 frequencies"):
         Phi3ForCausalLM(
-            parse_hf_config({**raw, "partial_rotary_factor": 0.75, "rope_scaling": None}),
-            dtype=torch.float32,
+            parse_hf_config({**raw, "partial_rotary_factor": 0.75}), dtype=torch.float32
         )
+
+
+# ---------------------------------------------------------------------------------------------- Phi-4-mini
+class TestPhi4MiniFamily(FamilySuite):
+    """The checks every family's comparison with transformers makes (`family_suite`), on the Phi-4-mini-shaped
+    checkpoint: partial rotary with LongRoPE (one factor set) and tied embeddings."""
+
+    vocab_size = VOCAB
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint(cls, phi4_mini: Checkpoint) -> Checkpoint:
+        return phi4_mini
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model(cls, phi4_mini: Checkpoint) -> Phi3ForCausalLM:
+        return _model(phi4_mini.path)
+
+
+def test_phi4_mini_config_and_rotary_tables(phi4_mini: Checkpoint) -> None:
+    """The model reads partial rotary, tied embeddings and GQA, and its tables (the attention factor applied) are
+    transformers' for the 12 rotated dims."""
+    model = _model(phi4_mini.path)
+    config = model.config
+    assert (config.head_dim, config.num_attention_heads, config.num_key_value_heads) == (16, 6, 2)
+    assert config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    rotary = model.rotary_emb
+    assert isinstance(rotary, LongRopeRotaryEmbedding) and not rotary.long
+    assert rotary.rotary_dim == PHI4_ROTARY_DIM and rotary.attention_factor == 1.19
+    cos, sin = rotary.cos_sin(torch.arange(64), torch.float32)
+    hf_cos, hf_sin = phi4_mini.reference.model.rotary_emb(
+        torch.zeros(1, dtype=torch.float32), torch.arange(64)[None]
+    )
+    assert hf_cos.shape[-1] == PHI4_ROTARY_DIM
+    half = PHI4_ROTARY_DIM // 2
+    torch.testing.assert_close(cos[:, 0], hf_cos[0, :, :half], rtol=0, atol=0)
+    torch.testing.assert_close(sin[:, 0], hf_sin[0, :, :half], rtol=0, atol=0)
+
+
+def test_phi4_mini_both_factor_sets(phi4_mini_long: Checkpoint) -> None:
+    """Partial rotary with both LongRoPE factor sets (the default attention factor): each set's tables are
+    transformers' on its side of the threshold, and each side is token-exact (a 30-token prompt on a 32-token
+    engine, prompts past 32 tokens on a 128-token engine)."""
+    model = _model(phi4_mini_long.path)
+    rotary = model.rotary_emb
+    assert isinstance(rotary, LongRopeRotaryEmbedding) and rotary.rotary_dim == PHI4_ROTARY_DIM
+    hf_rotary = phi4_mini_long.reference.model.rotary_emb
+    half = PHI4_ROTARY_DIM // 2
+    for max_model_len, hf_seq_len in ((ORIGINAL_MAX, ORIGINAL_MAX), (128, 40)):
+        model.set_max_model_len(max_model_len)
+        cos, sin = rotary.cos_sin(torch.arange(hf_seq_len), torch.float32)
+        hf_cos, hf_sin = hf_rotary(torch.zeros(1), torch.arange(hf_seq_len)[None])
+        torch.testing.assert_close(cos[:, 0], hf_cos[0, :, :half], rtol=0, atol=0)
+        torch.testing.assert_close(sin[:, 0], hf_sin[0, :, :half], rtol=0, atol=0)
+    cases = {ORIGINAL_MAX: (_prompt(40, 30), {"a": _prompt(41, 10), "b": _prompt(42, 4)}, 20)}
+    cases[128] = (_prompt(43, 45), {"c": _prompt(44, 40), "d": _prompt(45, 33)}, 16)
+    for max_model_len, (prompt, prompts, max_new_tokens) in cases.items():
+        model.set_max_model_len(max_model_len)
+        driver = PagedDriver(model, block_size=4, seed=max_model_len)
+        driver.add_request("p", prompt)
+        logits = driver.prompt_logits("p", [9, len(prompt) - 9])
+        torch.testing.assert_close(logits, phi4_mini_long.logits(prompt), atol=ATOL, rtol=RTOL)
+        outputs = PagedDriver(model, block_size=4, seed=max_model_len + 1).generate(
+            prompts, max_new_tokens=max_new_tokens, chunk_size=8
+        )
+        for req_id, request_prompt in prompts.items():
+            assert outputs[req_id] == phi4_mini_long.greedy(request_prompt, max_new_tokens)
+
+
+def test_phi4_mini_fused_decode_declines_partial_rotary(phi4_mini: Checkpoint) -> None:
+    """The C++ decode layer rotates whole heads: the fused path declines a partial-rotary model (it would take the
+    same model with whole-head RoPE where the CPU has AVX-512), and the model runs its per-op layers."""
+    model = load_model(phi4_mini.path, dtype="bfloat16")
+    assert isinstance(model, Phi3ForCausalLM)
+    assert model.fused_decode is None
+
+    def select(config: Any) -> FusedDecodeLayers | None:
+        return FusedDecodeLayers.select(
+            config,
+            list(model.model.layers),
+            model.layer_windows,
+            model.attention_backend,
+            dtype=model.dtype,
+            device=model.device,
+            tp=model.tp,
+        )
+
+    assert select(model.config) is None
+    ops = load_cpu_kernels()
+    if ops is not None and ops.has_avx512():
+        assert select(dataclasses.replace(model.config, rope_scaling=None)) is not None
+    outputs = PagedDriver(model, block_size=4, seed=50).generate(
+        {"a": _prompt(50, 9), "b": _prompt(51, 14)}, max_new_tokens=6
+    )
+    assert [len(tokens) for tokens in outputs.values()] == [6, 6]
 
 
 if __name__ == "__main__":
