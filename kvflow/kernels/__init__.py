@@ -34,6 +34,7 @@ __all__ = [
     "cpu_kernels_available",
     "cpu_kernels_requested",
     "decode_layer_max_rows",
+    "fused_moe",
     "gemm_kernel_wins",
     "gemm_kernel_wins_here",
     "linear",
@@ -282,3 +283,42 @@ def rotary(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return None
     ops = load_cpu_kernels()
     return None if ops is None else ops.rotary(heads, cos, sin)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor | None:
+    """A mixture-of-experts layer's experts (`FusedMoE.experts_torch`'s result) on the CPU kernel, else None.
+
+    `hidden_states [T, H]`, stacked `w13 [E, 2I, H]` and `w2 [E, H, I]` (contiguous, hidden_states' dtype:
+    bfloat16 or float32), the routing's `topk_weights` (cast to float32) and `topk_ids [T, k]`. Every group size
+    runs on one product kernel, the GEMM kernel's (bfloat16: `gemm_kernel`, vdpbf16ps on AMD CPUs with AVX512_BF16;
+    float32: its blocking on copied weights), which beat the GEMV kernel there from one row up
+    (benchmarks/moe_kernel.py); so a token's result is bitwise the same in any batch (csrc/fused_moe.cpp).
+    """
+    if (
+        hidden_states.device.type != "cpu"
+        or hidden_states.dtype not in _ELEMENTWISE_DTYPES
+        or hidden_states.dim() != 2
+        or w13.dtype is not hidden_states.dtype
+        or w2.dtype is not hidden_states.dtype
+        or not (w13.is_contiguous() and w2.is_contiguous())
+    ):
+        return None
+    ops = load_cpu_kernels()
+    if ops is None or not ops.has_avx2():
+        return None
+    if hidden_states.stride(1) != 1:
+        hidden_states = hidden_states.contiguous()
+    return ops.fused_moe(
+        hidden_states,
+        w13,
+        w2,
+        topk_weights.to(torch.float32).contiguous(),
+        topk_ids.to(torch.int64).contiguous(),
+        True,  # the GEMM kernel's products (benchmarks/moe_kernel.py)
+    )

@@ -41,6 +41,7 @@ _SOURCES = (
     "elementwise.cpp",
     "attention.cpp",
     "decode_layer.cpp",
+    "fused_moe.cpp",
     "quant_reference.cpp",
     "quant_activations.cpp",
     "quant_gemv_8bit.cpp",

@@ -150,6 +150,40 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// x [T, H] with contiguous rows; w13 [E, 2I, H], w2 [E, H, I] contiguous, x's dtype; topk_weights float32 and
+// topk_ids int64, both contiguous [T, k]. `gemm`: the products on the GEMM kernel (else the GEMV kernel).
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& topk_weights,
+                     const at::Tensor& topk_ids, bool gemm) {
+  check_cpu(x, "x");
+  check_same_dtype(w13, x, "w13");
+  check_same_dtype(w2, x, "w2");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(w13.dim() == 3 && w13.is_contiguous() && w13.size(1) % 2 == 0 && w13.size(2) == hidden,
+              "w13 must be contiguous [E, 2 * I, hidden]");
+  const int64_t num_experts = w13.size(0), intermediate = w13.size(1) / 2;
+  TORCH_CHECK(w2.dim() == 3 && w2.is_contiguous() && w2.size(0) == num_experts && w2.size(1) == hidden &&
+                  w2.size(2) == intermediate,
+              "w2 must be contiguous [E, hidden, I]");
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() && topk_weights.dim() == 2 &&
+                  topk_weights.size(0) == tokens,
+              "topk_weights must be contiguous float32 [tokens, k]");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() &&
+                  topk_ids.sizes() == topk_weights.sizes(),
+              "topk_ids must be contiguous int64 of topk_weights' shape");
+  at::Tensor out = at::empty({tokens, hidden}, x.options());
+  bool ok = true;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    ok = kvflow::fused_moe<T>(ptr<T>(x), tokens, hidden, x.stride(0), ptr<T>(w13), ptr<T>(w2), num_experts,
+                              intermediate, ptr<float>(topk_weights), ptr<int64_t>(topk_ids), topk_ids.size(1),
+                              gemm ? kvflow::MoeProduct::kGemm : kvflow::MoeProduct::kGemv, ptr<T>(out),
+                              at::get_num_threads());
+  });
+  TORCH_CHECK(ok, "topk_ids must lie in [0, ", num_experts, ")");
+  return out;
+}
+
 at::Tensor rotary(const at::Tensor& heads, const at::Tensor& cos, const at::Tensor& sin) {
   check_cpu(heads, "heads");
   check_same_dtype(cos, heads, "cos");
@@ -587,6 +621,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_read", &stream_read, "read a uint8 buffer once (the memory-read floor)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
+  m.def("fused_moe", &fused_moe,
+        "a mixture-of-experts layer's experts: tokens grouped per expert, gate_up, silu * up, down, weighted sum",
+        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"), py::arg("topk_ids"),
+        py::arg("gemm") = false);
   m.def("rotary", &rotary, "neox rotary embedding into a new contiguous tensor");
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
   m.def("store_kv", &store_kv, "write the step's K/V into the paged cache at slot_mapping");

@@ -96,7 +96,7 @@ inline void store_tile_sums(const __m512 acc[kR][MT], float* out, int64_t out_st
   }
 }
 
-// Row segments of bf16 weights to prefetch: `rows` segments of `lines` 64-byte lines, `stride` bytes apart.
+// Row segments of weights to prefetch: `rows` segments of `lines` 64-byte lines, `stride` bytes apart.
 struct PrefetchRows {
   const char* base = nullptr;
   int64_t stride = 0, rows = 0, lines = 0;
@@ -126,8 +126,33 @@ inline void tile_dots(const float* w, const float* x, int64_t steps, float* out,
   store_tile_sums<MT>(acc, out, out_stride, accumulate);
 }
 
+// tile_dots on float32 weight rows as they lie in memory (`rows`, columns [k0, k0 + 16 steps), zeros past K):
+// the same FMAs in the same order as on a packed group, without the copy.
+template <int MT>
+inline void tile_dots_rows(const float* const rows[kR], int64_t K, int64_t k0, const float* x, int64_t steps,
+                           float* out, int64_t out_stride, bool accumulate, const PrefetchRows& prefetch) {
+  __m512 acc[kR][MT];
+  for (int r = 0; r < kR; ++r)
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s, x += MT * 16) {
+    if (s < prefetch.lines)
+      for (int64_t j = 0; j < prefetch.rows; ++j)
+        _mm_prefetch(prefetch.base + j * prefetch.stride + s * 64, _MM_HINT_T1);
+    const int64_t k = k0 + s * 16;
+    const __mmask16 mask = tail_mask(std::max<int64_t>(0, K - k));
+    __m512 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm512_load_ps(x + m * 16);
+    for (int r = 0; r < kR; ++r) {
+      const __m512 wv = _mm512_maskz_loadu_ps(mask, rows[r] + k);
+      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+  store_tile_sums<MT>(acc, out, out_stride, accumulate);
+}
+
 // Widens rows [n0, n0 + rows) x columns [k0, k0 + steps * 16) of w into wp (zeros past N and K).
-void pack_weights(const bf16* w, int64_t N, int64_t K, int64_t n0, int64_t rows, int64_t k0, int64_t steps,
+template <typename T>
+void pack_weights(const T* w, int64_t N, int64_t K, int64_t n0, int64_t rows, int64_t k0, int64_t steps,
                   float* wp) {
   for (int64_t g = 0; g < rows; g += kR)
     for (int r = 0; r < kR; ++r) {
@@ -137,7 +162,7 @@ void pack_weights(const bf16* w, int64_t N, int64_t K, int64_t n0, int64_t rows,
         for (int64_t s = 0; s < steps; ++s) _mm512_store_ps(out + s * kR * 16, _mm512_setzero_ps());
         continue;
       }
-      const bf16* row = w + n * K;
+      const T* row = w + n * K;
       for (int64_t s = 0; s < steps; ++s) {
         const int64_t k = k0 + s * 16;
         __m512 v = k + 16 <= K ? load16(row + k) : load16(row + k, tail_mask(std::max<int64_t>(0, K - k)));
@@ -147,13 +172,14 @@ void pack_weights(const bf16* w, int64_t N, int64_t K, int64_t n0, int64_t rows,
 }
 
 // Converts x tiles [t_begin, t_end) into xf (zeros past K).
-void pack_x(const bf16* x, int64_t M, int64_t K, int64_t x_stride, int64_t k_steps, int64_t t_begin, int64_t t_end,
+template <typename T>
+void pack_x(const T* x, int64_t M, int64_t K, int64_t x_stride, int64_t k_steps, int64_t t_begin, int64_t t_end,
             float* xf) {
   for (int64_t t = t_begin; t < t_end; ++t) {
     const int64_t m0 = t * kMT, height = std::min<int64_t>(kMT, M - m0);
     float* tile = xf + m0 * k_steps * 16;
     for (int64_t m = 0; m < height; ++m) {
-      const bf16* row = x + (m0 + m) * x_stride;
+      const T* row = x + (m0 + m) * x_stride;
       for (int64_t s = 0; s < k_steps; ++s) {
         const int64_t k = s * 16;
         const __m512 v = k + 16 <= K ? load16(row + k) : load16(row + k, tail_mask(K - k));
@@ -163,29 +189,32 @@ void pack_x(const bf16* x, int64_t M, int64_t K, int64_t x_stride, int64_t k_ste
   }
 }
 
-// Adds bias to the fp32 results of rows [n0, n0 + count) and stores them rounded to bf16 (or as rounded floats).
+// Adds bias to the fp32 results of rows [n0, n0 + count) and stores them rounded to T (or as rounded floats).
+template <typename T>
 void store_block(const float* acc, int64_t acc_stride, int64_t M, int64_t N, int64_t n0, int64_t count,
-                 const bf16* bias, bf16* y, float* y_float) {
+                 const T* bias, T* y, float* y_float) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < count; j += 16) {
       const __mmask16 mask = tail_mask(count - j);
       __m512 value = _mm512_maskz_loadu_ps(mask, acc + m * acc_stride + j);
       if (bias) value = _mm512_add_ps(value, load16(bias + n0 + j, mask));
       if (y_float)
-        store16(y_float + m * N + n0 + j, round16<bf16>(value), mask);
+        store16(y_float + m * N + n0 + j, round16<T>(value), mask);
       else
         store16(y + m * N + n0 + j, value, mask);
     }
 }
 
-// gemm for at most kMC rows of x.
-void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias,
-               bf16* y, float* y_float, int num_threads) {
+// gemm for at most kMC rows of x (T = bf16: weights widened per block; float: read in place, tile_dots_rows).
+template <typename T>
+void gemm_rows(const T* x, int64_t M, int64_t K, int64_t x_stride, const T* w, int64_t N, const T* bias, T* y,
+               float* y_float, int num_threads) {
   const int64_t k_steps = (K + 15) / 16;
   const int64_t tiles = (M + kMT - 1) / kMT;
   const int64_t k_blocks = (k_steps * 16 + kKB - 1) / kKB;
   const int64_t kb_steps = (k_steps + k_blocks - 1) / k_blocks;  // K blocks of near-equal width
   const int64_t n_blocks = (N + kNB - 1) / kNB;
+  constexpr bool kInPlace = sizeof(T) == sizeof(float);  // float32 weights are read where they lie
   static thread_local Scratch x_scratch;  // the calling thread's; the team reads it after the barrier
   float* xf = x_scratch.get(static_cast<size_t>(M * k_steps * 16));
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n_blocks)));
@@ -203,7 +232,7 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
       const int64_t rows = (count + kR - 1) / kR * kR;
       for (int64_t kb = 0; kb < k_blocks; ++kb) {
         const int64_t s0 = kb * kb_steps, steps = std::min(kb_steps, k_steps - s0);
-        pack_weights(w, N, K, n0, rows, s0 * 16, steps, wp);
+        if constexpr (!kInPlace) pack_weights(w, N, K, n0, rows, s0 * 16, steps, wp);
         // The next (block, K block) this thread packs, prefetched during this one's tile_dots calls: call c takes
         // row segments [c * per_call, (c + 1) * per_call).
         const bool last_kb = kb + 1 == k_blocks;
@@ -212,8 +241,8 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
         const int64_t calls = tiles * (rows / kR);
         const int64_t per_call = (next_rows + calls - 1) / calls;
         PrefetchRows prefetch;
-        prefetch.stride = K * static_cast<int64_t>(sizeof(bf16));
-        prefetch.lines = (std::min(kb_steps, k_steps - next_s0) * 16 * static_cast<int64_t>(sizeof(bf16)) + 63) / 64;
+        prefetch.stride = K * static_cast<int64_t>(sizeof(T));
+        prefetch.lines = (std::min(kb_steps, k_steps - next_s0) * 16 * static_cast<int64_t>(sizeof(T)) + 63) / 64;
         const char* next_base = reinterpret_cast<const char*>(w + next_n0 * K + next_s0 * 16);
         int64_t call = 0;
         for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -234,6 +263,19 @@ void gemm_rows(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16
             prefetch.rows = std::min(next_rows, first + per_call) - first;
             prefetch.base = next_base + first * prefetch.stride;
             ++call;
+            if constexpr (kInPlace) {
+              const float* wrows[kR];  // rows past N repeat the last one; their sums land in unused columns
+              for (int r = 0; r < kR; ++r) wrows[r] = w + std::min(n0 + g + r, N - 1) * K;
+              switch (height) {
+                case 6: tile_dots_rows<6>(wrows, K, s0 * 16, xt, steps, out, kNB, kb > 0, prefetch); break;
+                case 5: tile_dots_rows<5>(wrows, K, s0 * 16, xt, steps, out, kNB, kb > 0, prefetch); break;
+                case 4: tile_dots_rows<4>(wrows, K, s0 * 16, xt, steps, out, kNB, kb > 0, prefetch); break;
+                case 3: tile_dots_rows<3>(wrows, K, s0 * 16, xt, steps, out, kNB, kb > 0, prefetch); break;
+                case 2: tile_dots_rows<2>(wrows, K, s0 * 16, xt, steps, out, kNB, kb > 0, prefetch); break;
+                default: tile_dots_rows<1>(wrows, K, s0 * 16, xt, steps, out, kNB, kb > 0, prefetch); break;
+              }
+              continue;
+            }
             switch (height) {
               case 6: tile_dots<6>(wg, xt, steps, out, kNB, kb > 0, prefetch); break;
               case 5: tile_dots<5>(wg, xt, steps, out, kNB, kb > 0, prefetch); break;
@@ -384,8 +426,15 @@ void gemm_with(GemmKernel kernel, const bf16* x, int64_t M, int64_t K, int64_t x
       continue;
     }
 #endif
-    gemm_rows(rows, count, K, x_stride, w, N, bias, y_rows, y_float_rows, num_threads);
+    gemm_rows<bf16>(rows, count, K, x_stride, w, N, bias, y_rows, y_float_rows, num_threads);
   }
+}
+
+void gemm_float32(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* w, int64_t N, float* y,
+                  int num_threads) {
+  for (int64_t m0 = 0; m0 < M; m0 += kMC)
+    gemm_rows<float>(x + m0 * x_stride, std::min(kMC, M - m0), K, x_stride, w, N, nullptr, y + m0 * N, nullptr,
+                     num_threads);
 }
 
 #else  // the portable build: the GEMV's scalar loop (the dispatcher only sends M > 8 here on AVX-512 CPUs)
@@ -396,6 +445,11 @@ void gemm_with(GemmKernel kernel, const bf16* x, int64_t M, int64_t K, int64_t x
                const bf16* bias, bf16* y, float* y_float, int num_threads) {
   (void)kernel;
   gemv<bf16>(x, M, K, x_stride, w, N, bias, y, y_float, num_threads);
+}
+
+void gemm_float32(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* w, int64_t N, float* y,
+                  int num_threads) {
+  gemv<float>(x, M, K, x_stride, w, N, nullptr, y, nullptr, num_threads);
 }
 
 #endif

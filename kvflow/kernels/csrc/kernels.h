@@ -128,6 +128,11 @@ bool decode_layer(const DecodeLayerParams& params, const DecodeLayerWeights<T>& 
 void gemm(const bf16* x, int64_t M, int64_t K, int64_t x_stride, const bf16* w, int64_t N, const bf16* bias, bf16* y,
           float* y_float, int num_threads);
 
+// y [M, N] = x w^T for float32 on the widened-fp32 kernel's blocking (the weights read in place, not widened;
+// the portable build: gemv). Each element's summation order depends on K only, not on M or the threads.
+void gemm_float32(const float* x, int64_t M, int64_t K, int64_t x_stride, const float* w, int64_t N, float* y,
+                  int num_threads);
+
 // gemm's kernels. kWidenedFp32: fp32 FMAs on weights widened in cache-sized blocks (any AVX-512 build);
 // kAvx512Bf16: vdpbf16ps on the bf16 weights in place (gemm.cpp); kAmxBf16: AMX tiles (amx.cpp);
 // kAmxBf16Emulated: the AMX kernel on the scalar tile emulation (tests, any CPU). Calling a kernel the CPU lacks
@@ -204,5 +209,24 @@ bool has_w8a8_kernels();
 // interleaved 16-row weight tiles: the same int8 activations and integers, summed in another order than the
 // GEMV's; -1 on other builds.
 int64_t k_quant_interleaved_above_rows();
+
+}  // namespace kvflow
+
+namespace kvflow {
+
+// The product each expert's gate_up and down run on in fused_moe: kGemv, the GEMV kernel (gemv, any M); kGemm,
+// gemm (bf16, on gemm_kernel()) or gemm_float32. One kernel for every group size keeps a token's result
+// batch-independent.
+enum class MoeProduct : int { kGemv = 0, kGemm = 1 };
+
+// The experts of a mixture-of-experts layer (fused_moe.cpp): out [tokens, hidden] = for each token, in ascending
+// expert order over its top_k choices topk_ids[t, :] (int64 in [0, num_experts)) with weights topk_weights[t, :]
+// (float32), the sum of T(weight * down_e(T(silu(gate_e(x))) * up_e(x))), each sum rounded to T. x rows are
+// x_stride apart; w13 [num_experts, 2 * intermediate, hidden] (gate rows, then up rows) and w2
+// [num_experts, hidden, intermediate] contiguous. Returns false (out untouched) when an id is out of range.
+template <typename T>
+bool fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_stride, const T* w13, const T* w2,
+               int64_t num_experts, int64_t intermediate, const float* topk_weights, const int64_t* topk_ids,
+               int64_t top_k, MoeProduct product, T* out, int num_threads);
 
 }  // namespace kvflow

@@ -6,16 +6,28 @@ theirs) gives each token `top_k` experts and weights; the (token, slot) pairs ar
 expert's gate_up and down products run once over all its tokens; each result is multiplied by its routing weight
 and the `top_k` results of a token are added in ascending expert order (transformers' `index_add_` order).
 
-This is the PyTorch implementation; the C++ kernel (grouped GEMM for prefill, a GEMV path per selected expert for
-decode) is a later step.
+What runs where: the router product and the routing rule are PyTorch (rules differ per model). The experts run in
+the C++ kernel (`kvflow.kernels.fused_moe`, csrc/fused_moe.cpp) for CPU bfloat16 / float32 tensors: each selected
+expert's gate_up and down products run once over all the tokens that picked it (each weight byte read once), on
+the GEMM kernel (csrc/gemm.cpp) for every group size from one token up: measured faster than the PyTorch path at
+decode and about equal at prefill, and than the GEMV kernel above a few rows (benchmarks/moe_kernel.py,
+benchmarks/RESULTS.md). Threads take whole experts when enough are selected, else split each product's rows.
+Elsewhere (`KVFLOW_CPU_KERNELS=0`, no compiler, other devices or dtypes) the PyTorch path below runs: the fallback
+and the reference the kernel is tested against (tests/kernels/test_fused_moe_kernel.py). `FusedMoE.experts` is the
+one place choosing the path.
 
-Invariants: the expert weights are stacked, `w13_weight [num_experts, 2 * intermediate, hidden]` (each expert's
-gate rows, then its up rows) and `w2_weight [num_experts, hidden, intermediate]`; they load from a checkpoint's
-per-expert tensors through their `weight_loader`s with shard `(expert, part)` (`checkpoint_target` maps the names).
-A token's output depends only on that token (its own routing and its own rows of each product), not on the rest
-of the batch, up to the matrix-product library's blocking (see tests/models/test_mixtral_vs_hf.py). Tensor
-parallelism (tp > 1) is refused at construction for now (splitting experts' intermediate dimension is a later
-step, and expert parallelism after it).
+Batch independence (kernel path): every output element of the kernel's products sums its terms in an order fixed
+by the shapes alone, not by how many tokens an expert got or how threads split the work, so a token's experts'
+output is bitwise the same alone or in any batch. The router's `F.linear` is torch's and may differ in the last
+bit with the batch size; the PyTorch experts path agrees across batches to float32 / bfloat16 rounding only.
+
+Invariants: the expert weights are stacked, `w13_weight [num_experts, 2 * local, hidden]` (each expert's gate
+rows, then its up rows) and `w2_weight [num_experts, hidden, local]`, where `local` is this rank's part of the
+intermediate size (`intermediate_range`); they load from a checkpoint's per-expert tensors through their
+`weight_loader`s with shard `(expert, part)` (`checkpoint_target` maps the names, `checkpoint_index` cuts the
+rank's rows of gate / up and columns of down). Tensor parallelism splits every expert's intermediate dimension
+across the ranks (the router is replicated) and sums the layer's output with one all-reduce; expert parallelism
+(whole experts per rank) is a later step.
 """
 
 from __future__ import annotations
@@ -27,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.distributed.parallel_state import TensorParallelGroup
+from kvflow import kernels
+from kvflow.distributed.parallel_state import TensorParallelGroup, split_evenly
 from kvflow.models.layers.weights import CheckpointTensor, copy_checked, narrow, set_weight_loader
 
 # (router logits [tokens, experts], top_k) -> (weights float32 [tokens, top_k], expert ids [tokens, top_k]).
@@ -50,6 +63,8 @@ class FusedMoE(nn.Module):
     """Router (`gate.weight [num_experts, hidden]`) and `num_experts` SwiGLU experts stacked in two parameters.
 
     `expert_names` are the checkpoint's per-expert module names (gate, up, down): Mixtral's `w1`, `w3`, `w2`.
+    With tensor parallelism each rank holds `intermediate_range` of every expert's intermediate dimension and the
+    output is all-reduced once; expert parallelism (experts divided among the ranks) is a later step.
     """
 
     def __init__(
@@ -66,29 +81,28 @@ class FusedMoE(nn.Module):
         tp: TensorParallelGroup,
     ) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError(
-                f"FusedMoE: tensor parallelism (tp={tp.size}) is not supported yet for mixture-of-experts "
-                "models; run them with tensor_parallel_size=1"
-            )
         if not 0 < top_k <= num_experts:
             raise ValueError(f"FusedMoE: top_k {top_k} not in 1..num_experts ({num_experts})")
         self.num_experts = num_experts
         self.top_k = top_k
         self.intermediate_size = intermediate_size
+        # (start, length) of every expert's intermediate dimension this rank holds.
+        self.intermediate_range = split_evenly(
+            intermediate_size, tp.size, tp.rank, "FusedMoE intermediate_size"
+        )
+        local = self.intermediate_range[1]
+        self.tp = tp
         self.routing = routing
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, dtype=dtype, device=device), requires_grad=False
         )
         self.w13_weight = nn.Parameter(
-            torch.empty(
-                num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device
-            ),
+            torch.empty(num_experts, 2 * local, hidden_size, dtype=dtype, device=device),
             requires_grad=False,
         )
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
+            torch.empty(num_experts, hidden_size, local, dtype=dtype, device=device),
             requires_grad=False,
         )
         set_weight_loader(self.w13_weight, self._load_w13)
@@ -128,21 +142,46 @@ class FusedMoE(nn.Module):
             raise ValueError(f"FusedMoE: expert {expert} out of range ({self.num_experts} experts)")
         return expert, part
 
+    def checkpoint_index(self, param_name: str, shard: object) -> tuple[slice, ...]:
+        """The part of an expert's checkpoint tensor this rank holds: rows `intermediate_range` of gate and of up
+        (`w13_weight`), those columns of down (`w2_weight`); `()` (all of it) for one rank and for the router."""
+        if self.tp.size == 1 or param_name not in ("w13_weight", "w2_weight"):
+            return ()
+        start, length = self.intermediate_range
+        rows = slice(start, start + length)
+        return (rows,) if param_name == "w13_weight" else (slice(None), rows)
+
     def _load_w13(self, param: nn.Parameter, loaded: CheckpointTensor, shard: object) -> None:
         expert, part = self._expert_index(shard)
-        rows = self.intermediate_size
-        copy_checked(param.data[expert, part * rows : (part + 1) * rows], narrow(loaded, ()))
+        rows = self.intermediate_range[1]
+        part_weight = narrow(loaded, self.checkpoint_index("w13_weight", shard))
+        copy_checked(param.data[expert, part * rows : (part + 1) * rows], part_weight)
 
     def _load_w2(self, param: nn.Parameter, loaded: CheckpointTensor, shard: object) -> None:
         expert, _ = self._expert_index(shard)
-        copy_checked(param.data[expert], narrow(loaded, ()))
+        copy_checked(param.data[expert], narrow(loaded, self.checkpoint_index("w2_weight", shard)))
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        router_logits = F.linear(hidden_states, self.gate.weight)
+        weights, ids = self.routing(router_logits, self.top_k)
+        return self.tp.all_reduce(self.experts(hidden_states, weights, ids))
+
+    def experts(
+        self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts' weighted sum for each token (this rank's part of it): the C++ kernel where it applies,
+        else the PyTorch path. The one place that chooses (a quantized-experts path plugs in here)."""
+        out = kernels.fused_moe(hidden_states, self.w13_weight, self.w2_weight, weights, ids)
+        return out if out is not None else self.experts_torch(hidden_states, weights, ids)
+
+    def experts_torch(
+        self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The PyTorch experts path (the kernel's fallback and reference): `weights` float32 and `ids`
+        `[num_tokens, top_k]`."""
         num_tokens, hidden_size = hidden_states.shape
         top_k = self.top_k
-        router_logits = F.linear(hidden_states, self.gate.weight)
-        weights, ids = self.routing(router_logits, top_k)
         # Each token's slots in ascending expert order, so its results add up in transformers' order.
         ids, order = ids.sort(dim=-1)
         weights = weights.gather(-1, order)
@@ -166,3 +205,16 @@ class FusedMoE(nn.Module):
         for slot in range(1, top_k):
             output = output + results[:, slot]
         return output
+
+
+def expert_checkpoint_index(model: nn.Module, checkpoint_name: str) -> tuple[slice, ...] | None:
+    """The part of checkpoint tensor `checkpoint_name` a tensor-parallel rank reads when the model's
+    `checkpoint_target` maps it to a `FusedMoE`'s stacked expert parameter (that layer's `checkpoint_index`);
+    None for any other name (the caller's default applies). For a model's `checkpoint_index` override."""
+    target = model.checkpoint_target(checkpoint_name)
+    if target is None:
+        return None
+    name, shard = target
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return module.checkpoint_index(param_name, shard) if isinstance(module, FusedMoE) else None
