@@ -5,7 +5,9 @@ window on every layer) whose dense MLP is a mixture of experts: `FusedMoE` with 
 routing of transformers' `MixtralTopKRouter`. The checkpoint's `block_sparse_moe.gate` and per-expert
 `block_sparse_moe.experts.<e>.w1/w2/w3` tensors load into the layer's `mlp` (its router and stacked expert
 parameters) through their weight loaders (`checkpoint_target`). The Llama fused decode path never takes it
-(`FusedDecodeLayers.select` declines a model with experts); tensor parallelism is refused (`FusedMoE`).
+(`FusedDecodeLayers.select` declines a model with experts). Tensor parallelism splits every expert's intermediate
+dimension across the ranks (`FusedMoE`); a rank reads only its rows of `w1` / `w3` and columns of `w2`
+(`checkpoint_index`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from kvflow.models.decoder_lm import DecoderForCausalLM
 from kvflow.models.layers.decoder import PreNormDecoderLayer
-from kvflow.models.layers.fused_moe import FusedMoE, softmax_topk
+from kvflow.models.layers.fused_moe import FusedMoE, expert_checkpoint_index, softmax_topk
 from kvflow.models.layers.self_attention import SelfAttention
 
 if TYPE_CHECKING:
@@ -81,3 +83,11 @@ class MixtralForCausalLM(DecoderForCausalLM):
             return None
         target = moe.checkpoint_target(suffix) if isinstance(moe, FusedMoE) else None
         return None if target is None else (f"{module_name}.{target[0]}", target[1])
+
+    def checkpoint_index(self, checkpoint_name: str) -> tuple[slice, ...]:
+        """This rank's part of a checkpoint tensor: the `FusedMoE`'s cut of an expert tensor, else the default."""
+        if self.tp.size > 1 and _MOE in checkpoint_name:
+            index = expert_checkpoint_index(self, checkpoint_name)
+            if index is not None:
+                return index
+        return super().checkpoint_index(checkpoint_name)
