@@ -191,6 +191,17 @@ class KVCacheLayout:
     def num_groups(self) -> int:
         return len(self.group_windows)
 
+    def blocks_per_sequence(self, num_tokens: int, block_size: int, chunk_tokens: int) -> int:
+        """Blocks one sequence of `num_tokens` tokens holds at most, prefilled in chunks of `chunk_tokens`: every
+        position in a full group, a window plus a chunk in a sliding group."""
+        num_blocks = -(-num_tokens // block_size)
+        return sum(
+            num_blocks
+            if window is None
+            else min(num_blocks, -(-(window - 1 + chunk_tokens) // block_size) + 1)
+            for window in self.group_windows
+        )
+
     @property
     def is_hybrid(self) -> bool:
         """True when layers are split into several groups (block ids then differ per group)."""

@@ -23,7 +23,9 @@ def build_engine_core(engine_config: EngineConfig, model_info: ModelInfo | None)
     block_size = engine_config.cache_config.block_size
     kv_capacity_tokens = engine_core.executor.num_kv_blocks * block_size
     max_model_len = engine_config.scheduler_config.max_model_len
-    if kv_capacity_tokens < max_model_len:
+    kv_cache_manager = engine_core.scheduler.kv_cache_manager
+    # With sliding-window KV cache groups a sequence holds blocks in every group (`min_blocks_for`).
+    if kv_cache_manager.min_blocks_for(max_model_len) > kv_cache_manager.num_blocks:
         engine_core.shutdown()
         raise ValueError(
             f"max_model_len={max_model_len} does not fit in the KV cache ({kv_capacity_tokens} tokens); "

@@ -139,6 +139,14 @@ class DecoderForCausalLM(CheckpointModel):
         loads: a family-specific norm, an extra rotary table, a fast path. The shared model adds nothing."""
 
     # ------------------------------------------------------------------------------------------ KV cache
+    def use_one_kv_group(self) -> None:
+        """Give every layer a KV tensor of its own, all read through one block table (a sliding layer masks what is
+        outside its window): for a model run on another model's block ids, such as a draft model on its target's
+        first (full-attention) group. Call before `make_kv_cache`."""
+        self.kv_cache_layout = KVCacheLayout([None] * self.num_layers)
+        self.layer_pages = self.kv_cache_layout.layer_pages
+        self.layer_metadata_keys = tuple(self.layer_windows)
+
     def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """A zeroed cache `[num_pages, *backend.kv_cache_shape(...)]` (torch backend: `[pages, 2, kv_heads, blocks,
         block_size, head_dim]`; a page per layer unless the layers form KV cache groups); zeros because padding that

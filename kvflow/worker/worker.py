@@ -106,6 +106,7 @@ def plan_kv_cache(
     bytes_per_block: int,
     memory: DeviceMemory,
     num_host_ranks: int = 1,
+    blocks_per_sequence: int | None = None,
 ) -> KVCachePlan:
     """The KV cache's block count, by the first rule that applies:
 
@@ -120,6 +121,9 @@ def plan_kv_cache(
     Under tensor parallelism `bytes_per_block` is one rank's (its KV heads only) and the plan is one rank's: the
     explicit sizes apply per rank (as vLLM's are per GPU), and on CPU the automatic budget, which is the host's, is
     split between the `num_host_ranks` ranks sharing the host, so TP=N holds as many blocks as TP=1 would.
+
+    `blocks_per_sequence` is what one `max_model_len` sequence holds (default: a block per `block_size` tokens; a
+    model with sliding-window KV cache groups holds more, smaller blocks, see `KVCacheLayout.blocks_per_sequence`).
     """
     cache_config = engine_config.cache_config
     if cache_config.num_kv_blocks is not None:
@@ -135,11 +139,17 @@ def plan_kv_cache(
                 f"kv_cache_memory_bytes={requested} holds no KV block ({bytes_per_block} bytes each)"
             )
         return KVCachePlan(num_blocks, bytes_per_block, f"kv_cache_memory_bytes={requested}")
-    return _automatic_plan(engine_config, bytes_per_block, memory, num_host_ranks)
+    return _automatic_plan(
+        engine_config, bytes_per_block, memory, num_host_ranks, blocks_per_sequence
+    )
 
 
 def _automatic_plan(
-    engine_config: EngineConfig, bytes_per_block: int, memory: DeviceMemory, num_host_ranks: int
+    engine_config: EngineConfig,
+    bytes_per_block: int,
+    memory: DeviceMemory,
+    num_host_ranks: int,
+    blocks_per_sequence: int | None = None,
 ) -> KVCachePlan:
     """The device's budget in blocks, or the blocks every slot needs at full length if that is fewer."""
     cache_config = engine_config.cache_config
@@ -154,9 +164,9 @@ def _automatic_plan(
             f"the KV cache budget ({rule}: {max(budget, 0)} bytes) holds no KV block ({bytes_per_block} "
             f"bytes each); {_raise_hint(memory.device_type)}"
         )
-    blocks_for_all_slots = scheduler_config.max_num_seqs * cdiv(
-        scheduler_config.max_model_len, cache_config.block_size
-    )
+    if blocks_per_sequence is None:
+        blocks_per_sequence = cdiv(scheduler_config.max_model_len, cache_config.block_size)
+    blocks_for_all_slots = scheduler_config.max_num_seqs * blocks_per_sequence
     if blocks_for_all_slots <= budget_blocks:
         rule = (
             f"max_num_seqs={scheduler_config.max_num_seqs} x max_model_len="
@@ -282,12 +292,27 @@ class Worker:
         )
         self.model = build_model(model_config, self.model_info, self.device, self.tp)
         spec_proposer = _spec_proposer(engine_config, self.device, self.model_info.vocab_size)
+        draft_model = getattr(spec_proposer, "model", None)
+        if draft_model is not None and hasattr(draft_model, "use_one_kv_group"):
+            # A draft model reads the target's first KV cache group's block ids only.
+            draft_model.use_one_kv_group()
         bytes_per_block = self.model.kv_cache_bytes_per_block(block_size)
         if spec_proposer is not None:
             # A draft model's KV cache has the target's blocks: each block costs both (n-gram: nothing more).
             bytes_per_block += spec_proposer.kv_cache_bytes_per_block(block_size)
+        layout = getattr(self.model, "kv_cache_layout", None)
         self.kv_cache_plan = plan_kv_cache(
-            engine_config, bytes_per_block, measure_device_memory(self.device), self.tp.size
+            engine_config,
+            bytes_per_block,
+            measure_device_memory(self.device),
+            self.tp.size,
+            blocks_per_sequence=None
+            if layout is None or layout.group_windows == (None,)
+            else layout.blocks_per_sequence(
+                scheduler_config.max_model_len,
+                block_size,
+                scheduler_config.max_num_batched_tokens,
+            ),
         )
         _log_kv_cache_plan(self.kv_cache_plan, engine_config, self.device)
         self.num_kv_blocks = self.kv_cache_plan.num_blocks

@@ -199,3 +199,62 @@ def test_preemption_under_a_small_cache_is_token_exact(
         core.shutdown()
     for request_id, prompt_token_ids in prompts.items():
         assert tokens[request_id] == checkpoint.greedy(prompt_token_ids, 30), request_id
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_speculative_decoding_on_a_hybrid_model_is_token_exact(
+    checkpoints: dict[str, Checkpoint], method: str, async_scheduling: bool
+) -> None:
+    """Gemma 2 verifying drafts (n-gram lookup on a repetitive prompt, or itself as the draft model, which reads the
+    full group's blocks through a KV tensor per layer): greedy output equals transformers'; the draft model's
+    drafts are all accepted, so its K/V was read back right."""
+    checkpoint = checkpoints["gemma2"]
+    pattern = prompt(50, 12)
+    prompts = [pattern * 4, prompt(51, 40)]
+    spec: dict[str, object] = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(checkpoint.path)
+    llm = LLM(
+        str(checkpoint.path),
+        skip_tokenizer_init=True,
+        disable_log_stats=True,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_kv_blocks=400,
+        async_scheduling=async_scheduling,
+        speculative_config=spec,
+    )
+    try:
+        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stats = llm.run_in_engine(lambda core: core.scheduler.spec_decoding_stats)
+    finally:
+        llm.shutdown()
+    for prompt_token_ids, output in zip(prompts, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == checkpoint.greedy(prompt_token_ids, 30)
+    assert stats.num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_tensor_parallel_hybrid_model_is_token_exact(checkpoints: dict[str, Checkpoint]) -> None:
+    """Two ranks, each with its KV heads in the grouped layout, on a long prompt with chunked prefill."""
+    checkpoint = checkpoints["gemma2"]
+    long_prompt = prompt(60, 45)
+    llm = LLM(
+        str(checkpoint.path),
+        skip_tokenizer_init=True,
+        disable_log_stats=True,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=16,
+        num_kv_blocks=400,
+        tensor_parallel_size=2,
+    )
+    try:
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": long_prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert list(outputs[0].outputs[0].token_ids) == checkpoint.greedy(long_prompt, 20)

@@ -11,6 +11,7 @@ import torch
 
 from kvflow import LLM
 from kvflow.config import GIB, CacheConfig, EngineConfig, SchedulerConfig
+from kvflow.core.kv_cache_utils import KVCacheLayout
 from kvflow.engine.arg_utils import cpu_kv_cache_space_bytes
 from kvflow.utils import cdiv
 from kvflow.worker.worker import (
@@ -69,6 +70,19 @@ def test_automatic_plan_is_capped_at_what_every_slot_needs() -> None:
     plan = plan_kv_cache(config, MIB, DeviceMemory("cpu", 128 * GIB, 100 * GIB))
     assert plan.num_blocks == 4 * cdiv(100, 16)
     assert "max_num_seqs" in plan.rule
+
+
+def test_automatic_plan_cap_counts_every_kv_cache_group_of_a_sequence() -> None:
+    """With sliding-window groups a full-length sequence holds a block per position in its full group and a window
+    (plus a prefill chunk) in each sliding group: the cap is what that layout holds, in its (smaller) blocks."""
+    layout = KVCacheLayout([64, None] * 4)
+    config = engine_config(max_num_seqs=4, max_model_len=1000, block_size=16)
+    per_sequence = layout.blocks_per_sequence(1000, 16, chunk_tokens=32)
+    assert per_sequence == cdiv(1000, 16) + cdiv(63 + 32, 16) + 1
+    plan = plan_kv_cache(
+        config, MIB, DeviceMemory("cpu", 128 * GIB, 100 * GIB), blocks_per_sequence=per_sequence
+    )
+    assert plan.num_blocks == 4 * per_sequence
 
 
 def test_automatic_cuda_plan_uses_gpu_memory_utilization() -> None:
