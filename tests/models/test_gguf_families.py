@@ -1,11 +1,13 @@
-"""GGUF files of the Gemma 2, Gemma 3 and Phi-3 families, and the 5-bit tensor types Q5_0 / Q5_K.
+"""GGUF files of the Gemma 2, Gemma 3, Phi-3 and mixture-of-experts families, and the 5-bit types Q5_0 / Q5_K.
 
 Each family's file is written by kvflow's converter (`write_gguf`, the layout llama.cpp's own converter writes: Gemma
 norms stored plus 1, Phi-3's fused `attn_qkv` / `ffn_up` and LongRoPE factor tensors) from the tiny random
 checkpoints of the family's comparison with transformers, and read back by kvflow's GGUF loader. F32 files decode
 token for token like the safetensors checkpoint; Q8_0 files agree with it on most teacher-forced argmaxes. Q5_0 / Q5_K
 tensors run as Q8_0 blocks (`gguf_plan`'s docstring): a file holding them decodes exactly like its own weights
-dequantized to float32 (`dequantized_checkpoint`).
+dequantized to float32 (`dequantized_checkpoint`). Mixture-of-experts files (Mixtral as `llama`, `qwen2moe`,
+`qwen3moe`) stack each layer's experts into llama.cpp's `[experts, rows, columns]` tensors; kvflow loads the experts
+dequantized to float32, so a quantized file decodes exactly like its dequantized weights too.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from paged_model_driver import PagedDriver
 from safetensors.torch import load_file
 from test_gemma2_vs_hf import make_gemma2_checkpoint
 from test_gemma3_vs_hf import make_gemma3_checkpoint
+from test_mixtral_vs_hf import make_mixtral_checkpoint
 from test_phi3_vs_hf import LONGROPE, make_phi3_checkpoint
+from test_qwen2_moe_vs_hf import make_qwen2_moe_checkpoint
+from test_qwen3_moe_vs_hf import make_qwen3_moe_checkpoint
 
 from kvflow.models.hf_config import load_hf_config
 from kvflow.models.loader import load_model
@@ -304,3 +309,70 @@ def test_a_q4_k_m_file_with_short_rows_falls_back_to_q5_0_as_llama_cpp_does(
     assert {"Q5_0", "Q8_0"} <= file_types
     dequantized = dequantized_checkpoint(path, checkpoints["gemma2"], tmp_path / "dequantized")
     assert greedy_tokens(path) == greedy_tokens(dequantized)
+
+
+# ------------------------------------------------------------------------------------------ mixture of experts
+def _without_sliding_window(path: Path) -> Path:
+    """llama.cpp's `llama` / `qwen2moe` / `qwen3moe` graphs attend to the whole sequence: the makers' window off."""
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(use_sliding_window=False, sliding_window=None)
+    config.pop("layer_types", None)
+    config_file.write_text(json.dumps(config, indent=2))
+    return path
+
+
+MOE_MAKERS: dict[str, Callable[[Path], Path]] = {
+    "mixtral": lambda path: _without_sliding_window(make_mixtral_checkpoint(path)),
+    "qwen2moe": lambda path: _without_sliding_window(make_qwen2_moe_checkpoint(path)),
+    "qwen3moe": lambda path: _without_sliding_window(make_qwen3_moe_checkpoint(path)),
+}
+
+
+def _q8_0_where_blocks_fit(name: str, shape: tuple[int, int]) -> str:
+    """Q8_0, but float32 for the 48-column expert down projections (no whole 32-element blocks)."""
+    return "Q8_0" if shape[1] % 32 == 0 else "F32"
+
+
+@pytest.mark.parametrize("family", list(MOE_MAKERS))
+def test_a_mixture_of_experts_file_decodes_like_the_checkpoint_and_its_weights(
+    tmp_path: Path, family: str
+) -> None:
+    """Mixtral: router and w1/w3/w2 per expert under `llama`; Qwen2-MoE: the shared expert and its gate, a dense
+    layer (`mlp_only_layers`: no router in the file), top-k not renormalised; Qwen3-MoE: renormalised, q/k norms. F32:
+    token for token the checkpoint; Q8_0 (experts dequantized at load, the shared expert on its blocks): token for
+    token the float32 model of the file's weights."""
+    checkpoint = MOE_MAKERS[family](tmp_path / family)
+    path = write_gguf(checkpoint, tmp_path / f"{family}.gguf", "F32")
+    assert greedy_tokens(path) == greedy_tokens(checkpoint)
+    read, original = GGUFCheckpoint(path).hf_config(), load_hf_config(checkpoint)
+    for field in ("architecture", "num_experts", "num_experts_per_tok", "norm_topk_prob"):
+        assert getattr(read, field) == getattr(original, field), field
+    assert [read.layer_has_experts(i) for i in range(read.num_hidden_layers)] == [
+        original.layer_has_experts(i) for i in range(original.num_hidden_layers)
+    ]
+    quantized = write_gguf(checkpoint, tmp_path / f"{family}-q8.gguf", _q8_0_where_blocks_fit)
+    fields = _fields(quantized)
+    arch = fields["general.architecture"]
+    assert fields[f"{arch}.expert_count"] == read.num_experts
+    tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(str(quantized)).tensors}
+    last = read.num_hidden_layers - 1  # a layer with experts in every maker's checkpoint
+    router = tensors[f"blk.{last}.ffn_gate_inp.weight"]
+    assert router.tensor_type.name == "F32"  # as llama.cpp keeps routers
+    gate_exps = tensors[f"blk.{last}.ffn_gate_exps.weight"]
+    assert gate_exps.tensor_type.name == "Q8_0"
+    assert int(gate_exps.shape[2]) == read.num_experts  # ggml's [columns, rows, experts]
+    dequantized = dequantized_checkpoint(quantized, checkpoint, tmp_path / "dequantized")
+    assert greedy_tokens(quantized) == greedy_tokens(dequantized)
+
+
+def test_a_routing_llama_cpp_does_not_compute_is_refused(tmp_path: Path) -> None:
+    checkpoint = make_qwen2_moe_checkpoint(tmp_path / "qwen2moe")
+    config_file = checkpoint / "config.json"
+    config_file.write_text(
+        json.dumps({**json.loads(config_file.read_text()), "norm_topk_prob": True})
+    )
+    with pytest.raises(
+        ValueError, match=r"norm_topk_prob True: llama.cpp's qwen2moe never renormalises"
+    ):
+        write_gguf(checkpoint, tmp_path / "qwen2moe.gguf", "F32")

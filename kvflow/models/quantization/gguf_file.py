@@ -20,6 +20,12 @@ What llama.cpp's converter changed is undone here, so the model sees its Hugging
 * `phi3`: the fused `attn_qkv` and `ffn_up` (gate rows, then up rows) tensors are split by rows into Hugging Face's
   q / k / v and gate / up names (whole rows: blocks split as floats do); LongRoPE's `rope_factors_long` /
   `rope_factors_short` tensors become the config's `long_factor` / `short_factor`.
+* Mixture of experts (`llama` with `expert_count`: Mixtral; `qwen2moe`; `qwen3moe`): each `[experts, rows,
+  columns]` tensor (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`) is yielded per expert under its Hugging Face
+  name, and with the router (`ffn_gate_inp`) and Qwen2-MoE's shared-expert gate (`ffn_gate_inp_shexp`) is
+  dequantized to float32 as it loads (a first step: kvflow's expert layer has no quantized storage yet); the shared
+  expert (`ffn_*_shexp`) keeps its blocks as any MLP. Layers without a router are dense (`mlp_only_layers`); top-k
+  weights are renormalised as llama.cpp's graph does (Mixtral and Qwen3-MoE: yes, Qwen2-MoE: no).
 
 Invariants: a quantized tensor's rows are a whole number of ggml blocks (`kvflow.kernels.quant.GGML_BLOCK_SIZES`).
 Name mapping is `layer_names(architecture)` / `GGUF_GLOBAL_NAMES`, shared with the writer (`kvflow.models.
@@ -42,8 +48,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvflow.kernels.quant import GGML_BLOCK_SIZES
+from kvflow.kernels.quant import GGML_BLOCK_SIZES, dequantize_reference
 from kvflow.models.hf_config import TransformerConfig, parse_hf_config
+from kvflow.models.quantization.ggml_quantize import dequantize as dequantize_5_bit
 from kvflow.models.quantization.ggml_quantize import to_q8_0
 
 GGUF_SUFFIX = ".gguf"
@@ -55,7 +62,12 @@ GGUF_ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# A `llama` file with experts (`llama.expert_count`) is Mixtral.
+_LLAMA_WITH_EXPERTS = "MixtralForCausalLM"
+_QWEN_MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe"})
 GEMMA_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 # Architectures whose q/k rows llama.cpp's converter permutes to its interleaved rotary layout.
 _PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
@@ -95,6 +107,29 @@ _PHI3_LAYER_NAMES = {
     "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_up.weight": "mlp.gate_up_proj.weight",
 }
+# Mixture-of-experts layers: the router, Qwen2-MoE's shared expert and its gate.
+_MIXTRAL_LAYER_NAMES = {**GGUF_LAYER_NAMES, "ffn_gate_inp.weight": "block_sparse_moe.gate.weight"}
+_QWEN_MOE_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+# llama.cpp's stacked `[experts, rows, columns]` tensors -> each expert's Hugging Face name (`{expert}`).
+_MIXTRAL_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "block_sparse_moe.experts.{expert}.w1.weight",
+    "ffn_up_exps.weight": "block_sparse_moe.experts.{expert}.w3.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.{expert}.w2.weight",
+}
+_QWEN_MOE_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "mlp.experts.{expert}.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.{expert}.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.{expert}.down_proj.weight",
+}
+# Tensors kvflow holds in float whatever the file's type (parameters outside any `Linear`).
+_FLOAT_LOADED = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # Fused Hugging Face tensors (inside `model.layers.N.`) -> the parts kvflow loads, in row order.
 FUSED_PARTS = {
     "self_attn.qkv_proj.weight": (
@@ -136,18 +171,33 @@ def layer_names(architecture: str) -> dict[str, str]:
         return _GEMMA_LAYER_NAMES
     if architecture == "phi3":
         return _PHI3_LAYER_NAMES
+    if architecture in _QWEN_MOE_ARCHITECTURES:
+        return _QWEN_MOE_LAYER_NAMES
+    if architecture == "llama":
+        return _MIXTRAL_LAYER_NAMES
     return GGUF_LAYER_NAMES
 
 
+def expert_names(architecture: str) -> dict[str, str]:
+    """llama.cpp's stacked expert tensors inside `blk.N.` -> each expert's Hugging Face name inside
+    `model.layers.N.` (with `{expert}`); empty for an architecture without experts."""
+    if architecture in _QWEN_MOE_ARCHITECTURES:
+        return _QWEN_MOE_EXPERT_NAMES
+    if architecture == "llama":
+        return _MIXTRAL_EXPERT_NAMES
+    return {}
+
+
 def hf_tensor_name(gguf_name: str, architecture: str = "llama") -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None when kvflow has no parameter for it."""
+    """The Hugging Face name of a llama.cpp tensor name, or None when kvflow has no parameter for it (a stacked
+    expert tensor's name holds `{expert}`)."""
     if gguf_name in GGUF_GLOBAL_NAMES:
         return GGUF_GLOBAL_NAMES[gguf_name]
     block, _, rest = gguf_name.partition(".")
     if block != "blk":
         return None
     layer, _, suffix = rest.partition(".")
-    hf_suffix = layer_names(architecture).get(suffix)
+    hf_suffix = layer_names(architecture).get(suffix) or expert_names(architecture).get(suffix)
     if not layer.isdigit() or hf_suffix is None:
         return None
     return f"model.layers.{layer}.{hf_suffix}"
@@ -218,7 +268,8 @@ class GGUFTensor:
 class GGUFTensorInfo:
     """One tensor as kvflow loads it: llama.cpp's name, the type it loads as (gguf's `GGMLQuantizationType` names),
     its `(rows, columns)` (`(n,)` for a vector), and the type in the file. A part of a fused file tensor (Phi-3's
-    `attn_qkv`, `ffn_up`) is its rows `[row_start, row_start + rows)`."""
+    `attn_qkv`, `ffn_up`) is its rows `[row_start, row_start + rows)`; one expert of a stacked expert tensor is its
+    slice `expert`."""
 
     gguf_name: str
     qtype: str
@@ -226,6 +277,7 @@ class GGUFTensorInfo:
     num_bytes: int
     file_qtype: str
     row_start: int = 0
+    expert: int | None = None
 
 
 class GGUFCheckpoint:
@@ -303,6 +355,7 @@ class GGUFCheckpoint:
         rope_scaling = self._rope_scaling(head_dim)
         if rope_scaling is not None:
             raw["rope_scaling"] = rope_scaling
+        raw.update(self._expert_fields(raw))
         if self.architecture in GEMMA_ARCHITECTURES:
             raw.update(self._gemma_fields(raw))
         elif self.architecture == "phi3":
@@ -316,6 +369,35 @@ class GGUFCheckpoint:
                 f"{self.path}: GGUF architecture {self.architecture!r} is not supported; kvflow reads "
                 f"{', '.join(GGUF_ARCHITECTURES)}"
             )
+
+    def _expert_fields(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The mixture-of-experts config keys (see the module docstring); none for a dense file."""
+        num_experts = int(self._arch_field("expert_count", 0))
+        if not num_experts:
+            return {}
+        fields: dict[str, Any] = {"num_experts_per_tok": int(self._required("expert_used_count"))}
+        if self.architecture == "llama":
+            return {
+                **fields,
+                "architectures": [_LLAMA_WITH_EXPERTS],
+                "num_local_experts": num_experts,
+            }
+        num_layers = raw["num_hidden_layers"]
+        fields.update(
+            num_experts=num_experts,
+            moe_intermediate_size=int(self._required("expert_feed_forward_length")),
+            shared_expert_intermediate_size=int(
+                self._arch_field("expert_shared_feed_forward_length", 0)
+            ),
+            norm_topk_prob=self.architecture == "qwen3moe",
+            decoder_sparse_step=1,
+            mlp_only_layers=[
+                layer
+                for layer in range(num_layers)
+                if f"blk.{layer}.ffn_gate_inp.weight" not in self._tensors
+            ],
+        )
+        return fields
 
     def _gemma_fields(self, raw: dict[str, Any]) -> dict[str, Any]:
         """Gemma 2 / 3's config keys from llama.cpp's metadata (see the module docstring)."""
@@ -423,11 +505,18 @@ class GGUFCheckpoint:
                 unsupported.append(f"{name} of type {file_qtype}")
                 continue
             qtype = CONVERTED_TYPES.get(file_qtype, file_qtype)
+            if name.endswith(_FLOAT_LOADED):
+                qtype = "F32"
             shape = tuple(
                 int(n) for n in reversed(tensor.shape.tolist())
             )  # ggml lists columns first
+            if hf_name.endswith("shared_expert_gate.weight"):
+                shape = (1, shape[-1])  # llama.cpp's is a vector, transformers' a one-row matrix
             info = GGUFTensorInfo(name, qtype, shape, int(tensor.n_bytes), file_qtype)
-            infos.update(_split_fused(hf_name, info, config))
+            if "{expert}" in hf_name:
+                infos.update(_split_experts(hf_name, info))
+            else:
+                infos.update(_split_fused(hf_name, info, config))
         if unsupported:
             raise ValueError(
                 f"{self.path}: cannot load {', '.join(unsupported)}; kvflow reads tensor types "
@@ -466,11 +555,15 @@ class GGUFCheckpoint:
         """One tensor (or fused part) from the mapped file: a float tensor, or blocks of `info.qtype`."""
         tensor = self._tensors[info.gguf_name]
         data = np.asarray(tensor.data)
-        if (
-            len(info.shape) == 2
-        ):  # this part's rows: [rows, columns] floats or [rows, row_bytes] blocks
+        if info.expert is not None:  # [experts, rows, columns or row_bytes]
+            data = data.reshape(int(tensor.shape[-1]), info.shape[0], -1)[info.expert]
+        elif len(info.shape) == 2:  # this part's rows (floats or blocks)
             file_rows = int(tensor.shape[1])  # ggml's shape is (columns, rows)
             data = data.reshape(file_rows, -1)[info.row_start : info.row_start + info.shape[0]]
+        if info.qtype in FLOAT_TYPES and info.file_qtype not in FLOAT_TYPES:
+            return _dequantized(info.file_qtype, data.reshape(info.shape[0], -1)).reshape(
+                info.shape
+            )
         if info.file_qtype in CONVERTED_TYPES:
             data = to_q8_0(info.file_qtype, data)
         torch_data = torch.from_numpy(np.ascontiguousarray(data))
@@ -557,3 +650,25 @@ def _split_fused(
         )
         row_start += rows
     return parts
+
+
+def _split_experts(hf_name: str, info: GGUFTensorInfo) -> dict[str, GGUFTensorInfo]:
+    """A stacked `[experts, rows, columns]` tensor as one float32 `[rows, columns]` info per expert."""
+    num_experts, rows, columns = info.shape
+    return {
+        hf_name.format(expert=expert): dataclasses.replace(
+            info,
+            qtype="F32",
+            shape=(rows, columns),
+            num_bytes=info.num_bytes // num_experts,
+            expert=expert,
+        )
+        for expert in range(num_experts)
+    }
+
+
+def _dequantized(qtype: str, data: np.ndarray) -> torch.Tensor:
+    """Quantized rows (uint8 `[rows, row_bytes]`) as a float32 `[rows, columns]` tensor."""
+    if qtype in CONVERTED_TYPES:
+        return torch.from_numpy(dequantize_5_bit(qtype, data))
+    return dequantize_reference(qtype, torch.from_numpy(np.ascontiguousarray(data)))

@@ -20,6 +20,11 @@ gguf_file.layer_names` read backwards), and the tokenizer; `kvflow.models.quanti
   `query_pre_attn_scalar` differs is refused rather than written to load differently.
 * Phi-3: the fused `qkv_proj` / `gate_up_proj` tensors as `attn_qkv` / `ffn_up`; LongRoPE as `rope_factors_long` /
   `rope_factors_short` tensors with the original context length and the attention factor.
+* Mixture of experts (Mixtral as `llama`, `qwen2moe`, `qwen3moe`): each layer's per-expert tensors stacked into
+  llama.cpp's `[experts, rows, columns]` `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, the router
+  (`ffn_gate_inp`) and Qwen2-MoE's shared-expert gate kept float32 as llama.cpp keeps them, the expert counts and
+  sizes. llama.cpp renormalises the top-k weights of Qwen3-MoE and never of Qwen2-MoE: a checkpoint whose
+  `norm_topk_prob` says otherwise is refused.
 * The tokenizer: tokenizer.json's byte-level BPE vocabulary (`tokenizer.ggml.*`, model "gpt2") and the chat
   template; with `embed_hf_tokenizer` the whole tokenizer.json too (`tokenizer.huggingface.json`, which kvflow
   reads when no tokenizer folder is given). A checkpoint without tokenizer.json gets model "none" (enough for
@@ -53,6 +58,7 @@ from kvflow.models.quantization.gguf_file import (
     GGUF_GLOBAL_NAMES,
     ROPE_FACTORS_LONG,
     ROPE_FACTORS_SHORT,
+    expert_names,
     gemma_query_pre_attn_scalar,
     gemma_sliding_layers,
     layer_names,
@@ -69,7 +75,12 @@ ARCHITECTURES = {
     "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "phi3": "phi3",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
 }
+# Tensors llama.cpp keeps in float32 whatever the file type (its converter's and llama-quantize's rule).
+_FLOAT32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 # The Llama-family architectures (rope scaling as llama.cpp's `rope_freqs`).
 _LLAMA_FAMILY = frozenset({"llama", "qwen2", "qwen3"})
 GLOBAL_TENSOR_NAMES = {hf: name for name, hf in GGUF_GLOBAL_NAMES.items()}
@@ -97,6 +108,44 @@ def gguf_tensor_name(hf_name: str, architecture: str = "llama") -> str | None:
         )
     layer, rest = match.groups()
     return f"blk.{layer}.{names[rest]}"
+
+
+def expert_slot(hf_name: str, architecture: str) -> tuple[str, int] | None:
+    """(llama.cpp's stacked tensor name, expert index) of one expert's Hugging Face tensor; None for any other."""
+    match = _LAYER_PATTERN.fullmatch(hf_name)
+    if match is None:
+        return None
+    layer, rest = match.groups()
+    for name, pattern in expert_names(architecture).items():
+        before, _, after = pattern.partition("{expert}")
+        index = rest.removeprefix(before).removesuffix(after)
+        if rest.startswith(before) and rest.endswith(after) and index.isdigit():
+            return f"blk.{layer}.{name}", int(index)
+    return None
+
+
+class _ExpertStacker:
+    """Collects each layer's per-expert tensors and hands back a stacked `[experts, rows, columns]` tensor once every
+    expert of it has arrived (checkpoints store experts in any order, possibly across files)."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.pending: dict[str, dict[int, torch.Tensor]] = {}
+
+    def add(self, name: str, expert: int, tensor: torch.Tensor) -> torch.Tensor | None:
+        experts = self.pending.setdefault(name, {})
+        experts[expert] = tensor
+        if len(experts) < self.num_experts:
+            return None
+        del self.pending[name]
+        return torch.stack([experts[index] for index in range(self.num_experts)])
+
+    def check_done(self) -> None:
+        if self.pending:
+            name, experts = next(iter(self.pending.items()))
+            raise ValueError(
+                f"{name}: the checkpoint has {len(experts)} of {self.num_experts} experts"
+            )
 
 
 def permute_for_interleaved_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -164,7 +213,8 @@ def iterate_checkpoint(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor
 
 
 def _encode(tensor: torch.Tensor, qtype: str, gguf: Any) -> tuple[np.ndarray, Any]:
-    """(array, raw GGML type or None for float32) of a tensor in `qtype`."""
+    """(array, raw GGML type or None for float32) of a tensor in `qtype` (a stacked `[experts, rows, columns]`
+    tensor quantized row by row, as a matrix is)."""
     if tensor.dim() <= 1 or qtype == "F32":
         return tensor.to(torch.float32).contiguous().numpy(), None
     if qtype == "BF16":
@@ -172,8 +222,9 @@ def _encode(tensor: torch.Tensor, qtype: str, gguf: Any) -> tuple[np.ndarray, An
         return bits, gguf.GGMLQuantizationType.BF16
     if qtype == "F16":  # a float16 array carries its own type
         return tensor.to(torch.float16).contiguous().numpy(), None
-    blocks = quantize(qtype, tensor.to(torch.float32).contiguous().numpy())
-    return blocks, gguf.GGMLQuantizationType[qtype]
+    matrix = tensor.to(torch.float32).contiguous().reshape(-1, tensor.shape[-1]).numpy()
+    blocks = quantize(qtype, matrix)
+    return blocks.reshape(*tensor.shape[:-1], -1), gguf.GGMLQuantizationType[qtype]
 
 
 def detect_tokenizer_pre(tokenizer: dict[str, Any]) -> str:
@@ -321,6 +372,26 @@ def write_gemma_hparams(writer: Any, gguf: Any, arch: str, parsed: TransformerCo
         raise ValueError(f"rope_scaling {scaling} is not written for {arch} files")
 
 
+def write_expert_hparams(writer: Any, arch: str, parsed: TransformerConfig) -> None:
+    """The mixture-of-experts keys (nothing for a dense model); ValueError for a routing llama.cpp's graph does not
+    compute."""
+    if not parsed.num_experts:
+        return
+    writer.add_expert_count(parsed.num_experts)
+    writer.add_expert_used_count(parsed.num_experts_per_tok)
+    if arch == "llama":
+        return
+    renormalised = arch == "qwen3moe"
+    if parsed.norm_topk_prob != renormalised:
+        raise ValueError(
+            f"norm_topk_prob {parsed.norm_topk_prob}: llama.cpp's {arch} "
+            f"{'always' if renormalised else 'never'} renormalises the top-k expert weights"
+        )
+    writer.add_expert_feed_forward_length(parsed.moe_intermediate_size)
+    if parsed.shared_expert_intermediate_size:
+        writer.add_expert_shared_feed_forward_length(parsed.shared_expert_intermediate_size)
+
+
 def write_phi3_hparams(
     writer: Any, gguf: Any, config: dict[str, Any], parsed: TransformerConfig
 ) -> None:
@@ -398,10 +469,20 @@ def write_gguf(
         write_gemma_hparams(writer, gguf, arch, parsed)
     elif arch == "phi3":
         write_phi3_hparams(writer, gguf, config, parsed)
+    write_expert_hparams(writer, arch, parsed)
     write_tokenizer(writer, gguf, checkpoint_dir, config, tokenizer_pre, embed_hf_tokenizer)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", rope_freqs)
+    experts = _ExpertStacker(parsed.num_experts)
     for hf_name, tensor in iterate_checkpoint(checkpoint_dir):
+        slot = expert_slot(hf_name, arch)
+        if slot is not None:
+            stacked = experts.add(slot[0], slot[1], tensor)
+            if stacked is not None:
+                rows, columns = stacked.shape[1:]
+                array, raw_dtype = _encode(stacked, choose(slot[0], (rows, columns)), gguf)
+                writer.add_tensor(slot[0], array, raw_dtype=raw_dtype)
+            continue
         name = gguf_tensor_name(hf_name, arch)
         if name is None or (tied and name == "output.weight"):
             continue
@@ -413,11 +494,14 @@ def write_gguf(
             tensor = permute_for_interleaved_rope(tensor, num_heads)
         elif arch == "llama" and ".attn_k." in name and "_norm" not in name:
             tensor = permute_for_interleaved_rope(tensor, num_kv_heads)
-        qtype = choose(name, tuple(tensor.shape)) if tensor.dim() == 2 else "F32"  # type: ignore[arg-type]
+        qtype = "F32"
+        if tensor.dim() == 2 and not name.endswith(_FLOAT32_TENSORS):
+            qtype = choose(name, tuple(tensor.shape))  # type: ignore[arg-type]
         array, raw_dtype = _encode(tensor, qtype, gguf)
         writer.add_tensor(
             name, array, raw_dtype=raw_dtype
         )  # a quantized byte shape is converted by gguf
+    experts.check_done()
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
