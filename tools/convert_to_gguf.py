@@ -1,5 +1,6 @@
 """Convert a kvflow / Hugging Face checkpoint (safetensors, config.json, tokenizer.json) to GGUF: Llama, Mistral,
-Qwen 2, Qwen 3, Gemma 2, Gemma 3 (text) and Phi-3, laid out as llama.cpp's own converter lays them out.
+Qwen 2, Qwen 3, Gemma 2, Gemma 3 (text), Phi-3, Mixtral, Qwen2-MoE and Qwen3-MoE, laid out as llama.cpp's own
+converter lays them out.
 
 Usage: `python tools/convert_to_gguf.py CHECKPOINT_DIR OUT.gguf [--dtype bf16|f32] [--outtype TYPE]
 [--tokenizer-pre NAME] [--embed-hf-tokenizer]`
