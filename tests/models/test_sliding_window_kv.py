@@ -258,3 +258,58 @@ def test_tensor_parallel_hybrid_model_is_token_exact(checkpoints: dict[str, Chec
     finally:
         llm.shutdown()
     assert list(outputs[0].outputs[0].token_ids) == checkpoint.greedy(long_prompt, 20)
+
+
+def run_core(core: EngineCore, tokens: dict[str, list[int]], max_steps: int = 2000) -> None:
+    for _ in range(max_steps):
+        if not core.has_work():
+            return
+        for output in core.step():
+            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+    raise AssertionError("engine did not go idle")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_forced_reset_abort_and_streaming_session_on_a_hybrid_model(
+    checkpoints: dict[str, Checkpoint], async_scheduling: bool
+) -> None:
+    """Gemma 2 in one engine: a forced prefix-cache reset preempts long requests mid-run (they recompute), an abort
+    frees a request's blocks in both groups, and a streaming session's second chunk continues after its kept
+    history, past several windows; every output equals transformers' greedy continuation."""
+    checkpoint = checkpoints["gemma2"]
+    core = make_core(checkpoint.path, num_kv_blocks=300, async_scheduling=async_scheduling)
+    manager = core.scheduler.kv_cache_manager
+    pool = manager.block_pool
+    try:
+        prompts = {str(index): prompt(70 + index, 25 + 5 * index) for index in range(3)}
+        for request_id, prompt_token_ids in prompts.items():
+            core.add_request(greedy_request(request_id, prompt_token_ids, 20))
+        core.add_request(greedy_request("aborted", prompt(79, 40), 20))
+        tokens: dict[str, list[int]] = {}
+        for _ in range(8):
+            for output in core.step():
+                tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+        core.abort_requests(["aborted"])
+        assert core.reset_prefix_cache(reset_running_requests=True)
+        run_core(core, tokens)
+        for request_id, prompt_token_ids in prompts.items():
+            assert tokens[request_id] == checkpoint.greedy(prompt_token_ids, 20), request_id
+        assert pool.get_num_free_blocks() == pool.num_usable_blocks
+
+        first_chunk, second_chunk = prompt(80, 30), prompt(81, 12)
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        core.add_request(Request("session", first_chunk, params, resumable=True))
+        session_tokens: dict[str, list[int]] = {}
+        run_core(core, session_tokens)
+        first_outputs = session_tokens["session"]
+        assert first_outputs == checkpoint.greedy(first_chunk, 6)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        core.add_request(Request("session", second_chunk, params, resumable=False))
+        session_tokens = {}
+        run_core(core, session_tokens)
+        # The chunk replaces the session's last sampled token, never fed to the model.
+        history = first_chunk + first_outputs[:-1] + second_chunk
+        assert session_tokens["session"] == checkpoint.greedy(history, 8)
+        assert pool.get_num_free_blocks() == pool.num_usable_blocks
+    finally:
+        core.shutdown()
