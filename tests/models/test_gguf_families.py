@@ -81,10 +81,10 @@ def _prompt(seed: int, length: int) -> list[int]:
     return torch.randint(3, VOCAB_SIZE, (length,), generator=generator).tolist()
 
 
-def _teacher_forced_argmax(model_path: Path, prompt: list[int]) -> torch.Tensor:
+def _teacher_forced_argmax(model: Any, prompt: list[int]) -> torch.Tensor:
     """Prefilled 8 tokens a step: Q8_0 products of that few rows keep float32 activations (larger ones quantize
     them, as llama.cpp does: `kvflow.kernels.quant.quantizes_activation_rows`), so only the weights differ."""
-    driver = PagedDriver(load_model(model_path), block_size=4, seed=1)
+    driver = PagedDriver(model, block_size=4, seed=1)
     driver.add_request("a", prompt)
     return driver.prompt_logits("a", [8] * (len(prompt) // 8)).argmax(-1)
 
@@ -107,15 +107,12 @@ def test_a_q8_0_file_agrees_with_the_checkpoints_teacher_forced_argmax(
     model = load_model(path)
     qkv = model.model.layers[0].self_attn.qkv_proj.quant_method
     assert isinstance(qkv, GGUFLinear) and [run.qtype for run in qkv.runs] == ["Q8_0"]
-    prompts = [_prompt(seed, 40) for seed in range(3)]
-    agreement = [
-        float(
-            (_teacher_forced_argmax(path, p) == _teacher_forced_argmax(checkpoints[family], p))
-            .float()
-            .mean()
-        )
-        for p in prompts
-    ]
+    reference = load_model(checkpoints[family])
+    agreement = []
+    for seed in range(3):
+        prompt = _prompt(seed, 40)
+        same = _teacher_forced_argmax(model, prompt) == _teacher_forced_argmax(reference, prompt)
+        agreement.append(float(same.float().mean()))
     assert min(agreement) >= Q8_0_AGREEMENT, agreement
 
 
