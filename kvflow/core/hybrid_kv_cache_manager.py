@@ -91,11 +91,6 @@ class HybridKVCacheManager(KVCacheManager):
         self.req_to_group_blocks: dict[str, list[_GroupBlocks]] = {}
         self.no_new_blocks = self._empty_blocks()
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks requests can hold (the null block excluded)."""
-        return self.block_pool.num_usable_blocks
-
     def min_blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` needs at least: every full group's, and a window's per sliding group."""
         num_blocks = cdiv(num_tokens, self.block_size)

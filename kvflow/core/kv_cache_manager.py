@@ -71,6 +71,11 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
 
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all of them, less a reserved null block (KV cache groups)."""
+        return self.block_pool.num_usable_blocks
+
     def min_blocks_for(self, num_tokens: int) -> int:
         """Blocks a sequence of `num_tokens` tokens needs at least."""
         return cdiv(num_tokens, self.block_size)

@@ -25,7 +25,7 @@ def build_engine_core(engine_config: EngineConfig, model_info: ModelInfo | None)
     max_model_len = engine_config.scheduler_config.max_model_len
     kv_cache_manager = engine_core.scheduler.kv_cache_manager
     # With sliding-window KV cache groups a sequence holds blocks in every group (`min_blocks_for`).
-    if kv_cache_manager.min_blocks_for(max_model_len) > kv_cache_manager.num_blocks:
+    if kv_cache_manager.min_blocks_for(max_model_len) > kv_cache_manager.num_usable_blocks:
         engine_core.shutdown()
         raise ValueError(
             f"max_model_len={max_model_len} does not fit in the KV cache ({kv_capacity_tokens} tokens); "

@@ -212,13 +212,19 @@ def _gib(num_bytes: int) -> str:
 
 
 def _log_kv_cache_plan(
-    plan: KVCachePlan, engine_config: EngineConfig, device: torch.device
+    plan: KVCachePlan,
+    engine_config: EngineConfig,
+    device: torch.device,
+    blocks_per_sequence: int | None = None,
 ) -> None:
-    """Log the cache once at INFO; warn when it cannot hold `max_num_seqs` full-length sequences at once."""
+    """Log the cache once at INFO; warn when it cannot hold `max_num_seqs` full-length sequences at once (each
+    holding `blocks_per_sequence` blocks, by default one per `block_size` tokens)."""
     scheduler_config = engine_config.scheduler_config
     block_size = engine_config.cache_config.block_size
     num_tokens = plan.num_blocks * block_size
     max_model_len = scheduler_config.max_model_len
+    if blocks_per_sequence is None:
+        blocks_per_sequence = cdiv(max_model_len, block_size)
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB on %s, by %s); max concurrency %.2fx at "
         "max_model_len=%d",
@@ -228,10 +234,10 @@ def _log_kv_cache_plan(
         plan.num_bytes / 2**20,
         device,
         plan.rule,
-        num_tokens / max_model_len,
+        plan.num_blocks / blocks_per_sequence,
         max_model_len,
     )
-    num_full_length = plan.num_blocks // cdiv(max_model_len, block_size)
+    num_full_length = plan.num_blocks // blocks_per_sequence
     if 1 <= num_full_length < scheduler_config.max_num_seqs:
         budget_knob = (
             "gpu_memory_utilization" if device.type == "cuda" else "KVFLOW_CPU_KVCACHE_SPACE"
@@ -300,21 +306,25 @@ class Worker:
         if spec_proposer is not None:
             # A draft model's KV cache has the target's blocks: each block costs both (n-gram: nothing more).
             bytes_per_block += spec_proposer.kv_cache_bytes_per_block(block_size)
+        # What one full-length sequence holds with KV cache groups (None: a block per block_size tokens).
         layout = getattr(self.model, "kv_cache_layout", None)
-        self.kv_cache_plan = plan_kv_cache(
-            engine_config,
-            bytes_per_block,
-            measure_device_memory(self.device),
-            self.tp.size,
-            blocks_per_sequence=None
+        blocks_per_sequence = (
+            None
             if layout is None or layout.group_windows == (None,)
             else layout.blocks_per_sequence(
                 scheduler_config.max_model_len,
                 block_size,
                 scheduler_config.max_num_batched_tokens,
-            ),
+            )
         )
-        _log_kv_cache_plan(self.kv_cache_plan, engine_config, self.device)
+        self.kv_cache_plan = plan_kv_cache(
+            engine_config,
+            bytes_per_block,
+            measure_device_memory(self.device),
+            self.tp.size,
+            blocks_per_sequence=blocks_per_sequence,
+        )
+        _log_kv_cache_plan(self.kv_cache_plan, engine_config, self.device, blocks_per_sequence)
         self.num_kv_blocks = self.kv_cache_plan.num_blocks
         runner_class = get_model_runner_class(scheduler_config.use_v2_model_runner)
         self.model_runner = runner_class(

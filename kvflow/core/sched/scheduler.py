@@ -214,10 +214,10 @@ class Scheduler:
                 f"max_model_len={self.max_model_len}"
             )
         num_blocks_needed = self.kv_cache_manager.min_blocks_for(num_tokens)
-        if num_blocks_needed > self.kv_cache_manager.num_blocks:
+        if num_blocks_needed > self.kv_cache_manager.num_usable_blocks:
             raise ValueError(
                 f"request {request_id!r}: prompt of {num_tokens} tokens needs {num_blocks_needed} "
-                f"KV blocks but the cache has only {self.kv_cache_manager.num_blocks}"
+                f"KV blocks but the cache has only {self.kv_cache_manager.num_usable_blocks}"
             )
 
     def finish_requests(
