@@ -313,3 +313,35 @@ def test_forced_reset_abort_and_streaming_session_on_a_hybrid_model(
         assert pool.get_num_free_blocks() == pool.num_usable_blocks
     finally:
         core.shutdown()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_without_prefix_caching_freed_window_blocks_are_reused_first(
+    checkpoints: dict[str, Checkpoint], family: str, async_scheduling: bool
+) -> None:
+    """No prefix caching: a sliding group's out-of-window blocks carry no hash and go back to the head of the free
+    queue, where the next allocation takes them; three long requests in a 110-block cache (Gemma 3's would need 216
+    blocks at once without freeing) still give transformers' outputs."""
+    checkpoint = checkpoints[family]
+    prompts = [prompt(90 + index, 35 + 6 * index) for index in range(3)]
+    llm = LLM(
+        str(checkpoint.path),
+        skip_tokenizer_init=True,
+        disable_log_stats=True,
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+        max_model_len=128,
+        num_kv_blocks=110,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+    )
+    try:
+        params = SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt_token_ids, output in zip(prompts, outputs, strict=True):
+        assert list(output.outputs[0].token_ids) == checkpoint.greedy(prompt_token_ids, 25)
+        assert output.metrics is None or output.metrics.num_cached_tokens == 0
