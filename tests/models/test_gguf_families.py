@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from test_gemma2_vs_hf import make_gemma2_checkpoint
 from test_gemma3_vs_hf import make_gemma3_checkpoint
 from test_mixtral_vs_hf import make_mixtral_checkpoint
-from test_phi3_vs_hf import LONGROPE, make_phi3_checkpoint
+from test_phi3_vs_hf import LONGROPE, PHI4_MINI, make_phi3_checkpoint
 from test_qwen2_moe_vs_hf import make_qwen2_moe_checkpoint
 from test_qwen3_moe_vs_hf import make_qwen3_moe_checkpoint
 
@@ -44,7 +44,7 @@ from kvflow.testing.gguf_files import dequantized_checkpoint
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 from tests.models.greedy import greedy_tokens
 
-FAMILIES = ("gemma2", "gemma3", "phi3")
+FAMILIES = ("gemma2", "gemma3", "phi3", "phi4_mini")
 VOCAB_SIZE = 384
 # Teacher-forced argmax agreement of a Q8_0 file with its float checkpoint (tiny random models have narrow margins).
 Q8_0_AGREEMENT = 0.85
@@ -63,6 +63,8 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
     "gemma2": lambda path: _llama_cpp_scale(make_gemma2_checkpoint(path)),
     "gemma3": lambda path: _llama_cpp_scale(make_gemma3_checkpoint(path)),
     "phi3": lambda path: make_phi3_checkpoint(path, **LONGROPE),
+    # partial rotary (12 of 16 dims), LongRoPE factor lists of 6, an explicit attention factor, tied embeddings
+    "phi4_mini": lambda path: make_phi3_checkpoint(path, seed=9, **PHI4_MINI),
 }
 
 
@@ -174,9 +176,16 @@ def test_the_config_read_back_is_the_checkpoints(
         "hidden_act",
     ):
         assert getattr(read, field) == getattr(original, field), field
-    if family == "phi3":
+    if family.startswith("phi"):
         scaling, expected = read.rope_scaling or {}, original.rope_scaling or {}
-        assert scaling["original_max_position_embeddings"] == 32
+        assert (
+            scaling["original_max_position_embeddings"]
+            == expected["original_max_position_embeddings"]
+        )
+        assert scaling.get("partial_rotary_factor", 1.0) == expected.get(
+            "partial_rotary_factor", 1.0
+        )
+        assert scaling.get("attention_factor") == pytest.approx(expected.get("attention_factor"))
         for key in ("long_factor", "short_factor"):
             np.testing.assert_allclose(scaling[key], expected[key], rtol=1e-7)
     else:

@@ -19,7 +19,8 @@ What llama.cpp's converter changed is undone here, so the model sees its Hugging
   2nd layer full for Gemma 2, every 6th for Gemma 3).
 * `phi3`: the fused `attn_qkv` and `ffn_up` (gate rows, then up rows) tensors are split by rows into Hugging Face's
   q / k / v and gate / up names (whole rows: blocks split as floats do); LongRoPE's `rope_factors_long` /
-  `rope_factors_short` tensors become the config's `long_factor` / `short_factor`.
+  `rope_factors_short` tensors become the config's `long_factor` / `short_factor`; a `rope.dimension_count` below
+  the head size (Phi-4-mini) is `partial_rotary_factor`.
 * Mixture of experts (`llama` with `expert_count`: Mixtral; `qwen2moe`; `qwen3moe`): each `[experts, rows,
   columns]` tensor (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`) is yielded per expert under its Hugging Face
   name, and with the router (`ffn_gate_inp`) and Qwen2-MoE's shared-expert gate (`ffn_gate_inp_shexp`) is
@@ -328,10 +329,10 @@ class GGUFCheckpoint:
         hidden_size = int(self._required("embedding_length"))
         head_dim = int(self._arch_field("attention.key_length", hidden_size // num_heads))
         rope_dim = int(self._arch_field("rope.dimension_count", head_dim))
-        if rope_dim != head_dim:
+        if rope_dim != head_dim and self.architecture != "phi3":
             raise ValueError(
-                f"{self.path}: rope.dimension_count {rope_dim} != head dim {head_dim} (partial rotary is not "
-                "supported)"
+                f"{self.path}: rope.dimension_count {rope_dim} != head dim {head_dim} (partial rotary is "
+                "supported for phi3 files only)"
             )
         raw: dict[str, Any] = {
             "architectures": [GGUF_ARCHITECTURES[self.architecture]],
@@ -361,6 +362,8 @@ class GGUFCheckpoint:
         elif self.architecture == "phi3":
             window = int(self._arch_field("attention.sliding_window", 0))
             raw["sliding_window"] = window or None
+            if rope_dim != head_dim:  # Phi-4-mini: RoPE on the first rope_dim dims of each head
+                raw["partial_rotary_factor"] = rope_dim / head_dim
         return parse_hf_config(raw)
 
     def _check_architecture(self) -> None:

@@ -312,10 +312,16 @@ def _llama3_rope_freqs(config: dict[str, Any], head_dim: int) -> np.ndarray | No
 
 
 def write_hparams(
-    writer: Any, gguf: Any, config: dict[str, Any], file_type: Any, rope_theta: float | None = None
+    writer: Any,
+    gguf: Any,
+    config: dict[str, Any],
+    file_type: Any,
+    rope_theta: float | None = None,
+    rotary_dim: int | None = None,
 ) -> None:
     """The architecture block: what llama.cpp's loader reads to shape the graph (`rope_theta`: the full-attention
-    layers' base where config.json's RoPE keys are per layer type, as Gemma 3's are)."""
+    layers' base where config.json's RoPE keys are per layer type, as Gemma 3's are; `rotary_dim`: the rotated
+    dims of each head under partial rotary, else the head size)."""
     num_heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or config["hidden_size"] // num_heads)
     writer.add_name(config.get("_name_or_path") or config["model_type"])
@@ -328,7 +334,7 @@ def write_hparams(
     writer.add_head_count_kv(int(config.get("num_key_value_heads") or num_heads))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(head_dim if rotary_dim is None else rotary_dim)
     writer.add_rope_freq_base(rope_settings(config)[0] if rope_theta is None else rope_theta)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_file_type(int(file_type))
@@ -404,10 +410,12 @@ def write_phi3_hparams(
     )
     writer.add_rope_scaling_orig_ctx_len(original)
     writer.add_sliding_window(parsed.sliding_window or 0)
-    partial = float(scaling.get("partial_rotary_factor", 1.0))
-    if scaling.get("rope_type", "default") == "default" and partial == 1.0:
+    rope_type = scaling.get("rope_type", "default")
+    if (
+        rope_type == "default"
+    ):  # plain RoPE, on the whole head or (Phi-4-mini) its first rotary dims
         return
-    if scaling["rope_type"] not in ("longrope", "su") or partial != 1.0:
+    if rope_type not in ("longrope", "su"):
         raise ValueError(f"rope_scaling {scaling} is not written for phi3 files")
     scale = parsed.max_position_embeddings / original
     default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
@@ -464,7 +472,10 @@ def write_gguf(
 
     writer = gguf.GGUFWriter(str(out_path), arch)
     file_type = gguf.LlamaFileType[_FILE_TYPES[file_type_name]]
-    write_hparams(writer, gguf, config, file_type, parsed.rope_theta)
+    partial = float((parsed.rope_scaling or {}).get("partial_rotary_factor", 1.0))
+    write_hparams(
+        writer, gguf, config, file_type, parsed.rope_theta, int(parsed.head_dim * partial)
+    )
     if arch in GEMMA_ARCHITECTURES:
         write_gemma_hparams(writer, gguf, arch, parsed)
     elif arch == "phi3":
