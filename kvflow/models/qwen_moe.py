@@ -12,7 +12,14 @@ Checkpoint names: the router `mlp.gate.weight`, the shared expert `mlp.shared_ex
 and its gate `mlp.shared_expert_gate.weight` load as they are named (gate/up packed as for `GatedMLP`); the
 per-expert `mlp.experts.<e>.gate_proj|up_proj|down_proj.weight` tensors load into the stacked expert parameters
 (`checkpoint_target`). The Llama fused decode path never takes these models (`FusedDecodeLayers.select` declines a
-config with experts); tensor parallelism is refused at construction for now.
+config with experts).
+
+Tensor parallelism: every routed expert's intermediate dimension is split across the ranks as `FusedMoE` splits
+Mixtral's (a rank reads only its rows of `gate_proj` / `up_proj` and columns of `down_proj`, `checkpoint_index`), the
+router is replicated; Qwen2-MoE's shared expert is split as a tensor-parallel `GatedMLP` and its sigmoid gate is
+replicated. A block all-reduces once: the routed partial sum plus the gated shared-expert partial sum (the gate is a
+per-token scalar every rank computes whole, so scaling a partial sum by it is exact). Dense layers are the usual
+tensor-parallel `GatedMLP`.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from torch import nn
 
 from kvflow.models.decoder_lm import DecoderForCausalLM
 from kvflow.models.layers.decoder import PreNormDecoderLayer
-from kvflow.models.layers.fused_moe import FusedMoE, softmax_topk
+from kvflow.models.layers.fused_moe import FusedMoE, expert_checkpoint_index, softmax_topk
 from kvflow.models.layers.mlp import GatedMLP
 from kvflow.models.layers.self_attention import SelfAttention
 from kvflow.models.llama import LlamaDecoderLayer
@@ -47,7 +54,9 @@ class SharedExpertMoE(FusedMoE):
 
     Invariants: `shared_expert` is a SwiGLU `GatedMLP` `shared_expert_intermediate_size` wide that every token runs;
     `shared_expert_gate.weight` is `[1, hidden_size]`; a token's output is its routed output plus
-    `sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
+    `sigmoid(shared_expert_gate(x)) * shared_expert(x)`. Under tensor parallelism each rank holds its slice of the
+    routed experts' and the shared expert's intermediate dimensions and the whole router and gate; `forward` sums
+    both partial outputs on the rank and all-reduces once.
     """
 
     def __init__(
@@ -79,9 +88,19 @@ class SharedExpertMoE(FusedMoE):
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        routed = super().forward(hidden_states)
+        return self.tp.all_reduce(self.partial(hidden_states))
+
+    def partial(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the block's output, before the all-reduce: its routed experts' weighted sum plus the
+        gate times its part of the shared expert (the whole output with one rank)."""
+        # FusedMoE.forward's routing without its all-reduce.
+        weights, ids = self.routing(F.linear(hidden_states, self.gate.weight), self.top_k)
+        routed = self.experts(hidden_states, weights, ids)
         gate = torch.sigmoid(F.linear(hidden_states, self.shared_expert_gate.weight))
-        return routed + gate * self.shared_expert(hidden_states)
+        mlp = self.shared_expert
+        # `GatedMLP` without its down projection's all-reduce (the shared expert has no bias to add once).
+        shared = mlp.down_proj.matmul(mlp.activation(mlp.gate_up_proj(hidden_states)), None)
+        return routed + gate * shared
 
 
 def _routing(config: TransformerConfig) -> functools.partial[tuple[torch.Tensor, torch.Tensor]]:
@@ -102,11 +121,6 @@ class QwenMoeDecoderLayer(PreNormDecoderLayer):
         device: torch.device,
         tp: TensorParallelGroup,
     ) -> None:
-        if tp.size > 1:
-            raise ValueError(
-                f"{config.architecture}: tensor parallelism (tp={tp.size}) is not supported yet; run it with "
-                "tensor_parallel_size=1"
-            )
         if config.hidden_act != "silu":
             raise ValueError(
                 f"{config.architecture}: hidden_act {config.hidden_act!r} (only 'silu': the experts are SwiGLU)"
@@ -161,6 +175,15 @@ class QwenMoeForCausalLM(DecoderForCausalLM):
             return None
         target = moe.checkpoint_target(suffix) if isinstance(moe, FusedMoE) else None
         return None if target is None else (f"{module_name}.{target[0]}", target[1])
+
+    def checkpoint_index(self, checkpoint_name: str) -> tuple[slice, ...]:
+        """This rank's part of a checkpoint tensor: the `FusedMoE`'s cut of a routed expert's tensor, else the
+        default (the shared expert's gate/up rows and down columns as a `GatedMLP`'s; router and gate whole)."""
+        if self.tp.size > 1 and _MLP in checkpoint_name:
+            index = expert_checkpoint_index(self, checkpoint_name)
+            if index is not None:
+                return index
+        return super().checkpoint_index(checkpoint_name)
 
 
 class Qwen2MoeForCausalLM(QwenMoeForCausalLM):

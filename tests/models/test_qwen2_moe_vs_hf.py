@@ -17,6 +17,7 @@ import pytest
 import torch
 from family_suite import Checkpoint, FamilySuite, random_prompt
 
+from kvflow import LLM, SamplingParams
 from kvflow.distributed import TensorParallelGroup
 from kvflow.models.fused_decode import FusedDecodeLayers
 from kvflow.models.hf_config import SLIDING_ATTENTION, load_hf_config, parse_hf_config
@@ -24,12 +25,22 @@ from kvflow.models.layers.fused_moe import softmax_topk
 from kvflow.models.layers.mlp import GatedMLP
 from kvflow.models.loader import iterate_safetensors_weights, load_model
 from kvflow.models.qwen_moe import Qwen2MoeForCausalLM, SharedExpertMoE
-from kvflow.testing.hf_checkpoints import load_hf_model
+from kvflow.testing.hf_checkpoints import hf_greedy, load_hf_model
+from kvflow.testing.tensor_parallel import parameter_shapes
 
 VOCAB_SIZE = 384
 NUM_EXPERTS = 4
 TOP_K = 2
 SLIDING_WINDOW = 16
+MAX_TOKENS = 10
+TP_ENGINE_OPTIONS: dict[str, Any] = {
+    "dtype": "float32",
+    "skip_tokenizer_init": True,
+    "max_model_len": 96,
+    "block_size": 4,
+    "max_num_batched_tokens": 32,  # the 40-token prompt is chunked
+    "max_num_seqs": 4,
+}
 SHAPE: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
     "hidden_size": 64,
@@ -265,10 +276,107 @@ def test_bad_config_names_the_field() -> None:
         Qwen2MoeForCausalLM(parse_hf_config(_raw(num_experts_per_tok=5)), dtype=torch.float32)
 
 
-def test_tensor_parallel_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"Qwen2MoeForCausalLM: tensor parallelism \(tp=2\)"):
-        Qwen2MoeForCausalLM(
-            parse_hf_config(_raw()), dtype=torch.float32, tp=TensorParallelGroup(rank=0, size=2)
+def _rank_model(checkpoint: Checkpoint, rank: int, *, sliced: bool) -> Qwen2MoeForCausalLM:
+    """Rank `rank` of 2, loaded from whole checkpoint tensors or from just its parts (`checkpoint_index`)."""
+    model = Qwen2MoeForCausalLM(
+        load_hf_config(checkpoint.path),
+        dtype=torch.float32,
+        tp=TensorParallelGroup(rank=rank, size=2),
+    )
+    select = model.checkpoint_index if sliced else None
+    model.load_weights(iterate_safetensors_weights(checkpoint.path, select), sliced=sliced)
+    return model
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_tensor_parallel_rank_loads_its_part(checkpoint: Checkpoint, sliced: bool) -> None:
+    """Rank 1 of 2 holds the second half of every routed expert's intermediate dimension (rows of gate and up,
+    columns of down), the second half of the shared expert's and of the dense layer's (as `GatedMLP`), and the whole
+    router and shared-expert gate."""
+    model = _rank_model(checkpoint, 1, sliced=sliced)
+    moe, hf_moe = model.model.layers[2].mlp, checkpoint.reference.model.layers[2].mlp
+    half = SHAPE["moe_intermediate_size"] // 2
+    gate_up, down = hf_moe.experts.gate_up_proj, hf_moe.experts.down_proj
+    assert torch.equal(moe.gate.weight, hf_moe.gate.weight)
+    assert torch.equal(
+        moe.w13_weight, torch.cat([gate_up[:, half : 2 * half], gate_up[:, 3 * half :]], dim=1)
+    )
+    assert torch.equal(moe.w2_weight, down[:, :, half:])
+    assert torch.equal(moe.shared_expert_gate.weight, hf_moe.shared_expert_gate.weight)
+    half = SHAPE["shared_expert_intermediate_size"] // 2
+    shared = hf_moe.shared_expert
+    assert torch.equal(
+        moe.shared_expert.gate_up_proj.weight,
+        torch.cat([shared.gate_proj.weight[half:], shared.up_proj.weight[half:]]),
+    )
+    assert torch.equal(moe.shared_expert.down_proj.weight, shared.down_proj.weight[:, half:])
+    dense, hf_dense = model.model.layers[1].mlp, checkpoint.reference.model.layers[1].mlp
+    half = SHAPE["intermediate_size"] // 2
+    assert torch.equal(
+        dense.gate_up_proj.weight,
+        torch.cat([hf_dense.gate_proj.weight[half:], hf_dense.up_proj.weight[half:]]),
+    )
+    assert torch.equal(dense.down_proj.weight, hf_dense.down_proj.weight[:, half:])
+
+
+def test_tensor_parallel_partials_sum_to_the_block(
+    checkpoint: Checkpoint, model: Qwen2MoeForCausalLM
+) -> None:
+    """The two ranks' partial outputs (routed experts plus gated shared expert, before the block's one all-reduce)
+    add up to the one-rank block's output, to float32 rounding: the replicated sigmoid gate scales each partial
+    sum exactly."""
+    hidden = torch.randn(37, 64, generator=torch.Generator().manual_seed(9))
+    partials = [
+        _rank_model(checkpoint, rank, sliced=True).model.layers[0].mlp.partial(hidden)
+        for rank in (0, 1)
+    ]
+    torch.testing.assert_close(
+        partials[0] + partials[1], model.model.layers[0].mlp(hidden), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_two_ranks_greedy_tokens_equal_transformers(checkpoint: Checkpoint) -> None:
+    """`LLM(tensor_parallel_size=2)` with the multiprocess executor (gloo on CPU): chunked prefill (a prompt longer
+    than the step budget) and batched decode give transformers' greedy tokens; each rank holds half of every
+    expert, of the shared expert and of the dense MLP, and the whole router and gate."""
+    prompts = [
+        random_prompt(seed, length, VOCAB_SIZE)
+        for seed, length in ((1, 3), (2, 40), (3, 17), (4, 9))
+    ]
+    expected = [
+        hf_greedy(checkpoint.path, prompt, MAX_TOKENS, checkpoint.reference) for prompt in prompts
+    ]
+    llm = LLM(
+        str(checkpoint.path),
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        **TP_ENGINE_OPTIONS,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rank_shapes = llm.collective_rpc(parameter_shapes)
+    finally:
+        llm.shutdown()
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+    assert len(rank_shapes) == 2
+    moe_local, shared_local = (
+        SHAPE["moe_intermediate_size"] // 2,
+        SHAPE["shared_expert_intermediate_size"] // 2,
+    )
+    for shapes in rank_shapes:
+        assert shapes["model.layers.0.mlp.gate.weight"] == (NUM_EXPERTS, 64)
+        assert shapes["model.layers.0.mlp.shared_expert_gate.weight"] == (1, 64)
+        assert shapes["model.layers.0.mlp.w13_weight"] == (NUM_EXPERTS, 2 * moe_local, 64)
+        assert shapes["model.layers.0.mlp.w2_weight"] == (NUM_EXPERTS, 64, moe_local)
+        assert shapes["model.layers.0.mlp.shared_expert.gate_up_proj.weight"] == (
+            2 * shared_local,
+            64,
+        )
+        assert shapes["model.layers.0.mlp.shared_expert.down_proj.weight"] == (64, shared_local)
+        assert shapes["model.layers.1.mlp.down_proj.weight"] == (
+            64,
+            SHAPE["intermediate_size"] // 2,
         )
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from family_suite import Checkpoint, FamilySuite, random_prompt
 
+from kvflow import LLM, SamplingParams
 from kvflow.distributed import TensorParallelGroup
 from kvflow.models.fused_decode import FusedDecodeLayers
 from kvflow.models.hf_config import load_hf_config, parse_hf_config
@@ -23,12 +24,22 @@ from kvflow.models.layers.fused_moe import FusedMoE, softmax_topk
 from kvflow.models.layers.mlp import GatedMLP
 from kvflow.models.loader import iterate_safetensors_weights, load_model
 from kvflow.models.qwen_moe import Qwen3MoeForCausalLM, SharedExpertMoE
-from kvflow.testing.hf_checkpoints import load_hf_model
+from kvflow.testing.hf_checkpoints import hf_greedy, load_hf_model
+from kvflow.testing.tensor_parallel import parameter_shapes
 
 VOCAB_SIZE = 384
 NUM_EXPERTS = 8
 TOP_K = 4
 SLIDING_WINDOW = 16
+MAX_TOKENS = 10
+TP_ENGINE_OPTIONS: dict[str, Any] = {
+    "dtype": "float32",
+    "skip_tokenizer_init": True,
+    "max_model_len": 96,
+    "block_size": 4,
+    "max_num_batched_tokens": 32,  # the 40-token prompt is chunked
+    "max_num_seqs": 4,
+}
 SHAPE: dict[str, Any] = {
     "vocab_size": VOCAB_SIZE,
     "hidden_size": 64,
@@ -224,9 +235,68 @@ def test_bad_config_names_the_field() -> None:
         )
     with pytest.raises(ValueError, match="decoder_sparse_step -1"):
         parse_hf_config(_raw(decoder_sparse_step=-1))
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM: tensor parallelism \(tp=2\)"):
-        Qwen3MoeForCausalLM(
-            parse_hf_config(_raw()), dtype=torch.float32, tp=TensorParallelGroup(rank=0, size=2)
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_tensor_parallel_rank_loads_its_part(checkpoint: Checkpoint, sliced: bool) -> None:
+    """Rank 1 of 2 holds the second half of every expert's intermediate dimension (rows of gate and up, columns of
+    down) and of the dense layer's (as `GatedMLP`), and the whole router, whether it cuts whole checkpoint tensors
+    or reads just its parts (`checkpoint_index`)."""
+    model = Qwen3MoeForCausalLM(
+        load_hf_config(checkpoint.path), dtype=torch.float32, tp=TensorParallelGroup(rank=1, size=2)
+    )
+    select = model.checkpoint_index if sliced else None
+    model.load_weights(iterate_safetensors_weights(checkpoint.path, select), sliced=sliced)
+    moe, hf_moe = model.model.layers[2].mlp, checkpoint.reference.model.layers[2].mlp
+    half = SHAPE["moe_intermediate_size"] // 2
+    gate_up, down = hf_moe.experts.gate_up_proj, hf_moe.experts.down_proj
+    assert torch.equal(moe.gate.weight, hf_moe.gate.weight)
+    assert torch.equal(
+        moe.w13_weight, torch.cat([gate_up[:, half : 2 * half], gate_up[:, 3 * half :]], dim=1)
+    )
+    assert torch.equal(moe.w2_weight, down[:, :, half:])
+    dense, hf_dense = model.model.layers[0].mlp, checkpoint.reference.model.layers[0].mlp
+    half = SHAPE["intermediate_size"] // 2
+    assert torch.equal(
+        dense.gate_up_proj.weight,
+        torch.cat([hf_dense.gate_proj.weight[half:], hf_dense.up_proj.weight[half:]]),
+    )
+    assert torch.equal(dense.down_proj.weight, hf_dense.down_proj.weight[:, half:])
+
+
+def test_two_ranks_greedy_tokens_equal_transformers(checkpoint: Checkpoint) -> None:
+    """`LLM(tensor_parallel_size=2)` with the multiprocess executor (gloo on CPU): chunked prefill (a prompt longer
+    than the step budget) and batched decode give transformers' greedy tokens; each rank holds half of every
+    expert and of the dense MLP, and the whole router."""
+    prompts = [
+        random_prompt(seed, length, VOCAB_SIZE)
+        for seed, length in ((1, 3), (2, 40), (3, 17), (4, 9))
+    ]
+    expected = [
+        hf_greedy(checkpoint.path, prompt, MAX_TOKENS, checkpoint.reference) for prompt in prompts
+    ]
+    llm = LLM(
+        str(checkpoint.path),
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        **TP_ENGINE_OPTIONS,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rank_shapes = llm.collective_rpc(parameter_shapes)
+    finally:
+        llm.shutdown()
+    assert [list(output.outputs[0].token_ids) for output in outputs] == expected
+    assert len(rank_shapes) == 2
+    local = SHAPE["moe_intermediate_size"] // 2
+    for shapes in rank_shapes:
+        assert shapes["model.layers.1.mlp.gate.weight"] == (NUM_EXPERTS, 64)
+        assert shapes["model.layers.1.mlp.w13_weight"] == (NUM_EXPERTS, 2 * local, 64)
+        assert shapes["model.layers.1.mlp.w2_weight"] == (NUM_EXPERTS, 64, local)
+        assert shapes["model.layers.0.mlp.down_proj.weight"] == (
+            64,
+            SHAPE["intermediate_size"] // 2,
         )
 
 
