@@ -20,8 +20,10 @@ from kvflow.distributed.parallel_state import TensorParallelGroup
 from kvflow.models.layers.fused_moe import FusedMoE, softmax_topk
 from tests.kernels.conftest import kernels_disabled
 
-# (num_experts, top_k, hidden, intermediate): hidden and intermediate off the 16- and 32-lane widths too.
-SHAPES = [(8, 2, 80, 40), (16, 4, 256, 96), (4, 2, 48, 24)]
+# (num_experts, top_k, hidden, intermediate): hidden and intermediate off the 16- and 32-lane widths too; top-1
+# routing gives single tokens one expert, whose products (over 64 rows: several blocks) the threads then split
+# (more experts: one per thread).
+SHAPES = [(8, 2, 80, 40), (16, 4, 256, 96), (4, 2, 48, 24), (4, 1, 160, 72)]
 
 
 def make_layer(
