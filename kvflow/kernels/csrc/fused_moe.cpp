@@ -54,7 +54,7 @@ struct ExpertScratch {
 template <typename T>
 void run_expert(MoeProduct product, const T* x, int64_t hidden, int64_t x_stride, const T* w13, const T* w2,
                 int64_t intermediate, const float* topk_weights, int64_t top_k, const int64_t* grouped, int64_t count,
-                ExpertScratch<T>& scratch, float* results, int num_threads) {
+                ExpertScratch<T>& scratch, T* results, int num_threads) {
   scratch.reserve(count, hidden, intermediate);
   for (int64_t r = 0; r < count; ++r)
     std::copy_n(x + grouped[r] / top_k * x_stride, hidden, scratch.rows.data() + r * hidden);
@@ -67,8 +67,8 @@ void run_expert(MoeProduct product, const T* x, int64_t hidden, int64_t x_stride
   for (int64_t r = 0; r < count; ++r) {
     const float weight = topk_weights[grouped[r]];
     const T* source = scratch.down.data() + r * hidden;
-    float* target = results + grouped[r] * hidden;
-    for (int64_t h = 0; h < hidden; ++h) target[h] = round_to<T>(to_float<T>(source[h]) * weight);
+    T* target = results + grouped[r] * hidden;
+    for (int64_t h = 0; h < hidden; ++h) target[h] = from_float<T>(to_float<T>(source[h]) * weight);
   }
 }
 
@@ -97,8 +97,8 @@ bool fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_stride, con
   std::stable_sort(active.begin(), active.end(), [&](int64_t a, int64_t b) {
     return starts[a + 1] - starts[a] > starts[b + 1] - starts[b];
   });
-  // results[p] = T(down row * weight) of pair p, as float (exact: a T value).
-  std::vector<float> results(static_cast<size_t>(pairs * hidden));
+  // results[p] = T(down row * weight) of pair p.
+  std::vector<T> results(static_cast<size_t>(pairs * hidden));
   const int64_t num_active = static_cast<int64_t>(active.size());
   auto expert = [&](int64_t e, ExpertScratch<T>& scratch, int product_threads) {
     run_expert<T>(product, x, hidden, x_stride, w13 + e * 2 * intermediate * hidden, w2 + e * hidden * intermediate,
@@ -127,12 +127,12 @@ bool fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_stride, con
       for (; i > 0 && topk_ids[t * top_k + slots[i - 1]] > topk_ids[t * top_k + s]; --i) slots[i] = slots[i - 1];
       slots[i] = s;
     }
-    float* sum = results.data() + (t * top_k + slots[0]) * hidden;  // the token's sum, in its first slot's row
+    T* sum = out + t * hidden;  // each partial sum is a T value: kept in out
+    std::copy_n(results.data() + (t * top_k + slots[0]) * hidden, hidden, sum);
     for (int64_t s = 1; s < top_k; ++s) {
-      const float* addend = results.data() + (t * top_k + slots[s]) * hidden;
-      for (int64_t h = 0; h < hidden; ++h) sum[h] = round_to<T>(sum[h] + addend[h]);
+      const T* addend = results.data() + (t * top_k + slots[s]) * hidden;
+      for (int64_t h = 0; h < hidden; ++h) sum[h] = from_float<T>(to_float<T>(sum[h]) + to_float<T>(addend[h]));
     }
-    for (int64_t h = 0; h < hidden; ++h) out[t * hidden + h] = from_float<T>(sum[h]);
   }
   return true;
 }
