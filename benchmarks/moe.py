@@ -126,7 +126,9 @@ class MoeShape:
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active per token) parameters of the MoE model, the token embedding counted once in both."""
         hidden, head_dim = self.hidden_size, self.head_dim
-        attention = hidden * head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        attention = (
+            hidden * head_dim * (2 * self.num_attention_heads + 2 * self.num_key_value_heads)
+        )
         expert = 3 * hidden * self.moe_intermediate_size
         router = self.num_experts * hidden
         layers = self.num_hidden_layers
@@ -360,6 +362,74 @@ def goals_table(runs: dict[str, ModelRun], batched: dict[str, BatchedResult]) ->
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class SingleStreamSettings:
+    """What a single-stream measurement uses: sizes, repeats, llama-bench's threads."""
+
+    vocab_size: int
+    prompt_len: int
+    output_len: int
+    repeat: int
+    threads: int
+
+
+def single_stream(
+    name: str,
+    config: dict[str, Any],
+    cache: Path,
+    settings: SingleStreamSettings,
+    bench: Path | None,
+    errors: list[str],
+) -> ModelRun | None:
+    """Make (or reuse) `name`'s checkpoint and Q4_K_M file, then measure kvflow's and llama-bench's decode on it;
+    None when the files could not be made (the error is in `errors`)."""
+    checkpoint = _attempt(
+        f"{name}: checkpoint", lambda: write_random_checkpoint(cache / name, config), errors
+    )
+    if checkpoint is None:
+        return None
+    gguf = _attempt(
+        f"{name}: {OUTTYPE} file",
+        lambda: ensure_gguf(checkpoint, cache / f"{name}-{OUTTYPE}.gguf"),
+        errors,
+    )
+    if gguf is None:
+        return None
+    run = ModelRun(name, gguf)
+    measured = _attempt(
+        f"{name}: kvflow single stream",
+        lambda: kvflow_single_stream(
+            gguf,
+            checkpoint,
+            settings.vocab_size,
+            settings.prompt_len,
+            settings.output_len,
+            settings.repeat,
+        ),
+        errors,
+    )
+    if measured is not None:
+        run.kvflow_ms_per_token, run.weight_bytes = measured
+    if bench is not None:
+        result = _attempt(
+            f"{name}: llama-bench",
+            lambda: run_llama_bench(
+                bench, gguf, settings.threads, settings.output_len, 0, settings.repeat
+            ),
+            errors,
+        )
+        if result is not None:
+            run.llama_decode_tokens_per_s = result.decode_tokens_per_s
+            run.llama_command = result.command
+    print(
+        f"{name:<6} single stream: kvflow {_cell(run.kvflow_tokens_per_s)} tok/s "
+        f"(weights {run.weight_bytes / 2**30:.2f} GiB), llama-bench "
+        f"{_cell(run.llama_decode_tokens_per_s)} tok/s",
+        flush=True,
+    )
+    return run
+
+
 # ------------------------------------------------------------------------------------------------ main
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -374,7 +444,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=None, help="default 64 (quick: 16)")
     parser.add_argument("--repeat", type=int, default=None, help="default 3 (quick: 1)")
-    parser.add_argument("--batch", type=int, default=16, help="concurrent requests of the batched run")
+    parser.add_argument(
+        "--batch", type=int, default=16, help="concurrent requests of the batched run"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     return parser.parse_args(argv)
 
@@ -416,7 +488,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv_shown = argv if argv is not None else sys.argv[1:]
     total, active = shape.parameter_counts()
     print(f"# {COMMAND} {shlex.join(argv_shown)}")
-    print(f"# {cpu_name}; {os.cpu_count()} CPUs; flags: {' '.join(cpu_flags)}; torch {torch.__version__}")
+    print(
+        f"# {cpu_name}; {os.cpu_count()} CPUs; flags: {' '.join(cpu_flags)}; torch {torch.__version__}"
+    )
     print(
         f"# moe: {shape}; {total / 1e9:.2f} B parameters, {active / 1e9:.2f} B active; dense: intermediate "
         f"{shape.moe_intermediate_size * shape.num_experts_per_tok}; {OUTTYPE} by tools/convert_to_gguf.py",
@@ -431,44 +505,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = {name: config for name, config in configs.items() if name in wanted}
     runs: dict[str, ModelRun] = {}
     errors: list[str] = []
+    settings = SingleStreamSettings(shape.vocab_size, args.prompt_len, output_len, repeat, threads)
     for name, config in configs.items():
-        checkpoint = _attempt(
-            f"{name}: checkpoint", lambda: write_random_checkpoint(cache / name, config), errors
-        )
-        gguf = checkpoint and _attempt(
-            f"{name}: {OUTTYPE} file",
-            lambda: ensure_gguf(checkpoint, cache / f"{name}-{OUTTYPE}.gguf"),
-            errors,
-        )
-        if gguf is None:
-            continue
-        run = runs[name] = ModelRun(name, gguf)
-        measured = _attempt(
-            f"{name}: kvflow single stream",
-            lambda: kvflow_single_stream(
-                gguf, checkpoint, shape.vocab_size, args.prompt_len, output_len, repeat
-            ),
-            errors,
-        )
-        if measured is not None:
-            run.kvflow_ms_per_token, run.weight_bytes = measured
-        if bench is not None:
-            result = _attempt(
-                f"{name}: llama-bench",
-                lambda: run_llama_bench(bench, gguf, threads, output_len, 0, repeat),
-                errors,
-            )
-            if result is not None:
-                run.llama_decode_tokens_per_s, run.llama_command = (
-                    result.decode_tokens_per_s,
-                    result.command,
-                )
-        print(
-            f"{name:<6} single stream: kvflow {_cell(run.kvflow_tokens_per_s)} tok/s "
-            f"(weights {run.weight_bytes / 2**30:.2f} GiB), llama-bench {_cell(run.llama_decode_tokens_per_s)} "
-            f"tok/s",
-            flush=True,
-        )
+        run = single_stream(name, config, cache, settings, bench, errors)
+        if run is not None:
+            runs[name] = run
 
     batched: dict[str, BatchedResult] = {}
     if not args.skip_batched and "moe" in runs:
