@@ -52,6 +52,7 @@ from benchmarks.quantized_checkpoint import (
     run_logged,
     synthetic_tokenizer,
 )
+from benchmarks.quantized_report import _cell, _ratio
 from benchmarks.quantized_runs import (
     BatchedResult,
     bench_kvflow_serve,
@@ -313,16 +314,6 @@ def batch_workload(num_requests: int, vocab_size: int, quick: bool) -> BatchWork
 
 
 # ------------------------------------------------------------------------------------------------ report
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    if numerator is None or denominator is None or denominator == 0:
-        return None
-    return numerator / denominator
-
-
-def _cell(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
 def goals_table(runs: dict[str, ModelRun], batched: dict[str, BatchedResult]) -> str:
     """The markdown table RESULTS.md records: the figures, then each goal as a ratio with PASS / MISS."""
     lines = [
