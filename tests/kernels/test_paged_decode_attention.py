@@ -144,7 +144,7 @@ def test_cpu_backend_matches_reference(
     cpu, reference_backend = CpuPagedAttention(**dims), TorchPagedAttention(**dims)
     torch_cache = step.cache.clone()
     metadata = cpu.build_metadata(step.batch, window)
-    assert metadata.decode is not None  # every case has decode rows: the kernel runs
+    assert metadata.kernel is not None  # every case has decode rows: the kernel runs
     output = cpu.forward(step.query, step.step_keys, step.step_values, step.cache, metadata)
     torch_output = reference_backend.forward(
         step.query,
@@ -205,17 +205,17 @@ def test_strided_query_and_prefill_only_batches(ops: object) -> None:
         seed=4,
     )
     metadata = backend.build_metadata(prefill.batch)
-    assert metadata.decode is None and len(metadata.torch_plan.prefills) >= 1
+    assert metadata.kernel is None and len(metadata.torch_plan.prefills) >= 1
 
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_decode_only_rows_are_the_whole_step_or_none(ops: object, window: int | None) -> None:
-    """What the fused decode path reads: the decode rows exactly when the kernel attends every row of the step,
-    and the step's KV slots in token order."""
+    """What the fused decode path reads: the kernel's rows exactly when it attends every row of the step, one
+    token each, and the step's KV slots in token order."""
     backend = CpuPagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
     for requests, decode_only in (
         ([(5, 1), (12, 1), (0, 1)], True),
-        ([(5, 1), (7, 3)], True),  # a short query (speculative verification): kernel rows too
+        ([(5, 1), (7, 3)], False),  # a speculative verification: kernel rows, not one token each
         ([(5, 1), (0, 20)], False),  # decode and prefill rows
         ([(0, 20), (3, 18)], False),  # prefill rows only
     ):
@@ -232,11 +232,10 @@ def test_decode_only_rows_are_the_whole_step_or_none(ops: object, window: int | 
         rows = metadata.decode_only_rows()
         assert (rows is not None) == decode_only
         if rows is not None:
-            assert rows is metadata.decode and rows.window == (window or 0)
-            # One kernel row per query token, each as long as its causal prefix.
-            expected = [c + j + 1 for c, q in requests for j in range(q)]
-            assert rows.seq_lens.tolist() == expected
-            assert rows.token_index.tolist() == list(range(len(expected)))
+            assert rows is metadata.kernel and rows.window == (window or 0)
+            assert rows.query_lens is None
+            assert rows.seq_lens.tolist() == [c + q for c, q in requests]
+            assert rows.token_start.tolist() == list(range(len(requests)))
         assert metadata.slot_mapping.dtype == torch.int64
         assert torch.equal(metadata.slot_mapping, step.batch.slot_mapping)
 
@@ -253,7 +252,7 @@ def test_kernels_off_means_torch_path(ops: object, kernels_off: None) -> None:
     )
     backend = CpuPagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
     metadata = backend.build_metadata(step.batch)
-    assert metadata.decode is None and metadata.torch_plan.decode is not None
+    assert metadata.kernel is None and metadata.torch_plan.decode is not None
     reference = TorchPagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
     cache = step.cache.clone()
     expected = reference.forward(

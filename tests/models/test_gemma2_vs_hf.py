@@ -3,8 +3,8 @@
 The checkpoint has four layers alternating sliding-window (8) and full attention, `query_pre_attn_scalar` unlike
 `head_dim`, and its q/k weights scaled up so the attention soft-cap changes most argmaxes (checked here) and the
 final soft-cap bounds the logits. Everything runs through the real paged layout (`paged_model_driver`) on both
-attention backends ("cpu" attends soft-capped rows in torch), then through `LLM` with both runner protocols and
-sync and async scheduling.
+attention backends ("cpu" attends every soft-capped row, prompt and decode, in its C++ kernel), then through `LLM`
+with both runner protocols and sync and async scheduling.
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_suite import Checkpoint, FamilySuite, random_prompt
+from family_suite import Checkpoint, FamilySuite, assert_argmax_equal, random_prompt
 from paged_model_driver import PagedDriver
 
+from kvflow.kernels import load_cpu_kernels
+from kvflow.models.attention.cpu_paged import CpuPagedMetadata
 from kvflow.models.gemma2 import Gemma2ForCausalLM
 from kvflow.models.hf_config import parse_hf_config
 from kvflow.models.loader import load_model
@@ -129,10 +131,12 @@ def test_checkpoint_exercises_soft_capping(checkpoint: Checkpoint) -> None:
     assert float(capped.abs().max()) < 4.0  # the final soft-cap
 
 
-def test_bfloat16_matches_transformers_bfloat16(checkpoint: Checkpoint) -> None:
-    """In bfloat16 the model stays much closer to transformers in bfloat16 than that is to float32."""
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_bfloat16_matches_transformers_bfloat16(checkpoint: Checkpoint, backend: str) -> None:
+    """In bfloat16 the model (torch backend) stays much closer to transformers in bfloat16 than that is to float32;
+    the "cpu" backend's kernel, which keeps attention scores in float32, is on average no farther from float32."""
     prompt = _prompt(13, 29)
-    model = load_model(checkpoint.path, dtype="bfloat16")
+    model = load_model(checkpoint.path, dtype="bfloat16", attention_backend=backend)
     driver = PagedDriver(model, block_size=4, seed=13)
     driver.add_request("a", prompt)
     logits = driver.prompt_logits("a", [29])
@@ -141,7 +145,35 @@ def test_bfloat16_matches_transformers_bfloat16(checkpoint: Checkpoint) -> None:
     )
     error_vs_bfloat16 = float((logits - reference).abs().max())
     bfloat16_error = float((reference - checkpoint.logits(prompt)).abs().max())
-    assert error_vs_bfloat16 <= 0.5 * bfloat16_error, (error_vs_bfloat16, bfloat16_error)
+    # torch rounds scores and probabilities to bfloat16 as transformers' eager attention does; the C++ kernel
+    # keeps them in float32: its own rounding, on average no farther from float32
+    if backend == "torch":
+        assert error_vs_bfloat16 <= 0.5 * bfloat16_error, (error_vs_bfloat16, bfloat16_error)
+    else:
+        error_vs_float32 = float((logits - checkpoint.logits(prompt)).abs().mean())
+        mean_bfloat16_error = float((reference - checkpoint.logits(prompt)).abs().mean())
+        assert error_vs_float32 <= mean_bfloat16_error, (error_vs_float32, mean_bfloat16_error)
+
+
+def test_cpu_backend_soft_caps_in_its_kernel(checkpoint: Checkpoint) -> None:
+    """The "cpu" backend gives every row of a Gemma 2 step, sliding and full layers, prompt chunks and decode
+    rows, to its C++ kernel (no torch group is left), and the logits are transformers'."""
+    if load_cpu_kernels() is None:
+        pytest.skip("CPU kernels disabled or not built on this machine")
+    model = load_model(checkpoint.path, attention_backend="cpu")
+    prompt = _prompt(21, 41)
+    driver = PagedDriver(model, block_size=4, seed=21)
+    driver.add_request("a", prompt)
+    logits = []
+    # a chunk longer than the short-query limit, a one-token row, a continuation
+    for chunk in (25, 1, 15):
+        batch, chunk_logits = driver.step({"a": chunk}, all_logits=True)
+        logits.append(chunk_logits)
+        for window in (SLIDING_WINDOW, None):
+            metadata = model.attention_backend.build_metadata(batch, window)
+            assert isinstance(metadata, CpuPagedMetadata) and metadata.kernel is not None
+            assert metadata.torch_plan.decode is None and not metadata.torch_plan.prefills
+    assert_argmax_equal(torch.cat(logits), checkpoint.logits(prompt))
 
 
 class TestGemma2Family(FamilySuite):

@@ -1,5 +1,8 @@
-// Paged decode attention: one query token per row, K/V read in place through the block table (no gather),
-// online softmax in fp32. One work item is (row, kv head): its query-head group (GQA) shares each loaded K/V row.
+// Paged attention over the KV cache: K/V read in place through the block table (no gather), online softmax in
+// fp32, optional logit soft-capping. One work item is (row, kv head, tile of the row's consecutive query tokens):
+// the tile's query vectors (tokens x the kv head's query-head group, GQA) share each loaded K/V row, and the item
+// reads only the keys some vector may see, from the first token's window start (sliding window) to the last
+// token's position, so a sliding layer costs O(window) per token whatever the sequence length.
 #include <omp.h>
 
 #include <algorithm>
@@ -12,91 +15,214 @@
 namespace kvflow {
 namespace {
 
-constexpr int kMaxGroup = 32;  // bindings.cpp refuses larger query groups per KV head
+constexpr int kMaxVectors = 32;  // query vectors per item; bindings.cpp refuses query groups per KV head above it
 
+// What every item of one call shares.
+struct AttentionShape {
+  int64_t num_blocks, block_size, head_dim, padded_dim, group;
+  float scale, softcap;  // softcap 0: none
+  int64_t window;        // 0: none
+};
+
+// tanh(x / cap) * cap for 16 scores (cap > 0), through exp(-2|x| / cap) so no term cancels catastrophically.
+#ifdef KVFLOW_AVX512
+inline __m512 softcap16(__m512 x, float cap) {
+  const __m512 scaled = _mm512_mul_ps(x, _mm512_set1_ps(1.f / cap));
+  const __m512 magnitude = _mm512_abs_ps(scaled);
+  const __m512 decay = exp16(_mm512_mul_ps(magnitude, _mm512_set1_ps(-2.f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  __m512 result = _mm512_div_ps(_mm512_sub_ps(one, decay), _mm512_add_ps(one, decay));
+  // restore the sign: copy x's sign bit onto the non-negative tanh(|x|)
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(scaled), _mm512_set1_epi32(0x80000000));
+  result = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(result), sign));
+  return _mm512_mul_ps(result, _mm512_set1_ps(cap));
+}
+#endif
+
+// Scores of keys [first, last) of one block against `vectors` query vectors (q_buffer, pre-scaled), soft-capped,
+// into scores[v * block_size + j].
 template <typename T>
-void attend_one(const T* query, int64_t q_head_stride, const T* key_cache, const T* value_cache, int64_t num_blocks,
-                int64_t block_size, const int32_t* table, int64_t seq_len, int64_t kv_head, int64_t group,
-                int64_t head_dim, float scale, int64_t window, T* out, float* q_buffer, float* acc, float* scores) {
-  const int64_t padded_dim = (head_dim + 15) / 16 * 16;
-  float running_max[kMaxGroup], running_sum[kMaxGroup];
-  for (int64_t g = 0; g < group; ++g) {
-    const T* q = query + (kv_head * group + g) * q_head_stride;
-    for (int64_t d = 0; d < padded_dim; ++d) {
-      q_buffer[g * padded_dim + d] = d < head_dim ? to_float<T>(q[d]) * scale : 0.f;
-      acc[g * padded_dim + d] = 0.f;
-    }
-    running_max[g] = -std::numeric_limits<float>::infinity();
-    running_sum[g] = 0.f;
-  }
-  const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-  for (int64_t b = start / block_size; b * block_size < seq_len; ++b) {
-    const int64_t first = std::max(start, b * block_size) - b * block_size;
-    const int64_t last = std::min(seq_len - b * block_size, block_size);
-    const int64_t offset = ((kv_head * num_blocks + table[b]) * block_size) * head_dim;
-    const T* keys = key_cache + offset;
-    const T* values = value_cache + offset;
-    for (int64_t j = first; j < last; ++j) {
-      const T* key = keys + j * head_dim;
+void block_scores(const T* keys, const float* q_buffer, int64_t vectors, int64_t first, int64_t last,
+                  const AttentionShape& s, float* scores) {
+  for (int64_t j = first; j < last; ++j) {
+    const T* key = keys + j * s.head_dim;
 #ifdef KVFLOW_AVX512
-      __m512 partial[kMaxGroup];
-      for (int64_t g = 0; g < group; ++g) partial[g] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < head_dim; d += 16) {
-        __m512 k = load16(key + d, tail_mask(head_dim - d));
-        for (int64_t g = 0; g < group; ++g)
-          partial[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q_buffer + g * padded_dim + d), k, partial[g]);
-      }
-      for (int64_t g = 0; g < group; ++g) scores[g * block_size + j] = _mm512_reduce_add_ps(partial[g]);
+    __m512 partial[kMaxVectors];
+    for (int64_t v = 0; v < vectors; ++v) partial[v] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < s.head_dim; d += 16) {
+      __m512 k = load16(key + d, tail_mask(s.head_dim - d));
+      for (int64_t v = 0; v < vectors; ++v)
+        partial[v] = _mm512_fmadd_ps(_mm512_loadu_ps(q_buffer + v * s.padded_dim + d), k, partial[v]);
+    }
+    for (int64_t v = 0; v < vectors; ++v) scores[v * s.block_size + j] = _mm512_reduce_add_ps(partial[v]);
 #else
-      for (int64_t g = 0; g < group; ++g) {
-        float sum = 0.f;
+    for (int64_t v = 0; v < vectors; ++v) {
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < head_dim; ++d) sum += q_buffer[g * padded_dim + d] * to_float<T>(key[d]);
-        scores[g * block_size + j] = sum;
-      }
+      for (int64_t d = 0; d < s.head_dim; ++d) sum += q_buffer[v * s.padded_dim + d] * to_float<T>(key[d]);
+      scores[v * s.block_size + j] = sum;
+    }
 #endif
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      float* s = scores + g * block_size;
-      float block_max = running_max[g];
-      for (int64_t j = first; j < last; ++j) block_max = std::max(block_max, s[j]);
-      const float correction = std::exp(running_max[g] - block_max);
-      float block_sum = 0.f;
-      for (int64_t j = first; j < last; ++j) {
-        s[j] = std::exp(s[j] - block_max);
-        block_sum += s[j];
-      }
-      running_sum[g] = running_sum[g] * correction + block_sum;
-      running_max[g] = block_max;
-      if (correction != 1.f)
-        for (int64_t d = 0; d < padded_dim; ++d) acc[g * padded_dim + d] *= correction;
-    }
-    for (int64_t j = first; j < last; ++j) {
-      const T* value = values + j * head_dim;
-#ifdef KVFLOW_AVX512
-      for (int64_t d = 0; d < head_dim; d += 16) {
-        __m512 v = load16(value + d, tail_mask(head_dim - d));
-        for (int64_t g = 0; g < group; ++g) {
-          float* a = acc + g * padded_dim + d;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * block_size + j]), v, _mm512_loadu_ps(a)));
-        }
-      }
-#else
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * block_size + j];
-        for (int64_t d = 0; d < head_dim; ++d) acc[g * padded_dim + d] += p * to_float<T>(value[d]);
-      }
-#endif
-    }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inverse = 1.f / running_sum[g];
-    T* o = out + (kv_head * group + g) * head_dim;
-    for (int64_t d = 0; d < head_dim; ++d) o[d] = from_float<T>(acc[g * padded_dim + d] * inverse);
+  if (s.softcap <= 0.f) return;
+  for (int64_t v = 0; v < vectors; ++v) {
+    float* row = scores + v * s.block_size;
+#ifdef KVFLOW_AVX512
+    for (int64_t j = first; j < last; j += 16) {
+      const __mmask16 mask = tail_mask(last - j);
+      _mm512_mask_storeu_ps(row + j, mask, softcap16(_mm512_maskz_loadu_ps(mask, row + j), s.softcap));
+    }
+#else
+    for (int64_t j = first; j < last; ++j) row[j] = std::tanh(row[j] / s.softcap) * s.softcap;
+#endif
+  }
+}
+
+// Folds one block's scores (keys [first, last) at positions base + j) into vector v's running max and sum:
+// keys outside [lo, hi) get probability 0; scores become probabilities relative to the new running max; returns
+// the factor the vector's accumulator must be scaled by (1 when the block holds no visible key).
+inline float fold_block(float* row, int64_t first, int64_t last, int64_t base, int64_t lo, int64_t hi,
+                        float& running_max, float& running_sum) {
+  const int64_t visible_first = std::max(first, lo - base), visible_last = std::min(last, hi - base);
+  if (visible_first >= visible_last) {
+    for (int64_t j = first; j < last; ++j) row[j] = 0.f;
+    return 1.f;
+  }
+  for (int64_t j = first; j < visible_first; ++j) row[j] = 0.f;
+  for (int64_t j = visible_last; j < last; ++j) row[j] = 0.f;
+  float block_max = running_max;
+  for (int64_t j = visible_first; j < visible_last; ++j) block_max = std::max(block_max, row[j]);
+  float block_sum = 0.f;
+#ifdef KVFLOW_AVX512
+  __m512 sums = _mm512_setzero_ps();
+  for (int64_t j = visible_first; j < visible_last; j += 16) {
+    const __mmask16 mask = tail_mask(visible_last - j);
+    __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), _mm512_set1_ps(block_max)));
+    p = _mm512_maskz_mov_ps(mask, p);
+    _mm512_mask_storeu_ps(row + j, mask, p);
+    sums = _mm512_add_ps(sums, p);
+  }
+  block_sum = _mm512_reduce_add_ps(sums);
+#else
+  for (int64_t j = visible_first; j < visible_last; ++j) {
+    row[j] = std::exp(row[j] - block_max);
+    block_sum += row[j];
+  }
+#endif
+  const float correction = std::exp(running_max - block_max);
+  running_sum = running_sum * correction + block_sum;
+  running_max = block_max;
+  return correction;
+}
+
+// One item: `tokens` consecutive query tokens of one row (token t at position first_position + t, its query at
+// query + t * q_token_stride, its output at out + t * out_token_stride) against kv head `kv_head`. Vector
+// v = t * group + g is query head kv_head * group + g of token t; it sees keys [lo_t, first_position + t + 1).
+template <typename T>
+void attend_tile(const T* query, int64_t q_token_stride, int64_t q_head_stride, int64_t first_position,
+                 int64_t tokens, const T* key_cache, const T* value_cache, const int32_t* table, int64_t kv_head,
+                 const AttentionShape& s, T* out, int64_t out_token_stride, float* q_buffer, float* acc,
+                 float* scores) {
+  const int64_t vectors = tokens * s.group, padded_dim = s.padded_dim, block_size = s.block_size;
+  float running_max[kMaxVectors], running_sum[kMaxVectors];
+  int64_t lo[kMaxVectors], hi[kMaxVectors];
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t t = v / s.group, g = v % s.group;
+    const T* q = query + t * q_token_stride + (kv_head * s.group + g) * q_head_stride;
+    for (int64_t d = 0; d < padded_dim; ++d) {
+      q_buffer[v * padded_dim + d] = d < s.head_dim ? to_float<T>(q[d]) * s.scale : 0.f;
+      acc[v * padded_dim + d] = 0.f;
+    }
+    running_max[v] = -std::numeric_limits<float>::infinity();
+    running_sum[v] = 0.f;
+    hi[v] = first_position + t + 1;
+    lo[v] = s.window > 0 ? std::max<int64_t>(0, hi[v] - s.window) : 0;
+  }
+  const int64_t start = lo[0], end = hi[vectors - 1];
+  for (int64_t b = start / block_size; b * block_size < end; ++b) {
+    const int64_t base = b * block_size;
+    const int64_t first = std::max(start, base) - base, last = std::min(end - base, block_size);
+    const int64_t offset = ((kv_head * s.num_blocks + table[b]) * block_size) * s.head_dim;
+    const T* values = value_cache + offset;
+    block_scores<T>(key_cache + offset, q_buffer, vectors, first, last, s, scores);
+    for (int64_t v = 0; v < vectors; ++v) {
+      const float correction =
+          fold_block(scores + v * block_size, first, last, base, lo[v], hi[v], running_max[v], running_sum[v]);
+      if (correction != 1.f)
+        for (int64_t d = 0; d < padded_dim; ++d) acc[v * padded_dim + d] *= correction;
+    }
+#ifdef KVFLOW_AVX512
+    // acc[v] += sum_j p[v, j] * V[j], one 16-wide slice of the head at a time so each accumulator stays in a
+    // register across the block's keys
+    for (int64_t d = 0; d < s.head_dim; d += 16) {
+      const __mmask16 mask = tail_mask(s.head_dim - d);
+      for (int64_t v = 0; v < vectors; ++v) {
+        const float* p = scores + v * block_size;
+        __m512 sum = _mm512_loadu_ps(acc + v * padded_dim + d);
+        for (int64_t j = first; j < last; ++j)
+          sum = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load16(values + j * s.head_dim + d, mask), sum);
+        _mm512_storeu_ps(acc + v * padded_dim + d, sum);
+      }
+    }
+#else
+    for (int64_t j = first; j < last; ++j) {
+      const T* value = values + j * s.head_dim;
+      for (int64_t v = 0; v < vectors; ++v) {
+        const float p = scores[v * block_size + j];
+        for (int64_t d = 0; d < s.head_dim; ++d) acc[v * padded_dim + d] += p * to_float<T>(value[d]);
+      }
+    }
+#endif
+  }
+  for (int64_t v = 0; v < vectors; ++v) {
+    const int64_t t = v / s.group, g = v % s.group;
+    const float inverse = 1.f / running_sum[v];
+    T* o = out + t * out_token_stride + (kv_head * s.group + g) * s.head_dim;
+    for (int64_t d = 0; d < s.head_dim; ++d) o[d] = from_float<T>(acc[v * padded_dim + d] * inverse);
   }
 }
 
 }  // namespace
+
+template <typename T>
+void paged_attention(const T* query, int64_t q_token_stride, int64_t q_head_stride, const T* key_cache,
+                     const T* value_cache, int64_t num_blocks, int64_t block_size, const int32_t* block_tables,
+                     int64_t table_stride, const int32_t* seq_lens, const int64_t* token_start,
+                     const int32_t* query_lens, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, float scale, int64_t window, float softcap, T* out, int num_threads) {
+  const int64_t group = num_heads / num_kv_heads;
+  const AttentionShape shape{num_blocks, block_size, head_dim, (head_dim + 15) / 16 * 16, group, scale, softcap,
+                             window};
+  const int64_t tile_tokens = std::max<int64_t>(1, kMaxVectors / group);
+  // (row, first query token of the tile) per tile; each tile is num_kv_heads items
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  tiles.reserve(rows);
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t count = query_lens ? query_lens[row] : 1;
+    for (int64_t first = 0; first < count; first += tile_tokens) tiles.emplace_back(row, first);
+  }
+  const int64_t items = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, items)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t vectors = tile_tokens * group;
+    std::vector<float> q_buffer(vectors * shape.padded_dim), acc(vectors * shape.padded_dim),
+        scores(vectors * block_size);
+    // later tiles of a row see more keys: dynamic scheduling balances them
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const auto [row, first] = tiles[item / num_kv_heads];
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t count = query_lens ? query_lens[row] : 1;
+      const int64_t tokens = std::min(tile_tokens, count - first);
+      const int64_t token = token_start[row] + first;
+      attend_tile<T>(query + token * q_token_stride, q_token_stride, q_head_stride, seq_lens[row] - count + first,
+                     tokens, key_cache, value_cache, block_tables + row * table_stride, kv_head, shape,
+                     out + token * num_heads * head_dim, num_heads * head_dim, q_buffer.data(), acc.data(),
+                     scores.data());
+    }
+  }
+}
 
 template <typename T>
 void paged_decode_attention(const T* query, int64_t q_token_stride, int64_t q_head_stride, const T* key_cache,
@@ -104,22 +230,9 @@ void paged_decode_attention(const T* query, int64_t q_token_stride, int64_t q_he
                             int64_t table_stride, const int32_t* seq_lens, const int64_t* token_index, int64_t rows,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, float scale, int64_t window,
                             T* out, int num_threads) {
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t padded_dim = (head_dim + 15) / 16 * 16;
-  const int64_t items = rows * num_kv_heads;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, items)));
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> q_buffer(group * padded_dim), acc(group * padded_dim), scores(group * block_size);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t row = item / num_kv_heads, kv_head = item % num_kv_heads;
-      const int64_t token = token_index[row];
-      attend_one<T>(query + token * q_token_stride, q_head_stride, key_cache, value_cache, num_blocks, block_size,
-                    block_tables + row * table_stride, seq_lens[row], kv_head, group, head_dim, scale, window,
-                    out + token * num_heads * head_dim, q_buffer.data(), acc.data(), scores.data());
-    }
-  }
+  paged_attention<T>(query, q_token_stride, q_head_stride, key_cache, value_cache, num_blocks, block_size,
+                     block_tables, table_stride, seq_lens, token_index, nullptr, rows, num_heads, num_kv_heads,
+                     head_dim, scale, window, 0.f, out, num_threads);
 }
 
 template <typename T>
@@ -142,6 +255,12 @@ template bool store_kv<float>(const float*, int64_t, int64_t, const float*, int6
 template bool store_kv<bf16>(const bf16*, int64_t, int64_t, const bf16*, int64_t, int64_t, const int64_t*, int64_t,
                              int64_t, int64_t, int64_t, bf16*, bf16*);
 
+template void paged_attention<float>(const float*, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
+                                     const int32_t*, int64_t, const int32_t*, const int64_t*, const int32_t*, int64_t,
+                                     int64_t, int64_t, int64_t, float, int64_t, float, float*, int);
+template void paged_attention<bf16>(const bf16*, int64_t, int64_t, const bf16*, const bf16*, int64_t, int64_t,
+                                    const int32_t*, int64_t, const int32_t*, const int64_t*, const int32_t*, int64_t,
+                                    int64_t, int64_t, int64_t, float, int64_t, float, bf16*, int);
 template void paged_decode_attention<float>(const float*, int64_t, int64_t, const float*, const float*, int64_t,
                                             int64_t, const int32_t*, int64_t, const int32_t*, const int64_t*, int64_t,
                                             int64_t, int64_t, int64_t, float, int64_t, float*, int);

@@ -203,9 +203,10 @@ at::Tensor rotary(const at::Tensor& heads, const at::Tensor& cos, const at::Tens
   return out;
 }
 
-void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_index,
-                            double scale, int64_t window, at::Tensor& out) {
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_start,
+                     const c10::optional<at::Tensor>& query_lens, double scale, int64_t window, double softcap,
+                     at::Tensor& out) {
   check_cpu(query, "query");
   check_same_dtype(key_cache, query, "key_cache");
   check_same_dtype(value_cache, query, "value_cache");
@@ -217,21 +218,27 @@ void paged_decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.scalar_type() == at::kInt,
               "block_tables must be int32 [rows, max_blocks] with contiguous rows");
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kInt, "seq_lens must be contiguous int32");
-  TORCH_CHECK(token_index.is_contiguous() && token_index.scalar_type() == at::kLong,
-              "token_index must be contiguous int64");
-  const int64_t rows = token_index.numel();
+  TORCH_CHECK(token_start.is_contiguous() && token_start.scalar_type() == at::kLong,
+              "token_start must be contiguous int64");
+  const int64_t rows = token_start.numel();
   TORCH_CHECK(seq_lens.numel() == rows && block_tables.size(0) == rows, "block_tables/seq_lens need one row each");
+  const int32_t* lens = nullptr;
+  if (query_lens.has_value()) {
+    TORCH_CHECK(query_lens->is_contiguous() && query_lens->scalar_type() == at::kInt && query_lens->numel() == rows,
+                "query_lens must be contiguous int32, one per row");
+    lens = ptr<int32_t>(*query_lens);
+  }
   const int64_t num_heads = query.size(1), head_dim = query.size(2), num_kv_heads = key_cache.size(0);
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 32,
               "key_cache head_dim must match query; heads per kv head must divide evenly and be <= 32");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out must be contiguous like query");
   dispatch(query, [&](auto tag) {
     using T = decltype(tag);
-    kvflow::paged_decode_attention<T>(ptr<T>(query), query.stride(0), query.stride(1), ptr<T>(key_cache),
-                                      ptr<T>(value_cache), key_cache.size(1), key_cache.size(2),
-                                      ptr<int32_t>(block_tables), block_tables.stride(0), ptr<int32_t>(seq_lens),
-                                      ptr<int64_t>(token_index), rows, num_heads, num_kv_heads, head_dim,
-                                      static_cast<float>(scale), window, ptr<T>(out), at::get_num_threads());
+    kvflow::paged_attention<T>(ptr<T>(query), query.stride(0), query.stride(1), ptr<T>(key_cache),
+                               ptr<T>(value_cache), key_cache.size(1), key_cache.size(2), ptr<int32_t>(block_tables),
+                               block_tables.stride(0), ptr<int32_t>(seq_lens), ptr<int64_t>(token_start), lens, rows,
+                               num_heads, num_kv_heads, head_dim, static_cast<float>(scale), window,
+                               static_cast<float>(softcap), ptr<T>(out), at::get_num_threads());
   });
 }
 
@@ -626,7 +633,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"), py::arg("topk_ids"),
         py::arg("gemm") = false);
   m.def("rotary", &rotary, "neox rotary embedding into a new contiguous tensor");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache");
+  m.def("paged_attention", &paged_attention,
+        "attention over the paged KV cache (rows of query tokens, sliding window, logit soft-capping)");
   m.def("store_kv", &store_kv, "write the step's K/V into the paged cache at slot_mapping");
   m.def("decode_layer", &decode_layer, "one decoder layer of a decode-only step (returns out, residual)");
   m.def("decode_layer_quantized", &decode_layer_quantized,

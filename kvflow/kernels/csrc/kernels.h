@@ -44,6 +44,18 @@ template <typename T>
 void rotary(const T* heads, int64_t tokens, int64_t num_heads, int64_t head_dim, int64_t token_stride,
             int64_t head_stride, const T* cos, const T* sin, T* out, int num_threads);
 
+// Paged attention reading K/V in place through block tables: row r has query_lens[r] query tokens (query_lens
+// null: one each), flat tokens token_start[r] + i, the last at position seq_lens[r] - 1; token i at position p
+// attends to positions [max(0, p + 1 - window), p + 1) (window 0: no window) of its sequence, whose blocks are
+// block_tables[r * table_stride + b]. Scores are scale * q.k, soft-capped to tanh(score / softcap) * softcap when
+// softcap > 0. Layouts as paged_decode_attention's; out[token, h, :] for every token of every row.
+template <typename T>
+void paged_attention(const T* query, int64_t q_token_stride, int64_t q_head_stride, const T* key_cache,
+                     const T* value_cache, int64_t num_blocks, int64_t block_size, const int32_t* block_tables,
+                     int64_t table_stride, const int32_t* seq_lens, const int64_t* token_start,
+                     const int32_t* query_lens, int64_t rows, int64_t num_heads, int64_t num_kv_heads,
+                     int64_t head_dim, float scale, int64_t window, float softcap, T* out, int num_threads);
+
 // Decode attention (one query token per row) reading K/V in place through block tables.
 // query[t, h, :] at query + t * q_token_stride + h * q_head_stride; key/value caches are
 // [num_kv_heads, num_blocks, block_size, head_dim] contiguous; row r attends with the query token

@@ -1,19 +1,27 @@
-"""Paged attention with a C++ decode kernel (`"cpu"`): the default on CPU when the kernels are available.
+"""Paged attention with a C++ kernel (`"cpu"`): the default on CPU when the kernels are available.
 
-In a step with decode rows, the K/V writes (`store_kv`) and the decode rows run in C++ (a request with up to
-`MAX_KERNEL_QUERY_LEN` query tokens, e.g. a speculative verification, is one kernel row per token):
-`paged_decode_attention` reads K/V in place through the block table (no gather into a padded copy) with an fp32
-online softmax, each loaded K/V row shared by its GQA query group. Prefill rows, steps without decode rows and the
-cache layout are the torch backend's (this class extends it), and without the compiled kernels
-(`KVFLOW_CPU_KERNELS=0`, no compiler, a non-CPU tensor) every row takes the torch path, so the torch backend is
-both the fallback and the reference. A model with attention-logit soft-capping (`softcap`, Gemma 2) also runs
-every row in torch: the kernel does not soft-cap, so it is never given such a model's rows.
+In a step with kernel rows, the K/V writes (`store_kv`) and those rows run in C++: `paged_attention` reads K/V in
+place through the block table (no gather into a padded copy) with an fp32 online softmax and the model's logit
+soft-capping (`softcap`, Gemma 2), each loaded K/V row shared by a tile of query tokens times its GQA group, and
+reads only the keys some query may see (a sliding-window layer reads its window, not the sequence). Which rows
+the kernel takes:
+  * requests with up to `MAX_KERNEL_QUERY_LEN` query tokens (decode steps, speculative verification, tiny
+    chunks), always;
+  * longer (prefill) requests when the model soft-caps (SDPA cannot) or the layer has a sliding window (the torch
+    path gathers and masks the whole block table); a full-attention layer without soft-capping leaves them to the
+    torch backend's SDPA, whose GEMMs are faster than the kernel's dot products on a whole sequence.
+Prefill rows the kernel does not take, steps without kernel rows and the cache layout are the torch backend's
+(this class extends it), and without the compiled kernels (`KVFLOW_CPU_KERNELS=0`, no compiler, a non-CPU
+tensor) every row takes the torch path, so the torch backend is both the fallback and the reference.
+`KVFLOW_CPU_ATTENTION_SOFTCAP_IN_TORCH=1` restores the earlier route for soft-capping models (every row in torch),
+for A/B measurements (benchmarks/gemma_attention.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -29,21 +37,24 @@ if TYPE_CHECKING:
     from kvflow.batch import BatchInputs
 
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
-# Requests with at most this many query tokens (decode steps, speculative verification, tiny chunks) go through
-# the decode kernel, one kernel row per query token.
+# Requests with at most this many query tokens (decode steps, speculative verification, tiny chunks) always go
+# through the kernel.
 MAX_KERNEL_QUERY_LEN = 16
+# "1": a soft-capping model attends every row in torch (the route before the kernel soft-capped; for A/B runs).
+SOFTCAP_IN_TORCH_ENV = "KVFLOW_CPU_ATTENTION_SOFTCAP_IN_TORCH"
 
 
 @dataclass
-class CpuDecodeRows:
-    """The decode rows of a batch, as the kernel reads them.
+class CpuKernelRows:
+    """The rows of a batch the kernel attends, as it reads them.
 
-    Invariants: `token_index[r]` is row r's flat query token (int64); `block_tables[r]` (int32, contiguous rows)
-    and `seq_lens[r]` (int32, counting the step's token) describe its sequence; `window` is the sliding window
-    (0: none).
+    Invariants: row r's query tokens are the flat tokens `token_start[r] + i` for i < `query_lens[r]` (int32;
+    None: one token per row), the last at position `seq_lens[r] - 1` (int32, counting the step's tokens);
+    `block_tables[r]` (int32, contiguous rows) holds its blocks; `window` is the sliding window (0: none).
     """
 
-    token_index: torch.Tensor
+    token_start: torch.Tensor
+    query_lens: torch.Tensor | None
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     window: int
@@ -51,87 +62,82 @@ class CpuDecodeRows:
 
 @dataclass
 class CpuPagedMetadata:
-    """The torch backend's plan for the prefill rows (`torch_plan.decode` is None when `decode` is set) plus the
-    kernel's decode rows. With `decode` None, `torch_plan` covers every row."""
+    """The torch backend's plan for the rows the kernel does not take (`torch_plan.decode` is None when `kernel`
+    is set) plus the kernel's rows. With `kernel` None, `torch_plan` covers every row."""
 
     torch_plan: TorchPagedMetadata
-    decode: CpuDecodeRows | None
+    kernel: CpuKernelRows | None
 
     @property
     def slot_mapping(self) -> torch.Tensor:
         """Every scheduled token's KV slot (int64, in token order)."""
         return self.torch_plan.slot_mapping
 
-    def decode_only_rows(self) -> CpuDecodeRows | None:
-        """The decode rows when the kernel attends the whole step (no prefill rows), else None: what a fused
-        decode-only step (`kvflow.models.fused_decode`) reads its paging from."""
-        return self.decode if self.decode is not None and not self.torch_plan.prefills else None
+    def decode_only_rows(self) -> CpuKernelRows | None:
+        """The kernel's rows when they are the whole step and one token each, else None: what a fused decode-only
+        step (`kvflow.models.fused_decode`) reads its paging from."""
+        rows = self.kernel
+        if rows is None or self.torch_plan.prefills or rows.query_lens is not None:
+            return None
+        return rows
 
 
-def _expanded_decode_rows(
-    batch: BatchInputs,
-    rows: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    query_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    window: int,
-) -> CpuDecodeRows:
-    """One kernel row per query token of each request in `rows`: token j of a request with q query tokens and
-    sequence length S attends to the first S - q + 1 + j positions, exactly causal attention (every token's K/V
-    is written before any row attends). E.g., q 3, S 10: three rows of lengths 8, 9, 10."""
-    counts = query_lens[rows]
-    row_of_token = torch.repeat_interleave(rows, counts)
-    starts = torch.cumsum(counts, 0) - counts
-    offsets = torch.arange(int(counts.sum()), device=rows.device) - torch.repeat_interleave(
-        starts, counts
-    )
-    token_index = query_start_loc[row_of_token] + offsets
-    token_seq_lens = seq_lens[row_of_token] - query_lens[row_of_token] + 1 + offsets
-    return CpuDecodeRows(
-        token_index=token_index.contiguous(),
-        block_tables=batch.block_tables.index_select(0, row_of_token).to(torch.int32).contiguous(),
-        seq_lens=token_seq_lens.to(torch.int32).contiguous(),
-        window=window,
-    )
+def softcap_in_torch() -> bool:
+    """Whether `SOFTCAP_IN_TORCH_ENV` asks for the earlier route (every row of a soft-capping model in torch)."""
+    return os.environ.get(SOFTCAP_IN_TORCH_ENV, "").strip().lower() in ("1", "true", "on", "yes")
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Torch backend with decode rows attended in C++ (see module docstring); same cache layout and K/V writes."""
+    """Torch backend with the rows listed in the module docstring attended in C++; same cache layout and K/V
+    writes. Invariant: every scheduled token is in exactly one of the kernel's rows and the torch plan's groups."""
 
     name: ClassVar[str] = "cpu"
+
+    def __init__(self, **dims: Any) -> None:
+        super().__init__(**dims)
+        # Read once: the A/B switch holds for the backend's life (and costs no lookup per step).
+        self._softcap_in_torch = self.softcap is not None and softcap_in_torch()
 
     def build_metadata(
         self, batch: BatchInputs, sliding_window: int | None = None
     ) -> CpuPagedMetadata:
         device = batch.input_ids.device
-        if self.softcap is not None or device.type != "cpu" or load_cpu_kernels() is None:
-            # The C++ kernel has no logit soft-capping: such a model (Gemma 2) attends every row in torch.
+        if device.type != "cpu" or load_cpu_kernels() is None or self._softcap_in_torch:
             return CpuPagedMetadata(super().build_metadata(batch, sliding_window), None)
         query_start_loc = batch.query_start_loc.to(torch.int64)
         seq_lens = batch.seq_lens.to(torch.int64)
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        small = (query_lens >= 1) & (query_lens <= MAX_KERNEL_QUERY_LEN)
-        decode_rows = torch.nonzero(small).flatten()
-        if decode_rows.numel() == 0:
+        kernel_takes_prefill = self.softcap is not None or sliding_window is not None
+        max_kernel_query_len = batch.num_tokens if kernel_takes_prefill else MAX_KERNEL_QUERY_LEN
+        in_kernel = (query_lens >= 1) & (query_lens <= max_kernel_query_len)
+        kernel_rows = torch.nonzero(in_kernel).flatten()
+        if kernel_rows.numel() == 0:
             return CpuPagedMetadata(super().build_metadata(batch, sliding_window), None)
         builder = _GroupBuilder(
             batch, device, query_start_loc, seq_lens, seq_lens - query_lens, sliding_window
         )
-        prefill_rows = torch.nonzero(query_lens > MAX_KERNEL_QUERY_LEN).flatten()
+        prefill_rows = torch.nonzero(query_lens > max_kernel_query_len).flatten()
         prefills = [
             builder.prefill_group(rows, query_lens[rows])
             for rows in _group_by_padding(prefill_rows, query_lens, seq_lens, batch.block_size)
         ]
-        if decode_rows.numel() == batch.num_reqs and bool((query_lens == 1).all()):
-            decode = CpuDecodeRows(
-                token_index=query_start_loc[:-1].contiguous(),
+        if kernel_rows.numel() == batch.num_reqs and bool((query_lens == 1).all()):
+            kernel = CpuKernelRows(
+                token_start=query_start_loc[:-1].contiguous(),
+                query_lens=None,
                 block_tables=batch.block_tables.to(torch.int32).contiguous(),
                 seq_lens=batch.seq_lens.to(torch.int32).contiguous(),
                 window=sliding_window or 0,
             )
         else:
-            decode = _expanded_decode_rows(
-                batch, decode_rows, query_start_loc, query_lens, seq_lens, sliding_window or 0
+            kernel = CpuKernelRows(
+                token_start=query_start_loc[kernel_rows].contiguous(),
+                query_lens=query_lens[kernel_rows].to(torch.int32).contiguous(),
+                block_tables=batch.block_tables.index_select(0, kernel_rows)
+                .to(torch.int32)
+                .contiguous(),
+                seq_lens=seq_lens[kernel_rows].to(torch.int32).contiguous(),
+                window=sliding_window or 0,
             )
         plan = TorchPagedMetadata(
             num_tokens=batch.num_tokens,
@@ -139,7 +145,7 @@ class CpuPagedAttention(TorchPagedAttention):
             decode=None,
             prefills=prefills,
         )
-        return CpuPagedMetadata(plan, decode)
+        return CpuPagedMetadata(plan, kernel)
 
     def forward(
         self,
@@ -149,22 +155,24 @@ class CpuPagedAttention(TorchPagedAttention):
         kv_cache_layer: torch.Tensor,
         metadata: CpuPagedMetadata,
     ) -> torch.Tensor:
-        plan, decode = metadata.torch_plan, metadata.decode
-        if decode is None or query.dtype not in _KERNEL_DTYPES:
+        plan, rows = metadata.torch_plan, metadata.kernel
+        if rows is None or query.dtype not in _KERNEL_DTYPES:
             return super().forward(query, key, value, kv_cache_layer, plan)
         ops = load_cpu_kernels()
         key_cache, value_cache = kv_cache_layer[0], kv_cache_layer[1]
         ops.store_kv(key, value, plan.slot_mapping, key_cache, value_cache)
         output = query.new_empty(query.shape)
-        ops.paged_decode_attention(
+        ops.paged_attention(
             query,
             key_cache,
             value_cache,
-            decode.block_tables,
-            decode.seq_lens,
-            decode.token_index,
+            rows.block_tables,
+            rows.seq_lens,
+            rows.token_start,
+            rows.query_lens,
             self.scale,
-            decode.window,
+            rows.window,
+            self.softcap or 0.0,
             output,
         )
         if plan.prefills:
@@ -175,6 +183,6 @@ class CpuPagedAttention(TorchPagedAttention):
                 token_indices, group_output = self._prefill(query, key_blocks, value_blocks, group)
                 assert (
                     token_indices is not None
-                )  # decode rows exist, so no group is the whole batch
+                )  # kernel rows exist, so no group is the whole batch
                 output.index_copy_(0, token_indices, group_output)
         return output
