@@ -50,6 +50,7 @@ _SOURCES = (
     "quant_tiled.cpp",
     "quant_w8a8.cpp",
     "quant_linear.cpp",
+    "quant_moe.cpp",
 )
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _LDFLAGS = ("-fopenmp",)

@@ -70,6 +70,7 @@ __all__ = [
     "dequantize_reference",
     "fake_quantize_activations",
     "fake_quantize_int8_rows",
+    "fused_moe",
     "ggml_linear",
     "ggml_linear_for",
     "ggml_row_bytes",
@@ -507,3 +508,43 @@ def int8_linear_for() -> LinearFn:
     linear.__name__ = linear.__qualname__ = f"int8_linear_{path}"
     linear.path = path  # type: ignore[attr-defined]
     return linear
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w13_type: str,
+    w13_scale: torch.Tensor | None,
+    w2: torch.Tensor,
+    w2_type: str,
+    w2_scale: torch.Tensor | None,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor | None:
+    """A mixture-of-experts layer's quantized experts in one C++ call (csrc/quant_moe.cpp), else None (kernels off
+    or not applicable: `FusedMoE.experts_quantized` then runs the same products one by one).
+
+    `hidden_states [T, H]` (float32 or bfloat16); `w13 [E, 2I, ...]` and `w2 [E, H, ...]` as GGUF blocks of
+    `w13_type` / `w2_type` (uint8, each row whole blocks) or "int8" (int8 rows, float32 scales `[E, rows]`);
+    the routing's `topk_weights` and `topk_ids [T, k]`. Each expert's products over its tokens are the dense
+    products `ggml_linear` / `int8_linear` pick for that many rows (the same thresholds), weighted and summed in
+    float32, returned in hidden_states' dtype."""
+    ops = _kernel_ops()
+    if ops is None or not (_applies(hidden_states, w13) and _applies(hidden_states, w2)):
+        return None
+    if hidden_states.dim() != 2:
+        return None
+    rows = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    return ops.quant_fused_moe(
+        rows,
+        w13,
+        kernel_type_code(w13_type),
+        w13_scale,
+        w2,
+        kernel_type_code(w2_type),
+        w2_scale,
+        topk_weights.to(torch.float32).contiguous(),
+        topk_ids.to(torch.int64).contiguous(),
+        QUANT_GEMV_MAX_ROWS,
+        QUANT_TILED_MAX_ROWS,
+    )

@@ -6,8 +6,9 @@ checkpoints of the family's comparison with transformers, and read back by kvflo
 token for token like the safetensors checkpoint; Q8_0 files agree with it on most teacher-forced argmaxes. Q5_0 / Q5_K
 tensors run as Q8_0 blocks (`gguf_plan`'s docstring): a file holding them decodes exactly like its own weights
 dequantized to float32 (`dequantized_checkpoint`). Mixture-of-experts files (Mixtral as `llama`, `qwen2moe`,
-`qwen3moe`) stack each layer's experts into llama.cpp's `[experts, rows, columns]` tensors; kvflow loads the experts
-dequantized to float32, so a quantized file decodes exactly like its dequantized weights too.
+`qwen3moe`) stack each layer's experts into llama.cpp's `[experts, rows, columns]` tensors; here the down projections
+are float32 (48 columns: no whole blocks), so kvflow loads these experts dequantized to float32 and a quantized file
+decodes exactly like its dequantized weights too (experts on their blocks: tests/models/test_moe_quantized.py).
 """
 
 from __future__ import annotations

@@ -599,6 +599,60 @@ at::Tensor int8_linear_amx(const at::Tensor& x, const at::Tensor& qweight, const
   });
 }
 
+// One stacked quantized expert weight for quant_fused_moe: GGUF blocks (uint8 [E, N, row_bytes]) or int8
+// [E, N, K] with float32 scales [E, N]; returns the scale pointer (nullptr for GGUF types).
+const float* check_expert_weight(const at::Tensor& w, int64_t type, const c10::optional<at::Tensor>& scale,
+                                 int64_t experts, int64_t N, int64_t K, const char* name) {
+  TORCH_CHECK(w.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(w.dim() == 3 && w.is_contiguous() && w.size(0) == experts && w.size(1) == N, name,
+              " must be contiguous [", experts, ", ", N, ", ...]");
+  if (type == kvflow::kInt8Weights) {
+    TORCH_CHECK(w.scalar_type() == at::kChar && w.size(2) == K, name, " must be int8 [E, ", N, ", ", K, "]");
+    TORCH_CHECK(scale && scale->scalar_type() == at::kFloat && scale->is_contiguous() &&
+                    scale->numel() == experts * N,
+                name, "'s scale must be contiguous float32 [E, ", N, "]");
+    return ptr<float>(*scale);
+  }
+  TORCH_CHECK(type >= kvflow::kGgmlQ8_0 && type <= kvflow::kGgmlQ6_K, "unknown GGML type code ", type);
+  const int64_t elements = kvflow::ggml_block_elements(static_cast<int>(type));
+  TORCH_CHECK(w.scalar_type() == at::kByte && K % elements == 0 &&
+                  w.size(2) == K / elements * kvflow::ggml_block_bytes(static_cast<int>(type)),
+              name, " must be uint8 blocks [E, ", N, ", row bytes of ", K, " columns]");
+  return nullptr;
+}
+
+// x [T, H] with contiguous rows; w13 [E, 2I, ...] and w2 [E, H, ...] quantized (check_expert_weight);
+// topk_weights float32 and topk_ids int64, both contiguous [T, k]; out in x's dtype.
+at::Tensor quant_fused_moe(const at::Tensor& x, const at::Tensor& w13, int64_t w13_type,
+                           const c10::optional<at::Tensor>& w13_scale, const at::Tensor& w2, int64_t w2_type,
+                           const c10::optional<at::Tensor>& w2_scale, const at::Tensor& topk_weights,
+                           const at::Tensor& topk_ids, int64_t gemv_max_rows, int64_t tiled_max_rows) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be 2-D with contiguous rows");
+  TORCH_CHECK(w13.dim() == 3 && w13.size(1) % 2 == 0, "w13 must be [E, 2 * I, ...]");
+  const int64_t tokens = x.size(0), hidden = x.size(1), num_experts = w13.size(0), intermediate = w13.size(1) / 2;
+  const float* s13 = check_expert_weight(w13, w13_type, w13_scale, num_experts, 2 * intermediate, hidden, "w13");
+  const float* s2 = check_expert_weight(w2, w2_type, w2_scale, num_experts, hidden, intermediate, "w2");
+  TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() && topk_weights.dim() == 2 &&
+                  topk_weights.size(0) == tokens,
+              "topk_weights must be contiguous float32 [tokens, k]");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_ids.is_contiguous() &&
+                  topk_ids.sizes() == topk_weights.sizes(),
+              "topk_ids must be contiguous int64 of topk_weights' shape");
+  at::Tensor out = at::empty({tokens, hidden}, x.options());
+  bool ok = true;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    ok = kvflow::quant_fused_moe<T>(ptr<T>(x), tokens, hidden, x.stride(0), ptr<uint8_t>(w13), s13,
+                                    static_cast<int>(w13_type), ptr<uint8_t>(w2), s2, static_cast<int>(w2_type),
+                                    num_experts, intermediate, ptr<float>(topk_weights), ptr<int64_t>(topk_ids),
+                                    topk_ids.size(1), gemv_max_rows, tiled_max_rows, ptr<T>(out),
+                                    at::get_num_threads());
+  });
+  TORCH_CHECK(ok, "topk_ids must lie in [0, ", num_experts, ")");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -632,6 +686,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a mixture-of-experts layer's experts: tokens grouped per expert, gate_up, silu * up, down, weighted sum",
         py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"), py::arg("topk_ids"),
         py::arg("gemm") = false);
+  m.def("quant_fused_moe", &quant_fused_moe, "fused_moe on quantized experts (GGUF blocks or int8 rows)",
+        py::arg("x"), py::arg("w13"), py::arg("w13_type"), py::arg("w13_scale"), py::arg("w2"), py::arg("w2_type"),
+        py::arg("w2_scale"), py::arg("topk_weights"), py::arg("topk_ids"), py::arg("gemv_max_rows"),
+        py::arg("tiled_max_rows"));
   m.def("rotary", &rotary, "neox rotary embedding into a new contiguous tensor");
   m.def("paged_attention", &paged_attention,
         "attention over the paged KV cache (rows of query tokens, sliding window, logit soft-capping)");

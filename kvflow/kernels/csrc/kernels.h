@@ -241,4 +241,17 @@ bool fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_stride, con
                int64_t num_experts, int64_t intermediate, const float* topk_weights, const int64_t* topk_ids,
                int64_t top_k, MoeProduct product, T* out, int num_threads);
 
+// fused_moe on quantized experts (quant_moe.cpp): w13 [num_experts, 2 * intermediate, hidden] and w2
+// [num_experts, hidden, intermediate] as GGUF blocks of w13_type / w2_type (GgmlType: each matrix row whole
+// blocks), or int8 (kInt8Weights) with float32 scales [num_experts, rows] (w13_scale / w2_scale; nullptr for GGUF
+// types). Each expert's products run on the dense quantized product its token count picks (quant_moe.cpp says
+// which: gemv_max_rows and tiled_max_rows as kvflow/kernels/quant.py's QUANT_GEMV_MAX_ROWS /
+// QUANT_TILED_MAX_ROWS); results are weighted and summed in fp32, rounded to T once. Returns false (out untouched)
+// when an id is out of range.
+template <typename T>
+bool quant_fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_stride, const uint8_t* w13,
+                     const float* w13_scale, int w13_type, const uint8_t* w2, const float* w2_scale, int w2_type,
+                     int64_t num_experts, int64_t intermediate, const float* topk_weights, const int64_t* topk_ids,
+                     int64_t top_k, int64_t gemv_max_rows, int64_t tiled_max_rows, T* out, int num_threads);
+
 }  // namespace kvflow

@@ -21,6 +21,20 @@ by the shapes alone, not by how many tokens an expert got or how threads split t
 output is bitwise the same alone or in any batch. The router's `F.linear` is torch's and may differ in the last
 bit with the batch size; the PyTorch experts path agrees across batches to float32 / bfloat16 rounding only.
 
+Quantized experts (`quantize_experts`: a GGUF file's blocks, kept by `gguf_plan`, or int8 rows from
+`quantization="int8"`): `w13_weight` / `w2_weight` hold `[num_experts, rows, row_bytes]` GGUF blocks (uint8, the
+file's bytes) or int8 `[num_experts, rows, columns]` with float32 `w13_scale` / `w2_scale` per row. They run in one
+C++ call per layer (`kvflow.kernels.quant.fused_moe`, csrc/quant_moe.cpp): the loop over the selected experts is in
+C++, each expert's gate_up and down products over the tokens that picked it on the dense layers' quantized products
+(the GEMV for decode-sized groups, the interleaved / tiled / W8A8 products above, by the same row thresholds as a
+dense layer of that many rows), results weighted and summed in float32. Without the kernels `experts_quantized`
+runs the same products one expert at a time (`quant.ggml_linear` / `quant.int8_linear`, their references).
+Batch independence (quantized kernel path): a token's output is bitwise the same alone or in any batch in which each
+of its experts gets at most `quant.QUANT_GEMV_MAX_ROWS` (8) tokens, every product then being the GEMV, which sums
+each row alone in a fixed order (tests/kernels/test_moe_quant_kernel.py); above that an expert's group runs on the
+dense prefill products (the 4-bit types: the same integer dots summed in another order; Q8_0 / int8: W8A8 above 32 /
+8 rows), as a dense layer's rows do.
+
 Invariants: the expert weights are stacked, `w13_weight [num_experts, 2 * local, hidden]` (each expert's gate
 rows, then its up rows) and `w2_weight [num_experts, hidden, local]`, where `local` is this rank's part of the
 intermediate size (`intermediate_range`); they load from a checkpoint's per-expert tensors through their
@@ -41,7 +55,16 @@ from torch import nn
 
 from kvflow import kernels
 from kvflow.distributed.parallel_state import TensorParallelGroup, split_evenly
-from kvflow.models.layers.weights import CheckpointTensor, copy_checked, narrow, set_weight_loader
+from kvflow.kernels import quant
+from kvflow.models.layers.weights import (
+    CheckpointTensor,
+    WeightShapeError,
+    copy_checked,
+    narrow,
+    set_weight_loader,
+)
+
+INT8 = "int8"  # quantize_experts' weight type for int8 rows (kvflow.models.quantization.INT8)
 
 # (router logits [tokens, experts], top_k) -> (weights float32 [tokens, top_k], expert ids [tokens, top_k]).
 RoutingFunction = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
@@ -110,6 +133,10 @@ class FusedMoE(nn.Module):
         # The shards `load_weights` expects a whole checkpoint to fill.
         for param_name, shards in self.expert_shards().items():
             getattr(self, param_name).checkpoint_shards = shards
+        self.expert_names = expert_names
+        # None: float experts (the model dtype); else the storage `quantize_experts` made (GGUF types or "int8").
+        self.w13_type: str | None = None
+        self.w2_type: str | None = None
         gate, up, down = (re.escape(name) for name in expert_names)
         self._expert_pattern = re.compile(rf"\.experts\.(\d+)\.({gate}|{up}|{down})\.weight$")
         self._parts = {expert_names[0]: ("w13_weight", 0), expert_names[1]: ("w13_weight", 1)}
@@ -151,15 +178,94 @@ class FusedMoE(nn.Module):
         rows = slice(start, start + length)
         return (rows,) if param_name == "w13_weight" else (slice(None), rows)
 
+    def quantize_experts(self, w13_type: str, w2_type: str) -> None:
+        """Swap the float expert stacks for quantized storage, before any weight loads: GGUF blocks (`w13_type` for
+        gate and up, `w2_type` for down, each one of `kvflow.kernels.quant.GGML_BLOCK_SIZES`: uint8
+        `[num_experts, rows, row_bytes]`, the loaders copy the file's blocks), or `"int8"` for both (int8 rows with a
+        float32 scale per row, `w13_scale [num_experts, 2 * local]` / `w2_scale [num_experts, hidden]`, the loaders
+        quantize each float row as `quant.int8_quantize`). ValueError when a row is no whole number of blocks (a
+        tensor-parallel split of the intermediate dimension that cuts the down projection's blocks)."""
+        num_experts, rows13, hidden = self.w13_weight.shape
+        local = self.intermediate_range[1]
+        device = self.w13_weight.device
+        if (w13_type == INT8) != (w2_type == INT8):
+            raise ValueError(
+                f"FusedMoE: int8 experts quantize every product, got {w13_type} / {w2_type}"
+            )
+        if w13_type == INT8:
+            w13 = torch.zeros(num_experts, rows13, hidden, dtype=torch.int8, device=device)
+            w2 = torch.zeros(num_experts, hidden, local, dtype=torch.int8, device=device)
+            self.register_buffer("w13_scale", torch.ones(num_experts, rows13, device=device))
+            self.register_buffer("w2_scale", torch.ones(num_experts, hidden, device=device))
+        else:
+            try:
+                w13_bytes = quant.ggml_row_bytes(w13_type, hidden)
+                w2_bytes = quant.ggml_row_bytes(w2_type, local)
+            except ValueError as error:
+                raise ValueError(
+                    f"FusedMoE: experts kept as GGUF blocks need whole blocks per row ({error}); with tensor "
+                    f"parallelism each rank's {local} of the intermediate {self.intermediate_size} columns of the "
+                    "down projection must be whole blocks: use fewer ranks"
+                ) from None
+            w13 = torch.zeros(num_experts, rows13, w13_bytes, dtype=torch.uint8, device=device)
+            w2 = torch.zeros(num_experts, hidden, w2_bytes, dtype=torch.uint8, device=device)
+        shards = self.expert_shards()
+        for name, data, loader in (
+            ("w13_weight", w13, self._load_w13),
+            ("w2_weight", w2, self._load_w2),
+        ):
+            param = nn.Parameter(data, requires_grad=False)
+            set_weight_loader(param, loader)
+            param.checkpoint_shards = shards[name]
+            setattr(self, name, param)
+        self.w13_type, self.w2_type = w13_type, w2_type
+
+    def expert_weight_bytes(self) -> int:
+        """The bytes the experts' weights (and int8 scales) hold in memory."""
+        tensors = [self.w13_weight, self.w2_weight]
+        if self.w13_type == INT8:
+            tensors += [self.w13_scale, self.w2_scale]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def _load_w13(self, param: nn.Parameter, loaded: CheckpointTensor, shard: object) -> None:
         expert, part = self._expert_index(shard)
         rows = self.intermediate_range[1]
         part_weight = narrow(loaded, self.checkpoint_index("w13_weight", shard))
-        copy_checked(param.data[expert, part * rows : (part + 1) * rows], part_weight)
+        self._store("w13", expert, slice(part * rows, (part + 1) * rows), part_weight)
 
     def _load_w2(self, param: nn.Parameter, loaded: CheckpointTensor, shard: object) -> None:
         expert, _ = self._expert_index(shard)
-        copy_checked(param.data[expert], narrow(loaded, self.checkpoint_index("w2_weight", shard)))
+        self._store(
+            "w2", expert, slice(None), narrow(loaded, self.checkpoint_index("w2_weight", shard))
+        )
+
+    def _store(self, name: str, expert: int, rows: slice, part: object) -> None:
+        """One checkpoint part into rows `rows` of expert `expert` of `{name}_weight`, as its storage holds it:
+        float (GGUF blocks dequantized), the file's GGUF blocks as they are, or int8 quantized per row."""
+        destination = getattr(self, f"{name}_weight").data[expert, rows]
+        weight_type = getattr(self, f"{name}_type")
+        blocks_type = getattr(part, "qtype", None)  # a GGUF file's tensor (gguf_file.GGUFTensor)
+        if weight_type is None or weight_type == INT8:
+            if blocks_type is not None:  # experts the plan left in float: the blocks dequantized
+                part = quant.dequantize(blocks_type, part.data).view(part.shape)
+            if weight_type is None:
+                copy_checked(destination, part)
+                return
+            if tuple(destination.shape) != tuple(part.shape):
+                raise WeightShapeError(
+                    f"checkpoint {tuple(part.shape)}, model {tuple(destination.shape)}"
+                )
+            qweight, scale = quant.int8_quantize(part.to(destination.device))
+            with torch.no_grad():
+                destination.copy_(qweight)
+                getattr(self, f"{name}_scale")[expert, rows] = scale
+            return
+        if blocks_type != weight_type:
+            raise ValueError(
+                f"FusedMoE: the experts' {name} is stored as GGUF {weight_type} blocks; got "
+                f"{blocks_type or 'float weights'} (weight updates into GGUF experts are not supported)"
+            )
+        copy_checked(destination, part.data)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -171,9 +277,54 @@ class FusedMoE(nn.Module):
         self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         """The experts' weighted sum for each token (this rank's part of it): the C++ kernel where it applies,
-        else the PyTorch path. The one place that chooses (a quantized-experts path plugs in here)."""
+        else the PyTorch path; for quantized experts `quant.fused_moe` (one C++ call) else `experts_quantized`.
+        The one place that chooses."""
+        if self.w13_type is not None:
+            out = quant.fused_moe(hidden_states, *self._quantized_weights(), weights, ids)
+            return out if out is not None else self.experts_quantized(hidden_states, weights, ids)
         out = kernels.fused_moe(hidden_states, self.w13_weight, self.w2_weight, weights, ids)
         return out if out is not None else self.experts_torch(hidden_states, weights, ids)
+
+    def _quantized_weights(self) -> tuple:
+        """(w13, w13_type, w13_scale, w2, w2_type, w2_scale) as `quant.fused_moe` takes them."""
+        int8 = self.w13_type == INT8
+        return (
+            self.w13_weight,
+            self.w13_type,
+            self.w13_scale if int8 else None,
+            self.w2_weight,
+            self.w2_type,
+            self.w2_scale if int8 else None,
+        )
+
+    def experts_quantized(
+        self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The quantized experts in PyTorch, one `quant.ggml_linear` / `quant.int8_linear` per product (their C++
+        kernels or their references): what the C++ path computes, summed the same way (fp32 weighting, a
+        token's results added in ascending expert order in fp32, one cast); the fallback and a test reference."""
+        w13, w13_type, w13_scale, w2, w2_type, w2_scale = self._quantized_weights()
+
+        def product(x: torch.Tensor, weight: torch.Tensor, qtype: str, scale: torch.Tensor | None):
+            if qtype == INT8:
+                return quant.int8_linear(x, weight, scale)
+            return quant.ggml_linear(x, qtype, weight)
+
+        x = hidden_states.float()
+        ids, order = ids.sort(dim=-1)
+        weights = weights.float().gather(-1, order)
+        results = torch.zeros(*ids.shape, x.shape[-1])
+        for expert in ids.unique().tolist():
+            tokens, slots = (ids == expert).nonzero(as_tuple=True)
+            scale13 = None if w13_scale is None else w13_scale[expert]
+            scale2 = None if w2_scale is None else w2_scale[expert]
+            gate, up = product(x[tokens], w13[expert], w13_type, scale13).chunk(2, dim=-1)
+            down = product(F.silu(gate) * up, w2[expert], w2_type, scale2)
+            results[tokens, slots] = down * weights[tokens, slots, None]
+        output = results[:, 0]
+        for slot in range(1, ids.shape[1]):
+            output = output + results[:, slot]
+        return output.to(hidden_states.dtype)
 
     def experts_torch(
         self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor

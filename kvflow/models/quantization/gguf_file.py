@@ -23,8 +23,8 @@ What llama.cpp's converter changed is undone here, so the model sees its Hugging
   the head size (Phi-4-mini) is `partial_rotary_factor`.
 * Mixture of experts (`llama` with `expert_count`: Mixtral; `qwen2moe`; `qwen3moe`): each `[experts, rows,
   columns]` tensor (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`) is yielded per expert under its Hugging Face
-  name, and with the router (`ffn_gate_inp`) and Qwen2-MoE's shared-expert gate (`ffn_gate_inp_shexp`) is
-  dequantized to float32 as it loads (a first step: kvflow's expert layer has no quantized storage yet); the shared
+  name as the file's blocks (`FusedMoE.quantize_experts` keeps them, see `gguf_plan`); the router (`ffn_gate_inp`)
+  and Qwen2-MoE's shared-expert gate (`ffn_gate_inp_shexp`) are dequantized to float32 as they load; the shared
   expert (`ffn_*_shexp`) keeps its blocks as any MLP. Layers without a router are dense (`mlp_only_layers`); top-k
   weights are renormalised as llama.cpp's graph does (Mixtral and Qwen3-MoE: yes, Qwen2-MoE: no).
 
@@ -656,12 +656,12 @@ def _split_fused(
 
 
 def _split_experts(hf_name: str, info: GGUFTensorInfo) -> dict[str, GGUFTensorInfo]:
-    """A stacked `[experts, rows, columns]` tensor as one float32 `[rows, columns]` info per expert."""
+    """A stacked `[experts, rows, columns]` tensor as one `[rows, columns]` info per expert, of the file's type
+    (blocks: `GGUFTensor`s that FusedMoE keeps, or dequantizes where the plan leaves the experts in float)."""
     num_experts, rows, columns = info.shape
     return {
         hf_name.format(expert=expert): dataclasses.replace(
             info,
-            qtype="F32",
             shape=(rows, columns),
             num_bytes=info.num_bytes // num_experts,
             expert=expert,

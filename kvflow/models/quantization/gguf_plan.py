@@ -15,6 +15,10 @@ file's weights. The cost is memory: a Q8_0 block takes 34 bytes per 32 weights a
 (176 per 256), so those tensors are held at 1.55x (Q5_0) / 1.24x (Q5_K) their bytes in the file. The simpler choice
 than a 5-bit kernel (one more block type in the C++ products) for tensors that are a small share of a Q4_K_M file.
 
+A mixture-of-experts layer (`FusedMoE`) keeps its experts on the file's blocks too (`FusedMoE.quantize_experts`:
+`[experts, rows, row_bytes]` stacks of gate/up and of down, the file's bytes), run per layer in one C++ call on the
+dense products (`kvflow.kernels.quant.fused_moe`); its router is float.
+
 Weight updates (`strict=False` loads of float tensors) into quantized storage are refused with the tensor's name.
 """
 
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.kernels import quant
+from kvflow.models.layers.fused_moe import FusedMoE
 from kvflow.models.layers.linear import FusedProduct, Linear, LinearMethod, QuantRun
 from kvflow.models.layers.vocab import LMHead, VocabEmbedding
 from kvflow.models.layers.weights import (
@@ -277,10 +282,49 @@ class GGUFPlan:
                 continue  # an ordinary float layer
             module.quant_method = GGUFLinear(module, shard_types, module_name)
         self._apply_vocab(model)
+        self._apply_experts(model, counts)
         logger.info(
             "GGUF weights kept in their blocks: %s",
             ", ".join(f"{count} {qtype}" for qtype, count in sorted(counts.items())),
         )
+
+    def _apply_experts(self, model: nn.Module, counts: dict[str, int]) -> None:
+        """Every mixture-of-experts layer's experts on the file's blocks (`FusedMoE.quantize_experts`: gate and up
+        of one type, down of one type, for every expert; the model's `checkpoint_target` maps the file's names).
+        Float experts in the file stay float, and so (dequantized as they load, with a warning) do experts whose
+        gate and up types differ."""
+        target_of = getattr(model, "checkpoint_target", None)
+        if target_of is None:
+            return
+        # FusedMoE name -> "w13" / "w2" -> the file's types
+        types: dict[str, dict[str, set[str]]] = {}
+        for hf_name, info in self.infos.items():
+            target = target_of(hf_name)
+            if target is None:
+                continue
+            module_name, _, param_name = target[0].rpartition(".")
+            if param_name in ("w13_weight", "w2_weight"):
+                types.setdefault(module_name, {}).setdefault(param_name[:-7], set()).add(info.qtype)
+        for module_name, found in types.items():
+            layer = model.get_submodule(module_name)
+            assert isinstance(layer, FusedMoE)
+            w13_types, w2_types = found.get("w13", set()), found.get("w2", set())
+            key = f"{'/'.join(sorted(w13_types | w2_types))} experts"
+            counts[key] = counts.get(key, 0) + 1
+            if any(qtype in FLOAT_TYPES for qtype in w13_types | w2_types):
+                if not (w13_types | w2_types) <= FLOAT_TYPES.keys():
+                    logger.warning("%s: experts of types %s kept in float", module_name, key)
+                continue
+            if len(w13_types) != 1 or len(w2_types) != 1:
+                logger.warning(
+                    "%s: experts of several types (gate/up %s, down %s) kept in float (dequantized as they "
+                    "load)",
+                    module_name,
+                    sorted(w13_types),
+                    sorted(w2_types),
+                )
+                continue
+            layer.quantize_experts(w13_types.pop(), w2_types.pop())
 
     def _apply_vocab(self, model: nn.Module) -> None:
         embedding = model.get_submodule("model.embed_tokens")

@@ -4,7 +4,9 @@ Every linear layer (fused QKV, output, gate/up and down projections) holds `weig
 `weight_scale` as float32 `[rows]`; its weight loader quantizes each checkpoint shard's rows as they arrive (rows are
 output channels, so a fused layer's shards and a tensor-parallel rank's rows quantize independently; a row-parallel
 rank quantizes its own columns of each row). Activations stay in the model dtype; the kernel widens the int8
-weights in registers (`kvflow.kernels.quant.int8_linear_for`).
+weights in registers (`kvflow.kernels.quant.int8_linear_for`). A mixture-of-experts layer's experts are int8 rows
+the same way (`FusedMoE.quantize_experts("int8", "int8")`, run by the int8 products through `quant.fused_moe`);
+its router stays in the model dtype.
 
 The token embedding stays in the model dtype (a lookup reads a few rows). The LM head stays in the model dtype too
 unless `quantize_lm_head`: then it gets an int8 copy with its own scales, re-quantized after every load (it may be
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from kvflow.kernels import quant
+from kvflow.models.layers.fused_moe import FusedMoE
 from kvflow.models.layers.linear import FusedProduct, Linear, LinearMethod, QuantRun
 from kvflow.models.layers.vocab import LMHead
 from kvflow.models.layers.weights import (
@@ -131,13 +134,19 @@ class Int8Plan:
             if isinstance(module, Linear):
                 module.quant_method = Int8Linear(module)
                 count += 1
+        experts = 0
+        for module in model.modules():
+            if isinstance(module, FusedMoE):
+                module.quantize_experts(INT8, INT8)
+                experts += 1
         if self.quantize_lm_head:
             for module in model.modules():
                 if isinstance(module, LMHead):
                     module.quant_method = Int8Head(module)
         logger.info(
-            "int8 weight-only quantization: %d linear layers%s, kernel %s",
+            "int8 weight-only quantization: %d linear layers, %d expert layers%s, kernel %s",
             count,
+            experts,
             " and the LM head" if self.quantize_lm_head else " (LM head and embedding unquantized)",
             getattr(quant.int8_linear_for(), "__name__", "?"),
         )
