@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -39,31 +40,70 @@ inline __m512 softcap16(__m512 x, float cap) {
 }
 #endif
 
-// Scores of keys [first, last) of one block against `vectors` query vectors (q_buffer, pre-scaled), soft-capped,
-// into scores[v * block_size + j].
+#ifdef KVFLOW_AVX512
+constexpr int kScoreKeys = 4;  // keys per pass of one query vector: independent accumulator chains
+
+// Keys j0 .. j0 + kScoreKeys - 1 clamped to last - 1 (a repeated key's score is computed and discarded).
 template <typename T>
-void block_scores(const T* keys, const float* q_buffer, int64_t vectors, int64_t first, int64_t last,
-                  const AttentionShape& s, float* scores) {
+inline void score_key_rows(const T* keys, int64_t j0, int64_t last, int64_t head_dim, const T* rows[kScoreKeys]) {
+  for (int i = 0; i < kScoreKeys; ++i) rows[i] = keys + std::min<int64_t>(j0 + i, last - 1) * head_dim;
+}
+#endif
+
+// Scores q.k of keys [first, last) of one block against `vectors` query vectors into scores[v * block_size + j],
+// then soft-capped. bf16 with AVX512_BF16: the raw bf16 queries (q_bf16, rows of q_bf16_stride, zero-padded to
+// a multiple of 32) times the keys in pairs, exact products summed in fp32, times scale; otherwise q_buffer
+// (fp32, pre-scaled, rows of padded_dim zero-padded) times the keys widened to fp32.
+template <typename T>
+void block_scores(const T* keys, const float* q_buffer, const bf16* q_bf16, int64_t q_bf16_stride, int64_t vectors,
+                  int64_t first, int64_t last, const AttentionShape& s, float* scores) {
+#ifdef KVFLOW_AVX512
+  for (int64_t v = 0; v < vectors; ++v) {
+    float* row = scores + v * s.block_size;
+    for (int64_t j0 = first; j0 < last; j0 += kScoreKeys) {
+      const T* key_rows[kScoreKeys];
+      score_key_rows(keys, j0, last, s.head_dim, key_rows);
+      __m512 sums[kScoreKeys];
+      for (int i = 0; i < kScoreKeys; ++i) sums[i] = _mm512_setzero_ps();
+      float factor = 1.f;
+#ifdef __AVX512BF16__
+      if constexpr (std::is_same_v<T, bf16>) {
+        const bf16* q = q_bf16 + v * q_bf16_stride;
+        for (int64_t d = 0; d < s.head_dim; d += 32) {
+          const int64_t left = s.head_dim - d;
+          const __mmask32 mask = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
+          const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+          for (int i = 0; i < kScoreKeys; ++i)
+            sums[i] = _mm512_dpbf16_ps(sums[i], qv, (__m512bh)_mm512_maskz_loadu_epi16(mask, key_rows[i] + d));
+        }
+        factor = s.scale;
+      } else
+#endif
+      {
+        const float* q = q_buffer + v * s.padded_dim;
+        for (int64_t d = 0; d < s.head_dim; d += 16) {
+          const __mmask16 mask = tail_mask(s.head_dim - d);
+          const __m512 qv = _mm512_loadu_ps(q + d);
+          for (int i = 0; i < kScoreKeys; ++i) sums[i] = _mm512_fmadd_ps(qv, load16(key_rows[i] + d, mask), sums[i]);
+        }
+      }
+      for (int64_t i = 0; i < std::min<int64_t>(kScoreKeys, last - j0); ++i)
+        row[j0 + i] = _mm512_reduce_add_ps(sums[i]) * factor;
+    }
+  }
+#else
+  (void)q_bf16;
+  (void)q_bf16_stride;
   for (int64_t j = first; j < last; ++j) {
     const T* key = keys + j * s.head_dim;
-#ifdef KVFLOW_AVX512
-    __m512 partial[kMaxVectors];
-    for (int64_t v = 0; v < vectors; ++v) partial[v] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < s.head_dim; d += 16) {
-      __m512 k = load16(key + d, tail_mask(s.head_dim - d));
-      for (int64_t v = 0; v < vectors; ++v)
-        partial[v] = _mm512_fmadd_ps(_mm512_loadu_ps(q_buffer + v * s.padded_dim + d), k, partial[v]);
-    }
-    for (int64_t v = 0; v < vectors; ++v) scores[v * s.block_size + j] = _mm512_reduce_add_ps(partial[v]);
-#else
     for (int64_t v = 0; v < vectors; ++v) {
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < s.head_dim; ++d) sum += q_buffer[v * s.padded_dim + d] * to_float<T>(key[d]);
       scores[v * s.block_size + j] = sum;
     }
-#endif
   }
+#endif
   if (s.softcap <= 0.f) return;
   for (int64_t v = 0; v < vectors; ++v) {
     float* row = scores + v * s.block_size;
@@ -77,6 +117,37 @@ void block_scores(const T* keys, const float* q_buffer, int64_t vectors, int64_t
 #endif
   }
 }
+
+#ifdef KVFLOW_AVX512
+constexpr int64_t kPvVectors = 8;
+
+// acc[i * acc_stride .. + 16] += sum_j p[i * p_stride + j] * values[j * value_stride .. + 16] for i < N, j in
+// [first, last): the N accumulators stay in registers across the keys and each loaded V slice serves all of them.
+template <int N, typename T>
+inline void accumulate_values_n(const float* p, int64_t p_stride, int64_t first, int64_t last, const T* values,
+                                int64_t value_stride, __mmask16 mask, float* acc, int64_t acc_stride) {
+  __m512 sums[N];
+  for (int i = 0; i < N; ++i) sums[i] = _mm512_loadu_ps(acc + i * acc_stride);
+  for (int64_t j = first; j < last; ++j) {
+    const __m512 value = load16(values + j * value_stride, mask);
+    for (int i = 0; i < N; ++i) sums[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i * p_stride + j]), value, sums[i]);
+  }
+  for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + i * acc_stride, sums[i]);
+}
+
+template <typename T>
+inline void accumulate_values(int64_t count, const float* p, int64_t p_stride, int64_t first, int64_t last,
+                              const T* values, int64_t value_stride, __mmask16 mask, float* acc, int64_t acc_stride) {
+  switch (count) {
+#define KVFLOW_CASE(n) \
+  case n:              \
+    return accumulate_values_n<n, T>(p, p_stride, first, last, values, value_stride, mask, acc, acc_stride);
+    KVFLOW_CASE(1) KVFLOW_CASE(2) KVFLOW_CASE(3) KVFLOW_CASE(4) KVFLOW_CASE(5) KVFLOW_CASE(6) KVFLOW_CASE(7)
+    KVFLOW_CASE(8)
+#undef KVFLOW_CASE
+  }
+}
+#endif
 
 // Folds one block's scores (keys [first, last) at positions base + j) into vector v's running max and sum:
 // keys outside [lo, hi) get probability 0; scores become probabilities relative to the new running max; returns
@@ -121,8 +192,9 @@ inline float fold_block(float* row, int64_t first, int64_t last, int64_t base, i
 template <typename T>
 void attend_tile(const T* query, int64_t q_token_stride, int64_t q_head_stride, int64_t first_position,
                  int64_t tokens, const T* key_cache, const T* value_cache, const int32_t* table, int64_t kv_head,
-                 const AttentionShape& s, T* out, int64_t out_token_stride, float* q_buffer, float* acc,
-                 float* scores) {
+                 const AttentionShape& s, T* out, int64_t out_token_stride, float* q_buffer, bf16* q_bf16,
+                 float* acc, float* scores) {
+  const int64_t q_bf16_stride = (s.head_dim + 31) / 32 * 32;
   const int64_t vectors = tokens * s.group, padded_dim = s.padded_dim, block_size = s.block_size;
   float running_max[kMaxVectors], running_sum[kMaxVectors];
   int64_t lo[kMaxVectors], hi[kMaxVectors];
@@ -133,6 +205,8 @@ void attend_tile(const T* query, int64_t q_token_stride, int64_t q_head_stride, 
       q_buffer[v * padded_dim + d] = d < s.head_dim ? to_float<T>(q[d]) * s.scale : 0.f;
       acc[v * padded_dim + d] = 0.f;
     }
+    if constexpr (std::is_same_v<T, bf16>)
+      for (int64_t d = 0; d < q_bf16_stride; ++d) q_bf16[v * q_bf16_stride + d] = d < s.head_dim ? q[d] : bf16{0};
     running_max[v] = -std::numeric_limits<float>::infinity();
     running_sum[v] = 0.f;
     hi[v] = first_position + t + 1;
@@ -144,7 +218,7 @@ void attend_tile(const T* query, int64_t q_token_stride, int64_t q_head_stride, 
     const int64_t first = std::max(start, base) - base, last = std::min(end - base, block_size);
     const int64_t offset = ((kv_head * s.num_blocks + table[b]) * block_size) * s.head_dim;
     const T* values = value_cache + offset;
-    block_scores<T>(key_cache + offset, q_buffer, vectors, first, last, s, scores);
+    block_scores<T>(key_cache + offset, q_buffer, q_bf16, q_bf16_stride, vectors, first, last, s, scores);
     for (int64_t v = 0; v < vectors; ++v) {
       const float correction =
           fold_block(scores + v * block_size, first, last, base, lo[v], hi[v], running_max[v], running_sum[v]);
@@ -152,18 +226,11 @@ void attend_tile(const T* query, int64_t q_token_stride, int64_t q_head_stride, 
         for (int64_t d = 0; d < padded_dim; ++d) acc[v * padded_dim + d] *= correction;
     }
 #ifdef KVFLOW_AVX512
-    // acc[v] += sum_j p[v, j] * V[j], one 16-wide slice of the head at a time so each accumulator stays in a
-    // register across the block's keys
-    for (int64_t d = 0; d < s.head_dim; d += 16) {
-      const __mmask16 mask = tail_mask(s.head_dim - d);
-      for (int64_t v = 0; v < vectors; ++v) {
-        const float* p = scores + v * block_size;
-        __m512 sum = _mm512_loadu_ps(acc + v * padded_dim + d);
-        for (int64_t j = first; j < last; ++j)
-          sum = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), load16(values + j * s.head_dim + d, mask), sum);
-        _mm512_storeu_ps(acc + v * padded_dim + d, sum);
-      }
-    }
+    // acc[v] += sum_j p[v, j] * V[j]: one 16-wide slice of the head for up to kPvVectors vectors at a time
+    for (int64_t d = 0; d < s.head_dim; d += 16)
+      for (int64_t v0 = 0; v0 < vectors; v0 += kPvVectors)
+        accumulate_values(std::min(kPvVectors, vectors - v0), scores + v0 * block_size, block_size, first, last,
+                          values + d, s.head_dim, tail_mask(s.head_dim - d), acc + v0 * padded_dim + d, padded_dim);
 #else
     for (int64_t j = first; j < last; ++j) {
       const T* value = values + j * s.head_dim;
@@ -208,6 +275,7 @@ void paged_attention(const T* query, int64_t q_token_stride, int64_t q_head_stri
     const int64_t vectors = tile_tokens * group;
     std::vector<float> q_buffer(vectors * shape.padded_dim), acc(vectors * shape.padded_dim),
         scores(vectors * block_size);
+    std::vector<bf16> q_bf16(vectors * ((head_dim + 31) / 32 * 32));
     // later tiles of a row see more keys: dynamic scheduling balances them
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -218,8 +286,8 @@ void paged_attention(const T* query, int64_t q_token_stride, int64_t q_head_stri
       const int64_t token = token_start[row] + first;
       attend_tile<T>(query + token * q_token_stride, q_token_stride, q_head_stride, seq_lens[row] - count + first,
                      tokens, key_cache, value_cache, block_tables + row * table_stride, kv_head, shape,
-                     out + token * num_heads * head_dim, num_heads * head_dim, q_buffer.data(), acc.data(),
-                     scores.data());
+                     out + token * num_heads * head_dim, num_heads * head_dim, q_buffer.data(), q_bf16.data(),
+                     acc.data(), scores.data());
     }
   }
 }
