@@ -21,6 +21,7 @@ from paged_model_driver import PagedDriver
 from kvflow import LLM, SamplingParams
 from kvflow.models.loader import load_model
 from kvflow.testing.hf_checkpoints import hf_greedy, hf_logits
+from kvflow.testing.tensor_parallel import parameter_shapes
 
 if TYPE_CHECKING:
     from kvflow.models.decoder_lm import DecoderForCausalLM
@@ -220,3 +221,40 @@ class FamilySuite:
                 logits[name] = driver.prompt_logits("a", [40])
             same = logits["int8"].argmax(-1) == logits["float"].argmax(-1)
             assert float(same.float().mean()) >= INT8_AGREEMENT, float(same.float().mean())
+
+
+class TensorParallelSuite:
+    """Two tensor-parallel ranks for a family with no tensor-parallel test of its own (a mixin beside
+    `FamilySuite`): the checkpoint's heads and MLP split over two multiprocess workers (gloo on CPU)."""
+
+    vocab_size: ClassVar[int]
+
+    def test_llm_two_ranks_generate_transformers_greedy(self, checkpoint: Checkpoint) -> None:
+        """`LLM(tensor_parallel_size=2)`: chunked prefill (a prompt longer than the step budget) and batched
+        decode give transformers' greedy tokens, and each rank holds half of the fused q/k/v rows."""
+        prompts = [
+            random_prompt(seed, length, self.vocab_size) for seed, length in ((60, 30), (61, 9))
+        ]
+        llm = LLM(
+            str(checkpoint.path),
+            tensor_parallel_size=2,
+            distributed_executor_backend="mp",
+            skip_tokenizer_init=True,
+            disable_log_stats=True,
+            block_size=4,
+            max_num_batched_tokens=16,
+            max_num_seqs=4,
+        )
+        try:
+            params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+            outputs = llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+            )
+            rank_shapes = llm.collective_rpc(parameter_shapes)
+        finally:
+            llm.shutdown()
+        for prompt, output in zip(prompts, outputs, strict=True):
+            assert list(output.outputs[0].token_ids) == checkpoint.greedy(prompt, 10)
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        rows, columns = dict(load_model(checkpoint.path).named_parameters())[qkv].shape
+        assert [shapes[qkv] for shapes in rank_shapes] == [(rows // 2, columns)] * 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_suite import Checkpoint, FamilySuite, random_prompt
+from family_suite import Checkpoint, FamilySuite, TensorParallelSuite, random_prompt
 from paged_model_driver import PagedDriver
 
 from kvflow.models.gemma3 import Gemma3ForCausalLM
@@ -198,7 +198,7 @@ def test_bfloat16_matches_transformers_bfloat16(checkpoint: Checkpoint, backend:
         assert error_vs_float32 <= mean_bfloat16_error, (error_vs_float32, mean_bfloat16_error)
 
 
-class TestGemma3Family(FamilySuite):
+class TestGemma3Family(FamilySuite, TensorParallelSuite):
     """The checks every family's comparison with transformers makes (`family_suite`)."""
 
     vocab_size = VOCAB_SIZE

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from family_suite import Checkpoint, FamilySuite
+from family_suite import Checkpoint, FamilySuite, TensorParallelSuite
 from paged_model_driver import PagedDriver
 
 from kvflow import LLM, SamplingParams
@@ -420,7 +420,7 @@ def test_legacy_su_config_reads_the_top_level_original_length() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- Phi-4-mini
-class TestPhi4MiniFamily(FamilySuite):
+class TestPhi4MiniFamily(FamilySuite, TensorParallelSuite):
     """The checks every family's comparison with transformers makes (`family_suite`), on the Phi-4-mini-shaped
     checkpoint: partial rotary with LongRoPE (one factor set) and tied embeddings."""
 
