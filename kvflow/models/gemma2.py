@@ -6,8 +6,8 @@ both the attention and the MLP (four norms per layer), a GELU-tanh gated MLP (`G
 "gelu_pytorch_tanh"), the attention scale `query_pre_attn_scalar ** -0.5`, attention-logit soft-capping (the
 backend's `softcap`), final-logit soft-capping, alternating sliding-window layers (the config's `layer_types`) and
 tied embeddings. The shared `SelfAttention` and `GatedMLP` blocks and the `DecoderForCausalLM` shell are used as
-they are; the C++ decode kernel has no soft-capping, so the "cpu" backend attends a Gemma 2 model's rows in torch
-(`CpuPagedAttention`), and the Llama fused decode path never takes it.
+they are; the "cpu" backend's C++ attention kernel soft-caps, so it attends every row of a Gemma 2 step, prompt
+and decode (`CpuPagedAttention`); the Llama fused decode path never takes the model.
 """
 
 from __future__ import annotations

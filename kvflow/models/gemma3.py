@@ -5,7 +5,8 @@ optional final-logit soft-capping; `Gemma2ForCausalLM` holds those pieces) plus 
 `modeling_gemma3` adds: a `(1 + w)` RMSNorm on each query and key head before RoPE, and local (sliding-window) and
 global layers chosen by the config's `layer_types`, each with its own rotary table: local layers plain RoPE at
 `rope_local_base_freq`, global ones `rope_theta` with `rope_scaling`. Attention soft-capping is off by default
-(`attn_logit_softcapping` None), so the "cpu" backend may use its C++ decode kernel.
+(`attn_logit_softcapping` None); the "cpu" backend's C++ kernel attends decode rows, and prompt rows of the
+sliding-window layers (reading only the window), soft-capped or not.
 """
 
 from __future__ import annotations
