@@ -198,3 +198,31 @@ def test_softcap_in_torch_env_restores_the_torch_route(
             kernel_output = output
         else:
             torch.testing.assert_close(output, kernel_output, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_float16_rows_take_the_torch_path(ops: object, window: int | None) -> None:
+    """The kernel takes bfloat16 and float32 only: in float16 every row, kernel rows included, is the torch
+    backend's."""
+    requests = CASES["mixed"]
+    step = _make_step(
+        requests,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=4,
+        dtype=torch.float16,
+        seed=8,
+    )
+    cpu, reference_backend = _backends(4, 2, 16, SOFTCAP)
+    metadata = cpu.build_metadata(step.batch, window)
+    assert metadata.kernel is not None
+    output = cpu.forward(step.query, step.step_keys, step.step_values, step.cache.clone(), metadata)
+    expected = reference_backend.forward(
+        step.query,
+        step.step_keys,
+        step.step_values,
+        step.cache.clone(),
+        reference_backend.build_metadata(step.batch, window),
+    )
+    assert torch.equal(output, expected)

@@ -19,7 +19,9 @@ for A/B measurements (benchmarks/gemma_attention.py).
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -63,10 +65,12 @@ class CpuKernelRows:
 @dataclass
 class CpuPagedMetadata:
     """The torch backend's plan for the rows the kernel does not take (`torch_plan.decode` is None when `kernel`
-    is set) plus the kernel's rows. With `kernel` None, `torch_plan` covers every row."""
+    is set) plus the kernel's rows. With `kernel` None, `torch_plan` covers every row. `whole_torch_plan()` is the
+    torch backend's plan for every row, built (once) only for a dtype the kernel does not take (float16)."""
 
     torch_plan: TorchPagedMetadata
     kernel: CpuKernelRows | None
+    whole_torch_plan: Callable[[], TorchPagedMetadata] | None = None
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -145,7 +149,13 @@ class CpuPagedAttention(TorchPagedAttention):
             decode=None,
             prefills=prefills,
         )
-        return CpuPagedMetadata(plan, kernel)
+        return CpuPagedMetadata(
+            plan,
+            kernel,
+            functools.cache(
+                functools.partial(TorchPagedAttention.build_metadata, self, batch, sliding_window)
+            ),
+        )
 
     def forward(
         self,
@@ -156,8 +166,11 @@ class CpuPagedAttention(TorchPagedAttention):
         metadata: CpuPagedMetadata,
     ) -> torch.Tensor:
         plan, rows = metadata.torch_plan, metadata.kernel
-        if rows is None or query.dtype not in _KERNEL_DTYPES:
+        if rows is None:
             return super().forward(query, key, value, kv_cache_layer, plan)
+        if query.dtype not in _KERNEL_DTYPES:
+            assert metadata.whole_torch_plan is not None
+            return super().forward(query, key, value, kv_cache_layer, metadata.whole_torch_plan())
         ops = load_cpu_kernels()
         key_cache, value_cache = kv_cache_layer[0], kv_cache_layer[1]
         ops.store_kv(key, value, plan.slot_mapping, key_cache, value_cache)
