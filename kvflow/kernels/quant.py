@@ -41,6 +41,10 @@ Q8_0 keeps fp32 x up to `QUANT_TILED_MAX_ROWS` rows, int8 up to `QUANT_GEMV_MAX_
 on CPUs without VNNI: their 8-bit quants widen in one instruction, and a Q8_0 model decodes exactly like its float32
 dequantization.
 
+Mixture-of-experts layers with quantized experts (`fused_moe`, csrc/quant_moe.cpp) run every selected expert's
+gate_up and down products over the tokens that picked it on these same products, chosen by the group's row count
+with the thresholds above, the loop over experts in C++ (one call per layer).
+
 Every C++ path computes each output element on one thread in a fixed order: results do not depend on the thread
 count. The dequantize + torch fp32 GEMM paths (Q8_0 and int8 at prefill-sized M on CPUs without the W8A8 kernels)
 sum as torch's BLAS does, which on some CPUs splits a sum by thread count.
