@@ -187,3 +187,19 @@ def test_tensor_parallel_q8_0_experts_decode_like_one_rank(
 ) -> None:
     path = write_gguf(checkpoint, tmp_path / "tp.gguf", "Q8_0")
     assert greedy_tokens(path, tensor_parallel_size=2) == greedy_tokens(path)
+
+
+def test_q5_0_experts_run_as_q8_0_blocks_like_dense_layers(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """Q5_0 experts convert to Q8_0 blocks as they load (exactly: the same fp16 scale, q - 16), as dense Q5_0
+    layers do; the file then decodes like its own weights dequantized."""
+    path = write_gguf(
+        checkpoint,
+        tmp_path / "q5.gguf",
+        lambda name, shape: "Q5_0" if "_exps" in name else "Q8_0",
+    )
+    layers = _experts(load_model(path))
+    assert all((layer.w13_type, layer.w2_type) == ("Q8_0", "Q8_0") for layer in layers)
+    dequantized = dequantized_checkpoint(path, checkpoint, tmp_path / "dequantized")
+    assert greedy_tokens(path) == greedy_tokens(dequantized)
