@@ -3,7 +3,7 @@
 
 Files are written by kvflow's converter (`write_gguf`) from tiny random Qwen3-MoE and Qwen2-MoE checkpoints whose
 expert rows are whole 256-element blocks (hidden 256, expert intermediate 256), so Q4_K_M keeps its K-quants there.
-A Q8_0 file decodes token for token like the float32 model of its own weights (`dequantized_checkpoint`): Q8_0
+Mixtral (`llama` with experts) takes the same path. A Q8_0 file decodes token for token like the float32 model of its own weights (`dequantized_checkpoint`): Q8_0
 products of decode-sized groups keep fp32 activations. Q4_K_M quantizes activations per block (as llama.cpp does),
 so it is held to teacher-forced argmax agreement with that float model; int8 experts likewise against the float
 checkpoint.
@@ -201,5 +201,20 @@ def test_q5_0_experts_run_as_q8_0_blocks_like_dense_layers(
     )
     layers = _experts(load_model(path))
     assert all((layer.w13_type, layer.w2_type) == ("Q8_0", "Q8_0") for layer in layers)
+    dequantized = dequantized_checkpoint(path, checkpoint, tmp_path / "dequantized")
+    assert greedy_tokens(path) == greedy_tokens(dequantized)
+
+
+def test_a_mixtral_q8_0_file_keeps_its_experts_on_blocks(tmp_path: Path) -> None:
+    """Mixtral (`llama` with experts; w1 / w3 / w2 through the model's checkpoint_target) as the Qwen files."""
+    checkpoint = make_mixtral_checkpoint(tmp_path / "mixtral")
+    config_file = checkpoint / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(sliding_window=None)  # llama.cpp's `llama` graph attends to the whole sequence
+    config_file.write_text(json.dumps(config, indent=2))
+    path = write_gguf(checkpoint, tmp_path / "mixtral.gguf", "Q8_0")
+    layers = _experts(load_model(path))
+    assert layers and all((layer.w13_type, layer.w2_type) == ("Q8_0", "Q8_0") for layer in layers)
+    assert sum(layer.expert_weight_bytes() for layer in layers) == _file_expert_bytes(path)
     dequantized = dequantized_checkpoint(path, checkpoint, tmp_path / "dequantized")
     assert greedy_tokens(path) == greedy_tokens(dequantized)
