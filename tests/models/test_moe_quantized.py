@@ -2,11 +2,11 @@
 (`gguf_plan`, `FusedMoE.quantize_experts`), and `quantization="int8"` quantizes the experts too.
 
 Files are written by kvflow's converter (`write_gguf`) from tiny random Qwen3-MoE and Qwen2-MoE checkpoints whose
-expert rows are whole 256-element blocks (hidden 256, expert intermediate 256), so Q4_K_M keeps its K-quants there.
-Mixtral (`llama` with experts) takes the same path. A Q8_0 file decodes token for token like the float32 model of its own weights (`dequantized_checkpoint`): Q8_0
-products of decode-sized groups keep fp32 activations. Q4_K_M quantizes activations per block (as llama.cpp does),
-so it is held to teacher-forced argmax agreement with that float model; int8 experts likewise against the float
-checkpoint.
+expert rows are whole 256-element blocks (hidden 256, expert intermediate 256), so Q4_K_M keeps its K-quants there;
+Mixtral (`llama` with experts) takes the same path. A Q8_0 file decodes token for token like the float32 model of
+its own weights (`dequantized_checkpoint`): Q8_0 products of decode-sized groups keep fp32 activations. Q4_K_M
+quantizes activations per block (as llama.cpp does), so it is held to teacher-forced argmax agreement with that
+float model; int8 experts likewise against the float checkpoint.
 """
 
 from __future__ import annotations
