@@ -1,10 +1,11 @@
 """The fused decode path: a decode-only step runs each Llama-family decoder layer as one C++ `decode_layer` call.
 
 `FusedDecodeLayers.select(...)` decides once, when the model is built, whether the model can take this path at all
-(a CPU with the C++ kernels, the "cpu" attention backend, one rank, no per-head q/k norm, RoPE over whole heads
-(`decode_layer` rotates every dim of a head: a partial-rotary model stays per-op), and either bfloat16
-float weights on AVX-512 or quantized weights: GGUF blocks or int8 in every layer's four products, float32 or
-bfloat16 activations); a model that cannot holds None and never asks again. Per step, `run` takes the step only when
+(a CPU with the C++ kernels, the "cpu" attention backend, one rank, RoPE over whole heads (`decode_layer` rotates
+every dim of a head: a partial-rotary model stays per-op), a per-head q/k norm only as Qwen3's `RMSNorm` (which
+`decode_layer` applies after the QKV product, before rotary), and either bfloat16 float weights on AVX-512 or
+quantized weights: GGUF blocks or int8 in every layer's four products, float32 or bfloat16 activations); a model
+that cannot holds None and never asks again. Per step, `run` takes the step only when
 every row is a decode row (one token each, every one sampled) and there are at most `max_rows` of them; otherwise it
 returns None and the model runs its per-op layers.
 
@@ -15,7 +16,8 @@ per-op products stay on those kernels, as each states it: dense bfloat16 layers 
 and their row limit); and never the extension's own limit (`kernels.decode_layer_max_rows()`). This module inspects
 no quantization method: a layer whose method states no fused product keeps its model on the per-op path. A float32
 quantized model's per-op norms run the C++ RMSNorm too (`RMSNorm.float32_kernel`, set here), which the fused layer
-calls: torch's float32 RMSNorm sums in another order. The layer weights are gathered once: weight loaders copy into
+calls: torch's float32 RMSNorm sums in another order; so do its per-head q/k norms (`RMSNorm.forward_heads`),
+whose bfloat16 rows always run on that kernel. The layer weights are gathered once: weight loaders copy into
 the parameters in place, so the tensors gathered here always hold the loaded values.
 """
 
@@ -31,6 +33,7 @@ import torch
 from kvflow import kernels
 from kvflow.kernels import load_cpu_kernels
 from kvflow.models.attention.cpu_paged import CpuPagedAttention, CpuPagedMetadata
+from kvflow.models.layers.norm import RMSNorm
 from kvflow.models.layers.rotary import rotary_dimension
 
 if TYPE_CHECKING:
@@ -46,12 +49,13 @@ LayerWeights = tuple["torch.Tensor | None", ...]
 
 
 def decode_layer_weights(layer: nn.Module) -> LayerWeights:
-    """A Llama-family decoder layer's weights in `decode_layer`'s order: the two norms, then (weight, bias) of QKV,
-    o, gate/up and down."""
+    """A Llama-family decoder layer's weights in `decode_layer`'s order: the two norms, the per-head q and k norms
+    (None without), then (weight, bias) of QKV, o, gate/up and down."""
     attention, mlp = layer.self_attn, layer.mlp
     return (
         layer.input_layernorm.weight,
         layer.post_attention_layernorm.weight,
+        *_head_norms(attention),
         attention.qkv_proj.weight,
         attention.qkv_proj.bias,
         attention.o_proj.weight,
@@ -63,6 +67,13 @@ def decode_layer_weights(layer: nn.Module) -> LayerWeights:
     )
 
 
+def _head_norms(attention: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The attention's per-head q and k norm weights, or (None, None) for a model without them."""
+    if attention.q_norm is None:
+        return None, None
+    return attention.q_norm.weight, attention.k_norm.weight
+
+
 @functools.cache
 def _no_tensor() -> torch.Tensor:
     """The empty tensor that stands for "none" (a GGUF run's scale, a missing bias); made on first use, so that
@@ -71,7 +82,8 @@ def _no_tensor() -> torch.Tensor:
 
 
 class QuantizedLayerArgs:
-    """One layer's arguments for `decode_layer_quantized`, gathered once: the norms, then per run of the four
+    """One layer's arguments for `decode_layer_quantized`, gathered once: the norms (the per-head q/k norms None
+    without), then per run of the four
     products (qkv, o, gate_up, down) its weight, type code, int8 scale (else empty), bias (float32, else empty) and
     `gemv_max_rows` (a run whose product is the same at every row count gets `max_rows`, which no step exceeds).
     A bias in another dtype is converted per call (`biases`), as the per-op path does, so weight updates show."""
@@ -80,6 +92,7 @@ class QuantizedLayerArgs:
         runs = [run for product in products for run in product.runs]
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
+        self.q_norm, self.k_norm = _head_norms(layer.self_attn)
         self.weights = [run.weight for run in runs]
         self.types = [run.type_code for run in runs]
         self.scales = [_no_tensor() if run.scale is None else run.scale for run in runs]
@@ -139,6 +152,14 @@ def _all_quantized_layer_args(
     return args, max_rows
 
 
+def _has_rms_head_norms(layers: Sequence[nn.Module]) -> bool:
+    """Whether every layer's per-head q/k norms are plain `RMSNorm`s (Qwen3's; Gemma's offset weights are not)."""
+    return all(
+        type(layer.self_attn.q_norm) is RMSNorm and type(layer.self_attn.k_norm) is RMSNorm
+        for layer in layers
+    )
+
+
 class FusedDecodeLayers:
     """Runs a decode-only step's decoder layers through `decode_layer`, one call per layer (see module docstring)."""
 
@@ -189,7 +210,7 @@ class FusedDecodeLayers:
             device.type != "cpu"
             or dtype not in (torch.bfloat16, torch.float32)
             or tp.size != 1
-            or config.qk_norm
+            or (config.qk_norm and not _has_rms_head_norms(layers))
             or rotary_dimension(config.head_dim, config.rope_scaling) != config.head_dim
             or config.hidden_act != "silu"  # decode_layer's MLP is SwiGLU
             or config.num_experts  # and dense (a mixture-of-experts block is not)
@@ -211,6 +232,9 @@ class FusedDecodeLayers:
                 for layer in layers:
                     layer.input_layernorm.float32_kernel = True
                     layer.post_attention_layernorm.float32_kernel = True
+                    if layer.self_attn.q_norm is not None:
+                        layer.self_attn.q_norm.float32_kernel = True
+                        layer.self_attn.k_norm.float32_kernel = True
         elif dtype is not torch.bfloat16 or not ops.has_avx512():
             return None
         else:
@@ -278,6 +302,8 @@ class FusedDecodeLayers:
                     residual,
                     args.input_norm,
                     args.post_norm,
+                    args.q_norm,
+                    args.k_norm,
                     args.weights,
                     args.types,
                     args.scales,

@@ -1,6 +1,7 @@
 """`decode_layer`: a decode-only step of a bfloat16 model runs each decoder layer as one C++ call. It chains the
 kernels the per-op path calls, in the same order, so every step's logits must equal the per-op path's bit for bit,
-with QKV bias (Qwen2), without (Llama) and with a sliding window (Mistral, sequences longer than the window).
+with QKV bias (Qwen2), without (Llama), with a sliding window (Mistral, sequences longer than the window) and with
+Qwen3's per-head q/k norms.
 
 The path is a strategy (`FusedDecodeLayers`) chosen once when the model is built; its row limit is the extension's
 own `kMaxDecodeLayerRows`."""
@@ -17,7 +18,7 @@ import torch
 
 from kvflow import kernels
 from kvflow.kernels.build import SOURCE_DIR
-from kvflow.models.fused_decode import FusedDecodeLayers
+from kvflow.models.fused_decode import FusedDecodeLayers, decode_layer_weights
 from kvflow.models.hf_config import load_hf_config
 from kvflow.models.llama import LlamaForCausalLM
 from kvflow.models.loader import load_model
@@ -28,6 +29,7 @@ ARCHITECTURES = {
     "qwen2": {},
     "llama": {},
     "mistral": {"sliding_window": 8},
+    "qwen3": {},
 }
 
 
@@ -259,16 +261,38 @@ def test_the_strategy_is_chosen_once_when_the_model_is_built(
     assert num_fused > 0 and outputs
 
 
-def test_a_model_with_per_head_qk_norm_has_no_fused_path(ops: ModuleType, tmp_path: Path) -> None:
-    path = make_tiny_checkpoint(tmp_path, "qwen3", dtype="bfloat16", num_hidden_layers=1)
+def test_a_qwen3_model_selects_the_fused_path_with_its_head_norms(
+    ops: ModuleType, tmp_path: Path
+) -> None:
+    if not ops.has_avx512():  # type: ignore[attr-defined]
+        pytest.skip("the bfloat16 fused decode_layer runs on AVX-512 machines only")
+    path = make_tiny_checkpoint(tmp_path, "qwen3", dtype="bfloat16", num_hidden_layers=2)
     model = LlamaForCausalLM(load_hf_config(path), dtype=torch.bfloat16, attention_backend="cpu")
-    assert model.fused_decode is None
+    assert model.config.qk_norm
+    assert isinstance(model.fused_decode, FusedDecodeLayers)
+    attention = model.model.layers[1].self_attn
+    weights = decode_layer_weights(model.model.layers[1])
+    assert weights[2] is attention.q_norm.weight and weights[3] is attention.k_norm.weight
+
+
+def test_decode_layer_takes_both_head_norms_or_neither(ops: ModuleType) -> None:
+    head_norm = torch.ones(_HEAD_DIM, dtype=torch.bfloat16)
+    both = (*_LAYER_WEIGHTS[:2], head_norm, head_norm, *_LAYER_WEIGHTS[4:])
+    _call_decode_layer(ops, both, slot=0)
+    with pytest.raises(RuntimeError, match="q_norm and k_norm come together"):
+        _call_decode_layer(ops, (*_LAYER_WEIGHTS[:2], head_norm, *_LAYER_WEIGHTS[3:]), slot=0)
+    with pytest.raises(RuntimeError, match="k_norm must be contiguous"):
+        _call_decode_layer(
+            ops, (*_LAYER_WEIGHTS[:2], head_norm, head_norm[:-1], *_LAYER_WEIGHTS[4:]), slot=0
+        )
 
 
 _HIDDEN, _HEADS, _KV_HEADS, _HEAD_DIM, _INTERMEDIATE = 32, 4, 2, 8, 48
 _LAYER_WEIGHTS = (
     torch.ones(_HIDDEN, dtype=torch.bfloat16),
     torch.ones(_HIDDEN, dtype=torch.bfloat16),
+    None,  # no per-head q/k norms
+    None,
     torch.zeros((_HEADS + 2 * _KV_HEADS) * _HEAD_DIM, _HIDDEN, dtype=torch.bfloat16),
     None,
     torch.zeros(_HIDDEN, _HEADS * _HEAD_DIM, dtype=torch.bfloat16),
@@ -318,5 +342,5 @@ def test_decode_layer_rejects_a_slot_outside_the_cache(ops: ModuleType) -> None:
         _call_decode_layer(ops, _LAYER_WEIGHTS, slot=16, kv_cache=kv_cache)
     assert not kv_cache.any()
     with pytest.raises(RuntimeError, match="qkv must be contiguous"):
-        bad = (*_LAYER_WEIGHTS[:2], _LAYER_WEIGHTS[2][:-1], *_LAYER_WEIGHTS[3:])  # type: ignore[index]
+        bad = (*_LAYER_WEIGHTS[:4], _LAYER_WEIGHTS[4][:-1], *_LAYER_WEIGHTS[5:])  # type: ignore[index]
         _call_decode_layer(ops, bad, slot=0)

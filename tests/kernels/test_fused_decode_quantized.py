@@ -2,8 +2,9 @@
 such a model runs each decoder layer as one C++ call chaining the kernels its per-op layers call (the GGUF / int8
 products of `kvflow.kernels.quant`, the norms, rotary, paged attention), so every step's logits must equal the
 per-op path's bit for bit: float32 activations (GGUF files: Q8_0, Q4_0, a Q4_K_M mix with Q4_K and Q6_K runs inside
-one fused QKV, Qwen2's biases sliced per run) and bfloat16 ones (int8 on a bfloat16 checkpoint, bias converted per
-call). A layer with a float run, or products on the PyTorch reference, keeps the per-op path."""
+one fused QKV, Qwen2's biases sliced per run, Qwen3's per-head q/k norms) and bfloat16 ones (int8 on a bfloat16
+checkpoint, bias converted per call). A layer with a float run, or products on the PyTorch reference, keeps the
+per-op path."""
 
 from __future__ import annotations
 
@@ -35,6 +36,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         "qwen2-bf16": make_tiny_checkpoint(
             root / "qwen2-bf16", "qwen2", seed=13, dtype="bfloat16", **SHAPE
+        ),
+        "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3", seed=14, **SHAPE),
+        "qwen3-bf16": make_tiny_checkpoint(
+            root / "qwen3-bf16", "qwen3", seed=15, dtype="bfloat16", **SHAPE
         ),
     }
 
@@ -68,7 +73,20 @@ def test_gguf_fused_decode_equals_the_per_op_path_bit_for_bit(
     _per_op_and_fused(path)
 
 
-@pytest.mark.parametrize("checkpoint", ["llama-bf16", "qwen2-bf16", "qwen2"])
+@pytest.mark.parametrize("tensor_type", ["Q8_0", "Q4_K_M"])
+def test_qwen3_gguf_fused_decode_equals_the_per_op_path_bit_for_bit(
+    ops: object, checkpoints: dict[str, Path], tmp_path: Path, tensor_type: str
+) -> None:
+    """Qwen3's per-head q/k norms in float32: the per-op norms run on the C++ kernel the fused layer calls."""
+    path = write_gguf(checkpoints["qwen3"], tmp_path / f"{tensor_type}.gguf", tensor_type)
+    model = load_model(path, attention_backend="cpu")
+    assert model.fused_decode is not None
+    assert model.model.layers[0].self_attn.q_norm.float32_kernel
+    assert model.model.layers[0].self_attn.k_norm.float32_kernel
+    _per_op_and_fused(path)
+
+
+@pytest.mark.parametrize("checkpoint", ["llama-bf16", "qwen2-bf16", "qwen2", "qwen3-bf16", "qwen3"])
 def test_int8_fused_decode_equals_the_per_op_path_bit_for_bit(
     ops: object, checkpoints: dict[str, Path], checkpoint: str
 ) -> None:

@@ -290,7 +290,9 @@ struct DecodeStep {
 };
 
 DecodeStep check_decode_step(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual,
-                             const at::Tensor& input_norm, const at::Tensor& post_norm, int64_t intermediate,
+                             const at::Tensor& input_norm, const at::Tensor& post_norm,
+                             const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                             int64_t intermediate,
                              const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache, int64_t layer,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale, int64_t window,
@@ -314,6 +316,11 @@ DecodeStep check_decode_step(const at::Tensor& hidden, const c10::optional<at::T
               "num_heads must be a multiple of the cache's kv heads, at most 32 per kv head");
   check_weight(input_norm.view({1, -1}), hidden, 1, H, "input_norm");
   check_weight(post_norm.view({1, -1}), hidden, 1, H, "post_norm");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together (or neither)");
+  if (q_norm) {
+    check_weight(q_norm->view({1, -1}), hidden, 1, hd, "q_norm");
+    check_weight(k_norm->view({1, -1}), hidden, 1, hd, "k_norm");
+  }
   check_same_dtype(cos, hidden, "cos");
   check_same_dtype(sin, hidden, "sin");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == M * hd / 2 && sin.numel() == cos.numel(),
@@ -373,15 +380,16 @@ std::tuple<at::Tensor, at::Tensor> run_decode_layer(const DecodeStep& step, cons
 
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
+    const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+    const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias,
     const at::Tensor& o, const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up,
     const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down, const c10::optional<at::Tensor>& down_bias,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale,
     int64_t window, int64_t gemv_max_rows) {
   const DecodeStep step =
-      check_decode_step(hidden, residual, input_norm, post_norm, down.size(1), cos, sin, kv_cache, layer,
-                        slot_mapping, block_tables, seq_lens, num_heads, eps, scale, window, gemv_max_rows);
+      check_decode_step(hidden, residual, input_norm, post_norm, q_norm, k_norm, down.size(1), cos, sin, kv_cache,
+                        layer, slot_mapping, block_tables, seq_lens, num_heads, eps, scale, window, gemv_max_rows);
   const kvflow::DecodeLayerParams& p = step.params;
   check_weight(qkv, hidden, p.qkv_width(), p.hidden, "qkv");
   check_weight(o, hidden, p.hidden, num_heads * p.head_dim, "o");
@@ -390,6 +398,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, false, [&](auto tag) {
     using T = decltype(tag);
     kvflow::DecodeLayerWeights<T> weights{ptr<T>(input_norm), ptr<T>(post_norm)};
+    weights.q_norm = q_norm ? ptr<T>(*q_norm) : nullptr;
+    weights.k_norm = k_norm ? ptr<T>(*k_norm) : nullptr;
     weights.qkv.dense = ptr<T>(qkv);
     weights.qkv.bias = optional_vector<T>(qkv_bias, hidden, qkv.size(0), "qkv_bias");
     weights.o.dense = ptr<T>(o);
@@ -439,21 +449,22 @@ void fill_quant_product(kvflow::QuantRun* runs, int* num_runs, const std::vector
   *num_runs = static_cast<int>(count);
 }
 
-// decode_layer with quantized products: the four products' runs (qkv, o, gate_up, down) in one flat list each of
-// weights (GGUF blocks, or int8), type codes (kvflow::GgmlType, or kInt8Weights), scales (int8 runs; else empty),
-// float32 biases (empty: none) and the gemv_max_rows each run's product takes (QuantRun); `runs_per_product` says
-// how many runs each product takes.
+// decode_layer with quantized products (q_norm / k_norm as decode_layer's): the four products' runs (qkv, o,
+// gate_up, down) in one flat list each of weights (GGUF blocks, or int8), type codes (kvflow::GgmlType, or
+// kInt8Weights), scales (int8 runs; else empty), float32 biases (empty: none) and the gemv_max_rows each run's
+// product takes (QuantRun); `runs_per_product` says how many runs each product takes.
 std::tuple<at::Tensor, at::Tensor> decode_layer_quantized(
     const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
+    const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+    const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
     const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& biases,
     const std::vector<int64_t>& gemv_max_rows, const std::vector<int64_t>& runs_per_product, int64_t intermediate,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale,
     int64_t window) {
-  const DecodeStep step = check_decode_step(hidden, residual, input_norm, post_norm, intermediate, cos, sin, kv_cache,
-                                            layer, slot_mapping, block_tables, seq_lens, num_heads, eps, scale,
-                                            window, 0);
+  const DecodeStep step =
+      check_decode_step(hidden, residual, input_norm, post_norm, q_norm, k_norm, intermediate, cos, sin, kv_cache,
+                        layer, slot_mapping, block_tables, seq_lens, num_heads, eps, scale, window, 0);
   const kvflow::DecodeLayerParams& p = step.params;
   TORCH_CHECK(runs_per_product.size() == 4, "runs_per_product must have 4 entries (qkv, o, gate_up, down)");
   const size_t total = static_cast<size_t>(runs_per_product[0] + runs_per_product[1] + runs_per_product[2] +
@@ -464,6 +475,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_quantized(
   return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, true, [&](auto tag) {
     using T = decltype(tag);
     kvflow::DecodeLayerWeights<T> w{ptr<T>(input_norm), ptr<T>(post_norm)};
+    w.q_norm = q_norm ? ptr<T>(*q_norm) : nullptr;
+    w.k_norm = k_norm ? ptr<T>(*k_norm) : nullptr;
     const int64_t K[4] = {p.hidden, num_heads * p.head_dim, p.hidden, p.intermediate};
     const int64_t N[4] = {p.qkv_width(), p.hidden, 2 * p.intermediate, p.hidden};
     kvflow::LayerProduct<T>* products[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};

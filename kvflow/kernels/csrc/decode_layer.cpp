@@ -1,7 +1,7 @@
 // One Llama-family decoder layer for a decode-only step of up to kMaxDecodeLayerRows rows, in one call from Python.
-// It chains the same raw kernels the layer's Python code calls one by one (add+RMSNorm, QKV GEMV, RoPE, K/V store,
-// paged decode attention, o GEMV, add+RMSNorm, gate/up GEMV, SiLU-and-mul, down GEMV) in the same order with the
-// same roundings, so its results equal that path bit for bit; what it saves is ~30 Python-level tensor ops and
+// It chains the same raw kernels the layer's Python code calls one by one (add+RMSNorm, QKV GEMV, the per-head q/k
+// RMSNorm where the model has one (Qwen3), RoPE, K/V store, paged decode attention, o GEMV, add+RMSNorm, gate/up
+// GEMV, SiLU-and-mul, down GEMV) in the same order with the same roundings, so its results equal that path bit for bit; what it saves is ~30 Python-level tensor ops and
 // views per layer. Intermediates live in a caller-provided workspace (DecodeLayerParams::workspace_elements).
 // Quantized weights (GGUF blocks, int8) run the very products kvflow/kernels/quant.py calls for the same rows.
 #include <algorithm>
@@ -92,6 +92,13 @@ bool decode_layer(const DecodeLayerParams& p, const DecodeLayerWeights<T>& w, co
   const T* stream = residual ? summed : hidden;
   add_rms_norm<T>(hidden, residual, w.input_norm, M, H, p.eps, normed, residual ? summed : nullptr, num_threads);
   product<T>(p, normed, H, w.qkv, qkv_width, qkv, quant_scratch, num_threads);
+  if (w.q_norm != nullptr) {  // in place: a row's values are read before its outputs are written
+    for (int64_t m = 0; m < M; ++m) {
+      T* q = qkv + m * qkv_width;
+      add_rms_norm<T>(q, nullptr, w.q_norm, nh, hd, p.eps, q, nullptr, 1);
+      add_rms_norm<T>(q + nh * hd, nullptr, w.k_norm, nkv, hd, p.eps, q + nh * hd, nullptr, 1);
+    }
+  }
   rotary<T>(qkv, M, nh + nkv, hd, qkv_width, hd, cos, sin, rotated, num_threads);
   if (!store_kv<T>(rotated + nh * hd, rotated_width, hd, qkv + (nh + nkv) * hd, qkv_width, hd, p.slot_mapping, M,
                    nkv, hd, p.num_blocks * p.block_size, key_cache, value_cache))

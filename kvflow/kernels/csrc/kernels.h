@@ -117,12 +117,15 @@ struct LayerProduct {
   QuantRun runs[kMaxProductRuns] = {};
 };
 
-// One layer's weights.
+// One layer's weights. `q_norm` / `k_norm` ([head_dim] each, both or neither; Qwen3): each query and key head is
+// RMS-normalised with them (add_rms_norm's numerics, eps as the layer norms') after the QKV product, before rotary.
 template <typename T>
 struct DecodeLayerWeights {
   const T* input_norm;
   const T* post_norm;
   LayerProduct<T> qkv, o, gate_up, down;
+  const T* q_norm = nullptr;
+  const T* k_norm = nullptr;
 };
 
 // out = the layer's MLP output, residual_out = the residual stream after attention (their sum is the layer's

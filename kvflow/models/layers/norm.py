@@ -17,6 +17,7 @@ class RMSNorm(nn.Module):
     the reference bit for bit and half-precision ones to its rounding. `float32_kernel` (set by the fused decode
     path of quantized float32 models, `kvflow.models.fused_decode`) sends float32 rows to the C++ kernel as well, whose
     sum runs in another order than torch's: such a model's per-op layers then equal its fused ones bit for bit.
+    `forward_heads` (Qwen3's per-head q/k norm) runs bfloat16 rows on that kernel always, as the fused layer does.
     """
 
     float32_kernel: bool = False
@@ -36,6 +37,15 @@ class RMSNorm(nn.Module):
         as_float = hidden_states.float()
         variance = as_float.pow(2).mean(-1, keepdim=True)
         return self.weight * (as_float * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+    def forward_heads(self, heads: torch.Tensor) -> torch.Tensor:
+        """The per-head norm (Qwen3's q/k norm) of `[tokens, heads, head_dim]`: on the C++ kernel where it takes the
+        rows (bfloat16; float32 with `float32_kernel`), the very one the fused decode layer calls per head, else
+        `forward`."""
+        fused = kernels.add_rms_norm(
+            heads.contiguous(), None, self.weight, self.eps, float32=self.float32_kernel
+        )  # CPU, else None
+        return self(heads) if fused is None else fused[0]
 
     def forward_with_residual(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -70,6 +80,9 @@ class GemmaRMSNorm(RMSNorm):
         as_float = hidden_states.float()
         normalised = as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normalised * (1.0 + self.weight.float())).type_as(hidden_states)
+
+    def forward_heads(self, heads: torch.Tensor) -> torch.Tensor:
+        return self(heads)
 
     def forward_with_residual(
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None

@@ -101,9 +101,15 @@ class SelfAttention(nn.Module):
         )
         value = qkv[:, self.num_heads + self.num_kv_heads :]
         if self.q_norm is not None and self.k_norm is not None:
-            query = RotaryEmbedding.apply(self.q_norm(qkv[:, : self.num_heads]), cos, sin)
+            query = RotaryEmbedding.apply(
+                self.q_norm.forward_heads(qkv[:, : self.num_heads]), cos, sin
+            )
             key = RotaryEmbedding.apply(
-                self.k_norm(qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]), cos, sin
+                self.k_norm.forward_heads(
+                    qkv[:, self.num_heads : self.num_heads + self.num_kv_heads]
+                ),
+                cos,
+                sin,
             )
         else:
             rotated = RotaryEmbedding.apply(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
