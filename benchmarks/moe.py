@@ -9,7 +9,8 @@ folder, `--skip-llama-cpp` for the kvflow side alone).
 Checkpoints (random bf16 weights, init std 0.02, written tensor by tensor with a synthetic byte-level tokenizer of
 the vocabulary's size): **moe**, Qwen3-MoE-shaped (`Qwen3MoeForCausalLM`: hidden 2048, 16 layers, 32 query / 4 KV
 heads of 128, q/k norms, 32 experts of intermediate 768, top-8 renormalised, vocab 151936, untied head: 3.35 B
-parameters, 1.22 B active per token); **dense**, the same with a dense SwiGLU of intermediate 8 x 768 = 6144 in
+parameters, 1.53 B active per token counting the token embedding, of which a token reads one row: 1.22 B
+without it); **dense**, the same with a dense SwiGLU of intermediate 8 x 768 = 6144 in
 every layer (`Qwen3ForCausalLM`: the same active parameters). Both are converted by the project's converter
 (`tools/convert_to_gguf.py --outtype Q4_K_M`) and everything below runs on those files.
 
