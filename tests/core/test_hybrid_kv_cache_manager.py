@@ -197,7 +197,7 @@ def test_prefix_hit_shorter_than_a_window_needs_every_block_from_the_start():
     first = make_request("a", list(range(12)))
     run_prefill(manager, first, chunk=12)
     manager.free(first)
-    second = make_request("b", list(range(12)) + [7])
+    second = make_request("b", [*range(12), 7])
     hit, num_hit_tokens = manager.get_computed_blocks(second)
     assert num_hit_tokens == 12
     assert manager.null_block not in hit.blocks[1]
@@ -220,7 +220,7 @@ def test_reset_prefix_cache_refuses_while_in_use_then_forgets_every_group():
     assert not manager.reset_prefix_cache()
     manager.free(request)
     assert manager.reset_prefix_cache()
-    again = make_request("b", list(range(40)) + [1])
+    again = make_request("b", [*range(40), 1])
     assert manager.get_computed_blocks(again)[1] == 0
 
 
