@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "moe_routing.h"
 
 namespace kvflow {
 namespace {
@@ -79,54 +80,20 @@ bool fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_stride, con
                int64_t num_experts, int64_t intermediate, const float* topk_weights, const int64_t* topk_ids,
                int64_t top_k, MoeProduct product, T* out, int num_threads) {
   const int64_t pairs = tokens * top_k;
-  for (int64_t p = 0; p < pairs; ++p)
-    if (topk_ids[p] < 0 || topk_ids[p] >= num_experts) return false;
-  // Pairs grouped per expert, in ascending (token, slot) order within a group: a counting sort.
-  std::vector<int64_t> starts(num_experts + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) ++starts[topk_ids[p] + 1];
-  for (int64_t e = 0; e < num_experts; ++e) starts[e + 1] += starts[e];
-  std::vector<int64_t> grouped(pairs);
-  {
-    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
-    for (int64_t p = 0; p < pairs; ++p) grouped[next[topk_ids[p]]++] = p;
-  }
-  // The experts that got tokens, most tokens first (the dynamic schedule below then balances the threads).
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < num_experts; ++e)
-    if (starts[e + 1] > starts[e]) active.push_back(e);
-  std::stable_sort(active.begin(), active.end(), [&](int64_t a, int64_t b) {
-    return starts[a + 1] - starts[a] > starts[b + 1] - starts[b];
-  });
+  ExpertGroups groups;
+  if (!group_pairs_by_expert(topk_ids, pairs, num_experts, groups)) return false;
   // results[p] = T(down row * weight) of pair p.
   std::vector<T> results(static_cast<size_t>(pairs * hidden));
-  const int64_t num_active = static_cast<int64_t>(active.size());
-  auto expert = [&](int64_t e, ExpertScratch<T>& scratch, int product_threads) {
+  run_active_experts<ExpertScratch<T>>(groups, num_threads, [&](int64_t e, ExpertScratch<T>& scratch, int threads) {
     run_expert<T>(product, x, hidden, x_stride, w13 + e * 2 * intermediate * hidden, w2 + e * hidden * intermediate,
-                  intermediate, topk_weights, top_k, grouped.data() + starts[e], starts[e + 1] - starts[e], scratch,
-                  results.data(), product_threads);
-  };
-  // Fewer experts than threads: the threads split each product's weight rows; else each thread takes whole
-  // experts (one parallel region, no barrier per product). Either way every element is computed the same way.
-  if (num_active < num_threads) {
-    ExpertScratch<T> scratch;
-    for (int64_t e : active) expert(e, scratch, num_threads);
-  } else {
-#pragma omp parallel num_threads(num_threads)
-    {
-      ExpertScratch<T> scratch;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < num_active; ++i) expert(active[i], scratch, 1);
-    }
-  }
-  // Each token's slots in ascending expert order (top_k is small: an insertion sort), summed left to right.
+                  intermediate, topk_weights, top_k, groups.pairs_of(e), groups.count(e), scratch, results.data(),
+                  threads);
+  });
+  // Each token's slots in ascending expert order, summed left to right.
 #pragma omp parallel for num_threads(num_threads) if (pairs * hidden >= (1 << 16))
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<int64_t> slots(top_k);
-    for (int64_t s = 0; s < top_k; ++s) {
-      int64_t i = s;
-      for (; i > 0 && topk_ids[t * top_k + slots[i - 1]] > topk_ids[t * top_k + s]; --i) slots[i] = slots[i - 1];
-      slots[i] = s;
-    }
+    slots_in_expert_order(topk_ids + t * top_k, top_k, slots.data());
     T* sum = out + t * hidden;  // each partial sum is a T value: kept in out
     std::copy_n(results.data() + (t * top_k + slots[0]) * hidden, hidden, sum);
     for (int64_t s = 1; s < top_k; ++s) {

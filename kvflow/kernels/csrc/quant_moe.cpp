@@ -31,6 +31,7 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "moe_routing.h"
 
 namespace kvflow {
 namespace {
@@ -109,8 +110,6 @@ bool quant_fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_strid
                      int64_t num_experts, int64_t intermediate, const float* topk_weights, const int64_t* topk_ids,
                      int64_t top_k, int64_t gemv_max_rows, int64_t tiled_max_rows, T* out, int num_threads) {
   const int64_t pairs = tokens * top_k;
-  for (int64_t p = 0; p < pairs; ++p)
-    if (topk_ids[p] < 0 || topk_ids[p] >= num_experts) return false;
   auto row_bytes = [](int type, int64_t K) {
     return type == kInt8Weights ? K : K / ggml_block_elements(type) * ggml_block_bytes(type);
   };
@@ -118,47 +117,18 @@ bool quant_fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_strid
                                2 * intermediate * row_bytes(w13_type, hidden)};
   const ExpertMatrices down{w2, w2_scale, w2_type, hidden, intermediate, hidden * row_bytes(w2_type, intermediate)};
   const ProductRows limits{gemv_max_rows, tiled_max_rows};
-  // Pairs grouped per expert, in ascending (token, slot) order within a group.
-  std::vector<int64_t> starts(num_experts + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) ++starts[topk_ids[p] + 1];
-  for (int64_t e = 0; e < num_experts; ++e) starts[e + 1] += starts[e];
-  std::vector<int64_t> grouped(pairs);
-  {
-    std::vector<int64_t> next(starts.begin(), starts.end() - 1);
-    for (int64_t p = 0; p < pairs; ++p) grouped[next[topk_ids[p]]++] = p;
-  }
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < num_experts; ++e)
-    if (starts[e + 1] > starts[e]) active.push_back(e);
-  std::stable_sort(active.begin(), active.end(), [&](int64_t a, int64_t b) {
-    return starts[a + 1] - starts[a] > starts[b + 1] - starts[b];
-  });
+  ExpertGroups groups;
+  if (!group_pairs_by_expert(topk_ids, pairs, num_experts, groups)) return false;
   std::vector<float> results(static_cast<size_t>(pairs * hidden));
-  const int64_t num_active = static_cast<int64_t>(active.size());
-  auto expert = [&](int64_t e, ExpertScratch& scratch, int product_threads) {
-    run_expert<T>(x, x_stride, gate_up, down, e, topk_weights, top_k, grouped.data() + starts[e],
-                  starts[e + 1] - starts[e], limits, scratch, results.data(), product_threads);
-  };
-  if (num_active < num_threads) {
-    ExpertScratch scratch;
-    for (int64_t e : active) expert(e, scratch, num_threads);
-  } else {
-#pragma omp parallel num_threads(num_threads)
-    {
-      ExpertScratch scratch;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t i = 0; i < num_active; ++i) expert(active[i], scratch, 1);
-    }
-  }
+  run_active_experts<ExpertScratch>(groups, num_threads, [&](int64_t e, ExpertScratch& scratch, int threads) {
+    run_expert<T>(x, x_stride, gate_up, down, e, topk_weights, top_k, groups.pairs_of(e), groups.count(e), limits,
+                  scratch, results.data(), threads);
+  });
   // Each token's slots in ascending expert order, summed left to right in fp32.
 #pragma omp parallel for num_threads(num_threads) if (pairs * hidden >= (1 << 16))
   for (int64_t t = 0; t < tokens; ++t) {
     std::vector<int64_t> slots(top_k);
-    for (int64_t s = 0; s < top_k; ++s) {
-      int64_t i = s;
-      for (; i > 0 && topk_ids[t * top_k + slots[i - 1]] > topk_ids[t * top_k + s]; --i) slots[i] = slots[i - 1];
-      slots[i] = s;
-    }
+    slots_in_expert_order(topk_ids + t * top_k, top_k, slots.data());
     std::vector<float> sum(results.begin() + (t * top_k + slots[0]) * hidden,
                            results.begin() + (t * top_k + slots[0] + 1) * hidden);
     for (int64_t s = 1; s < top_k; ++s) {
