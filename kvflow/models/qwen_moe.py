@@ -87,15 +87,10 @@ class SharedExpertMoE(FusedMoE):
             torch.empty(1, config.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.partial(hidden_states))
-
     def partial(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the block's output, before the all-reduce: its routed experts' weighted sum plus the
-        gate times its part of the shared expert (the whole output with one rank)."""
-        # FusedMoE.forward's routing without its all-reduce.
-        weights, ids = self.routing(F.linear(hidden_states, self.gate.weight), self.top_k)
-        routed = self.experts(hidden_states, weights, ids)
+        """This rank's part of the block's output, before `FusedMoE.forward`'s all-reduce: its routed experts'
+        weighted sum plus the gate times its part of the shared expert (the whole output with one rank)."""
+        routed = super().partial(hidden_states)
         gate = torch.sigmoid(F.linear(hidden_states, self.shared_expert_gate.weight))
         mlp = self.shared_expert
         # `GatedMLP` without its down projection's all-reduce (the shared expert has no bias to add once).

@@ -269,9 +269,15 @@ class FusedMoE(nn.Module):
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(hidden_states))
+
+    def partial(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the block's output before the all-reduce (the whole output with one rank): the
+        router's top-k choice and the chosen experts' weighted sum. A subclass adding a term of its own (a shared
+        expert) adds its partial here, so the block still reduces once."""
         router_logits = F.linear(hidden_states, self.gate.weight)
         weights, ids = self.routing(router_logits, self.top_k)
-        return self.tp.all_reduce(self.experts(hidden_states, weights, ids))
+        return self.experts(hidden_states, weights, ids)
 
     def experts(
         self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
