@@ -11,6 +11,7 @@ A family's test module defines the `checkpoint` (a `Checkpoint`) and `model` fix
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -44,6 +45,36 @@ class Checkpoint:
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         return hf_logits(self.path, token_ids, self.reference)
+
+
+def save_random_checkpoint(
+    path: Path,
+    model: Callable[[], Any],
+    *,
+    seed: int,
+    scaled: Callable[[str], bool],
+    perturbed: Callable[[str], bool] = lambda name: "norm" in name,
+    final_norm: Callable[[torch.Tensor], Any] = lambda weight: weight.mul_(4.0),
+) -> Path:
+    """A tiny random checkpoint whose logits have clear margins: `model()` built under `seed` (the global RNG is
+    left as it was), each parameter `perturbed(name)` selects gets N(0, 0.2) added (norms start constant) and each
+    `scaled(name)` selects is multiplied by 4 (e.g. routers, so routing differs between tokens), then
+    `final_norm(weight)` adjusts the final norm; saved as safetensors in `path`."""
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        built = model()
+        with torch.no_grad():
+            for name, param in built.named_parameters():
+                if perturbed(name):
+                    param.add_(torch.randn_like(param) * 0.2)
+                if scaled(name):
+                    param.mul_(4.0)
+            final_norm(built.model.norm.weight)
+    finally:
+        torch.random.set_rng_state(state)
+    built.save_pretrained(path, safe_serialization=True)
+    return path
 
 
 def random_prompt(seed: int, length: int, vocab_size: int) -> list[int]:

@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_suite import Checkpoint, FamilySuite, assert_argmax_equal, random_prompt
+from family_suite import (
+    Checkpoint,
+    FamilySuite,
+    assert_argmax_equal,
+    random_prompt,
+    save_random_checkpoint,
+)
 from paged_model_driver import PagedDriver
 
 from kvflow.kernels import load_cpu_kernels
@@ -50,21 +56,13 @@ def make_gemma2_checkpoint(path: Path, *, seed: int = 7) -> Path:
         attn_logit_softcapping=5.0,
         final_logit_softcapping=4.0,
     )
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.add_(torch.randn_like(param) * 0.2)
-                if "q_proj" in name or "k_proj" in name:
-                    param.mul_(4.0)
-            model.model.norm.weight.add_(1.0)
-    finally:
-        torch.random.set_rng_state(state)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_random_checkpoint(
+        path,
+        lambda: transformers.AutoModelForCausalLM.from_config(config),
+        seed=seed,
+        scaled=lambda name: "q_proj" in name or "k_proj" in name,
+        final_norm=lambda weight: weight.add_(1.0),
+    )
 
 
 @pytest.fixture(scope="module")

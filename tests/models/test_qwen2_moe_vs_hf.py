@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from family_suite import Checkpoint, FamilySuite, random_prompt
+from family_suite import Checkpoint, FamilySuite, random_prompt, save_random_checkpoint
 
 from kvflow import LLM, SamplingParams
 from kvflow.distributed import TensorParallelGroup
@@ -75,21 +75,13 @@ def make_qwen2_moe_checkpoint(path: Path, *, seed: int = 11) -> Path:
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name or name.endswith("bias"):
-                    param.add_(torch.randn_like(param) * 0.2)
-                if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
-                    param.mul_(4.0)
-            model.model.norm.weight.mul_(4.0)
-    finally:
-        torch.random.set_rng_state(state)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_random_checkpoint(
+        path,
+        lambda: transformers.AutoModelForCausalLM.from_config(config),
+        seed=seed,
+        scaled=lambda name: name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")),
+        perturbed=lambda name: "norm" in name or name.endswith("bias"),
+    )
 
 
 @pytest.fixture(scope="module")

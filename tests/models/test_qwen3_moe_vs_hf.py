@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from family_suite import Checkpoint, FamilySuite, random_prompt
+from family_suite import Checkpoint, FamilySuite, random_prompt, save_random_checkpoint
 
 from kvflow import LLM, SamplingParams
 from kvflow.distributed import TensorParallelGroup
@@ -71,21 +71,12 @@ def make_qwen3_moe_checkpoint(path: Path, *, seed: int = 13) -> Path:
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "norm" in name:
-                    param.add_(torch.randn_like(param) * 0.2)
-                if name.endswith("mlp.gate.weight"):
-                    param.mul_(4.0)
-            model.model.norm.weight.mul_(4.0)
-    finally:
-        torch.random.set_rng_state(state)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return save_random_checkpoint(
+        path,
+        lambda: transformers.AutoModelForCausalLM.from_config(config),
+        seed=seed,
+        scaled=lambda name: name.endswith("mlp.gate.weight"),
+    )
 
 
 @pytest.fixture(scope="module")
