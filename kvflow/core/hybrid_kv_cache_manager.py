@@ -160,9 +160,8 @@ class HybridKVCacheManager(KVCacheManager):
             run += 1
             if run >= num_needed:
                 return hit[: index + run]
-        return hit[
-            :run
-        ]  # the cached run from block 0 (shorter than a window: nothing before it to skip)
+        # The cached run from block 0 (shorter than a window: nothing before it to skip).
+        return hit[:run]
 
     # ------------------------------------------------------------------------------------------ allocation
     def allocate_slots(
