@@ -10,6 +10,7 @@ import os as _os
 _os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 from kvflow.logger import configure_logging as _configure_logging
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.version import __version__
@@ -20,6 +21,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "LoRARequest",
     "RequestOutput",
     "SamplingParams",
     "StreamingInput",

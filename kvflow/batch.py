@@ -34,6 +34,9 @@ class BatchInputs:
     logits_indices: torch.Tensor  # [num_sampled] int64
     sampled_req_indices: torch.Tensor  # [num_sampled] int64
     other_groups: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(default=())
+    # LoRA: the adapter slot of each flat token ([num_tokens] int32, -1: the base model), or None when no token
+    # of the step runs with an adapter (`kvflow.lora.model_manager`).
+    lora_token_slots: torch.Tensor | None = None
 
     def for_group(self, group_id: int) -> BatchInputs:
         """This batch with KV cache group `group_id`'s slot mapping and block tables (itself for group 0)."""

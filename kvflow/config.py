@@ -440,6 +440,33 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (`enable_lora=True`): the worker holds `max_loras` adapter slots, the most distinct
+    adapters one step may run (the scheduler admits no request whose adapter would make the running requests'
+    adapters exceed it), and keeps up to `max_cpu_loras` loaded adapters in memory (least recently used evicted;
+    default `max_loras`, never fewer). An adapter of rank above `max_lora_rank` is refused when it loads, naming
+    its rank.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1, f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+        )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        """Loaded adapters kept in memory: `max_cpu_loras`, or `max_loras` when not set."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -449,3 +476,5 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig
     )
     speculative_config: SpeculativeConfig | None = None
+    # Multi-LoRA serving; None: adapters are refused (a request naming one is an error).
+    lora_config: LoRAConfig | None = None

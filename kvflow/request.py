@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreEvent, LogprobsLists
+    from kvflow.lora.request import LoRARequest
     from kvflow.sampling_params import SamplingParams
     from kvflow.structured_output.request import StructuredOutputRequest
 
@@ -149,6 +150,7 @@ class Request:
         resumable: bool = False,
         block_hasher: BlockHasher | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -157,6 +159,8 @@ class Request:
         self.priority = priority
         self.resumable = resumable
         self.cache_salt = cache_salt
+        # The adapter it runs with (None: the base model); its id keys the request's prefix-cache blocks.
+        self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING
         # Set by the engine core for a request with `sampling_params.structured_outputs`; it then waits in

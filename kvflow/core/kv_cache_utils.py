@@ -33,7 +33,9 @@ def hash_block_tokens(
 class RequestBlockHasher:
     """Computes the hashes of a request's newly full blocks (those past `len(request.block_hashes)`).
 
-    The cache salt, if any, enters the first block's hash only, so salted and unsalted prompts never share.
+    The cache salt and the LoRA adapter, if any, enter the first block's hash only (the chain carries them into
+    every later block), so salted and unsalted prompts, or prompts run with different adapters (or none), never
+    share a block, while requests of the same adapter share their prefixes.
     """
 
     __slots__ = ("block_size",)
@@ -53,10 +55,19 @@ class RequestBlockHasher:
         new_hashes: list[BlockHash] = []
         for block_index in range(start_block, num_full_blocks):
             start = block_index * block_size
-            extra = (request.cache_salt,) if block_index == 0 and request.cache_salt else None
+            extra = _first_block_keys(request) if block_index == 0 else None
             parent = hash_block_tokens(parent, tokens[start : start + block_size], extra)
             new_hashes.append(parent)
         return new_hashes
+
+
+def _first_block_keys(request: Request) -> tuple[object, ...] | None:
+    """The extra keys of a request's first block: its cache salt and its adapter's `LoRARequest.cache_key`
+    (None when it has neither, so unsalted base-model hashes stay what they always were)."""
+    lora_request = request.lora_request
+    if lora_request is None:
+        return (request.cache_salt,) if request.cache_salt else None
+    return (request.cache_salt, *lora_request.cache_key)
 
 
 class KVCacheBlock:

@@ -25,6 +25,7 @@ from kvflow.config import (
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -183,6 +184,18 @@ class EngineArgs:
         'them in one step), or {"method": "draft_model", "model": PATH, "num_speculative_tokens": K} (drafts '
         'with a smaller model that shares the tokenizer; "default-draft" is the built-in model\'s draft)',
     )
+    enable_lora: bool = _option(
+        False,
+        "serve LoRA adapters beside the base model: requests may name a PEFT adapter (LoRARequest; the server's "
+        "`model: <adapter name>`); requests with different adapters share a step",
+    )
+    max_loras: int = _option(
+        1, "with --enable-lora: most distinct adapters in one step (the worker's slots)"
+    )
+    max_lora_rank: int = _option(16, "with --enable-lora: largest adapter rank accepted")
+    max_cpu_loras: int | None = _option(
+        None, "with --enable-lora: loaded adapters kept in memory (default: --max-loras)"
+    )
     disable_log_stats: bool = _option(
         False,
         "no periodic throughput / scheduler stats in the log (every $KVFLOW_LOG_STATS_INTERVAL s)",
@@ -213,6 +226,7 @@ class EngineArgs:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         self._structured_outputs_config()  # checked now
         self._speculative_config()
+        self._lora_config()
 
     # ------------------------------------------------------------------------------------------------ config
     def create_engine_config(self, model_info: ModelInfo) -> EngineConfig:
@@ -274,6 +288,22 @@ class EngineArgs:
             ),
             structured_outputs_config=self._structured_outputs_config(),
             speculative_config=self._speculative_config(),
+            lora_config=self._lora_config(),
+        )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        """The LoRA limits with `enable_lora`, else None; a limit given without `enable_lora` is a ValueError
+        naming it (it would be silently ignored)."""
+        if not self.enable_lora:
+            for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+                option = next(o for o in dataclasses.fields(self) if o.name == name)
+                if getattr(self, name) != option.default:
+                    raise ValueError(f"{name} needs enable_lora=True (--enable-lora)")
+            return None
+        return LoRAConfig(
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
         )
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:

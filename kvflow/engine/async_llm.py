@@ -26,7 +26,7 @@ from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.builder import build_frontend, resolve_engine_config, start_engine_core_client
 from kvflow.engine.core import PAUSE_MODES
 from kvflow.engine.death import EngineDeadError, fresh_dead_error
-from kvflow.engine.input_processor import check_priority
+from kvflow.engine.input_processor import check_lora_request, check_priority
 from kvflow.engine.output_stream import OutputStream, Wakeups
 from kvflow.engine.sessions import SessionFeeder, StreamingInput
 from kvflow.engine.stat_logger import LoggingStatLogger
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from kvflow.engine.core import EngineCore
     from kvflow.engine.input_processor import ProcessedPrompt, PromptType
     from kvflow.engine.stats import StatLogger
+    from kvflow.lora.request import LoRARequest
     from kvflow.outputs import RequestOutput
     from kvflow.sampling_params import BeamSearchParams
     from kvflow.tokenizer import Tokenizer
@@ -131,8 +132,12 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream `RequestOutput`s for one prompt as tokens arrive; the last has `finished=True`.
+
+        `lora_request` (needs `enable_lora=True`): the adapter it runs with (loaded, and checked, before the
+        request is queued: a bad adapter is a ValueError naming what is wrong); not with streaming input.
 
         `SamplingParams.output_kind` picks cumulative outputs (default), "delta" (only the new tokens and text) or
         "final_only" (just the finished output); `n > 1` folds the samples into one output per step. `priority`
@@ -154,8 +159,15 @@ class AsyncLLM:
         """
         self._check_open()
         check_priority(priority, self.engine_config.scheduler_config.policy)
+        lora_request = check_lora_request(lora_request, self.engine_config.lora_config is not None)
         stream = OutputStream(asyncio.get_running_loop())
         is_session = hasattr(prompt, "__aiter__")
+        if is_session and lora_request is not None:
+            raise ValueError(
+                "lora_request is not supported with streaming input (a StreamingInput iterator)"
+            )
+        if lora_request is not None:
+            await self._await(self.engine_core_client.add_lora(lora_request))
         processed: ProcessedPrompt | None = None
         if is_session:
             if sampling_params is not None and (
@@ -170,7 +182,7 @@ class AsyncLLM:
         ended = False
         try:
             if processed is not None:
-                await self._add_prompt(request_id, processed, stream, priority)
+                await self._add_prompt(request_id, processed, stream, priority, lora_request)
             else:
                 input_task = stream.loop.create_task(
                     self._sessions.feed(request_id, prompt, sampling_params, stream)  # type: ignore[arg-type]
@@ -267,6 +279,23 @@ class AsyncLLM:
         running request first (they recompute, outputs unchanged)."""
         return await self._await(self.engine_core_client.reset_prefix_cache(reset_running_requests))
 
+    # ------------------------------------------------------------------------------------------------ LoRA
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (ValueError naming what is wrong for a bad one); True once every core holds it."""
+        check_lora_request(lora_request, self.engine_config.lora_config is not None)
+        return await self._await(self.engine_core_client.add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the engine's cache; requests still running with it load it again from its path
+        and finish normally. True when it was loaded."""
+        return await self._await(self.engine_core_client.remove_lora(lora_int_id))
+
+    async def pin_lora(self, lora_int_id: int) -> bool:
+        return await self._await(self.engine_core_client.pin_lora(lora_int_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._await(self.engine_core_client.list_loras())
+
     async def update_weights(self, weights: Any) -> int:
         """Reload weights (a checkpoint folder, or in-process only a state dict) while paused; returns the new
         weight version. RuntimeError unless a pause has taken effect."""
@@ -341,16 +370,23 @@ class AsyncLLM:
         return request_id
 
     async def _add_prompt(
-        self, request_id: str, processed: ProcessedPrompt, stream: OutputStream, priority: int
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        stream: OutputStream,
+        priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """`_add_request`, on a worker thread when the prompt expands into many samples (their requests, output
         states and messages grow with `n`), so that a large `n` does not stall the event loop. A consumer
         cancelled meanwhile waits for the add to finish, so that its abort finds the request."""
         if processed.sampling_params.n < _ADD_OFF_LOOP_MIN_N:
-            self._add_request(request_id, processed, stream, priority)
+            self._add_request(request_id, processed, stream, priority, lora_request)
             return
         added = asyncio.ensure_future(
-            asyncio.to_thread(self._add_request, request_id, processed, stream, priority)
+            asyncio.to_thread(
+                self._add_request, request_id, processed, stream, priority, lora_request
+            )
         )
         try:
             await asyncio.shield(added)
@@ -360,11 +396,16 @@ class AsyncLLM:
             raise
 
     def _add_request(
-        self, request_id: str, processed: ProcessedPrompt, stream: OutputStream, priority: int
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        stream: OutputStream,
+        priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Register the prompt's outputs and stream, then queue its core requests (n children for `n > 1`)."""
         requests = self.input_processor.make_requests(
-            request_id, processed, time.monotonic(), priority=priority
+            request_id, processed, time.monotonic(), priority=priority, lora_request=lora_request
         )
         with self._lock:
             self.output_processor.add_prompt(request_id, processed, requests)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         SchedulerOutput,
         SchedulerStats,
     )
+    from kvflow.lora.request import LoRARequest
     from kvflow.model_info import ModelInfo
     from kvflow.request import Request
 
@@ -139,6 +140,9 @@ class EngineCore:
                 if spec_config is not None and spec_config.method == "draft_model"
                 else 0,
                 # The model's KV cache groups (every rank has the same): sliding-window layers hold their window.
+                max_loras=0
+                if engine_config.lora_config is None
+                else engine_config.lora_config.max_loras,
                 kv_cache_group_windows=tuple(
                     self.executor.collective_rpc("kv_cache_group_windows")[0]
                 ),
@@ -156,6 +160,11 @@ class EngineCore:
         """Queue a request (or a streaming session's next chunk) once it passes `request_limits`; ValueError if
         it or the scheduler rejects it."""
         self.request_limits.check_request(request)
+        if request.lora_request is not None and self.engine_config.lora_config is None:
+            raise ValueError(
+                f"lora_request {request.lora_request.lora_name!r}: LoRA is not enabled (enable_lora=True, "
+                "--enable-lora)"
+            )
         structured_outputs = request.sampling_params.structured_outputs
         if structured_outputs is not None and self.structured_output_manager is None:
             raise ValueError(
@@ -197,6 +206,34 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    # ------------------------------------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into every rank's adapter cache now (a request naming it later loads it on its own
+        when it is not cached); ValueError for a bad adapter (its folder, a module kvflow cannot apply, a rank
+        above `max_lora_rank`) or when LoRA is off. True once every rank holds it."""
+        self._check_lora_enabled("add_lora")
+        return all(self.executor.collective_rpc("add_lora", (lora_request,), {}))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the ranks' caches; requests that still run with it load it again from its path
+        (none is lost). True when a rank held it."""
+        self._check_lora_enabled("remove_lora")
+        return any(self.executor.collective_rpc("remove_lora", (lora_int_id,), {}))
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep a loaded adapter in the caches (never evicted); False when no rank holds it."""
+        self._check_lora_enabled("pin_lora")
+        return all(self.executor.collective_rpc("pin_lora", (lora_int_id,), {}))
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters every rank holds loaded."""
+        self._check_lora_enabled("list_loras")
+        return set.intersection(*self.executor.collective_rpc("list_loras", (), {}))
+
+    def _check_lora_enabled(self, what: str) -> None:
+        if self.engine_config.lora_config is None:
+            raise ValueError(f"{what}: LoRA is not enabled (enable_lora=True, --enable-lora)")
 
     def has_work(self) -> bool:
         """Anything left at all: requests (also those a pause holds), a batch in flight, or unsent reports."""

@@ -37,6 +37,7 @@ from kvflow.engine.loop import (
 
 if TYPE_CHECKING:
     from kvflow.engine.core import EngineCore
+    from kvflow.lora.request import LoRARequest
     from kvflow.request import Request
 
 __all__ = [
@@ -119,6 +120,20 @@ class EngineCoreClient(ABC):
 
     def update_weights(self, weights: Any) -> Future[int]:
         return self.call_utility("update_weights", weights)
+
+    def add_lora(self, lora_request: LoRARequest) -> Future[bool]:
+        """Load an adapter on every rank now (`EngineCore.add_lora`); the Future fails with a ValueError for a bad
+        adapter."""
+        return self.call_utility("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> Future[bool]:
+        return self.call_utility("remove_lora", lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> Future[bool]:
+        return self.call_utility("pin_lora", lora_int_id)
+
+    def list_loras(self) -> Future[set[int]]:
+        return self.call_utility("list_loras")
 
     def collective_rpc(
         self,

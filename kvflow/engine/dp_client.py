@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
     from kvflow.engine.core import EngineCore
     from kvflow.engine.shared_engines import EngineAttachment
+    from kvflow.lora.request import LoRARequest
     from kvflow.model_info import ModelInfo
     from kvflow.request import Request
 
@@ -273,6 +274,23 @@ class DPEngineCoreClient(EngineCoreClient):
     def update_weights(self, weights: Any) -> Future[int]:
         """Reload the weights on every core; the new weight version (the cores count versions alike)."""
         return self._broadcast(lambda client: client.update_weights(weights), _same_version)
+
+    def add_lora(self, lora_request: LoRARequest) -> Future[bool]:
+        """Load the adapter on every core (any core may run its requests)."""
+        return self._broadcast(lambda client: client.add_lora(lora_request), all)
+
+    def remove_lora(self, lora_int_id: int) -> Future[bool]:
+        """True when some core held the adapter."""
+        return self._broadcast(lambda client: client.remove_lora(lora_int_id), any)
+
+    def pin_lora(self, lora_int_id: int) -> Future[bool]:
+        return self._broadcast(lambda client: client.pin_lora(lora_int_id), all)
+
+    def list_loras(self) -> Future[set[int]]:
+        """The adapters every core holds loaded."""
+        return self._broadcast(
+            lambda client: client.list_loras(), lambda per_core: set.intersection(*per_core)
+        )
 
     def collective_rpc(
         self,

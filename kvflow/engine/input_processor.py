@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvflow.config import ModelConfig
 from kvflow.engine.request_limits import RequestLimits, short_list
+from kvflow.lora.request import LoRARequest
 from kvflow.model_info import load_sampling_defaults
 from kvflow.request import Request
 from kvflow.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, wrap_int64
@@ -279,6 +280,7 @@ class InputProcessor:
         arrival_time: float,
         resumable: bool = False,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[Request]:
         """The core requests of one prompt: itself, or `n` children `i_<id>` with seeds `seed + i` (they share the
         prompt's KV blocks through the prefix cache). `priority`: lower is scheduled first (priority policy).
@@ -286,6 +288,7 @@ class InputProcessor:
         Prompt logprobs are the same for every sample, so only child 0 computes them (the parent's output takes
         child 0's); the other children drop `prompt_logprobs` and so may still read the prompt from the prefix
         cache. A streaming-input session cannot ask for prompt logprobs (its prompt grows chunk by chunk).
+        `lora_request` (checked by `check_lora_request`) is the adapter every request of the prompt runs with.
         """
         params = processed.sampling_params
         if resumable and params.prompt_logprobs is not None:
@@ -302,6 +305,7 @@ class InputProcessor:
                     arrival_time=arrival_time,
                     priority=priority,
                     resumable=resumable,
+                    lora_request=lora_request,
                 )
             ]
         if resumable:
@@ -314,6 +318,7 @@ class InputProcessor:
                 eos_token_id=self.eos_token_id,
                 arrival_time=arrival_time,
                 priority=priority,
+                lora_request=lora_request,
             )
             for index in range(params.n)
         ]
@@ -350,6 +355,36 @@ def _is_token_id(value: object) -> bool:
 def _describe(value: object) -> str:
     """A short description of a wrong value for an error message: its type and a bounded repr."""
     return f"{type(value).__name__} {short_repr(value)}"
+
+
+def check_lora_request(lora_request: object, lora_enabled: bool) -> LoRARequest | None:
+    """A request's adapter: None, or a `LoRARequest` on an engine with LoRA enabled (a ValueError naming
+    `lora_request` otherwise)."""
+    if lora_request is None:
+        return None
+    if not isinstance(lora_request, LoRARequest):
+        raise ValueError(
+            f"lora_request must be a LoRARequest or None, got {_describe(lora_request)}"
+        )
+    if not lora_enabled:
+        raise ValueError(
+            f"lora_request {lora_request.lora_name!r}: LoRA is not enabled (enable_lora=True, --enable-lora)"
+        )
+    return lora_request
+
+
+def expand_lora_requests(
+    lora_request: object, num_prompts: int, lora_enabled: bool
+) -> list[LoRARequest | None]:
+    """One adapter per prompt from `generate`'s `lora_request`: None, one `LoRARequest` for every prompt, or a
+    list with one entry (a LoRARequest or None) per prompt."""
+    if isinstance(lora_request, list | tuple):
+        if len(lora_request) != num_prompts:
+            raise ValueError(
+                f"lora_request has {len(lora_request)} entries for {num_prompts} prompts"
+            )
+        return [check_lora_request(item, lora_enabled) for item in lora_request]
+    return [check_lora_request(lora_request, lora_enabled)] * num_prompts
 
 
 def check_priority(priority: object, scheduling_policy: str) -> int:

@@ -32,6 +32,7 @@ import cloudpickle
 import msgspec
 
 from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
+from kvflow.lora.request import LoRARequest
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -85,6 +86,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     resumable: bool = False
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> EngineCoreRequest:
@@ -97,6 +99,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
             request.priority,
             request.resumable,
             request.cache_salt,
+            request.lora_request,
         )
 
     def to_request(self) -> Request:
@@ -109,6 +112,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
             priority=self.priority,
             resumable=self.resumable,
             cache_salt=self.cache_salt,
+            lora_request=self.lora_request,
         )
 
 

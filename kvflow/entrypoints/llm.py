@@ -22,7 +22,13 @@ from tqdm.auto import tqdm
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.builder import build_frontend, resolve_engine_config, start_engine_core_client
 from kvflow.engine.death import EngineDeadError, fresh_dead_error
-from kvflow.engine.input_processor import ProcessedPrompt, PromptType, check_priority
+from kvflow.engine.input_processor import (
+    ProcessedPrompt,
+    PromptType,
+    check_lora_request,
+    check_priority,
+    expand_lora_requests,
+)
 from kvflow.engine.stat_logger import LoggingStatLogger
 from kvflow.entrypoints.interrupts import DeferredInterrupt
 from kvflow.sampling_params import BeamSearchParams, SamplingParams
@@ -34,6 +40,7 @@ if TYPE_CHECKING:
     from kvflow.engine.core import EngineCore
     from kvflow.engine.core_client import EngineCoreClient
     from kvflow.engine.output_processor import OutputProcessor
+    from kvflow.lora.request import LoRARequest
     from kvflow.outputs import RequestOutput
     from kvflow.request import Request
     from kvflow.tokenizer import Tokenizer
@@ -107,8 +114,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         priority: int | Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one finished RequestOutput per prompt, in input order.
+
+        `lora_request` (needs `enable_lora=True`): the adapter every prompt runs with, or one per prompt (None: the
+        base model); each adapter is loaded (and checked: a bad one is a ValueError naming what is wrong) before
+        any request is queued. Prompts with different adapters share engine steps.
 
         A prompt is a string or `{"prompt_token_ids": [...]}` (or `{"prompt": "..."}`). `priority` (one int, or
         one per prompt; lower runs first) needs `scheduling_policy="priority"`. `use_tqdm` may be a tqdm-like
@@ -122,6 +134,10 @@ class LLM:
         prompt_list = self.input_processor.normalize_prompts(prompts)
         params_list = self.input_processor.expand_sampling_params(sampling_params, len(prompt_list))
         priorities = self._expand_priority(priority, len(prompt_list))
+        lora_requests = expand_lora_requests(
+            lora_request, len(prompt_list), self.engine_config.lora_config is not None
+        )
+        self._load_adapters(lora_requests)
         processed = [
             self.input_processor.process(prompt, params)
             for prompt, params in zip(prompt_list, params_list, strict=True)
@@ -132,8 +148,10 @@ class LLM:
             try:
                 # One submission for the call: the core sees every prompt before its next step.
                 groups = [
-                    self._make_requests(call, item, item_priority, request_ids)
-                    for item, item_priority in zip(processed, priorities, strict=True)
+                    self._make_requests(call, item, item_priority, request_ids, item_lora)
+                    for item, item_priority, item_lora in zip(
+                        processed, priorities, lora_requests, strict=True
+                    )
                 ]
                 # A request the core refused fails the whole call.
                 self.engine_core_client.add_request_groups(groups).result()
@@ -184,6 +202,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: Sequence[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the one chat renderer (`kvflow.tokenizer.chat.render_chat`, the same as
         `kvflow chat` and `/v1/chat/completions`) and generate; vLLM's signature.
@@ -192,6 +211,7 @@ class LLM:
         parts) or a list of them. `chat_template` is a template file, the template's text, or the name of one of
         the checkpoint's templates (None: its default); `chat_template_kwargs` reach the template;
         `continue_final_message` continues the last (assistant) message instead of opening a new turn.
+        `lora_request`: as `generate`'s (one adapter, or one per conversation).
         """
         if self.tokenizer is None:
             raise ValueError(
@@ -214,7 +234,7 @@ class LLM:
             ).as_prompt()
             for conversation in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -233,6 +253,30 @@ class LLM:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self.engine_core_client.reset_prefix_cache(reset_running_requests).result()
+
+    # ------------------------------------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter now (ValueError naming what is wrong for a bad one); True once loaded. `generate` loads
+        the adapters it is given itself: this preloads."""
+        check_lora_request(lora_request, self.engine_config.lora_config is not None)
+        return self.engine_core_client.add_lora(lora_request).result()
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from the engine's cache (requests still running with it reload it); True if loaded."""
+        return self.engine_core_client.remove_lora(lora_int_id).result()
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        """Keep a loaded adapter in the engine's cache for good; False if it is not loaded."""
+        return self.engine_core_client.pin_lora(lora_int_id).result()
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded in the engine's cache."""
+        return self.engine_core_client.list_loras().result()
+
+    def _load_adapters(self, lora_requests: Sequence[LoRARequest | None]) -> None:
+        """Load each distinct adapter of a call (a bad one raises before anything is queued)."""
+        for lora_request in dict.fromkeys(item for item in lora_requests if item is not None):
+            self.engine_core_client.add_lora(lora_request).result()
 
     # ------------------------------------------------------------------------------------------------ pause
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
@@ -286,13 +330,18 @@ class LLM:
         return [check_priority(value, policy) for value in priorities]
 
     def _make_requests(
-        self, call: _Call, processed: ProcessedPrompt, priority: int, request_ids: list[str]
+        self,
+        call: _Call,
+        processed: ProcessedPrompt,
+        priority: int,
+        request_ids: list[str],
+        lora_request: LoRARequest | None = None,
     ) -> list[Request]:
         """One prompt's requests (n children when `n > 1`) registered for `call`; its id joins `request_ids` first,
         so an abandoned call aborts it whatever happens next."""
         request_id = str(next(self._request_counter))
         requests = self.input_processor.make_requests(
-            request_id, processed, time.monotonic(), priority=priority
+            request_id, processed, time.monotonic(), priority=priority, lora_request=lora_request
         )
         request_ids.append(request_id)
         self._outputs.register(call, request_id, processed, requests)

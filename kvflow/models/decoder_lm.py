@@ -24,6 +24,7 @@ from kvflow.models.loader import CheckpointModel
 
 if TYPE_CHECKING:
     from kvflow.batch import BatchInputs
+    from kvflow.lora.layers import LoRAStepState
     from kvflow.models.hf_config import TransformerConfig
     from kvflow.models.quantization import QuantizationPlan
 
@@ -119,6 +120,9 @@ class DecoderForCausalLM(CheckpointModel):
             layout.layer_groups if layout.is_hybrid else tuple(self.layer_windows)
         )
         self.quantization = quantization
+        # LoRA: the step's token -> adapter slot map the LoRA layers read, set by `kvflow.lora.model_manager`
+        # (None: no adapters on this model).
+        self.lora_state: LoRAStepState | None = None
         # Before any weight loads: the layers take the plan's storage and kernels.
         if quantization is not None:
             quantization.apply(self)
@@ -183,6 +187,8 @@ class DecoderForCausalLM(CheckpointModel):
         max_position = int(batch.seq_lens.max()) - 1 if batch.num_reqs else 0
         cos, sin = self.rotary_emb.cos_sin(batch.positions, self.dtype, max_position)
         logits_indices = batch.logits_indices.to(torch.int64)
+        if self.lora_state is not None:
+            self.lora_state.set_step(batch.lora_token_slots, logits_indices)
         hidden_states = self.embed(batch.input_ids)
         hidden_states, residual = self.run_layers(
             batch, hidden_states, cos, sin, kv_cache, metadata_by_window, logits_indices

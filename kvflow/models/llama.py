@@ -81,7 +81,8 @@ class LlamaForCausalLM(DecoderForCausalLM):
         logits_indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused decode path when it takes the step, else the per-op layers."""
-        if self.fused_decode is not None:
+        # A step with adapter rows runs per-op: the LoRA deltas sit between the products.
+        if self.fused_decode is not None and batch.lora_token_slots is None:
             step = (hidden_states, cos, sin, kv_cache, metadata_by_window)
             fused = self.fused_decode.run(batch, logits_indices.numel(), *step)
             if fused is not None:

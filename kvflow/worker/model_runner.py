@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         NewRequestData,
         SchedulerOutput,
     )
+    from kvflow.lora.model_manager import LoRAModelManager
     from kvflow.models.interface import RunnerModel
     from kvflow.spec_decode.proposer import Proposer
 
@@ -83,8 +84,11 @@ class ModelRunner:
         seed: int = 0,
         spec_proposer: Proposer | None = None,
         spec_disable_by_batch_size: int | None = None,
+        lora_manager: LoRAModelManager | None = None,
     ) -> None:
         self.model = model
+        # LoRA (None: off): puts each step's adapters in the model's adapter slots and maps tokens to them.
+        self.lora_manager = lora_manager
         self.eos_token_id = eos_token_id
         self.sampler = Sampler(seed)
         self.block_size = block_size
@@ -206,6 +210,7 @@ class ModelRunner:
                 new_req.sampling_params,
                 num_prompt_tokens=len(new_req.prompt_token_ids),
                 other_group_block_ids=new_req.block_ids[1:],
+                lora_request=new_req.lora_request,
             )
             self._track_prompt_logprobs(new_req.req_id, index)
             if self.spec_decode is not None:
@@ -388,6 +393,9 @@ class ModelRunner:
             logits_indices=to_device(logits_indices, self.device),
             sampled_req_indices=to_device(sampled_rows.astype(np.int64), self.device),
             other_groups=other_groups,
+            lora_token_slots=None
+            if self.lora_manager is None
+            else self.lora_manager.token_slots(self.slots, slot_indices, token_rows),
         )
         return batch, arrays, spec
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from kvflow.lora.request import LoRARequest
     from kvflow.sampling_params import SamplingParams
 
 
@@ -56,6 +57,9 @@ class RequestSlots:
         self.block_table = self.block_tables[0]
         self.num_blocks = self.group_num_blocks[0]
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
+        # The adapter of each held slot (None, id 0: the base model).
+        self.lora_requests: list[LoRARequest | None] = [None] * max_num_reqs
+        self.lora_ids = np.zeros(max_num_reqs, dtype=np.int64)
         self.req_ids: list[str | None] = [None] * max_num_reqs
         # Popped from the end, so slot 0 is taken first.
         self.free_indices: list[int] = list(range(max_num_reqs - 1, -1, -1))
@@ -71,13 +75,14 @@ class RequestSlots:
         sampling_params: SamplingParams | None = None,
         num_prompt_tokens: int | None = None,
         other_group_block_ids: Sequence[Sequence[int]] = (),
+        lora_request: LoRARequest | None = None,
     ) -> int:
         """Take a free slot for `req_id` and fill it; returns the slot index. `block_ids` is KV cache group 0's
         table, `other_group_block_ids` the tables of groups 1, 2, ... (one per further group).
 
         `num_prompt_tokens` (default: all of `token_ids`) marks where the prompt ends and outputs begin (a
         resumed request brings its outputs back among `token_ids`); the sampler reads it for penalties, seeds
-        and `min_tokens`.
+        and `min_tokens`. `lora_request` is the adapter it runs with (None: the base model).
 
         Raises AssertionError("No free indices") when every slot is held and ValueError when `req_id` already
         holds one (callers that mean to replace must `remove` first).
@@ -95,6 +100,8 @@ class RequestSlots:
         self.req_id_to_index[req_id] = index
         self.req_ids[index] = req_id
         self.sampling_params[index] = sampling_params
+        self.lora_requests[index] = lora_request
+        self.lora_ids[index] = 0 if lora_request is None else lora_request.lora_int_id
         self.num_tokens[index] = 0
         self.write_tokens(index, 0, token_ids)
         self.num_prompt_tokens[index] = (
@@ -144,6 +151,8 @@ class RequestSlots:
             return None
         self.req_ids[index] = None
         self.sampling_params[index] = None
+        self.lora_requests[index] = None
+        self.lora_ids[index] = 0
         self.free_indices.append(index)
         return index
 

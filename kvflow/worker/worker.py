@@ -14,6 +14,7 @@ import torch
 
 from kvflow.config import GIB
 from kvflow.distributed.parallel_state import TensorParallelGroup
+from kvflow.lora.model_manager import LoRAModelManager
 from kvflow.model_info import resolve_model_info
 from kvflow.models.registry import build_model
 from kvflow.spec_decode import SPEC_PROPOSERS
@@ -24,6 +25,7 @@ from kvflow.worker.persistent_batch import PersistentBatchModelRunner
 if TYPE_CHECKING:
     from kvflow.config import CacheConfig, EngineConfig
     from kvflow.core.sched.output import GrammarOutput, ModelRunnerOutput, SchedulerOutput
+    from kvflow.lora.request import LoRARequest
     from kvflow.model_info import ModelInfo
     from kvflow.spec_decode.proposer import Proposer
 
@@ -297,6 +299,12 @@ class Worker:
             model_info if model_info is not None else resolve_model_info(model_config.model)
         )
         self.model = build_model(model_config, self.model_info, self.device, self.tp)
+        # LoRA (None: off): the model's adapter slots and the loaded-adapter cache.
+        self.lora_manager = (
+            None
+            if engine_config.lora_config is None
+            else LoRAModelManager(self.model, engine_config.lora_config)
+        )
         spec_proposer = _spec_proposer(engine_config, self.device, self.model_info.vocab_size)
         draft_model = getattr(spec_proposer, "model", None)
         if draft_model is not None and hasattr(draft_model, "use_one_kv_group"):
@@ -342,6 +350,7 @@ class Worker:
                 if engine_config.speculative_config is None
                 else engine_config.speculative_config.disable_by_batch_size
             ),
+            lora_manager=self.lora_manager,
         )
 
     def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:
@@ -382,6 +391,25 @@ class Worker:
             "num_kv_blocks": self.num_kv_blocks,
             "kv_cache_shape": list(self.model_runner.kv_cache.shape),
         }
+
+    # ------------------------------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter into this rank's cache (ValueError naming what is wrong for a bad one)."""
+        return self._lora().add_adapter(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._lora().remove_adapter(lora_int_id)
+
+    def pin_lora(self, lora_int_id: int) -> bool:
+        return self._lora().pin_adapter(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self._lora().list_adapters()
+
+    def _lora(self) -> LoRAModelManager:
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True, --enable-lora)")
+        return self.lora_manager
 
     def kv_cache_group_windows(self) -> tuple[int | None, ...]:
         """The sliding window of each KV cache group of the model's layers (None: full attention), the layout the

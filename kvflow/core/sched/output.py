@@ -19,6 +19,7 @@ from kvflow.spec_decode.metrics import (
 )
 
 if TYPE_CHECKING:
+    from kvflow.lora.request import LoRARequest
     from kvflow.request import Request
     from kvflow.sampling_params import SamplingParams
 
@@ -34,6 +35,8 @@ class NewRequestData:
 
     `num_computed_tokens` is the count before this step (prefix-cache hits included). `prefill_token_ids` is set
     only for slot-runner resumes: the prompt plus the outputs so far, all of which must be recomputed.
+    `lora_request` is the adapter the request runs with (None: the base model); it travels once, here, and the
+    worker keeps it with the slot.
     """
 
     req_id: str
@@ -42,6 +45,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     prefill_token_ids: list[int] | None = None
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_request(
@@ -57,6 +61,7 @@ class NewRequestData:
             block_ids=block_ids,
             num_computed_tokens=request.num_computed_tokens,
             prefill_token_ids=prefill_token_ids,
+            lora_request=request.lora_request,
         )
 
 
@@ -270,3 +275,6 @@ class SchedulerStats:
     engine_index: int = 0
     # Speculative decoding's verification counts since startup (None without speculation).
     spec_decoding_stats: SpecDecodingStats | None = None
+    # LoRA: adapter name -> running / waiting requests with it (empty with LoRA off).
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)

@@ -55,6 +55,10 @@ class Scheduler:
         the worker applies before admitting, so at admission time the holders above are exactly what the worker
         holds.
       * each step schedules at most `max_num_scheduled_tokens` tokens, and a step that preempted admits nothing.
+      * LoRA: the running requests use at most `max_loras` distinct adapters (so no step runs more adapters than
+        the worker has slots). A waiting request whose adapter would be one too many waits; from then on, in that
+        step, no later request with an adapter is admitted either (requests of the adapters already running must
+        not overtake it, or a busy adapter could keep its slot forever), while base-model requests still are.
       * per-step cost grows with the number of scheduled requests, not with their token histories: full token
         lists are copied only for requests the worker cannot know (new, slot-runner resumes) or, for the
         persistent-batch protocol, requests not scheduled in the previous step.
@@ -72,6 +76,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         kv_cache_group_windows: tuple[int | None, ...] = (None,),
+        max_loras: int = 0,
     ) -> None:
         num_blocks = num_kv_blocks if num_kv_blocks is not None else cache_config.num_kv_blocks
         if num_blocks is None:
@@ -139,6 +144,9 @@ class Scheduler:
         self.spec_decoding_stats = (
             SpecDecodingStats(num_speculative_tokens) if num_speculative_tokens > 0 else None
         )
+        # LoRA: the worker's adapter slots, the most distinct adapters the running requests may use (0: LoRA off;
+        # a request with an adapter is then refused by the engine core before it gets here).
+        self.max_loras = max_loras
 
     # ------------------------------------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -277,7 +285,7 @@ class Scheduler:
         return bool(self.finished_req_ids or self.reset_preempted_req_ids)
 
     def make_stats(self) -> SchedulerStats:
-        """The scheduler's counters now (O(1))."""
+        """The scheduler's counters now (O(1); O(requests) for the adapter counts with LoRA on)."""
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
@@ -286,6 +294,8 @@ class Scheduler:
             prefix_cache_hit_tokens=self.prefix_cache_stats.num_hit_tokens,
             num_preemptions_total=self.num_preemptions_total,
             spec_decoding_stats=copy.deepcopy(self.spec_decoding_stats),
+            running_lora_adapters=_count_adapters(self.running) if self.max_loras else {},
+            waiting_lora_adapters=_count_adapters(self.waiting) if self.max_loras else {},
         )
 
     @property
@@ -430,10 +440,25 @@ class Scheduler:
         """
         skipped = create_request_queue(self.policy)
         head_blocked = False
+        # LoRA: the adapters of the running requests, and whether a request already waits for an adapter slot.
+        running_loras = self._running_lora_ids() if self.max_loras else set()
+        lora_blocked = False
         while self.waiting and plan.token_budget > 0:
             request = self.waiting.peek_request()
             if request.status == RequestStatus.WAITING_FOR_FSM:
                 # Its grammar is still compiling: pass over it, in order, without blocking the others.
+                skipped.add_request(self.waiting.pop_request())
+                continue
+            lora_request = request.lora_request
+            if lora_request is not None and (
+                lora_blocked
+                or (
+                    lora_request.lora_int_id not in running_loras
+                    and len(running_loras) >= self.max_loras
+                )
+            ):
+                # No adapter slot: it waits, in order, and so does every later adapter request (fairness).
+                lora_blocked = True
                 skipped.add_request(self.waiting.pop_request())
                 continue
             holds_slot = self.sessions.holds_slot(request.request_id)
@@ -444,6 +469,8 @@ class Scheduler:
             if holds_slot or not head_blocked:
                 has_slot = holds_slot or self.num_slot_holders < self.max_num_running_reqs
                 if has_slot and self._try_admit(request, plan):
+                    if lora_request is not None:
+                        running_loras.add(lora_request.lora_int_id)
                     continue
                 head_blocked = True
             if not self.sessions.has_unsent_chunks:
@@ -451,6 +478,14 @@ class Scheduler:
             skipped.add_request(self.waiting.pop_request())
         if skipped:
             self.waiting.prepend_requests(skipped)
+
+    def _running_lora_ids(self) -> set[int]:
+        """The adapter ids of the running requests (O(running); only with LoRA on)."""
+        return {
+            request.lora_request.lora_int_id
+            for request in self.running
+            if request.lora_request is not None
+        }
 
     def _try_admit(self, request: Request, plan: StepPlan) -> bool:
         """Schedule the head of the waiting queue. Returns False when it does not fit (stop admitting)."""
@@ -760,6 +795,16 @@ class Scheduler:
         if reset_running_requests and not reset_ok:
             raise RuntimeError("KV blocks still in use after preempting every running request")
         return reset_ok
+
+
+def _count_adapters(requests: Iterable[Request]) -> dict[str, int]:
+    """Adapter name -> how many of `requests` run with it (requests without one are not counted)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            name = request.lora_request.lora_name
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _record_queued(request: Request) -> None:

@@ -20,6 +20,7 @@ from kvflow.models.layers.weights import CheckpointTensor, copy_checked, narrow,
 
 if TYPE_CHECKING:
     from kvflow.distributed import TensorParallelGroup
+    from kvflow.lora.layers import LoRALayerWeights
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ class Linear(nn.Module):
         set_weight_loader(self.bias, self.weight_loader)
         # Set by a quantization method (`LinearMethod`) before loading; None: `weight` is a plain float matrix.
         self.quant_method: LinearMethod | None = None
+        # Set by the LoRA manager (`kvflow.lora.model_manager`) on layers adapters may target; None: no adapters.
+        self.lora: LoRALayerWeights | None = None
 
     def shard_rows(self, shard: int | None) -> slice:
         """The rows of `weight` (and entries of `bias`) that shard `shard` occupies (None: all of them)."""
@@ -123,11 +126,17 @@ class Linear(nn.Module):
         return self.matmul(hidden_states, self.bias)
 
     def matmul(self, hidden_states: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`hidden_states @ weight.T (+ bias)`: the quantization method's kernel, else the float one."""
+        """`hidden_states @ weight.T (+ bias)`: the quantization method's kernel, else the float one; plus, with
+        adapters in the step, each adapter row's LoRA delta (base-model rows are left as the product gave them)."""
         if self.quant_method is not None:
-            return self.quant_method.apply(hidden_states, bias)
-        out = kernels.linear(hidden_states, self.weight, bias)  # CPU GEMV/GEMM, else None
-        return out if out is not None else F.linear(hidden_states, self.weight, bias)
+            out = self.quant_method.apply(hidden_states, bias)
+        else:
+            out = kernels.linear(hidden_states, self.weight, bias)  # CPU GEMV/GEMM, else None
+            if out is None:
+                out = F.linear(hidden_states, self.weight, bias)
+        if self.lora is not None:
+            self.lora.add_delta(out, hidden_states)
+        return out
 
     def checkpoint_index(self, param_name: str, shard: int | None) -> tuple[slice, ...]:
         """The part of checkpoint shard `shard`'s tensor for `param_name` ("weight" or "bias") this layer holds:

@@ -16,6 +16,7 @@ from kvflow.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from kvflow.core.sched.output import CachedRequestData
+    from kvflow.lora.request import LoRARequest
     from kvflow.models.interface import RunnerModel
     from kvflow.sampling_params import SamplingParams
 
@@ -23,11 +24,12 @@ if TYPE_CHECKING:
 @dataclass
 class ParkedRequest:
     """A preempted request's state, kept outside any slot until it resumes: its known tokens (prompt, outputs and
-    the last sampled token), its sampling settings and where its prompt ends."""
+    the last sampled token), its sampling settings, where its prompt ends, and its adapter (None: base)."""
 
     token_ids: list[int]
     sampling_params: SamplingParams | None
     num_prompt_tokens: int
+    lora_request: LoRARequest | None = None
 
 
 class PersistentBatchModelRunner(ModelRunner):
@@ -63,6 +65,7 @@ class PersistentBatchModelRunner(ModelRunner):
             self.slots.get_token_ids(req_id),
             self.slots.sampling_params[index],
             int(self.slots.num_prompt_tokens[index]),
+            self.slots.lora_requests[index],
         )
         self.slots.remove(req_id)
 
@@ -96,6 +99,7 @@ class PersistentBatchModelRunner(ModelRunner):
                 parked.sampling_params,
                 num_prompt_tokens=parked.num_prompt_tokens,
                 other_group_block_ids=block_ids[1:],
+                lora_request=parked.lora_request,
             )
             # Parked before its first output: its prompt (and prompt logprobs) are recomputed.
             self._track_prompt_logprobs(req_id, index)
