@@ -11,7 +11,7 @@ import functools
 import os
 import subprocess
 import sys
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ __all__ = [
     "gemm_kernel_wins_here",
     "linear",
     "load_cpu_kernels",
+    "lora_add",
     "rotary",
     "silu_and_mul",
 ]
@@ -322,3 +323,33 @@ def fused_moe(
         topk_ids.to(torch.int64).contiguous(),
         True,  # the GEMM kernel's products (benchmarks/moe_kernel.py)
     )
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    part_offsets: Sequence[int] | torch.Tensor,
+) -> bool:
+    """Adds each row's LoRA delta to `y` in place on the CPU kernel (csrc/lora.cpp; the operation and its
+    invariants: kvflow/lora/punica.py) and returns True; returns False, touching nothing, when the kernel does not
+    apply (a non-CPU or non-bfloat16/float32 `y`, the extension off or unavailable): the caller then runs
+    `kvflow.lora.punica.lora_add_reference`. Unlike the helpers above it has no result to return, hence a bool.
+
+    `token_slots` is int32 (other integer dtypes are converted, a copy); inconsistent operands (another device
+    than `y`'s included) raise RuntimeError naming the argument. A row's result is bitwise independent of the other
+    rows and of the thread count.
+    """
+    if y.device.type != "cpu" or y.dtype not in _ELEMENTWISE_DTYPES:
+        return False
+    ops = load_cpu_kernels()
+    if ops is None:
+        return False
+    if token_slots.dtype is not torch.int32:
+        token_slots = token_slots.to(torch.int32)
+    if isinstance(part_offsets, torch.Tensor):
+        part_offsets = part_offsets.tolist()
+    ops.lora_add(y, x, lora_a, lora_b, token_slots, part_offsets)
+    return True

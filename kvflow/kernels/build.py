@@ -51,6 +51,7 @@ _SOURCES = (
     "quant_w8a8.cpp",
     "quant_linear.cpp",
     "quant_moe.cpp",
+    "lora.cpp",
 )
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _LDFLAGS = ("-fopenmp",)

@@ -8,6 +8,7 @@
 
 #include <iterator>
 #include <string>
+#include <vector>
 
 #include "cpu_features.h"
 #include "kernels.h"
@@ -666,6 +667,46 @@ at::Tensor quant_fused_moe(const at::Tensor& x, const at::Tensor& w13, int64_t w
   return out;
 }
 
+// y [n, out] and x [n, in] (contiguous rows, one dtype); lora_a [num_slots, num_parts * rank, in] and lora_b
+// [num_slots, out, rank] contiguous, x's dtype; token_slots int32 [n] contiguous (-1: no adapter); part_offsets
+// 0 = p[0] < ... < p[num_parts] = out. Adds each row's LoRA delta to y in place (kvflow::lora_add).
+void lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+              const at::Tensor& token_slots, const std::vector<int64_t>& part_offsets) {
+  check_cpu(y, "y");
+  for (const auto& [operand, name] : {std::pair<const at::Tensor&, const char*>{x, "x"}, {lora_a, "lora_a"},
+                                      {lora_b, "lora_b"}}) {
+    TORCH_CHECK(operand.device().is_cpu(), name, " must be a CPU tensor");
+    check_same_dtype(operand, y, name);
+  }
+  TORCH_CHECK(y.dim() == 2 && y.stride(1) == 1, "y must be 2-D [n, out] with contiguous rows");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(0) == y.size(0),
+              "x must be 2-D [n, in] with contiguous rows and y's n = ", y.size(0));
+  const int64_t n = y.size(0), in = x.size(1), out = y.size(1);
+  TORCH_CHECK(lora_b.dim() == 3 && lora_b.is_contiguous() && lora_b.size(1) == out,
+              "lora_b must be contiguous [num_slots, out = ", out, ", rank]");
+  const int64_t num_slots = lora_b.size(0), rank = lora_b.size(2);
+  const int64_t num_parts = static_cast<int64_t>(part_offsets.size()) - 1;
+  TORCH_CHECK(num_parts >= 1 && part_offsets.front() == 0 && part_offsets.back() == out,
+              "part_offsets must run from 0 to out = ", out);
+  for (int64_t p = 0; p < num_parts; ++p)
+    TORCH_CHECK(part_offsets[p] < part_offsets[p + 1], "part_offsets must be strictly increasing");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_a.is_contiguous() && lora_a.size(0) == num_slots &&
+                  lora_a.size(1) == num_parts * rank && lora_a.size(2) == in,
+              "lora_a must be contiguous [num_slots = ", num_slots, ", num_parts * rank = ", num_parts * rank,
+              ", in = ", in, "]");
+  TORCH_CHECK(token_slots.device().is_cpu() && token_slots.scalar_type() == at::kInt && token_slots.dim() == 1 &&
+                  token_slots.is_contiguous() && token_slots.size(0) == n,
+              "token_slots must be a contiguous int32 CPU tensor [n = ", n, "]");
+  bool ok = true;
+  dispatch(y, [&](auto tag) {
+    using T = decltype(tag);
+    ok = kvflow::lora_add<T>(ptr<T>(y), y.stride(0), ptr<T>(x), x.stride(0), n, in, out, ptr<T>(lora_a),
+                             ptr<T>(lora_b), num_slots, rank, ptr<int32_t>(token_slots), part_offsets.data(),
+                             num_parts, at::get_num_threads());
+  });
+  TORCH_CHECK(ok, "token_slots must lie in [-1, num_slots = ", num_slots, ")");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -703,6 +744,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("w13"), py::arg("w13_type"), py::arg("w13_scale"), py::arg("w2"), py::arg("w2_type"),
         py::arg("w2_scale"), py::arg("topk_weights"), py::arg("topk_ids"), py::arg("gemv_max_rows"),
         py::arg("tiled_max_rows"));
+  m.def("lora_add", &lora_add, "y[i] += B[slot] @ (A[slot] @ x[i]) per part, in place (rows with slot -1 untouched)",
+        py::arg("y"), py::arg("x"), py::arg("lora_a"), py::arg("lora_b"), py::arg("token_slots"),
+        py::arg("part_offsets"));
   m.def("rotary", &rotary, "neox rotary embedding into a new contiguous tensor");
   m.def("paged_attention", &paged_attention,
         "attention over the paged KV cache (rows of query tokens, sliding window, logit soft-capping)");

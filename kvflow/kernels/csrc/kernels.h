@@ -258,3 +258,19 @@ bool quant_fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_strid
                      int64_t top_k, int64_t gemv_max_rows, int64_t tiled_max_rows, T* out, int num_threads);
 
 }  // namespace kvflow
+
+namespace kvflow {
+
+// Batched LoRA deltas (lora.cpp; punica's bgmv / sgmv): for every row i < n with slot s = token_slots[i] >= 0 and
+// every part p < num_parts (output rows [part_offsets[p], part_offsets[p + 1]), part_offsets[num_parts] = out),
+// t = lora_a[s, p * rank .. (p + 1) * rank) @ x[i] in float32 and y[i, part] = T(float(y[i, part]) +
+// lora_b[s, part, :] @ t), one rounding. lora_a [num_slots, num_parts * rank, in] and lora_b [num_slots, out, rank]
+// contiguous; x and y rows x_stride / y_stride apart. Rows with slot -1 are untouched. A row's result depends on
+// its own x, slot and y only (bitwise, any batch, any thread count). Returns false (y untouched) when a slot lies
+// outside [-1, num_slots).
+template <typename T>
+bool lora_add(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t n, int64_t in, int64_t out,
+              const T* lora_a, const T* lora_b, int64_t num_slots, int64_t rank, const int32_t* token_slots,
+              const int64_t* part_offsets, int64_t num_parts, int num_threads);
+
+}  // namespace kvflow

@@ -1,0 +1,296 @@
+// Batched LoRA deltas on the CPU (punica's bgmv for decode and sgmv for prefill, in one kernel): for every row i
+// whose adapter slot s = token_slots[i] is >= 0 and every part p of a packed layer,
+//   t = A[s, p * rank .. (p + 1) * rank) @ x[i]                (float32)
+//   y[i, part p's rows] = T(float(y[i, part p's rows]) + B[s, part p's rows, :] @ t)   (one rounding)
+// Rows with slot -1 are never read from y nor written.
+//
+// Per call: the rows are grouped per slot (a counting sort, rows ascending within a slot). Shrink: for tiles of up
+// to kTileRows rows of one slot and quads of A's rows, each loaded A vector serves every row of the tile, so a slot
+// with many rows (prefill) streams A[s] once per tile from cache and one with a few rows (decode) reads it once.
+// Expand: for each slot, part and block of 16 output rows, B[s]'s block is widened and transposed once into
+// [rank][16] floats and then serves every row of the slot. The threads split shrink items (tile x A row block) and
+// expand items (slot x part x output blocks); every item writes its own elements, no sum is split across threads.
+//
+// Summation orders (batch invariance): t[i, j] = the 16 lanes' fma chains (lane l takes k = l, l + 16, ... in
+// ascending order, starting at 0), then a fixed tree over the lanes (reduce16); the delta of output row o is one fma
+// per rank index j in ascending order, starting at 0, then one float add to y and one rounding to T. Both depend on
+// `in` and `rank` only: not on how many rows share a slot, which tile or thread computes a row, or the other rows.
+// The portable build (no AVX-512) follows the same orders in scalar code, so its results equal the AVX-512 build's.
+#include <omp.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace kvflow {
+namespace {
+
+constexpr int kTileRows = 4;         // rows of one slot sharing each loaded A vector
+constexpr int kQuad = 4;             // A rows per shrink micro-kernel call
+constexpr int64_t kItemARows = 16;   // A rows per shrink work item
+constexpr int64_t kLanes = 16;       // output rows per expand block (one AVX-512 vector of floats)
+constexpr int kItemBlocks = 4;       // expand blocks per work item
+constexpr int64_t kItemWidth = kItemBlocks * kLanes;  // output rows per expand item
+
+// The rows of each slot: rows_of(s) = rows[starts[s] .. starts[s + 1]), ascending.
+struct SlotGroups {
+  std::vector<int64_t> starts;
+  std::vector<int64_t> rows;
+  int64_t count(int64_t slot) const { return starts[slot + 1] - starts[slot]; }
+  const int64_t* rows_of(int64_t slot) const { return rows.data() + starts[slot]; }
+};
+
+// False (nothing grouped) when a slot lies outside [-1, num_slots).
+bool group_rows_by_slot(const int32_t* token_slots, int64_t n, int64_t num_slots, SlotGroups& groups) {
+  for (int64_t i = 0; i < n; ++i)
+    if (token_slots[i] < -1 || token_slots[i] >= num_slots) return false;
+  groups.starts.assign(num_slots + 1, 0);
+  for (int64_t i = 0; i < n; ++i)
+    if (token_slots[i] >= 0) ++groups.starts[token_slots[i] + 1];
+  for (int64_t s = 0; s < num_slots; ++s) groups.starts[s + 1] += groups.starts[s];
+  groups.rows.resize(groups.starts[num_slots]);
+  std::vector<int64_t> next(groups.starts.begin(), groups.starts.end() - 1);
+  for (int64_t i = 0; i < n; ++i)
+    if (token_slots[i] >= 0) groups.rows[next[token_slots[i]]++] = i;
+  return true;
+}
+
+// sums[r][q] = dot(a_rows[q], x_rows[r]) over `in` elements, in the order the header states.
+template <typename T, int kRows>
+void shrink_micro(const T* const* x_rows, const T* const* a_rows, int64_t in, float (*sums)[kQuad]) {
+#ifdef KVFLOW_AVX512
+  __m512 acc[kRows][kQuad];
+  for (int r = 0; r < kRows; ++r)
+    for (int q = 0; q < kQuad; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += kLanes) {
+    const __mmask16 mask = tail_mask(in - k);
+    __m512 a[kQuad];
+    for (int q = 0; q < kQuad; ++q) a[q] = load16(a_rows[q] + k, mask);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 xv = load16(x_rows[r] + k, mask);
+      for (int q = 0; q < kQuad; ++q) acc[r][q] = _mm512_fmadd_ps(a[q], xv, acc[r][q]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int q = 0; q < kQuad; ++q) {
+      // reduce16: lanes l + 8, then l + 4, l + 2, l + 1 added to lane l.
+      const __m512 v = acc[r][q];
+      const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      sums[r][q] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    }
+#else
+  for (int r = 0; r < kRows; ++r)
+    for (int q = 0; q < kQuad; ++q) {
+      float lanes[kLanes] = {};
+      for (int64_t k = 0; k < in; k += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const bool inside = k + l < in;  // past the end: fma(0, 0, lane), as the masked vector loads
+          lanes[l] = std::fma(inside ? to_float<T>(a_rows[q][k + l]) : 0.f,
+                              inside ? to_float<T>(x_rows[r][k + l]) : 0.f, lanes[l]);
+        }
+      for (int64_t width = kLanes / 2; width >= 1; width /= 2)
+        for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+      sums[r][q] = lanes[0];
+    }
+#endif
+}
+
+// t[row, j] for the tile's rows and A rows [a_begin, a_end) of A[s] (`a_slot`, rows `in` apart); t rows are
+// `t_stride` floats apart.
+template <typename T, int kRows>
+void shrink_tile(const T* x, int64_t x_stride, const int64_t* tile_rows, const T* a_slot, int64_t in,
+                 int64_t a_begin, int64_t a_end, float* t, int64_t t_stride) {
+  const T* x_rows[kRows];
+  for (int r = 0; r < kRows; ++r) x_rows[r] = x + tile_rows[r] * x_stride;
+  float sums[kRows][kQuad];
+  for (int64_t j = a_begin; j < a_end; j += kQuad) {
+    const int64_t quad = std::min<int64_t>(kQuad, a_end - j);
+    const T* a_rows[kQuad];
+    for (int q = 0; q < kQuad; ++q) a_rows[q] = a_slot + (j + std::min<int64_t>(q, quad - 1)) * in;
+    shrink_micro<T, kRows>(x_rows, a_rows, in, sums);
+    for (int r = 0; r < kRows; ++r)
+      for (int64_t q = 0; q < quad; ++q) t[tile_rows[r] * t_stride + j + q] = sums[r][q];
+  }
+}
+
+template <typename T>
+void shrink_tile_any(int rows, const T* x, int64_t x_stride, const int64_t* tile_rows, const T* a_slot, int64_t in,
+                     int64_t a_begin, int64_t a_end, float* t, int64_t t_stride) {
+  switch (rows) {
+    case 4: shrink_tile<T, 4>(x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
+    case 3: shrink_tile<T, 3>(x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
+    case 2: shrink_tile<T, 2>(x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
+    default: shrink_tile<T, 1>(x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
+  }
+}
+
+#ifdef KVFLOW_AVX512
+// v[c] = column c of the 16 x 16 matrix whose rows were v[0 .. 16).
+inline void transpose16x16(__m512 (&v)[16]) {
+  __m512 pairs[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (r0_0, r1_0, r0_1, r1_1) and (r0_2, r1_2, r0_3, r1_3)
+    pairs[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    pairs[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // v[4i + c], lane L: column 4L + c of rows 4i .. 4i + 3
+    v[4 * i] = _mm512_shuffle_ps(pairs[4 * i], pairs[4 * i + 2], 0x44);
+    v[4 * i + 1] = _mm512_shuffle_ps(pairs[4 * i], pairs[4 * i + 2], 0xEE);
+    v[4 * i + 2] = _mm512_shuffle_ps(pairs[4 * i + 1], pairs[4 * i + 3], 0x44);
+    v[4 * i + 3] = _mm512_shuffle_ps(pairs[4 * i + 1], pairs[4 * i + 3], 0xEE);
+  }
+  __m512 columns[16];
+  for (int c = 0; c < 4; ++c) {
+    const __m512 even01 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0x88);   // lanes 0, 2 of rows 0-3 and 4-7
+    const __m512 odd01 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0xDD);    // lanes 1, 3
+    const __m512 even23 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0x88);
+    const __m512 odd23 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0xDD);
+    columns[c] = _mm512_shuffle_f32x4(even01, even23, 0x88);
+    columns[8 + c] = _mm512_shuffle_f32x4(even01, even23, 0xDD);
+    columns[4 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0x88);
+    columns[12 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0xDD);
+  }
+  for (int c = 0; c < 16; ++c) v[c] = columns[c];
+}
+#endif
+
+// The item's B rows [o_begin, o_begin + width) (width <= kItemWidth, `b_rows` points at row o_begin, rows `rank`
+// apart) as floats transposed: bt[j * kItemWidth + l] = B[o_begin + l, j], 0 for l >= width.
+template <typename T>
+void transpose_item(const T* b_rows, int64_t width, int64_t rank, float* bt) {
+#ifdef KVFLOW_AVX512
+  for (int64_t block = 0; block < kItemBlocks; ++block) {
+    const int64_t lanes = std::clamp<int64_t>(width - block * kLanes, 0, kLanes);
+    for (int64_t j0 = 0; j0 < rank; j0 += kLanes) {
+      const int64_t columns = std::min(kLanes, rank - j0);
+      __m512 v[kLanes];
+      for (int64_t l = 0; l < kLanes; ++l)
+        v[l] = l < lanes ? load16(b_rows + (block * kLanes + l) * rank + j0, tail_mask(columns)) : _mm512_setzero_ps();
+      transpose16x16(v);
+      for (int64_t c = 0; c < columns; ++c) _mm512_storeu_ps(bt + (j0 + c) * kItemWidth + block * kLanes, v[c]);
+    }
+  }
+#else
+  for (int64_t j = 0; j < rank; ++j)
+    for (int64_t l = 0; l < kItemWidth; ++l)
+      bt[j * kItemWidth + l] = l < width ? to_float<T>(b_rows[l * rank + j]) : 0.f;
+#endif
+}
+
+// For kRows rows of one slot: y[row, o_begin + l] = T(float(y) + sum over j ascending of bt[j][l] * t_part[j])
+// for l < width (t_part: the row's t at the part's offset).
+template <typename T, int kRows>
+void expand_tile(const float* bt, int64_t width, int64_t rank, const int64_t* tile_rows, const float* t,
+                 int64_t t_stride, int64_t t_offset, T* y, int64_t y_stride, int64_t o_begin) {
+#ifdef KVFLOW_AVX512
+  __m512 acc[kRows][kItemBlocks];
+  for (int r = 0; r < kRows; ++r)
+    for (int b = 0; b < kItemBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
+  const float* t_parts[kRows];
+  for (int r = 0; r < kRows; ++r) t_parts[r] = t + tile_rows[r] * t_stride + t_offset;
+  for (int64_t j = 0; j < rank; ++j) {
+    __m512 columns[kItemBlocks];
+    for (int b = 0; b < kItemBlocks; ++b) columns[b] = _mm512_loadu_ps(bt + j * kItemWidth + b * kLanes);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 factor = _mm512_set1_ps(t_parts[r][j]);
+      for (int b = 0; b < kItemBlocks; ++b) acc[r][b] = _mm512_fmadd_ps(columns[b], factor, acc[r][b]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    T* y_row = y + tile_rows[r] * y_stride + o_begin;
+    for (int b = 0; b < kItemBlocks; ++b) {
+      const __mmask16 mask = tail_mask(std::clamp<int64_t>(width - b * kLanes, 0, kLanes));
+      store16(y_row + b * kLanes, _mm512_add_ps(load16(y_row + b * kLanes, mask), acc[r][b]), mask);
+    }
+  }
+#else
+  for (int r = 0; r < kRows; ++r) {
+    const float* t_part = t + tile_rows[r] * t_stride + t_offset;
+    float acc[kItemWidth] = {};
+    for (int64_t j = 0; j < rank; ++j)
+      for (int64_t l = 0; l < kItemWidth; ++l) acc[l] = std::fma(bt[j * kItemWidth + l], t_part[j], acc[l]);
+    T* y_row = y + tile_rows[r] * y_stride + o_begin;
+    for (int64_t l = 0; l < width; ++l) y_row[l] = from_float<T>(to_float<T>(y_row[l]) + acc[l]);
+  }
+#endif
+}
+
+template <typename T>
+void expand_tile_any(int rows, const float* bt, int64_t width, int64_t rank, const int64_t* tile_rows, const float* t,
+                     int64_t t_stride, int64_t t_offset, T* y, int64_t y_stride, int64_t o_begin) {
+  switch (rows) {
+    case 4: expand_tile<T, 4>(bt, width, rank, tile_rows, t, t_stride, t_offset, y, y_stride, o_begin); break;
+    case 3: expand_tile<T, 3>(bt, width, rank, tile_rows, t, t_stride, t_offset, y, y_stride, o_begin); break;
+    case 2: expand_tile<T, 2>(bt, width, rank, tile_rows, t, t_stride, t_offset, y, y_stride, o_begin); break;
+    default: expand_tile<T, 1>(bt, width, rank, tile_rows, t, t_stride, t_offset, y, y_stride, o_begin); break;
+  }
+}
+
+struct ShrinkItem {
+  int64_t slot, first, count, a_begin;  // rows_of(slot)[first .. first + count), A rows [a_begin, +kItemARows)
+};
+struct ExpandItem {
+  int64_t slot, part, o_begin, o_end;  // output rows [o_begin, o_end) inside part `part`
+};
+
+}  // namespace
+
+template <typename T>
+bool lora_add(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t n, int64_t in, int64_t out,
+              const T* lora_a, const T* lora_b, int64_t num_slots, int64_t rank, const int32_t* token_slots,
+              const int64_t* part_offsets, int64_t num_parts, int num_threads) {
+  SlotGroups groups;
+  if (!group_rows_by_slot(token_slots, n, num_slots, groups)) return false;
+  if (groups.rows.empty() || rank == 0) return true;
+  const int64_t a_rows = num_parts * rank;
+  std::vector<float> t(static_cast<size_t>(n * a_rows));
+
+  std::vector<ShrinkItem> shrink_items;
+  for (int64_t s = 0; s < num_slots; ++s)
+    for (int64_t first = 0; first < groups.count(s); first += kTileRows)
+      for (int64_t a_begin = 0; a_begin < a_rows; a_begin += kItemARows)
+        shrink_items.push_back({s, first, std::min<int64_t>(kTileRows, groups.count(s) - first), a_begin});
+  const int64_t num_shrink = static_cast<int64_t>(shrink_items.size());
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_shrink > 1)
+  for (int64_t i = 0; i < num_shrink; ++i) {
+    const ShrinkItem& item = shrink_items[i];
+    shrink_tile_any<T>(static_cast<int>(item.count), x, x_stride, groups.rows_of(item.slot) + item.first,
+                       lora_a + item.slot * a_rows * in, in, item.a_begin,
+                       std::min(a_rows, item.a_begin + kItemARows), t.data(), a_rows);
+  }
+
+  std::vector<ExpandItem> expand_items;
+  for (int64_t s = 0; s < num_slots; ++s) {
+    if (groups.count(s) == 0) continue;
+    for (int64_t p = 0; p < num_parts; ++p)
+      for (int64_t o = part_offsets[p]; o < part_offsets[p + 1]; o += kItemWidth)
+        expand_items.push_back({s, p, o, std::min(part_offsets[p + 1], o + kItemWidth)});
+  }
+  const int64_t num_expand = static_cast<int64_t>(expand_items.size());
+#pragma omp parallel num_threads(num_threads) if (num_expand > 1)
+  {
+    std::vector<float> bt(static_cast<size_t>(rank * kItemWidth));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_expand; ++i) {
+      const ExpandItem& item = expand_items[i];
+      transpose_item<T>(lora_b + (item.slot * out + item.o_begin) * rank, item.o_end - item.o_begin, rank, bt.data());
+      const int64_t* rows = groups.rows_of(item.slot);
+      for (int64_t first = 0; first < groups.count(item.slot); first += kTileRows)
+        expand_tile_any<T>(static_cast<int>(std::min<int64_t>(kTileRows, groups.count(item.slot) - first)), bt.data(),
+                           item.o_end - item.o_begin, rank, rows + first, t.data(), a_rows, item.part * rank, y,
+                           y_stride, item.o_begin);
+    }
+  }
+  return true;
+}
+
+template bool lora_add<float>(float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, const float*,
+                              const float*, int64_t, int64_t, const int32_t*, const int64_t*, int64_t, int);
+template bool lora_add<bf16>(bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, int64_t, const bf16*,
+                             const bf16*, int64_t, int64_t, const int32_t*, const int64_t*, int64_t, int);
+
+}  // namespace kvflow
