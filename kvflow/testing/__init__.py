@@ -28,8 +28,10 @@ def make_scheduler(
     policy: str = "fcfs",
     async_scheduling: bool = False,
     use_v2_model_runner: bool = True,
+    max_loras: int = 0,
 ) -> Scheduler:
-    """A scheduler with no model behind it. `max_model_len=None` means `max_num_batched_tokens`."""
+    """A scheduler with no model behind it. `max_model_len=None` means `max_num_batched_tokens`; `max_loras > 0`
+    admits requests with adapters (`LoRARequest`) under that many distinct running adapters."""
     from kvflow.config import CacheConfig, SchedulerConfig
     from kvflow.core.sched.async_scheduler import AsyncScheduler
     from kvflow.core.sched.scheduler import Scheduler
@@ -48,7 +50,7 @@ def make_scheduler(
         block_size=block_size, num_kv_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching
     )
     scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
-    return scheduler_cls(scheduler_config, cache_config)
+    return scheduler_cls(scheduler_config, cache_config, max_loras=max_loras)
 
 
 def make_request(

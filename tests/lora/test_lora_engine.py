@@ -1,0 +1,306 @@
+"""Multi-LoRA end to end: real PEFT adapters on a tiny random Llama, served by `LLM(enable_lora=True)`, against the
+PEFT-merged model in transformers (float32, greedy, token-exact): each target module set and rank alone, mixed in
+one batch with base-model requests (whose rows stay bit-identical to a batch without adapters), under preemption
+with one adapter slot, with both runner protocols, sync and async scheduling, speculative decoding, tensor
+parallelism and int8 base weights; and the errors a user can make."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow import LLM, LoRARequest, SamplingParams
+from kvflow.engine.async_llm import AsyncLLM
+from kvflow.lora.punica import lora_add_reference
+from kvflow.testing import hf_checkpoints
+from tests.lora.adapters import (
+    ALL_LINEAR,
+    greedy_reference,
+    make_peft_adapter,
+    make_tiny_llama,
+    merged_model,
+)
+
+MAX_TOKENS = 10
+PROMPTS = [
+    [5, 17, 300, 42, 9, 100, 7, 1000, 2000, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
+    [11, 12, 13, 14],
+    [900, 901, 902, 903, 904, 905, 906],
+]
+# name -> (target modules, rank, extra LoraConfig options)
+ADAPTER_SPECS = {
+    "qv": (("q_proj", "v_proj"), 8, {}),
+    "attn": (("q_proj", "k_proj", "v_proj", "o_proj"), 4, {"use_rslora": True}),
+    "mlp": (("gate_proj", "up_proj", "down_proj"), 16, {}),
+    "all": (ALL_LINEAR, 8, {"rank_pattern": {"down_proj": 4}}),
+}
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class LoRASetup:
+    base: Path
+    requests: dict[str, LoRARequest]
+    # adapter name (or "base") -> the merged model's greedy tokens for each prompt
+    references: dict[str, list[list[int]]]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> LoRASetup:
+    folder = tmp_path_factory.mktemp("lora")
+    base = make_tiny_llama(folder / "base")
+    requests: dict[str, LoRARequest] = {}
+    references = {
+        "base": [
+            greedy_reference(hf_checkpoints.load_hf_model(base), p, MAX_TOKENS) for p in PROMPTS
+        ]
+    }
+    for adapter_id, (name, (targets, rank, options)) in enumerate(ADAPTER_SPECS.items(), 1):
+        path = make_peft_adapter(
+            base, folder / name, target_modules=targets, r=rank, seed=adapter_id, **options
+        )
+        requests[name] = LoRARequest(name, adapter_id, str(path))
+        model = merged_model(base, path)
+        references[name] = [greedy_reference(model, p, MAX_TOKENS) for p in PROMPTS]
+    for name in ADAPTER_SPECS:  # each adapter changes what the model says
+        assert references[name] != references["base"], name
+    return LoRASetup(base, requests, references)
+
+
+def make_llm(setup: LoRASetup, **options) -> LLM:
+    defaults = dict(
+        enable_lora=True,
+        max_loras=4,
+        max_lora_rank=16,
+        dtype="float32",
+        disable_log_stats=True,
+        block_size=4,
+    )
+    return LLM(str(setup.base), **{**defaults, **options})
+
+
+def run_mix(llm: LLM, setup: LoRASetup, names: list[str], **generate_options):
+    """Every prompt with every name in `names` ("base": no adapter), in one call; tokens by (name, prompt)."""
+    pairs = [(name, index) for index in range(len(PROMPTS)) for name in names]
+    outputs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[index]} for _, index in pairs],
+        generate_options.pop("params", GREEDY),
+        lora_request=[None if name == "base" else setup.requests[name] for name, _ in pairs],
+        use_tqdm=False,
+        **generate_options,
+    )
+    return {pair: output for pair, output in zip(pairs, outputs, strict=True)}
+
+
+def assert_matches_references(setup: LoRASetup, outputs) -> None:
+    for (name, index), output in outputs.items():
+        assert list(output.outputs[0].token_ids) == setup.references[name][index], (
+            f"{name}, prompt {index}"
+        )
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_each_adapter_alone_and_all_mixed_equal_the_peft_merged_model(
+    setup: LoRASetup, async_scheduling: bool
+) -> None:
+    llm = make_llm(setup, async_scheduling=async_scheduling)
+    try:
+        for name in ADAPTER_SPECS:
+            assert_matches_references(setup, run_mix(llm, setup, [name]))
+        assert_matches_references(setup, run_mix(llm, setup, ["base", *ADAPTER_SPECS]))
+        assert llm.list_loras() == {request.lora_int_id for request in setup.requests.values()}
+    finally:
+        llm.shutdown()
+
+
+def test_base_rows_beside_adapters_are_bit_identical_to_the_same_batch_without_adapters(
+    setup: LoRASetup,
+) -> None:
+    """The same batch twice, once with two of each prompt's three rows on adapters: the base rows' tokens and
+    logprobs are the same floats (the adapter deltas touch only their own rows). Without prefix caching, so that
+    both runs compute the same rows in every step (a prefix hit would shorten the second run's prefill)."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS for _ in range(3)]
+    adapters = [setup.requests["all"], setup.requests["qv"]]
+    with_adapters = [None if row % 3 == 0 else adapters[row % 3 - 1] for row in range(len(prompts))]
+    llm = make_llm(setup, enable_prefix_caching=False)
+    try:
+        without = llm.generate(prompts, params, use_tqdm=False)
+        mixed = llm.generate(prompts, params, lora_request=with_adapters, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for row in range(0, len(prompts), 3):
+        assert mixed[row].outputs[0].token_ids == without[row].outputs[0].token_ids
+        assert mixed[row].outputs[0].logprobs == without[row].outputs[0].logprobs  # exact floats
+    assert any(
+        mixed[row].outputs[0].token_ids != without[row].outputs[0].token_ids
+        for row in range(1, len(prompts), 3)
+    )
+
+
+@pytest.mark.parametrize("use_v2_model_runner", [True, False], ids=["slot", "persistent"])
+def test_one_adapter_slot_and_preemption_keep_every_request_exact(
+    setup: LoRASetup, use_v2_model_runner: bool
+) -> None:
+    """One adapter slot for four adapters, a KV cache too small for the batch (preemptions): every request still
+    equals its reference."""
+    llm = make_llm(
+        setup,
+        max_loras=1,
+        num_kv_blocks=16,
+        max_model_len=48,
+        max_num_batched_tokens=16,
+        use_v2_model_runner=use_v2_model_runner,
+    )
+    try:
+        outputs = run_mix(llm, setup, ["base", *ADAPTER_SPECS])
+        preemptions = sum(stats.num_preemptions_total for stats in llm.scheduler_stats())
+    finally:
+        llm.shutdown()
+    assert_matches_references(setup, outputs)
+    assert preemptions > 0
+
+
+def test_ngram_speculative_decoding_verifies_with_the_adapter(setup: LoRASetup) -> None:
+    llm = make_llm(
+        setup,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    )
+    try:
+        outputs = run_mix(llm, setup, ["base", "all", "mlp"])
+    finally:
+        llm.shutdown()
+    assert_matches_references(setup, outputs)
+
+
+def test_two_tensor_parallel_ranks_apply_their_slices_of_each_adapter(setup: LoRASetup) -> None:
+    llm = make_llm(setup, tensor_parallel_size=2, distributed_executor_backend="mp")
+    try:
+        outputs = run_mix(llm, setup, ["base", "all", "attn"])
+    finally:
+        llm.shutdown()
+    assert_matches_references(setup, outputs)
+
+
+def test_int8_base_weights_take_the_adapter_delta_in_the_model_dtype(setup: LoRASetup) -> None:
+    """Beside int8 base products, a LoRA layer adds exactly the reference delta to the quantized product (on its
+    rows only), base rows stay bit-identical to the same batch without adapters, and adapter rows change."""
+    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS for _ in range(2)]
+    adapters = [None if row % 2 == 0 else setup.requests["all"] for row in range(len(prompts))]
+    llm = make_llm(setup, quantization="int8", enable_prefix_caching=False)
+    try:
+        without = llm.generate(prompts, GREEDY, use_tqdm=False)
+        mixed = llm.generate(prompts, GREEDY, lora_request=adapters, use_tqdm=False)
+        layer_check = llm.collective_rpc(_check_quantized_layer_delta)
+    finally:
+        llm.shutdown()
+    assert layer_check == [True]
+    for row in range(0, len(prompts), 2):
+        assert mixed[row].outputs[0].token_ids == without[row].outputs[0].token_ids
+    assert any(
+        mixed[row].outputs[0].token_ids != without[row].outputs[0].token_ids
+        for row in range(1, len(prompts), 2)
+    )
+
+
+def _check_quantized_layer_delta(worker) -> bool:
+    """On the worker: layer 0's int8 qkv_proj with adapter slot 0 active for rows 1 and 3 gives the quantized
+    product plus the reference delta on those rows only."""
+    layer = worker.model.model.layers[0].self_attn.qkv_proj
+    assert layer.quant_method is not None and layer.lora is not None
+    hidden = torch.randn(5, layer.input_size, generator=torch.Generator().manual_seed(0))
+    slots = torch.tensor([-1, 0, -1, 0, -1], dtype=torch.int32)
+    state = layer.lora.state
+    state.token_slots, state.output_token_slots = slots, None
+    try:
+        got = layer(hidden)
+    finally:
+        state.token_slots = None
+    expected = layer.quant_method.apply(hidden, layer.bias)
+    lora_add_reference(
+        expected, hidden, layer.lora.lora_a, layer.lora.lora_b, slots, layer.lora.part_offsets
+    )
+    base = layer.quant_method.apply(hidden, layer.bias)
+    return bool(
+        torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+        and torch.equal(got[[0, 2, 4]], base[[0, 2, 4]])
+        and not torch.equal(got[1], base[1])
+    )
+
+
+def test_removing_an_adapter_while_its_requests_run_loses_nothing(setup: LoRASetup) -> None:
+    """`remove_lora` mid-stream (the engine paused with the request kept, so steps remain): the request reloads
+    the adapter from its folder and finishes exactly."""
+    request = setup.requests["all"]
+
+    async def scenario() -> tuple[list[int], set[int], set[int]]:
+        engine = AsyncLLM(
+            model=str(setup.base),
+            enable_lora=True,
+            max_loras=2,
+            dtype="float32",
+            disable_log_stats=True,
+        )
+        try:
+            stream = engine.generate(
+                {"prompt_token_ids": PROMPTS[0]}, GREEDY, request_id="r", lora_request=request
+            )
+            tokens: list[int] = []
+            removed = False
+            loaded_before: set[int] = set()
+            async for output in stream:
+                tokens = list(output.outputs[0].token_ids)
+                if not removed:
+                    # Paused with the request kept, so that it still has steps to run after the removal.
+                    await engine.pause_generation(mode="keep")
+                    loaded_before = await engine.list_loras()
+                    assert await engine.remove_lora(request.lora_int_id)
+                    assert request.lora_int_id not in await engine.list_loras()
+                    removed = True
+                    await engine.resume_generation()
+            return tokens, loaded_before, await engine.list_loras()
+        finally:
+            engine.shutdown()
+
+    tokens, loaded_before, loaded_after = asyncio.run(scenario())
+    assert tokens == setup.references["all"][0]
+    assert request.lora_int_id in loaded_before
+    assert request.lora_int_id in loaded_after  # reloaded by the steps that still ran with it
+
+
+def test_adapter_requests_are_errors_naming_what_is_wrong(setup: LoRASetup, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_loras needs enable_lora"):
+        LLM(str(setup.base), max_loras=2)
+    plain = LLM(str(setup.base), dtype="float32", disable_log_stats=True)
+    try:
+        with pytest.raises(ValueError, match="LoRA is not enabled"):
+            plain.generate("hello", GREEDY, lora_request=setup.requests["qv"], use_tqdm=False)
+        assert plain.generate("hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        plain.shutdown()
+    too_big = make_peft_adapter(setup.base, tmp_path / "r32", target_modules=["q_proj"], r=32)
+    embedding = make_peft_adapter(
+        setup.base, tmp_path / "embed", target_modules=["embed_tokens", "q_proj"]
+    )
+    llm = make_llm(setup, max_lora_rank=16)
+    try:
+        with pytest.raises(ValueError, match=r"rank 32.*max_lora_rank=16"):
+            llm.generate("hi", GREEDY, lora_request=LoRARequest("big", 9, str(too_big)))
+        with pytest.raises(ValueError, match="embed_tokens"):
+            llm.generate("hi", GREEDY, lora_request=LoRARequest("emb", 10, str(embedding)))
+        with pytest.raises(FileNotFoundError, match="missing"):
+            llm.add_lora(LoRARequest("gone", 11, str(tmp_path / "missing")))
+        with pytest.raises(ValueError, match="lora_request has 1 entries for 2 prompts"):
+            llm.generate(["a", "b"], GREEDY, lora_request=[setup.requests["qv"]])
+        with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
+            llm.generate("a", GREEDY, lora_request="qv")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="lora_int_id must be >= 1"):
+            LoRARequest("zero", 0, str(too_big))
+        # the engine is unharmed: an adapter request still runs exactly
+        assert_matches_references(setup, run_mix(llm, setup, ["qv"]))
+    finally:
+        llm.shutdown()
