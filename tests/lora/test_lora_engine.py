@@ -80,7 +80,8 @@ def make_llm(setup: LoRASetup, **options) -> LLM:
         disable_log_stats=True,
         block_size=4,
     )
-    return LLM(str(setup.base), **{**defaults, **options})
+    model = options.pop("model", str(setup.base))
+    return LLM(model, **{**defaults, **options})
 
 
 def run_mix(llm: LLM, setup: LoRASetup, names: list[str], **generate_options):
@@ -304,3 +305,76 @@ def test_adapter_requests_are_errors_naming_what_is_wrong(setup: LoRASetup, tmp_
         assert_matches_references(setup, run_mix(llm, setup, ["qv"]))
     finally:
         llm.shutdown()
+
+
+def test_draft_model_speculation_drafts_with_the_base_and_verifies_with_the_adapter(
+    setup: LoRASetup,
+) -> None:
+    """The base checkpoint as its own draft model (no adapter): the adapter requests' drafts are often wrong,
+    yet verification with the adapter keeps every token the merged model's."""
+    llm = make_llm(
+        setup,
+        speculative_config={
+            "method": "draft_model",
+            "model": str(setup.base),
+            "num_speculative_tokens": 3,
+        },
+    )
+    try:
+        outputs = run_mix(llm, setup, ["base", "all", "qv"])
+    finally:
+        llm.shutdown()
+    assert_matches_references(setup, outputs)
+
+
+def test_gguf_base_weights_serve_adapters(setup: LoRASetup, tmp_path: Path) -> None:
+    """A GGUF file of the base: F32 blocks give the merged model's tokens exactly; on Q8_0 blocks the adapter's
+    delta runs beside the quantized products, base rows untouched by it."""
+    from tools.convert_to_gguf import convert
+
+    f32 = convert(setup.base, tmp_path / "base-f32.gguf", dtype="f32", embed_hf_tokenizer=True)
+    q8 = convert(setup.base, tmp_path / "base-q8.gguf", outtype="Q8_0", embed_hf_tokenizer=True)
+    llm = make_llm(setup, model=str(f32))
+    try:
+        assert_matches_references(setup, run_mix(llm, setup, ["base", "all", "mlp"]))
+    finally:
+        llm.shutdown()
+    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS for _ in range(2)]
+    adapters = [None if row % 2 == 0 else setup.requests["all"] for row in range(len(prompts))]
+    llm = make_llm(setup, model=str(q8), enable_prefix_caching=False)
+    try:
+        without = llm.generate(prompts, GREEDY, use_tqdm=False)
+        mixed = llm.generate(prompts, GREEDY, lora_request=adapters, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for row in range(0, len(prompts), 2):
+        assert mixed[row].outputs[0].token_ids == without[row].outputs[0].token_ids
+    assert any(
+        mixed[row].outputs[0].token_ids != without[row].outputs[0].token_ids
+        for row in range(1, len(prompts), 2)
+    )
+
+
+def test_chat_runs_each_conversation_with_its_adapter(setup: LoRASetup) -> None:
+    conversation = [{"role": "user", "content": "Name a color."}]
+    llm = make_llm(setup)
+    try:
+        chat = llm.chat(
+            [conversation, conversation],
+            GREEDY,
+            use_tqdm=False,
+            lora_request=[setup.requests["all"], None],
+        )
+        prompt = chat[0].prompt_token_ids
+        direct = llm.generate(
+            [{"prompt_token_ids": prompt}] * 2,
+            GREEDY,
+            use_tqdm=False,
+            lora_request=[setup.requests["all"], None],
+        )
+    finally:
+        llm.shutdown()
+    assert [output.outputs[0].token_ids for output in chat] == [
+        output.outputs[0].token_ids for output in direct
+    ]
+    assert chat[0].outputs[0].token_ids != chat[1].outputs[0].token_ids
