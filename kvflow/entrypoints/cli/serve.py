@@ -25,8 +25,11 @@ from kvflow.entrypoints.cli.engine import CommandError, make_async_llm
 from kvflow.entrypoints.openai.server_chat_template import load_server_chat_template
 from kvflow.entrypoints.openai.server_config import (
     REQUEST_TEMPLATE_TIMEOUT_S,
+    RUNTIME_LORA_UPDATING_ENVS,
     ServerConfig,
     ServingLimits,
+    parse_lora_module,
+    runtime_lora_updating_from_env,
 )
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kvflow.utils import openmp_threads_sleep_while_waiting
@@ -51,6 +54,11 @@ EPILOG = f"""\
 admin endpoints (--enable-admin-endpoints), for RL trainers:
   POST /pause, /resume, /reset_prefix_cache, /abort_requests, /update_weights,
   /collective_rpc, GET /weight_version
+
+LoRA adapters (--enable-lora): --lora-modules NAME=PATH ... serves each PEFT adapter
+folder as model NAME; with --enable-runtime-lora-updating (or
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), POST /v1/load_lora_adapter
+{"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}
 
 {LOGGING_EPILOG}"""
 
@@ -119,6 +127,21 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         choices=TOOL_PARSERS.names(),
         help="how tool calls are written in this model's replies: hermes (Qwen2.5, Hermes, the built-in "
         "model's template), llama3_json, mistral or pythonic",
+    )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve (needs --enable-lora): each a PEFT adapter folder served as model NAME, "
+        'given as NAME=PATH or as JSON \'{"name": NAME, "path": PATH, "base_model_name": BASE}\' (BASE: the '
+        "card's parent in /v1/models; default: the served model name). Each is loaded before the server serves",
+    )
+    server.add_argument(
+        "--enable-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora; 404 "
+        f"without); also turned on by {' or '.join(RUNTIME_LORA_UPDATING_ENVS)}=1, as in vLLM",
     )
     server.add_argument(
         "--timeout-keep-alive",
@@ -208,6 +231,7 @@ def run_serve(args: argparse.Namespace) -> None:
             "--enable-auto-tool-choice needs --tool-call-parser NAME (how this model writes its calls: "
             f"{', '.join(TOOL_PARSERS.names())})"
         )
+    _check_lora_flags(args)
     if args.api_server_count > 1 and not args.engine_process:
         raise CommandError(
             f"--api-server-count {args.api_server_count} needs the engine core in its own process (shared by "
@@ -237,6 +261,34 @@ def run_serve(args: argparse.Namespace) -> None:
         sock.close()
 
 
+def _check_lora_flags(args: argparse.Namespace) -> None:
+    """The server's LoRA flags need the engine's `--enable-lora`; runtime updating needs one API server process
+    (each process keeps its own adapter names, so an adapter loaded through one would be unknown to the others).
+    Sets `args.enable_runtime_lora_updating` when one of `RUNTIME_LORA_UPDATING_ENVS` turns it on."""
+    try:
+        modules = [parse_lora_module(text) for text in args.lora_modules or ()]
+        from_env = runtime_lora_updating_from_env()
+    except ValueError as error:
+        raise CommandError(str(error)) from error
+    args.lora_modules = modules
+    if modules and not args.enable_lora:
+        raise CommandError(
+            "--lora-modules needs --enable-lora (the engine serves no adapters without it)"
+        )
+    what = "--enable-runtime-lora-updating"
+    if not args.enable_runtime_lora_updating and from_env is not None:
+        what = f"{from_env}={os.environ[from_env]}"
+        args.enable_runtime_lora_updating = True
+    if args.enable_runtime_lora_updating and not args.enable_lora:
+        raise CommandError(f"{what} needs --enable-lora (the engine serves no adapters without it)")
+    if args.enable_runtime_lora_updating and args.api_server_count > 1:
+        raise CommandError(
+            f"{what} needs a single API server process (--api-server-count {args.api_server_count}): each "
+            "process keeps its own adapter names, so an adapter loaded through one would be unknown to the "
+            "others; register adapters at startup with --lora-modules instead"
+        )
+
+
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     from kvflow.entrypoints.openai.serving_models import DEFAULT_MODEL_NAME
 
@@ -250,6 +302,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         limits=ServingLimits(**{name: getattr(args, name) for _, name, _ in _LIMIT_FLAGS}),
+        lora_modules=tuple(args.lora_modules),
+        enable_runtime_lora_updating=args.enable_runtime_lora_updating,
         timeout_keep_alive_s=args.timeout_keep_alive,
         uvicorn_log_level=args.uvicorn_log_level,
     )
@@ -272,7 +326,9 @@ def _serve_in_this_process(
             1
         )  # the API process runs no torch compute: leave the cores to the engine
     stat_logger = PrometheusStatLogger(
-        config.served_model_name, num_engines=args.data_parallel_size
+        config.served_model_name,
+        num_engines=args.data_parallel_size,
+        max_loras=args.max_loras if args.enable_lora else None,
     )
     engine = make_async_llm(args, stat_loggers=[stat_logger])
     try:

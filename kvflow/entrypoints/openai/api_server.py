@@ -8,6 +8,12 @@
     POST /v1/chat/completions  serving_chat.py
     POST /tokenize, /detokenize  serving_tokenization.py
     GET  /is_paused, and with --enable-admin-endpoints pause / resume and the admin endpoints: rl.py
+  with --enable-runtime-lora-updating (404 without, as in vLLM), see serving_models.py:
+    POST /v1/load_lora_adapter {"lora_name", "lora_path"[, "load_inplace"]}  200 text, 400 naming the problem
+    POST /v1/unload_lora_adapter {"lora_name"} or {"lora_int_id"}           200 text, 404 unknown adapter
+
+Adapters given with --lora-modules are loaded into the engine before the server serves (a bad one stops it with
+its error); a request's `model` may name any registered adapter.
 
 Every error is OpenAI's body (errors.py); an exception no route turned into a response is a 500 that keeps the
 connection usable (middleware.py). With an API key, every path except /health, /metrics and /version needs
@@ -40,7 +46,7 @@ import prometheus_client
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -65,9 +71,11 @@ from kvflow.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from kvflow.entrypoints.openai.rl import RLControl, admin_router, control_router
 from kvflow.entrypoints.openai.server_config import ServerConfig
@@ -154,6 +162,30 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Detoke
     return raw_request.app.state.serving_tokenization.detokenize(request)
 
 
+# Mounted with --enable-runtime-lora-updating only (vLLM mounts them only under VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+lora_router = APIRouter()
+
+
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(
+    request: LoadLoRAAdapterRequest, raw_request: Request
+) -> PlainTextResponse:
+    models: OpenAIServingModels = raw_request.app.state.serving_models
+    raw_request.app.state.unknown_fields.report(request.model_extra)
+    await models.load_lora_adapter(request.lora_name, request.lora_path, request.load_inplace)
+    return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' added successfully.")
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(
+    request: UnloadLoRAAdapterRequest, raw_request: Request
+) -> PlainTextResponse:
+    models: OpenAIServingModels = raw_request.app.state.serving_models
+    raw_request.app.state.unknown_fields.report(request.model_extra)
+    removed = await models.unload_lora_adapter(request.lora_name, request.lora_int_id)
+    return PlainTextResponse(f"Success: LoRA adapter '{removed.lora_name}' removed successfully.")
+
+
 # ---------------------------------------------------------------------------------------------------- app
 def _tool_parser(config: ServerConfig, engine: AsyncLLM) -> ToolParser | None:
     """`--tool-call-parser`'s parser over the engine's tokenizer (None without the flag)."""
@@ -177,21 +209,35 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app serving `engine` (which must be the engine `stat_logger` is registered with).
     `api_server_index`: this process's index among several API server processes (None: the only one)."""
+    if config.enable_runtime_lora_updating and api_server_index is not None:
+        # `kvflow serve` refuses this at startup; checked here too for direct callers.
+        raise ValueError(
+            "--enable-runtime-lora-updating needs a single API server process: each process keeps its own "
+            "adapter names (drop --api-server-count, or register adapters with --lora-modules)"
+        )
+    models = OpenAIServingModels(engine, config.served_model_name, config.lora_modules)
     template_sandbox = TemplateSandbox() if config.trust_request_chat_template else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
+            try:
+                await models.load_static_loras()
+            except ValueError as error:  # `run_server` raises it once uvicorn has given up starting
+                app.state.startup_error = error
+                raise
             yield
         finally:
             if template_sandbox is not None:
                 template_sandbox.close()
 
     app = FastAPI(title="kvflow", version=__version__, lifespan=lifespan)
-    models = OpenAIServingModels(engine, config.served_model_name)
     live_requests = LiveRequests()
     chat_prompt = ChatPromptRenderer(engine.get_tokenizer(), config.chat_template, template_sandbox)
-    serving = (engine, models, live_requests, config.limits, UnknownFields())
+    unknown_fields = UnknownFields()
+    serving = (engine, models, live_requests, config.limits, unknown_fields)
+    app.state.startup_error = None
+    app.state.unknown_fields = unknown_fields
     app.state.engine = engine
     app.state.metrics = stat_logger
     app.state.serving_models = models
@@ -211,6 +257,13 @@ def build_app(
     app.include_router(control_router)
     if config.enable_admin_endpoints:
         app.include_router(admin_router)
+    if config.enable_runtime_lora_updating:
+        logger.warning(
+            "runtime LoRA updating is on: POST /v1/load_lora_adapter loads any adapter folder this process "
+            "can read%s",
+            "" if config.api_key else " (and the server has no --api-key)",
+        )
+        app.include_router(lora_router)
     _add_error_handlers(app)
     # Added innermost first: requests pass RequestId, UnexpectedError, BodySizeLimit, APIKey, BodySurrogateScan,
     # then the routes.
@@ -353,7 +406,12 @@ def run_server(
         timeout_keep_alive=config.timeout_keep_alive_s,
     )
     server = _Server(uvicorn_config, engine, config, on_started)
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's exit when the app's startup failed
+        if app.state.startup_error is not None:
+            raise app.state.startup_error from None
+        raise
     if not server.started:
         raise RuntimeError("the HTTP server did not start (its error is logged above)")
     logger.info("kvflow serve stopped")

@@ -12,6 +12,10 @@ each API process balances its own requests over them by least load. Pause, resum
 reset_prefix_cache, update_weights and collective_rpc act on the shared cores, so every process's requests and
 answers agree; `/abort_requests` aborts what any process runs (`rl.RLControl`). `/metrics` from any process shows
 every process's samples (prometheus_client's multiprocess mode in a private folder, see `metrics.py`).
+LoRA adapters given with `--lora-modules` are registered by every API process under the same names and ids (1, 2,
+... in the order given), so any process resolves a request's `model` to the same adapter; runtime loading
+(`--enable-runtime-lora-updating`) is refused with several API processes (`kvflow serve` says so at startup): each
+process keeps its own adapter names, and an adapter loaded through one would be unknown to the others.
 
 Lifecycle: the launcher starts the engine cores and waits for their handshakes, then the API processes, and
 announces the address once every one serves. SIGINT or SIGTERM to the launcher stop the API processes (their
@@ -240,6 +244,7 @@ def _serve(
         num_engines=args.data_parallel_size,
         multiprocess=True,
         counts_scheduler_totals=index == 0,
+        max_loras=args.max_loras if args.enable_lora else None,
     )
     with attached_engines(attachments):
         engine = make_async_llm(args, stat_loggers=[stat_logger])

@@ -17,6 +17,13 @@ Under speculative decoding (`SchedulerStats.spec_decoding_stats`), counters `spe
 `spec_decode_num_draft_tokens_total`, `spec_decode_num_accepted_tokens_total` and
 `spec_decode_num_accepted_tokens_per_pos{position}` (drafts whose first position+1 tokens were accepted, position
 from 0), created with the first snapshot that carries them.
+With LoRA (`--enable-lora`: `max_loras` given), vLLM's info gauge `lora_requests_info{max_lora,
+waiting_lora_adapters, running_lora_adapters}`: the names of the adapters that waiting and running requests use
+(`SchedulerStats.waiting_lora_adapters` / `running_lora_adapters`), sorted and joined by ",", "" for none; its
+value is the unix time of the snapshot (every step, and every scrape of an idle server). One series per core at a
+time: when the adapters change, the previous label set is removed (set to 0 with several API server processes,
+where nothing can be removed: the current series is the one with the largest value, as in vLLM). Without LoRA the
+gauge does not exist.
 
 Several API server processes (`kvflow serve --api-server-count N`): prometheus_client's multiprocess mode
 (`PROMETHEUS_MULTIPROC_DIR`, set by the launcher before any API process imports prometheus_client, to a private
@@ -106,8 +113,11 @@ class PrometheusStatLogger:
         num_engines: int = 1,
         multiprocess: bool = False,
         counts_scheduler_totals: bool = True,
+        max_loras: int | None = None,
     ) -> None:
-        """`num_engines`: the data-parallel engine cores, whose samples exist (at 0) before their first step."""
+        """`num_engines`: the data-parallel engine cores, whose samples exist (at 0) before their first step;
+        `max_loras`: the engine's LoRA slots (`LoRAConfig.max_loras`), None when LoRA is off (then no
+        `lora_requests_info`)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.multiprocess = multiprocess
@@ -144,6 +154,19 @@ class PrometheusStatLogger:
         )
         self._num_engines = num_engines
         self._engine_dead = False
+        self._max_loras = max_loras
+        self.lora_info: Gauge | None = None
+        # engine index -> the label values of its current `lora_info` series
+        self._lora_labels: dict[int, tuple[str, ...]] = {}
+        if max_loras is not None:
+            self.lora_info = Gauge(
+                "kvflow:lora_requests_info",
+                "LoRA adapters of the running and waiting requests (labels); the value is the snapshot's "
+                "unix time",
+                [*labels, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=self.registry,
+                multiprocess_mode="mostrecent",
+            )
         self.prompt_tokens = counter("kvflow:prompt_tokens", "Prompt tokens prefilled")
         self.generation_tokens = counter("kvflow:generation_tokens", "Tokens generated")
         self.request_success = counter(
@@ -305,6 +328,9 @@ class PrometheusStatLogger:
                         gauge.labels(self.model_name, engine).set(0)
                     else:
                         gauge.remove(self.model_name, engine)
+            for lora_labels in self._lora_labels.values():
+                self._drop_lora_series(lora_labels)
+            self._lora_labels.clear()
 
     def _apply(self, scheduler_stats: SchedulerStats, samples: _EngineSamples) -> None:
         """The gauges, and what the scheduler's running totals grew by (caller holds `_lock`)."""
@@ -313,6 +339,8 @@ class PrometheusStatLogger:
         samples.running.set(scheduler_stats.num_running_reqs)
         samples.waiting.set(scheduler_stats.num_waiting_reqs)
         samples.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+        if self.lora_info is not None:
+            self._apply_lora_info(scheduler_stats)
         if not self._counts_scheduler_totals:
             return
         name = self.model_name, str(scheduler_stats.engine_index)
@@ -325,6 +353,31 @@ class PrometheusStatLogger:
         spec_stats = getattr(scheduler_stats, "spec_decoding_stats", None)
         if spec_stats is not None:
             self._apply_spec_decoding(spec_stats, name)
+
+    def _apply_lora_info(self, scheduler_stats: SchedulerStats) -> None:
+        """The core's `lora_requests_info` series, at the current time (caller holds `_lock`)."""
+        assert self.lora_info is not None
+        engine_index = scheduler_stats.engine_index
+        lora_labels = (
+            self.model_name,
+            str(engine_index),
+            str(self._max_loras),
+            ",".join(sorted(scheduler_stats.waiting_lora_adapters)),
+            ",".join(sorted(scheduler_stats.running_lora_adapters)),
+        )
+        previous = self._lora_labels.get(engine_index)
+        if previous is not None and previous != lora_labels:
+            self._drop_lora_series(previous)
+        self._lora_labels[engine_index] = lora_labels
+        self.lora_info.labels(*lora_labels).set_to_current_time()
+
+    def _drop_lora_series(self, lora_labels: tuple[str, ...]) -> None:
+        """Remove a `lora_requests_info` series (set it to 0 in multiprocess mode, where removal is impossible)."""
+        assert self.lora_info is not None
+        if self.multiprocess:
+            self.lora_info.labels(*lora_labels).set(0)
+        else:
+            self.lora_info.remove(*lora_labels)
 
     def _apply_spec_decoding(self, spec_stats: SpecDecodingStats, name: tuple[str, str]) -> None:
         """What a core's speculative-decoding totals grew by (caller holds `_lock`)."""

@@ -506,6 +506,22 @@ class UpdateWeightsRequest(OpenAIBaseModel):
     path: str
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body): register the PEFT adapter folder `lora_path` as model
+    `lora_name`; `load_inplace` replaces an adapter already registered under that name."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body): the adapter by `lora_name`, or by `lora_int_id`."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+
 class CollectiveRpcRequest(OpenAIBaseModel):
     method: str
     args: list[Any] = Field(default_factory=list)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
 MIB = 2**20
@@ -36,6 +38,83 @@ class ServingLimits:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+# The variables that turn on runtime adapter loading (`--enable-runtime-lora-updating`): vLLM's and kvflow's own.
+RUNTIME_LORA_UPDATING_ENVS = (
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+    "KVFLOW_ALLOW_RUNTIME_LORA_UPDATING",
+)
+_TRUE = ("1", "true")
+_FALSE = ("", "0", "false")
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    """One adapter given with `--lora-modules`: the name clients send as `model`, its PEFT folder, and optionally
+    the base model it was trained on (its card's `parent` in GET /v1/models; default: the served model name).
+
+    Invariants: `name` and `path` are non-empty.
+    """
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("--lora-modules: an adapter's name must not be empty")
+        if not self.path:
+            raise ValueError(f"--lora-modules: adapter {self.name!r} has an empty path")
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """One `--lora-modules` value, as vLLM takes it: `name=path`, or JSON `{"name": ..., "path": ...,
+    "base_model_name": ...}` (base_model_name optional). ValueError naming the flag and the value otherwise; a JSON
+    key other than these three is an error, not ignored."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            value = json.loads(stripped)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--lora-modules: {text!r} is not valid JSON: {error}") from error
+        keys = {"name", "path", "base_model_name"}
+        unknown = sorted(set(value) - keys)
+        if unknown:
+            raise ValueError(
+                f"--lora-modules: {text!r} has unknown keys {unknown}; it takes name, path, base_model_name"
+            )
+        missing = [key for key in ("name", "path") if not isinstance(value.get(key), str)]
+        if missing:
+            raise ValueError(f"--lora-modules: {text!r} needs {' and '.join(missing)} (strings)")
+        base = value.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise ValueError(f"--lora-modules: base_model_name in {text!r} must be a string")
+        return LoRAModulePath(value["name"], value["path"], base)
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(
+            f"--lora-modules: {text!r} is neither name=path nor JSON "
+            '\'{"name": ..., "path": ..., "base_model_name": ...}\''
+        )
+    return LoRAModulePath(name, path)
+
+
+def runtime_lora_updating_from_env(environ: dict[str, str] | None = None) -> str | None:
+    """The name of the first of `RUNTIME_LORA_UPDATING_ENVS` set to a true value ("1" or "true", any case), or
+    None. A value that is neither true nor false ("", "0", "false") is a ValueError naming the variable, not
+    silently false."""
+    environ = dict(os.environ) if environ is None else environ
+    for name in RUNTIME_LORA_UPDATING_ENVS:
+        value = environ.get(name)
+        if value is None:
+            continue
+        value = value.strip().lower()
+        if value in _TRUE:
+            return name
+        if value not in _FALSE:
+            raise ValueError(f"{name}={environ[name]!r}: set it to 1 or true (or 0 / false)")
+    return None
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The server's options.
@@ -51,6 +130,11 @@ class ServerConfig:
     `tool_call_parser`: the `TOOL_PARSERS` name that extracts calls from replies under tool_choice "auto",
     which `enable_auto_tool_choice` turns on (vLLM's `--enable-auto-tool-choice --tool-call-parser NAME`; the
     first needs the second).
+    `lora_modules`: the adapters served from the start (`--lora-modules`, needs the engine's `enable_lora`), each
+    registered under its name with `lora_int_id` 1, 2, ... in the order given; `enable_runtime_lora_updating`
+    mounts POST /v1/load_lora_adapter and /v1/unload_lora_adapter (`--enable-runtime-lora-updating`, or
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING` / `KVFLOW_ALLOW_RUNTIME_LORA_UPDATING`); without it those paths are 404, as
+    in vLLM.
     """
 
     host: str = "127.0.0.1"
@@ -63,5 +147,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     limits: ServingLimits = field(default_factory=ServingLimits)
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    enable_runtime_lora_updating: bool = False
     timeout_keep_alive_s: float = 75.0
     uvicorn_log_level: str = "warning"

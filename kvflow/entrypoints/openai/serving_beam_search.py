@@ -35,6 +35,7 @@ from kvflow.sampling_params import BeamSearchParams
 if TYPE_CHECKING:
     from kvflow.beam_search import BeamSearchOutput, BeamSearchSequence
     from kvflow.entrypoints.openai.serving_engine import OpenAIServing, PromptInput
+    from kvflow.lora.request import LoRARequest
 
 BeamSearchRequest = CompletionRequest | ChatCompletionRequest
 
@@ -44,13 +45,21 @@ def beam_search_results(
     request: BeamSearchRequest,
     request_id: str,
     prompts: Sequence[PromptInput],
+    lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Beam search for every prompt (checked, tokenized and capped by the endpoint, as for sampling), run
     concurrently once iterated, as `OpenAIServing.generate` runs requests: the same engine ids (`request_id`, or
     `request_id-i` for several prompts; live in `serving.live_requests`, so /abort_requests reaches them) and
     `(prompt index, output)` per prompt when its search ends. Closing or cancelling the iterator aborts the
     searches still running. The request is checked here, before anything runs (400 naming the field: see
-    `beam_search_params`)."""
+    `beam_search_params`; with a LoRA adapter, `lora_request`, a 400 naming `use_beam_search`: the engine's beam
+    search runs the base model only)."""
+    if lora_request is not None:
+        raise OpenAIServingError(
+            f"use_beam_search is not supported with a LoRA adapter (model {lora_request.lora_name!r}): beam "
+            "search runs the base model only; drop use_beam_search or ask for the base model",
+            param="use_beam_search",
+        )
     params = beam_search_params(serving, request, prompts)
     return _run(serving, request_id, prompts, params, request.priority)
 

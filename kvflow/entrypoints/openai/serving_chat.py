@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from fastapi import Request
 
     from kvflow.entrypoints.openai.tool_parsers import ToolParser
+    from kvflow.lora.request import LoRARequest
     from kvflow.outputs import CompletionOutput, RequestOutput
     from kvflow.reasoning import ReasoningParser
 
@@ -97,7 +98,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
-        self.check_request(request)
+        lora_request = self.check_request(request)
         _check_chat_fields(request)
         tool_choice = resolve_tool_choice(
             request.tools, request.tool_choice, request.parallel_tool_calls, self.auto_tool_choice
@@ -110,16 +111,18 @@ class OpenAIServingChat(OpenAIServing):
         echo = _echo_text(request)
         if request.stream:
             return sse_response(
-                self._stream(request, request_id, response_id, prompt, echo, reply),
+                self._stream(request, request_id, response_id, prompt, echo, reply, lora_request),
                 self.limits.max_stream_buffer_bytes,
                 request_id,
             )
         if request.use_beam_search:  # never streamed (unsupported.BEAM_SEARCH_FIELDS)
-            results = beam_search_results(self, request, request_id, [prompt])
+            results = beam_search_results(self, request, request_id, [prompt], lora_request)
         else:
-            results = self.generate(request_id, [prompt], request.priority)
+            results = self.generate(request_id, [prompt], request.priority, lora_request)
+        model_name = self.models.model_name(lora_request)
         response = await run_until_disconnected(
-            raw_request, self._complete(request, response_id, prompt, echo, reply, results)
+            raw_request,
+            self._complete(request, response_id, prompt, echo, reply, results, model_name),
         )
         if response is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -217,7 +220,10 @@ class OpenAIServingChat(OpenAIServing):
         echo: str,
         reply: ReplyParser,
         results: AsyncIterator[tuple[int, RequestOutput]],
+        model_name: str,
     ) -> ChatCompletionResponse:
+        """The whole response from `results`, naming `model_name` (the adapter's name for a request that ran with
+        one)."""
         final = None
         async for _, output in results:
             raise_if_failed(output)
@@ -242,7 +248,7 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatCompletionResponse(
             id=response_id,
-            model=self.models.served_model_name,
+            model=model_name,
             choices=choices,
             usage=make_usage(
                 len(prompt.token_ids),
@@ -274,25 +280,28 @@ class OpenAIServingChat(OpenAIServing):
         prompt: PromptInput,
         echo: str,
         reply: ReplyParser,
+        lora_request: LoRARequest | None,
     ) -> AsyncGenerator[bytes, None]:
         """Server-sent events (`sse_stream`): per choice a first chunk with the role (and one with the echoed
         text), then one chunk per new piece, the last carrying `finish_reason`."""
         created = int(time.time())
+        model_name = self.models.model_name(lora_request)
         return sse_stream(
-            self.generate(request_id, [prompt], request.priority),
+            self.generate(request_id, [prompt], request.priority, lora_request),
             request_id=request_id,
             stream_options=request.stream_options,
             usage=StreamUsage([len(prompt.token_ids)], request.n),
-            build_chunks=_ChatChunks(self, request, response_id, created, prompt, echo, reply),
-            usage_chunk=lambda: chunk_body(
-                response_id, CHUNK_OBJECT, created, self.models.served_model_name, []
+            build_chunks=_ChatChunks(
+                self, request, response_id, created, prompt, echo, reply, model_name
             ),
+            usage_chunk=lambda: chunk_body(response_id, CHUNK_OBJECT, created, model_name, []),
         )
 
     def stream_chunk(
         self,
         response_id: str,
         created: int,
+        model_name: str,
         index: int,
         delta: dict[str, Any] | DeltaMessage,
         logprobs: Any = None,
@@ -308,9 +317,7 @@ class OpenAIServingChat(OpenAIServing):
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
-        return chunk_body(
-            response_id, CHUNK_OBJECT, created, self.models.served_model_name, [choice]
-        )
+        return chunk_body(response_id, CHUNK_OBJECT, created, model_name, [choice])
 
 
 def _check_chat_fields(request: ChatCompletionRequest) -> None:
@@ -337,8 +344,10 @@ class _ChatChunks:
         prompt: PromptInput,
         echo: str,
         reply: ReplyParser,
+        model_name: str,
     ) -> None:
         self.serving = serving
+        self.model_name = model_name
         self.request = request
         self.response_id = response_id
         self.created = created
@@ -392,7 +401,9 @@ class _ChatChunks:
     def _chunk(
         self, index: int, delta: dict[str, Any] | DeltaMessage, **fields: Any
     ) -> dict[str, Any]:
-        return self.serving.stream_chunk(self.response_id, self.created, index, delta, **fields)
+        return self.serving.stream_chunk(
+            self.response_id, self.created, self.model_name, index, delta, **fields
+        )
 
 
 def _echo_text(request: ChatCompletionRequest) -> str:

@@ -53,6 +53,7 @@ from kvflow.entrypoints.openai.streaming import (
 if TYPE_CHECKING:
     from fastapi import Request
 
+    from kvflow.lora.request import LoRARequest
     from kvflow.outputs import CompletionOutput, Logprob, RequestOutput
 
 _FIELDS = frozenset(CompletionRequest.model_fields)
@@ -62,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
     """Serves /v1/completions (streamed as server-sent events, or whole)."""
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
-        self.check_request(request)
+        lora_request = self.check_request(request)
         if request.suffix is not None:
             raise OpenAIServingError("suffix is not supported by kvflow", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
@@ -76,16 +77,17 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id = f"cmpl-{request_id}"
         if request.stream:  # never with use_beam_search (unsupported.BEAM_SEARCH_FIELDS)
             return sse_response(
-                self._stream(request, request_id, response_id, prompts),
+                self._stream(request, request_id, response_id, prompts, lora_request),
                 self.limits.max_stream_buffer_bytes,
                 request_id,
             )
         if request.use_beam_search:
-            results = beam_search_results(self, request, request_id, prompts)
+            results = beam_search_results(self, request, request_id, prompts, lora_request)
         else:
-            results = self.generate(request_id, prompts, request.priority)
+            results = self.generate(request_id, prompts, request.priority, lora_request)
+        model_name = self.models.model_name(lora_request)
         response = await run_until_disconnected(
-            raw_request, self._complete(request, response_id, prompts, results)
+            raw_request, self._complete(request, response_id, prompts, results, model_name)
         )
         if response is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -167,8 +169,10 @@ class OpenAIServingCompletion(OpenAIServing):
         response_id: str,
         prompts: list[PromptInput],
         results: AsyncIterator[tuple[int, RequestOutput]],
+        model_name: str,
     ) -> CompletionResponse:
-        """The whole response from `results`: each prompt's final output (its samples, or its beams)."""
+        """The whole response from `results`: each prompt's final output (its samples, or its beams), naming
+        `model_name` (the adapter's name for a request that ran with one)."""
         finals: list[RequestOutput | None] = [None] * len(prompts)
         async for index, output in results:
             raise_if_failed(output)
@@ -184,7 +188,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda choice: choice.index)
         return CompletionResponse(
             id=response_id,
-            model=self.models.served_model_name,
+            model=model_name,
             choices=choices,
             usage=make_usage(
                 sum(len(prompt.token_ids) for prompt in prompts),
@@ -226,25 +230,27 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id: str,
         response_id: str,
         prompts: list[PromptInput],
+        lora_request: LoRARequest | None,
     ) -> AsyncGenerator[bytes, None]:
         """Server-sent events (`sse_stream`): one chunk per new piece of a choice, never an empty one."""
         created = int(time.time())
+        model_name = self.models.model_name(lora_request)
         return sse_stream(
-            self.generate(request_id, prompts, request.priority),
+            self.generate(request_id, prompts, request.priority, lora_request),
             request_id=request_id,
             stream_options=request.stream_options,
             usage=StreamUsage([len(prompt.token_ids) for prompt in prompts], request.n),
-            build_chunks=_CompletionChunks(self, request, response_id, created, prompts),
-            usage_chunk=lambda: self.stream_chunk(response_id, created, []),
+            build_chunks=_CompletionChunks(
+                self, request, response_id, created, prompts, model_name
+            ),
+            usage_chunk=lambda: self.stream_chunk(response_id, created, [], model_name),
         )
 
     def stream_chunk(
-        self, response_id: str, created: int, choices: list[dict[str, Any]]
+        self, response_id: str, created: int, choices: list[dict[str, Any]], model_name: str
     ) -> dict[str, Any]:
         """A `CompletionStreamResponse` as the dict `sse_event` sends."""
-        return chunk_body(
-            response_id, "text_completion", created, self.models.served_model_name, choices
-        )
+        return chunk_body(response_id, "text_completion", created, model_name, choices)
 
 
 class _CompletionChunks:
@@ -261,8 +267,10 @@ class _CompletionChunks:
         response_id: str,
         created: int,
         prompts: list[PromptInput],
+        model_name: str,
     ) -> None:
         self.serving = serving
+        self.model_name = model_name
         self.request = request
         self.response_id = response_id
         self.created = created
@@ -313,7 +321,9 @@ class _CompletionChunks:
                     choice["prompt_token_ids"] = prompt.token_ids
                 choice["token_ids"] = token_ids
             self.streamed_text_len[index] += len(text)
-            chunk = self.serving.stream_chunk(self.response_id, self.created, [choice])
+            chunk = self.serving.stream_chunk(
+                self.response_id, self.created, [choice], self.model_name
+            )
             yield StreamChunk(chunk, index, len(output.token_ids))
 
 

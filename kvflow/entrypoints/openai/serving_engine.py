@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from kvflow.engine.request_limits import RequestLimits
     from kvflow.entrypoints.openai.protocol import ResponseFormat, SamplingFields
     from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
+    from kvflow.lora.request import LoRARequest
     from kvflow.outputs import RequestOutput
     from kvflow.tokenizer import Tokenizer
 
@@ -185,10 +186,11 @@ class OpenAIServing:
         self.structured_outputs_backend = self.structured_outputs_config.backend
 
     # ------------------------------------------------------------------------------------------------ checks
-    def check_request(self, request: SamplingFields) -> None:
-        """What every generation request must pass before its prompt is looked at."""
+    def check_request(self, request: SamplingFields) -> LoRARequest | None:
+        """What every generation request must pass before its prompt is looked at; returns the LoRA adapter its
+        `model` names (None: the base model; an unknown name is a 404)."""
         self.check_engine_alive()
-        self.models.check_model(request.model)
+        lora_request = self.models.resolve(request.model)
         self.unknown_fields.report(request.model_extra)
         self.check_limits(request)
         refuse_unsupported_fields(request)
@@ -200,6 +202,7 @@ class OpenAIServing:
             check_priority(request.priority, self.scheduling_policy)
         except ValueError as error:
             raise OpenAIServingError(str(error), param="priority") from error
+        return lora_request
 
     def check_limits(self, request: SamplingFields) -> None:
         """The bounds every generation request shares (`ServingLimits`: n, best_of, stop, logit_bias)."""
@@ -382,18 +385,27 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------------------ running
     async def generate(
-        self, request_id: str, prompts: Sequence[PromptInput], priority: int
+        self,
+        request_id: str,
+        prompts: Sequence[PromptInput],
+        priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run the prompts (engine ids `request_id`, or `request_id-i` for several) and yield `(prompt index,
-        output)` as outputs arrive. Closing or cancelling the iterator aborts whatever still runs."""
+        """Run the prompts (engine ids `request_id`, or `request_id-i` for several) with `lora_request`'s adapter
+        (None: the base model) and yield `(prompt index, output)` as outputs arrive. Closing or cancelling the
+        iterator aborts whatever still runs."""
 
         def start(index: int, engine_id: str) -> AsyncIterator[RequestOutput]:
             prompt = prompts[index]
             return self.engine.generate(
-                _engine_prompt(prompt), prompt.sampling_params, engine_id, priority
+                _engine_prompt(prompt),
+                prompt.sampling_params,
+                engine_id,
+                priority,
+                lora_request=lora_request,
             )
 
-        async for item in self.run_each(request_id, len(prompts), start):
+        async for item in self.run_each(request_id, len(prompts), start, lora_request):
             yield item
 
     async def run_each(
@@ -401,16 +413,21 @@ class OpenAIServing:
         request_id: str,
         num_prompts: int,
         start: Callable[[int, str], AsyncIterator[RequestOutput]],
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run `start(prompt index, engine id)` for each prompt (engine ids `request_id`, or `request_id-i` for
         several) while `request_id` is live, and yield `(prompt index, output)` as outputs arrive. Closing or
-        cancelling the iterator cancels what still runs."""
+        cancelling the iterator cancels what still runs. While it runs, the request holds `lora_request`'s adapter
+        (`OpenAIServingModels.hold`: unloading it frees it only once every request holding it has ended)."""
         engine_ids = (
             [request_id]
             if num_prompts == 1
             else [f"{request_id}-{index}" for index in range(num_prompts)]
         )
-        with self.live_requests.claim(request_id, engine_ids):
+        with (
+            self.models.hold(lora_request),
+            self.live_requests.claim(request_id, engine_ids),
+        ):
             streams = [start(index, engine_id) for index, engine_id in enumerate(engine_ids)]
             async for item in merge_async_iterators(streams):
                 yield item
