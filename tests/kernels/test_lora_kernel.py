@@ -1,6 +1,9 @@
 """The batched LoRA delta (`kvflow.lora.punica.lora_add`): the C++ kernel (csrc/lora.cpp) against the PyTorch
 reference, the reference against a naive per-row loop, and the kernel's invariants.
 
+The kernel runs as each variant: float32, and bfloat16 on each shrink product (`widened_fp32`, and `avx512_bf16`
+where CPUID lists AVX512_BF16); `kernels.lora_add` runs the CPU's default one.
+
 Invariants checked bitwise: rows with slot -1 keep their bits (NaN and inf included); a row's result is the same
 alone, in any mixed batch (sub-batches of several sizes, a permuted order) and with one or two threads. Against the
 reference the float32 sums run in another order: float32 agrees to float32 rounding, bfloat16 to one bfloat16 ulp
@@ -25,6 +28,12 @@ from kvflow.kernels.build import KERNEL_CACHE_DIR_ENV, cpu_feature_flags
 from kvflow.lora.punica import lora_add, lora_add_reference, slot_row_groups
 
 DTYPES = [torch.float32, torch.bfloat16]
+# (dtype, shrink product): the kernel's variants.
+VARIANTS = [
+    pytest.param((torch.float32, ""), id="float32"),
+    pytest.param((torch.bfloat16, "widened_fp32"), id="bf16-widened_fp32"),
+    pytest.param((torch.bfloat16, "avx512_bf16"), id="bf16-avx512_bf16"),
+]
 RANKS = [1, 8, 16, 64]
 # Part sizes of packed layers, uneven and off the 16-lane width: o/down-like, gate_up-like, qkv-like.
 PARTS = [(40,), (33, 17), (48, 16, 21)]
@@ -94,30 +103,53 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.int16 if tensor.dtype is torch.bfloat16 else torch.int32)
 
 
-def run_kernel(ops: ModuleType, operands: LoraOperands) -> torch.Tensor:
-    """A copy of y with the kernel's deltas added."""
+@pytest.fixture
+def variant(ops: ModuleType, request: pytest.FixtureRequest) -> tuple[torch.dtype, str]:
+    """(dtype, shrink) of a VARIANTS parameter, skipped where this build or CPU (CPUID) cannot run it."""
+    dtype, shrink = request.param
+    if shrink == "avx512_bf16" and not (ops.has_avx512() and ops.cpu_has_avx512_bf16()):
+        pytest.skip("this build or CPU cannot run vdpbf16ps")
+    return dtype, shrink
+
+
+def run_kernel(ops: ModuleType, operands: LoraOperands, shrink: str = "") -> torch.Tensor:
+    """A copy of y with the kernel's deltas added (`shrink`: the bfloat16 shrink product; empty: the default)."""
     y, x, lora_a, lora_b, slots, offsets = operands
     result = y.clone()
-    ops.lora_add(result, x, lora_a, lora_b, slots, offsets)
+    ops.lora_add(result, x, lora_a, lora_b, slots, offsets, shrink)
     return result
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS, indirect=True)
 @pytest.mark.parametrize("rank", RANKS)
 @pytest.mark.parametrize("parts", PARTS)
 @pytest.mark.parametrize("num_rows", [1, 7, 64, 300])
 def test_kernel_matches_reference(
-    ops: ModuleType, dtype: torch.dtype, rank: int, parts: tuple[int, ...], num_rows: int
+    ops: ModuleType,
+    variant: tuple[torch.dtype, str],
+    rank: int,
+    parts: tuple[int, ...],
+    num_rows: int,
 ) -> None:
+    dtype, shrink = variant
     operands = make_operands(dtype, num_rows, parts, rank, seed=num_rows * 100 + rank)
     y, x, lora_a, lora_b, slots, offsets = operands
     expected = y.clone()
     lora_add_reference(expected, x, lora_a, lora_b, slots, offsets)
-    actual = y.clone()
-    assert kernels.lora_add(actual, x, lora_a, lora_b, slots, offsets)
+    actual = run_kernel(ops, operands, shrink)
     assert_close_to_rounding(actual, expected)
     unadapted = slots < 0
     assert torch.equal(bits(actual[unadapted]), bits(y[unadapted]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dispatch_runs_the_default_kernel(ops: ModuleType, dtype: torch.dtype) -> None:
+    operands = make_operands(dtype, 40, (48, 16, 21), 16, seed=4)
+    y, x, lora_a, lora_b, slots, offsets = operands
+    dispatched = y.clone()
+    assert kernels.lora_add(dispatched, x, lora_a, lora_b, slots, offsets)
+    assert torch.equal(bits(dispatched), bits(run_kernel(ops, operands, ops.default_lora_shrink())))
+    assert ops.default_lora_shrink() in ("widened_fp32", "avx512_bf16")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,11 +170,12 @@ def test_rows_without_adapter_keep_their_bits(ops: ModuleType, dtype: torch.dtyp
         assert torch.equal(bits(untouched), bits(y))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", VARIANTS, indirect=True)
 @pytest.mark.parametrize("rank", [16, 64])
 def test_row_alone_equals_row_in_any_batch_and_thread_count(
-    ops: ModuleType, dtype: torch.dtype, rank: int
+    ops: ModuleType, variant: tuple[torch.dtype, str], rank: int
 ) -> None:
+    dtype, shrink = variant
     num_rows = 300
     # Slot 0 gets most rows (groups of hundreds: many row tiles), the others a few.
     y, x, lora_a, lora_b, slots, offsets = make_operands(
@@ -150,7 +183,9 @@ def test_row_alone_equals_row_in_any_batch_and_thread_count(
     )
     alone = torch.cat(
         [
-            run_kernel(ops, (y[i : i + 1], x[i : i + 1], lora_a, lora_b, slots[i : i + 1], offsets))
+            run_kernel(
+                ops, (y[i : i + 1], x[i : i + 1], lora_a, lora_b, slots[i : i + 1], offsets), shrink
+            )
             for i in range(num_rows)
         ]
     )
@@ -160,13 +195,13 @@ def test_row_alone_equals_row_in_any_batch_and_thread_count(
         for num_threads in (1, 2):
             torch.set_num_threads(num_threads)
             assert torch.equal(
-                bits(run_kernel(ops, (y, x, lora_a, lora_b, slots, offsets))), bits(alone)
+                bits(run_kernel(ops, (y, x, lora_a, lora_b, slots, offsets), shrink)), bits(alone)
             )
             for batch_size in (2, 5, 37):
                 for start in range(0, num_rows, batch_size):
                     rows = permutation[start : start + batch_size]
                     batch = (y[rows], x[rows], lora_a, lora_b, slots[rows], offsets)
-                    assert torch.equal(bits(run_kernel(ops, batch)), bits(alone[rows]))
+                    assert torch.equal(bits(run_kernel(ops, batch, shrink)), bits(alone[rows]))
     finally:
         torch.set_num_threads(threads)
 

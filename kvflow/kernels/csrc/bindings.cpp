@@ -670,8 +670,23 @@ at::Tensor quant_fused_moe(const at::Tensor& x, const at::Tensor& w13, int64_t w
 // y [n, out] and x [n, in] (contiguous rows, one dtype); lora_a [num_slots, num_parts * rank, in] and lora_b
 // [num_slots, out, rank] contiguous, x's dtype; token_slots int32 [n] contiguous (-1: no adapter); part_offsets
 // 0 = p[0] < ... < p[num_parts] = out. Adds each row's LoRA delta to y in place (kvflow::lora_add).
+// `shrink`: "" (default_lora_shrink()), "widened_fp32" or "avx512_bf16" (kvflow::LoraShrink's order).
+const char* const kLoraShrinkNames[] = {"widened_fp32", "avx512_bf16"};
+
+kvflow::LoraShrink lora_shrink_named(const std::string& name) {
+  if (name.empty()) return kvflow::default_lora_shrink();
+  for (int i = 0; i < static_cast<int>(std::size(kLoraShrinkNames)); ++i)
+    if (name == kLoraShrinkNames[i]) {
+      const auto shrink = static_cast<kvflow::LoraShrink>(i);
+      TORCH_CHECK(kvflow::lora_shrink_available(shrink), "shrink ", name, " needs an AVX-512 x86-64 build");
+      return shrink;
+    }
+  TORCH_CHECK(false, "shrink must be one of widened_fp32, avx512_bf16 (or empty: the default); got '", name, "'");
+}
+
 void lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
-              const at::Tensor& token_slots, const std::vector<int64_t>& part_offsets) {
+              const at::Tensor& token_slots, const std::vector<int64_t>& part_offsets, const std::string& shrink) {
+  const kvflow::LoraShrink shrink_kind = lora_shrink_named(shrink);
   check_cpu(y, "y");
   for (const auto& [operand, name] : {std::pair<const at::Tensor&, const char*>{x, "x"}, {lora_a, "lora_a"},
                                       {lora_b, "lora_b"}}) {
@@ -702,7 +717,7 @@ void lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
     using T = decltype(tag);
     ok = kvflow::lora_add<T>(ptr<T>(y), y.stride(0), ptr<T>(x), x.stride(0), n, in, out, ptr<T>(lora_a),
                              ptr<T>(lora_b), num_slots, rank, ptr<int32_t>(token_slots), part_offsets.data(),
-                             num_parts, at::get_num_threads());
+                             num_parts, shrink_kind, at::get_num_threads());
   });
   TORCH_CHECK(ok, "token_slots must lie in [-1, num_slots = ", num_slots, ")");
 }
@@ -746,7 +761,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tiled_max_rows"));
   m.def("lora_add", &lora_add, "y[i] += B[slot] @ (A[slot] @ x[i]) per part, in place (rows with slot -1 untouched)",
         py::arg("y"), py::arg("x"), py::arg("lora_a"), py::arg("lora_b"), py::arg("token_slots"),
-        py::arg("part_offsets"));
+        py::arg("part_offsets"), py::arg("shrink") = "");
+  m.def("default_lora_shrink",
+        []() { return std::string(kLoraShrinkNames[static_cast<int>(kvflow::default_lora_shrink())]); },
+        "the bfloat16 shrink product lora_add runs on by default: widened_fp32 or avx512_bf16");
   m.def("rotary", &rotary, "neox rotary embedding into a new contiguous tensor");
   m.def("paged_attention", &paged_attention,
         "attention over the paged KV cache (rows of query tokens, sliding window, logit soft-capping)");

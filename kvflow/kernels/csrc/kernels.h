@@ -267,10 +267,15 @@ namespace kvflow {
 // lora_b[s, part, :] @ t), one rounding. lora_a [num_slots, num_parts * rank, in] and lora_b [num_slots, out, rank]
 // contiguous; x and y rows x_stride / y_stride apart. Rows with slot -1 are untouched. A row's result depends on
 // its own x, slot and y only (bitwise, any batch, any thread count). Returns false (y untouched) when a slot lies
-// outside [-1, num_slots).
+// outside [-1, num_slots). `shrink` picks the bf16 A @ x product (float32 always widens).
+// kWidenedFp32: fp32 FMAs on widened bf16 (the portable build's order, bitwise); kAvx512Bf16: vdpbf16ps (AVX-512
+// builds; the caller checked the CPU executes it). One kind for every call keeps rows batch-independent.
+enum class LoraShrink : int { kWidenedFp32 = 0, kAvx512Bf16 = 1 };
+LoraShrink default_lora_shrink();
+bool lora_shrink_available(LoraShrink shrink);  // compiled into this build
 template <typename T>
 bool lora_add(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t n, int64_t in, int64_t out,
               const T* lora_a, const T* lora_b, int64_t num_slots, int64_t rank, const int32_t* token_slots,
-              const int64_t* part_offsets, int64_t num_parts, int num_threads);
+              const int64_t* part_offsets, int64_t num_parts, LoraShrink shrink, int num_threads);
 
 }  // namespace kvflow

@@ -12,16 +12,19 @@
 // expand items (slot x part x output blocks); every item writes its own elements, no sum is split across threads.
 //
 // Summation orders (batch invariance): t[i, j] = the 16 lanes' fma chains (lane l takes k = l, l + 16, ... in
-// ascending order, starting at 0), then a fixed tree over the lanes (reduce16); the delta of output row o is one fma
-// per rank index j in ascending order, starting at 0, then one float add to y and one rounding to T. Both depend on
-// `in` and `rank` only: not on how many rows share a slot, which tile or thread computes a row, or the other rows.
-// The portable build (no AVX-512) follows the same orders in scalar code, so its results equal the AVX-512 build's.
+// ascending order, starting at 0), then a fixed tree over the lanes (reduce16); for bf16 on LoraShrink::kAvx512Bf16
+// (AMD CPUs with AVX512_BF16 by default: twice the products per instruction) the lanes run vdpbf16ps instead. The
+// delta of output row o is one fma per rank index j in ascending order, starting at 0, then one float add to y and
+// one rounding to T. Both depend on `in`, `rank` and the process-wide shrink kind only: not on how many rows share
+// a slot, which tile or thread computes a row, or the other rows. The portable build (no AVX-512) follows the same
+// orders in scalar code, so its results equal the AVX-512 build's (bf16: with kWidenedFp32) bit for bit.
 #include <omp.h>
 
 #include <algorithm>
 #include <vector>
 
 #include "common.h"
+#include "cpu_features.h"
 #include "kernels.h"
 
 namespace kvflow {
@@ -57,6 +60,43 @@ bool group_rows_by_slot(const int32_t* token_slots, int64_t n, int64_t num_slots
   return true;
 }
 
+#ifdef KVFLOW_AVX512
+// The sum of 16 lanes: lanes l + 8, then l + 4, l + 2 and l + 1 added to lane l (the portable code's tree).
+inline float reduce16(__m512 v) {
+  const __m256 s8 =
+      _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#endif
+
+#if defined(KVFLOW_AVX512) && defined(KVFLOW_X86_TARGETS)
+#define KVFLOW_LORA_DPBF16 1
+// shrink_micro for bf16 on vdpbf16ps (LoraShrink::kAvx512Bf16): per step of 32 columns each lane adds the products
+// of columns 2l + 1 and then 2l (Intel's pseudo-code: round-to-nearest-even, denormals flushed to zero), then the
+// same reduce16. Another order than the widened path's, as fixed.
+template <int kRows>
+__attribute__((target("avx512bf16"))) void shrink_micro_dpbf16(const bf16* const* x_rows, const bf16* const* a_rows,
+                                                              int64_t in, float (*sums)[kQuad]) {
+  __m512 acc[kRows][kQuad];
+  for (int r = 0; r < kRows; ++r)
+    for (int q = 0; q < kQuad; ++q) acc[r][q] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 2 * kLanes) {
+    const int64_t left = in - k;
+    const __mmask32 mask = left >= 32 ? ~static_cast<__mmask32>(0) : (static_cast<__mmask32>(1) << left) - 1;
+    __m512bh a[kQuad];
+    for (int q = 0; q < kQuad; ++q) a[q] = (__m512bh)_mm512_maskz_loadu_epi16(mask, a_rows[q] + k);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x_rows[r] + k);
+      for (int q = 0; q < kQuad; ++q) acc[r][q] = _mm512_dpbf16_ps(acc[r][q], a[q], xv);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int q = 0; q < kQuad; ++q) sums[r][q] = reduce16(acc[r][q]);
+}
+#endif
+
 // sums[r][q] = dot(a_rows[q], x_rows[r]) over `in` elements, in the order the header states.
 template <typename T, int kRows>
 void shrink_micro(const T* const* x_rows, const T* const* a_rows, int64_t in, float (*sums)[kQuad]) {
@@ -74,15 +114,7 @@ void shrink_micro(const T* const* x_rows, const T* const* a_rows, int64_t in, fl
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int q = 0; q < kQuad; ++q) {
-      // reduce16: lanes l + 8, then l + 4, l + 2, l + 1 added to lane l.
-      const __m512 v = acc[r][q];
-      const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      sums[r][q] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-    }
+    for (int q = 0; q < kQuad; ++q) sums[r][q] = reduce16(acc[r][q]);
 #else
   for (int r = 0; r < kRows; ++r)
     for (int q = 0; q < kQuad; ++q) {
@@ -103,8 +135,8 @@ void shrink_micro(const T* const* x_rows, const T* const* a_rows, int64_t in, fl
 // t[row, j] for the tile's rows and A rows [a_begin, a_end) of A[s] (`a_slot`, rows `in` apart); t rows are
 // `t_stride` floats apart.
 template <typename T, int kRows>
-void shrink_tile(const T* x, int64_t x_stride, const int64_t* tile_rows, const T* a_slot, int64_t in,
-                 int64_t a_begin, int64_t a_end, float* t, int64_t t_stride) {
+void shrink_tile(LoraShrink shrink, const T* x, int64_t x_stride, const int64_t* tile_rows, const T* a_slot,
+                 int64_t in, int64_t a_begin, int64_t a_end, float* t, int64_t t_stride) {
   const T* x_rows[kRows];
   for (int r = 0; r < kRows; ++r) x_rows[r] = x + tile_rows[r] * x_stride;
   float sums[kRows][kQuad];
@@ -112,20 +144,32 @@ void shrink_tile(const T* x, int64_t x_stride, const int64_t* tile_rows, const T
     const int64_t quad = std::min<int64_t>(kQuad, a_end - j);
     const T* a_rows[kQuad];
     for (int q = 0; q < kQuad; ++q) a_rows[q] = a_slot + (j + std::min<int64_t>(q, quad - 1)) * in;
+#ifdef KVFLOW_LORA_DPBF16
+    if constexpr (sizeof(T) == sizeof(bf16))
+      if (shrink == LoraShrink::kAvx512Bf16) {
+        shrink_micro_dpbf16<kRows>(x_rows, a_rows, in, sums);
+      } else {
+        shrink_micro<T, kRows>(x_rows, a_rows, in, sums);
+      }
+    else
+      shrink_micro<T, kRows>(x_rows, a_rows, in, sums);
+#else
+    (void)shrink;
     shrink_micro<T, kRows>(x_rows, a_rows, in, sums);
+#endif
     for (int r = 0; r < kRows; ++r)
       for (int64_t q = 0; q < quad; ++q) t[tile_rows[r] * t_stride + j + q] = sums[r][q];
   }
 }
 
 template <typename T>
-void shrink_tile_any(int rows, const T* x, int64_t x_stride, const int64_t* tile_rows, const T* a_slot, int64_t in,
-                     int64_t a_begin, int64_t a_end, float* t, int64_t t_stride) {
+void shrink_tile_any(int rows, LoraShrink shrink, const T* x, int64_t x_stride, const int64_t* tile_rows,
+                     const T* a_slot, int64_t in, int64_t a_begin, int64_t a_end, float* t, int64_t t_stride) {
   switch (rows) {
-    case 4: shrink_tile<T, 4>(x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
-    case 3: shrink_tile<T, 3>(x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
-    case 2: shrink_tile<T, 2>(x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
-    default: shrink_tile<T, 1>(x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
+    case 4: shrink_tile<T, 4>(shrink, x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
+    case 3: shrink_tile<T, 3>(shrink, x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
+    case 2: shrink_tile<T, 2>(shrink, x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
+    default: shrink_tile<T, 1>(shrink, x, x_stride, tile_rows, a_slot, in, a_begin, a_end, t, t_stride); break;
   }
 }
 
@@ -242,7 +286,7 @@ struct ExpandItem {
 template <typename T>
 bool lora_add(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t n, int64_t in, int64_t out,
               const T* lora_a, const T* lora_b, int64_t num_slots, int64_t rank, const int32_t* token_slots,
-              const int64_t* part_offsets, int64_t num_parts, int num_threads) {
+              const int64_t* part_offsets, int64_t num_parts, LoraShrink shrink, int num_threads) {
   SlotGroups groups;
   if (!group_rows_by_slot(token_slots, n, num_slots, groups)) return false;
   if (groups.rows.empty() || rank == 0) return true;
@@ -258,7 +302,7 @@ bool lora_add(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t n, i
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_shrink > 1)
   for (int64_t i = 0; i < num_shrink; ++i) {
     const ShrinkItem& item = shrink_items[i];
-    shrink_tile_any<T>(static_cast<int>(item.count), x, x_stride, groups.rows_of(item.slot) + item.first,
+    shrink_tile_any<T>(static_cast<int>(item.count), shrink, x, x_stride, groups.rows_of(item.slot) + item.first,
                        lora_a + item.slot * a_rows * in, in, item.a_begin,
                        std::min(a_rows, item.a_begin + kItemARows), t.data(), a_rows);
   }
@@ -288,9 +332,31 @@ bool lora_add(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t n, i
   return true;
 }
 
+// vdpbf16ps where it issues at the zmm FMA rate with twice the products (AMD CPUs with AVX512_BF16: the same
+// choice as default_gemm_kernel's), on AVX-512 builds; else the widened fp32 FMAs.
+LoraShrink default_lora_shrink() {
+#ifdef KVFLOW_LORA_DPBF16
+  static const LoraShrink shrink =
+      cpu_has_avx512_bf16() && cpu_is_amd() ? LoraShrink::kAvx512Bf16 : LoraShrink::kWidenedFp32;
+  return shrink;
+#else
+  return LoraShrink::kWidenedFp32;
+#endif
+}
+
+bool lora_shrink_available(LoraShrink shrink) {
+#ifdef KVFLOW_LORA_DPBF16
+  return true;
+#else
+  return shrink == LoraShrink::kWidenedFp32;
+#endif
+}
+
 template bool lora_add<float>(float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, const float*,
-                              const float*, int64_t, int64_t, const int32_t*, const int64_t*, int64_t, int);
+                              const float*, int64_t, int64_t, const int32_t*, const int64_t*, int64_t, LoraShrink,
+                              int);
 template bool lora_add<bf16>(bf16*, int64_t, const bf16*, int64_t, int64_t, int64_t, int64_t, const bf16*,
-                             const bf16*, int64_t, int64_t, const int32_t*, const int64_t*, int64_t, int);
+                             const bf16*, int64_t, int64_t, const int32_t*, const int64_t*, int64_t, LoraShrink,
+                             int);
 
 }  // namespace kvflow
