@@ -104,6 +104,28 @@ def assert_matches_references(setup: LoRASetup, outputs) -> None:
         )
 
 
+def assert_only_adapter_rows_change(without, mixed, stride: int) -> None:
+    """The same prompts run without adapters (`without`) and with adapters on every row but each `stride`-th
+    (`mixed`): the base rows give the same tokens, and some adapter row does not."""
+    for row in range(0, len(mixed), stride):
+        assert mixed[row].outputs[0].token_ids == without[row].outputs[0].token_ids, f"row {row}"
+    assert any(
+        mixed[row].outputs[0].token_ids != without[row].outputs[0].token_ids
+        for row in range(len(mixed))
+        if row % stride
+    )
+
+
+def mixed_rows(setup: LoRASetup, stride: int) -> tuple[list[dict], list[LoRARequest | None]]:
+    """Each prompt `stride` times; row r runs the base model when r % stride == 0, else one of the adapters."""
+    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS for _ in range(stride)]
+    adapters = [setup.requests["all"], setup.requests["qv"]]
+    lora_requests = [
+        None if row % stride == 0 else adapters[row % stride - 1] for row in range(len(prompts))
+    ]
+    return prompts, lora_requests
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_each_adapter_alone_and_all_mixed_equal_the_peft_merged_model(
     setup: LoRASetup, async_scheduling: bool
@@ -125,22 +147,16 @@ def test_base_rows_beside_adapters_are_bit_identical_to_the_same_batch_without_a
     logprobs are the same floats (the adapter deltas touch only their own rows). Without prefix caching, so that
     both runs compute the same rows in every step (a prefix hit would shorten the second run's prefill)."""
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
-    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS for _ in range(3)]
-    adapters = [setup.requests["all"], setup.requests["qv"]]
-    with_adapters = [None if row % 3 == 0 else adapters[row % 3 - 1] for row in range(len(prompts))]
+    prompts, lora_requests = mixed_rows(setup, stride=3)
     llm = make_llm(setup, enable_prefix_caching=False)
     try:
         without = llm.generate(prompts, params, use_tqdm=False)
-        mixed = llm.generate(prompts, params, lora_request=with_adapters, use_tqdm=False)
+        mixed = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
     finally:
         llm.shutdown()
+    assert_only_adapter_rows_change(without, mixed, stride=3)
     for row in range(0, len(prompts), 3):
-        assert mixed[row].outputs[0].token_ids == without[row].outputs[0].token_ids
         assert mixed[row].outputs[0].logprobs == without[row].outputs[0].logprobs  # exact floats
-    assert any(
-        mixed[row].outputs[0].token_ids != without[row].outputs[0].token_ids
-        for row in range(1, len(prompts), 3)
-    )
 
 
 @pytest.mark.parametrize("use_v2_model_runner", [True, False], ids=["slot", "persistent"])
@@ -190,22 +206,16 @@ def test_two_tensor_parallel_ranks_apply_their_slices_of_each_adapter(setup: LoR
 def test_int8_base_weights_take_the_adapter_delta_in_the_model_dtype(setup: LoRASetup) -> None:
     """Beside int8 base products, a LoRA layer adds exactly the reference delta to the quantized product (on its
     rows only), base rows stay bit-identical to the same batch without adapters, and adapter rows change."""
-    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS for _ in range(2)]
-    adapters = [None if row % 2 == 0 else setup.requests["all"] for row in range(len(prompts))]
+    prompts, lora_requests = mixed_rows(setup, stride=2)
     llm = make_llm(setup, quantization="int8", enable_prefix_caching=False)
     try:
         without = llm.generate(prompts, GREEDY, use_tqdm=False)
-        mixed = llm.generate(prompts, GREEDY, lora_request=adapters, use_tqdm=False)
+        mixed = llm.generate(prompts, GREEDY, lora_request=lora_requests, use_tqdm=False)
         layer_check = llm.collective_rpc(_check_quantized_layer_delta)
     finally:
         llm.shutdown()
     assert layer_check == [True]
-    for row in range(0, len(prompts), 2):
-        assert mixed[row].outputs[0].token_ids == without[row].outputs[0].token_ids
-    assert any(
-        mixed[row].outputs[0].token_ids != without[row].outputs[0].token_ids
-        for row in range(1, len(prompts), 2)
-    )
+    assert_only_adapter_rows_change(without, mixed, stride=2)
 
 
 def _check_quantized_layer_delta(worker) -> bool:
@@ -339,20 +349,14 @@ def test_gguf_base_weights_serve_adapters(setup: LoRASetup, tmp_path: Path) -> N
         assert_matches_references(setup, run_mix(llm, setup, ["base", "all", "mlp"]))
     finally:
         llm.shutdown()
-    prompts = [{"prompt_token_ids": prompt} for prompt in PROMPTS for _ in range(2)]
-    adapters = [None if row % 2 == 0 else setup.requests["all"] for row in range(len(prompts))]
+    prompts, lora_requests = mixed_rows(setup, stride=2)
     llm = make_llm(setup, model=str(q8), enable_prefix_caching=False)
     try:
         without = llm.generate(prompts, GREEDY, use_tqdm=False)
-        mixed = llm.generate(prompts, GREEDY, lora_request=adapters, use_tqdm=False)
+        mixed = llm.generate(prompts, GREEDY, lora_request=lora_requests, use_tqdm=False)
     finally:
         llm.shutdown()
-    for row in range(0, len(prompts), 2):
-        assert mixed[row].outputs[0].token_ids == without[row].outputs[0].token_ids
-    assert any(
-        mixed[row].outputs[0].token_ids != without[row].outputs[0].token_ids
-        for row in range(1, len(prompts), 2)
-    )
+    assert_only_adapter_rows_change(without, mixed, stride=2)
 
 
 def test_chat_runs_each_conversation_with_its_adapter(setup: LoRASetup) -> None:
