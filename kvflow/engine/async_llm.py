@@ -209,6 +209,7 @@ class AsyncLLM:
         request_id: str | None,
         params: BeamSearchParams,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> BeamSearchOutput:
         """Beam search for one prompt (vLLM's algorithm, `kvflow.beam_search`, the same as `LLM.beam_search`): each
         step runs one one-token request per live beam, concurrently, asking `2 * beam_width` logprobs, so beams
@@ -218,10 +219,11 @@ class AsyncLLM:
         under `max_model_len`, a live `request_id`) raises ValueError before any step runs. The step requests are
         `<request_id>-<step>-<beam>`. `abort(request_id)` (or `pause_generation(mode="abort")`) ends the search at
         its current step: its live beams finish with "abort". Cancelling the coroutine aborts the step requests in
-        flight.
+        flight. With `lora_request` every beam runs with that adapter.
         """
         self._check_open()
         check_priority(priority, self.engine_config.scheduler_config.policy)
+        lora_request = check_lora_request(lora_request, self.engine_config.lora_config is not None)
         processed = self.input_processor.process(prompt, step_sampling_params(params))
         num_tokens = len(processed.prompt_token_ids) + params.max_tokens
         if num_tokens > self.input_processor.max_model_len:
@@ -239,7 +241,9 @@ class AsyncLLM:
             self._beam_searches[request_id] = run
         try:
             while not state.finished:
-                outputs = await self._beam_search_step(request_id, run, state, priority)
+                outputs = await self._beam_search_step(
+                    request_id, run, state, priority, lora_request
+                )
                 if outputs is None:
                     state.stop("abort")
                 else:
@@ -457,7 +461,12 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------------------------------------ beam search
     async def _beam_search_step(
-        self, request_id: str, run: _BeamSearchRun, state: BeamSearchState, priority: int
+        self,
+        request_id: str,
+        run: _BeamSearchRun,
+        state: BeamSearchState,
+        priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput] | None:
         """Run one step of `state` (its requests concurrently) and return their final outputs; None when the
         search was aborted before the step. A step that fails or is cancelled cancels its other requests, which
@@ -472,7 +481,11 @@ class AsyncLLM:
         tasks = [
             asyncio.ensure_future(
                 self._final_output(
-                    {"prompt_token_ids": tokens}, state.step_params, step_request_id, priority
+                    {"prompt_token_ids": tokens},
+                    state.step_params,
+                    step_request_id,
+                    priority,
+                    lora_request,
                 )
             )
             for tokens, step_request_id in zip(beams, run.step_request_ids, strict=True)
@@ -486,10 +499,15 @@ class AsyncLLM:
             raise
 
     async def _final_output(
-        self, prompt: PromptType, params: SamplingParams, request_id: str, priority: int
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         final = None
-        async for output in self.generate(prompt, params, request_id, priority):
+        async for output in self.generate(prompt, params, request_id, priority, lora_request):
             final = output
         assert final is not None, "generate ends with a finished output"
         return final

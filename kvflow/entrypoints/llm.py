@@ -168,11 +168,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search for each prompt (vLLM's algorithm, `kvflow.beam_search`): one `BeamSearchOutput` per prompt
         whose `sequences` are the best `params.beam_width` beams, ranked by cumulative logprob / length **
         `length_penalty`. Each step is one `generate` call with one token per live beam, so beams share their
-        prefix through the prefix cache. Needs `2 * beam_width <= max_logprobs` (a ValueError naming it)."""
+        prefix through the prefix cache. Needs `2 * beam_width <= max_logprobs` (a ValueError naming it). With
+        `lora_request` every beam runs with that adapter."""
         from kvflow.beam_search import beam_search
 
         prompt_list = self.input_processor.normalize_prompts(prompts)
@@ -185,7 +187,10 @@ class LLM:
                 max_tokens=1, logprobs=num_logprobs, temperature=temperature, ignore_eos=True
             )
             return self.generate(
-                [{"prompt_token_ids": tokens} for tokens in beams], params_one, use_tqdm=use_tqdm
+                [{"prompt_token_ids": tokens} for tokens in beams],
+                params_one,
+                use_tqdm=use_tqdm,
+                lora_request=lora_request,
             )
 
         return beam_search(

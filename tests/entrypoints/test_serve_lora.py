@@ -39,7 +39,7 @@ from kvflow.entrypoints.openai.server_config import (
     runtime_lora_updating_from_env,
 )
 from kvflow.lora.request import LoRARequest
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import BeamSearchParams, SamplingParams
 from tests.entrypoints.server import (
     RemoteServer,
     kvflow_command,
@@ -392,15 +392,26 @@ def test_streams_name_the_adapter_and_carry_its_tokens(
     assert {chunk.model for chunk in chat} == {"a2"}
 
 
-def test_beam_search_with_an_adapter_is_refused_naming_the_field(server: RemoteServer) -> None:
-    """The engine's beam search runs the base model only: with an adapter it is a 400, never the base's beams;
-    the base model's beam search still runs."""
-    body = {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True}
-    refused = server.post("/v1/completions", json={**body, "model": "a1"})
-    assert refused.status_code == 400, refused.text
-    assert refused.json()["error"]["param"] == "use_beam_search"
-    assert "'a1'" in refused.json()["error"]["message"]
-    assert server.post("/v1/completions", json={**body, "model": "base"}).status_code == 200
+def test_beam_search_runs_every_beam_with_the_adapter(
+    server: RemoteServer, offline: Any, adapters: Adapters
+) -> None:
+    """`use_beam_search` with `model: "<adapter>"` returns the offline engine's beams under that adapter (not the
+    base's)."""
+    body = {"prompt": PROMPT, "max_tokens": 4, "n": 2, "use_beam_search": True, "temperature": 0}
+    by_adapter = server.post("/v1/completions", json={**body, "model": "a1"})
+    by_base = server.post("/v1/completions", json={**body, "model": "base"})
+    assert by_adapter.status_code == 200, by_adapter.text
+    assert by_base.status_code == 200, by_base.text
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    [expected] = offline.beam_search([PROMPT], params, lora_request=lora("a1", 1, adapters.a1))
+    [expected_base] = offline.beam_search([PROMPT], params)
+    assert [choice["text"] for choice in by_adapter.json()["choices"]] == [
+        sequence.text for sequence in expected.sequences
+    ]
+    assert [choice["text"] for choice in by_base.json()["choices"]] == [
+        sequence.text for sequence in expected_base.sequences
+    ]
+    assert by_adapter.json()["choices"] != by_base.json()["choices"]
 
 
 def test_an_unknown_model_is_404_naming_it(server: RemoteServer) -> None:

@@ -52,16 +52,9 @@ def beam_search_results(
     `request_id-i` for several prompts; live in `serving.live_requests`, so /abort_requests reaches them) and
     `(prompt index, output)` per prompt when its search ends. Closing or cancelling the iterator aborts the
     searches still running. The request is checked here, before anything runs (400 naming the field: see
-    `beam_search_params`; with a LoRA adapter, `lora_request`, a 400 naming `use_beam_search`: the engine's beam
-    search runs the base model only)."""
-    if lora_request is not None:
-        raise OpenAIServingError(
-            f"use_beam_search is not supported with a LoRA adapter (model {lora_request.lora_name!r}): beam "
-            "search runs the base model only; drop use_beam_search or ask for the base model",
-            param="use_beam_search",
-        )
+    `beam_search_params`). With a LoRA adapter (`lora_request`) every beam runs with it."""
     params = beam_search_params(serving, request, prompts)
-    return _run(serving, request_id, prompts, params, request.priority)
+    return _run(serving, request_id, prompts, params, request.priority, lora_request)
 
 
 def beam_search_params(
@@ -146,9 +139,10 @@ async def _run(
     prompts: Sequence[PromptInput],
     params: Sequence[BeamSearchParams],
     priority: int,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     def start(index: int, engine_id: str) -> AsyncIterator[RequestOutput]:
-        return _search(serving, engine_id, prompts[index], params[index], priority)
+        return _search(serving, engine_id, prompts[index], params[index], priority, lora_request)
 
     async for item in serving.run_each(request_id, len(prompts), start):
         yield item
@@ -160,10 +154,11 @@ async def _search(
     prompt: PromptInput,
     params: BeamSearchParams,
     priority: int,
+    lora_request: LoRARequest | None = None,
 ) -> AsyncIterator[RequestOutput]:
     arrival_time = time.time()
     output = await serving.engine.beam_search(
-        {"prompt_token_ids": prompt.token_ids}, request_id, params, priority
+        {"prompt_token_ids": prompt.token_ids}, request_id, params, priority, lora_request
     )
     yield beam_search_request_output(serving, request_id, prompt, params, output, arrival_time)
 
