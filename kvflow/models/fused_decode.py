@@ -10,7 +10,8 @@ every row is a decode row (one token each, every one sampled) and there are at m
 returns None and the model runs its per-op layers.
 
 Invariants: `decode_layer` chains the very kernels the per-op path calls, in the same order, so a fused step's
-results equal the per-op path's bit for bit. That is why `max_rows` never exceeds the row count up to which the
+results equal the per-op path's bit for bit; with LoRA adapter rows in the step (`BatchInputs.lora_token_slots`)
+each product is followed by the same `lora_add` the per-op `Linear` calls after its product. That is why `max_rows` never exceeds the row count up to which the
 per-op products stay on those kernels, as each states it: dense bfloat16 layers `kernels.bf16_kernel_max_rows()`
 (the rows `kernels.linear` runs on the kernels), quantized layers their method's `fused_decode_product()` (its runs
 and their row limit); and never the extension's own limit (`kernels.decode_layer_max_rows()`). This module inspects
@@ -182,6 +183,12 @@ class FusedDecodeLayers:
         )
         self._quantized = None if quantized is None else list(quantized)
         self._layer_windows = tuple(layer_windows)
+        self._layers = list(layers)
+        # Per layer, the LoRA slots of its four products as decode_layer takes them (gathered at the first step with
+        # adapter rows: the LoRA manager attaches them after the model is built; their tensors are updated in place).
+        self._lora_args: (
+            list[tuple[list[torch.Tensor], list[torch.Tensor], list[list[int]]]] | None
+        ) = None
         self.num_heads = num_heads
         self.eps = eps
         self.scale = scale
@@ -279,6 +286,10 @@ class FusedDecodeLayers:
                 return None
             rows_by_window[window] = rows
         slot_mapping = next(iter(metadata_by_window.values())).slot_mapping
+        lora_token_slots = batch.lora_token_slots
+        lora_args = None if lora_token_slots is None else self._layer_lora_args()
+        if lora_token_slots is not None and lora_args is None:
+            return None
         residual: torch.Tensor | None = None
         for layer_index in range(len(self._layer_windows)):
             rows = rows_by_window[self._layer_windows[layer_index]]
@@ -294,6 +305,17 @@ class FusedDecodeLayers:
                 self.eps,
                 self.scale,
                 rows.window,
+            )
+            lora = (
+                {}
+                if lora_args is None
+                else dict(
+                    zip(
+                        ("lora_token_slots", "lora_a", "lora_b", "lora_part_offsets"),
+                        (lora_token_slots, *lora_args[layer_index]),
+                        strict=True,
+                    )
+                )
             )
             if self._quantized is not None:
                 args = self._quantized[layer_index]
@@ -312,6 +334,7 @@ class FusedDecodeLayers:
                     args.runs_per_product,
                     args.intermediate,
                     *step,
+                    **lora,
                 )
             else:
                 assert self._weights is not None
@@ -321,6 +344,29 @@ class FusedDecodeLayers:
                     *self._weights[layer_index],
                     *step,
                     kernels.MAX_GEMV_ROWS,
+                    **lora,
                 )
         assert residual is not None
         return hidden_states, residual
+
+    def _layer_lora_args(
+        self,
+    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor], list[list[int]]]] | None:
+        """Each layer's LoRA slots for `decode_layer` (A, B and part offsets of qkv, o, gate_up, down), or None when
+        a product has none (that step then runs per-op)."""
+        if self._lora_args is None:
+            gathered = []
+            for layer in self._layers:
+                attention, mlp = layer.self_attn, layer.mlp
+                linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                if any(linear.lora is None for linear in linears):
+                    return None
+                gathered.append(
+                    (
+                        [linear.lora.lora_a for linear in linears],
+                        [linear.lora.lora_b for linear in linears],
+                        [list(linear.lora.part_offsets) for linear in linears],
+                    )
+                )
+            self._lora_args = gathered
+        return self._lora_args

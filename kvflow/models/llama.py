@@ -81,8 +81,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         logits_indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused decode path when it takes the step, else the per-op layers."""
-        # A step with adapter rows runs per-op: the LoRA deltas sit between the products.
-        if self.fused_decode is not None and batch.lora_token_slots is None:
+        if self.fused_decode is not None:
             step = (hidden_states, cos, sin, kv_cache, metadata_by_window)
             fused = self.fused_decode.run(batch, logits_indices.numel(), *step)
             if fused is not None:

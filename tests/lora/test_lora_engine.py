@@ -382,3 +382,56 @@ def test_chat_runs_each_conversation_with_its_adapter(setup: LoRASetup) -> None:
         output.outputs[0].token_ids for output in direct
     ]
     assert chat[0].outputs[0].token_ids != chat[1].outputs[0].token_ids
+
+
+def _has_fused_decode(worker) -> bool:
+    return worker.model.fused_decode is not None
+
+
+def _drop_fused_decode(worker) -> bool:
+    """On the worker: send every step through the per-op layers; True when the model had a fused path."""
+    had_fused = worker.model.fused_decode is not None
+    worker.model.fused_decode = None
+    return had_fused
+
+
+def _fused_decode_took_adapters(worker) -> bool:
+    """On the worker: whether the fused decode path ran a step with adapter rows (it gathers their slots then)."""
+    fused = worker.model.fused_decode
+    return fused is not None and fused._lora_args is not None
+
+
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("bfloat16", None), ("float32", "int8")], ids=["bf16", "int8"]
+)
+def test_fused_decode_layer_adds_the_deltas_bit_for_bit_as_the_per_op_layers(
+    setup: LoRASetup, dtype: str, quantization: str | None
+) -> None:
+    """On the C++ kernels (bfloat16 weights, or int8 beside float32 activations): decode steps with adapter rows
+    stay on the fused decode layer, which adds each product's LoRA delta itself, and its tokens and logprobs are
+    the per-op layers' exactly."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts, lora_requests = mixed_rows(setup, stride=3)
+    runs = []
+    for fused in (True, False):
+        llm = make_llm(
+            setup,
+            dtype=dtype,
+            quantization=quantization,
+            enable_prefix_caching=False,
+            max_num_seqs=4,
+        )
+        try:
+            if not llm.collective_rpc(_has_fused_decode)[0]:
+                pytest.skip(
+                    "no fused bfloat16 decode path on this CPU (needs the kernels on AVX-512)"
+                )
+            if not fused:
+                assert llm.collective_rpc(_drop_fused_decode) == [True]
+            outputs = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
+            if fused:
+                assert llm.collective_rpc(_fused_decode_took_adapters) == [True]
+        finally:
+            llm.shutdown()
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+    assert runs[0] == runs[1]

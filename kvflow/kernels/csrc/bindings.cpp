@@ -6,6 +6,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -352,14 +353,71 @@ DecodeStep check_decode_step(const at::Tensor& hidden, const c10::optional<at::T
   return {params, kv_cache.stride(0), kv_cache.stride(1)};
 }
 
-// Runs decode_layer<T> with the weights `make_weights(tag)` gives; returns (out, residual_out).
+// LoRA adapter rows in a fused decode step: each row's adapter slot (None: no adapter rows) and, for each of the
+// four products (qkv, o, gate_up, down), its slots' A [slots, parts * rank, K], B [slots, N, rank] and part offsets
+// (0 .. N), as lora_add takes them; all three lists empty when the layers carry no adapters.
+struct DecodeLora {
+  const c10::optional<at::Tensor>& token_slots;
+  const std::vector<at::Tensor>& a;
+  const std::vector<at::Tensor>& b;
+  const std::vector<std::vector<int64_t>>& part_offsets;
+};
+
+// Checks `lora` against the layer's products (K[i] inputs, N[i] outputs) and puts it into params and weights.
+template <typename T>
+void fill_decode_lora(const DecodeLora& lora, const at::Tensor& hidden, const int64_t (&K)[4], const int64_t (&N)[4],
+                      kvflow::DecodeLayerParams& params, kvflow::DecodeLayerWeights<T>& weights) {
+  if (!lora.token_slots) return;
+  const at::Tensor& slots = *lora.token_slots;
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kInt && slots.is_contiguous() &&
+                  slots.numel() == params.rows,
+              "lora_token_slots must be a contiguous int32 CPU tensor [rows]");
+  TORCH_CHECK(lora.a.size() == 4 && lora.b.size() == 4 && lora.part_offsets.size() == 4,
+              "lora_a, lora_b and lora_part_offsets need one entry per product (qkv, o, gate_up, down)");
+  kvflow::LayerProduct<T>* products[4] = {&weights.qkv, &weights.o, &weights.gate_up, &weights.down};
+  const int32_t* slot_of_row = ptr<int32_t>(slots);
+  for (int i = 0; i < 4; ++i) {
+    const at::Tensor& a = lora.a[i];
+    const at::Tensor& b = lora.b[i];
+    const std::vector<int64_t>& offsets = lora.part_offsets[i];
+    check_same_dtype(a, hidden, "lora_a");
+    check_same_dtype(b, hidden, "lora_b");
+    const int64_t num_parts = static_cast<int64_t>(offsets.size()) - 1;
+    TORCH_CHECK(num_parts >= 1 && num_parts <= kvflow::kMaxProductRuns && offsets.front() == 0 &&
+                    offsets.back() == N[i],
+                "lora_part_offsets must run from 0 to the product's ", N[i], " rows in 1 to ",
+                kvflow::kMaxProductRuns, " parts");
+    TORCH_CHECK(b.dim() == 3 && b.is_contiguous() && b.size(1) == N[i], "lora_b must be contiguous [slots, ", N[i],
+                ", rank]");
+    const int64_t num_slots = b.size(0), rank = b.size(2);
+    TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.size(0) == num_slots && a.size(1) == num_parts * rank &&
+                    a.size(2) == K[i],
+                "lora_a must be contiguous [", num_slots, ", ", num_parts * rank, ", ", K[i], "]");
+    for (int64_t r = 0; r < params.rows; ++r)
+      TORCH_CHECK(slot_of_row[r] >= -1 && slot_of_row[r] < num_slots, "lora_token_slots must lie in [-1, ",
+                  num_slots, ")");
+    kvflow::LoraProduct<T>& target = products[i]->lora;
+    target.a = ptr<T>(a);
+    target.b = ptr<T>(b);
+    target.num_slots = num_slots;
+    target.rank = rank;
+    target.num_parts = num_parts;
+    std::copy(offsets.begin(), offsets.end(), target.part_offsets);
+  }
+  params.lora_token_slots = slot_of_row;
+}
+
+// Runs decode_layer<T> with the weights `make_weights(tag)` gives (and `lora`'s adapter rows); returns
+// (out, residual_out).
 template <class MakeWeights>
 std::tuple<at::Tensor, at::Tensor> run_decode_layer(const DecodeStep& step, const at::Tensor& hidden,
                                                     const c10::optional<at::Tensor>& residual,
                                                     const at::Tensor& cos, const at::Tensor& sin,
                                                     at::Tensor& kv_cache, int64_t layer, bool quantized,
-                                                    MakeWeights&& make_weights) {
-  const kvflow::DecodeLayerParams& params = step.params;
+                                                    const DecodeLora& lora, MakeWeights&& make_weights) {
+  kvflow::DecodeLayerParams params = step.params;
+  const int64_t K[4] = {params.hidden, params.num_heads * params.head_dim, params.hidden, params.intermediate};
+  const int64_t N[4] = {params.qkv_width(), params.hidden, 2 * params.intermediate, params.hidden};
   at::Tensor workspace = at::empty({params.workspace_elements()}, hidden.options());
   at::Tensor scratch = at::empty({quantized ? params.quant_scratch_elements() : 0}, hidden.options().dtype(at::kFloat));
   at::Tensor out = at::empty_like(hidden);
@@ -367,7 +425,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode_layer(const DecodeStep& step, cons
   bool stored = false;
   dispatch(hidden, [&](auto tag) {
     using T = decltype(tag);
-    const kvflow::DecodeLayerWeights<T> weights = make_weights(tag);
+    kvflow::DecodeLayerWeights<T> weights = make_weights(tag);
+    fill_decode_lora<T>(lora, hidden, K, N, params, weights);
     T* layer_cache = ptr<T>(kv_cache) + layer * step.layer_stride;
     stored = kvflow::decode_layer<T>(params, weights, ptr<T>(hidden), residual ? ptr<T>(*residual) : nullptr,
                                      ptr<T>(cos), ptr<T>(sin), layer_cache, layer_cache + step.value_offset,
@@ -387,7 +446,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down, const c10::optional<at::Tensor>& down_bias,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale,
-    int64_t window, int64_t gemv_max_rows) {
+    int64_t window, int64_t gemv_max_rows, const c10::optional<at::Tensor>& lora_token_slots,
+    const std::vector<at::Tensor>& lora_a, const std::vector<at::Tensor>& lora_b,
+    const std::vector<std::vector<int64_t>>& lora_part_offsets) {
   const DecodeStep step =
       check_decode_step(hidden, residual, input_norm, post_norm, q_norm, k_norm, down.size(1), cos, sin, kv_cache,
                         layer, slot_mapping, block_tables, seq_lens, num_heads, eps, scale, window, gemv_max_rows);
@@ -396,7 +457,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   check_weight(o, hidden, p.hidden, num_heads * p.head_dim, "o");
   check_weight(gate_up, hidden, 2 * p.intermediate, p.hidden, "gate_up");
   check_weight(down, hidden, p.hidden, p.intermediate, "down");
-  return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, false, [&](auto tag) {
+  const DecodeLora lora{lora_token_slots, lora_a, lora_b, lora_part_offsets};
+  return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, false, lora, [&](auto tag) {
     using T = decltype(tag);
     kvflow::DecodeLayerWeights<T> weights{ptr<T>(input_norm), ptr<T>(post_norm)};
     weights.q_norm = q_norm ? ptr<T>(*q_norm) : nullptr;
@@ -462,7 +524,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_quantized(
     const std::vector<int64_t>& gemv_max_rows, const std::vector<int64_t>& runs_per_product, int64_t intermediate,
     const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_heads, double eps, double scale,
-    int64_t window) {
+    int64_t window, const c10::optional<at::Tensor>& lora_token_slots, const std::vector<at::Tensor>& lora_a,
+    const std::vector<at::Tensor>& lora_b, const std::vector<std::vector<int64_t>>& lora_part_offsets) {
   const DecodeStep step =
       check_decode_step(hidden, residual, input_norm, post_norm, q_norm, k_norm, intermediate, cos, sin, kv_cache,
                         layer, slot_mapping, block_tables, seq_lens, num_heads, eps, scale, window, 0);
@@ -473,7 +536,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_quantized(
   TORCH_CHECK(weights.size() == total && types.size() == total && scales.size() == total &&
                   biases.size() == total && gemv_max_rows.size() == total,
               "weights, types, scales, biases and gemv_max_rows must each have one entry per run (", total, ")");
-  return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, true, [&](auto tag) {
+  const DecodeLora lora{lora_token_slots, lora_a, lora_b, lora_part_offsets};
+  return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, true, lora, [&](auto tag) {
     using T = decltype(tag);
     kvflow::DecodeLayerWeights<T> w{ptr<T>(input_norm), ptr<T>(post_norm)};
     w.q_norm = q_norm ? ptr<T>(*q_norm) : nullptr;
@@ -769,9 +833,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "attention over the paged KV cache (rows of query tokens, sliding window, logit soft-capping)");
   m.def("store_kv", &store_kv, "write the step's K/V into the paged cache at slot_mapping");
-  m.def("decode_layer", &decode_layer, "one decoder layer of a decode-only step (returns out, residual)");
+  m.def("decode_layer", &decode_layer, "one decoder layer of a decode-only step (returns out, residual)",
+        py::arg("hidden"), py::arg("residual"), py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"),
+        py::arg("k_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"), py::arg("gate_up"),
+        py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"), py::arg("cos"), py::arg("sin"),
+        py::arg("kv_cache"), py::arg("layer"), py::arg("slot_mapping"), py::arg("block_tables"),
+        py::arg("seq_lens"), py::arg("num_heads"), py::arg("eps"), py::arg("scale"), py::arg("window"),
+        py::arg("gemv_max_rows"), py::arg("lora_token_slots") = py::none(),
+        py::arg("lora_a") = std::vector<at::Tensor>{}, py::arg("lora_b") = std::vector<at::Tensor>{},
+        py::arg("lora_part_offsets") = std::vector<std::vector<int64_t>>{});
   m.def("decode_layer_quantized", &decode_layer_quantized,
-        "decode_layer on quantized weights (GGUF blocks or int8 runs; returns out, residual)");
+        "decode_layer on quantized weights (GGUF blocks or int8 runs; returns out, residual)", py::arg("hidden"),
+        py::arg("residual"), py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"),
+        py::arg("weights"), py::arg("types"), py::arg("scales"), py::arg("biases"), py::arg("gemv_max_rows"),
+        py::arg("runs_per_product"), py::arg("intermediate"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"),
+        py::arg("layer"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("num_heads"), py::arg("eps"), py::arg("scale"), py::arg("window"),
+        py::arg("lora_token_slots") = py::none(), py::arg("lora_a") = std::vector<at::Tensor>{},
+        py::arg("lora_b") = std::vector<at::Tensor>{},
+        py::arg("lora_part_offsets") = std::vector<std::vector<int64_t>>{});
   m.def("ggml_dequantize", &ggml_dequantize, "GGUF blocks [rows, row_bytes] -> float32 [rows, columns]",
         py::arg("blocks"), py::arg("type"));
   m.def("ggml_linear", &ggml_linear, "x @ dequantize(blocks).T (+ bias), float32 out", py::arg("x"),

@@ -30,8 +30,8 @@ void dense_product(const DecodeLayerParams& p, const T* x, int64_t K, const T* w
 // y [M, N] = x times the layer's weight, dense or quantized. A quantized run's product is the kernel the per-op
 // path (kvflow/kernels/quant.py) calls for M rows, into float32 scratch, then rounded to T into its columns of y.
 template <typename T>
-void product(const DecodeLayerParams& p, const T* x, int64_t K, const LayerProduct<T>& w, int64_t N, T* y,
-             float* scratch, int num_threads) {
+void base_product(const DecodeLayerParams& p, const T* x, int64_t K, const LayerProduct<T>& w, int64_t N, T* y,
+                  float* scratch, int num_threads) {
   if (w.dense != nullptr) {
     dense_product<T>(p, x, K, w.dense, N, w.bias, y, num_threads);
     return;
@@ -54,6 +54,18 @@ void product(const DecodeLayerParams& p, const T* x, int64_t K, const LayerProdu
     }
     column += run.rows;
   }
+}
+
+// The base product, then (with adapter rows in the step) each adapter row's LoRA delta, as the per-op layer adds
+// it after its product (the binding checked the slots, so lora_add cannot refuse them).
+template <typename T>
+void product(const DecodeLayerParams& p, const T* x, int64_t K, const LayerProduct<T>& w, int64_t N, T* y,
+             float* scratch, int num_threads) {
+  base_product<T>(p, x, K, w, N, y, scratch, num_threads);
+  const LoraProduct<T>& lora = w.lora;
+  if (p.lora_token_slots != nullptr && lora.a != nullptr)
+    lora_add<T>(y, N, x, K, p.rows, K, N, lora.a, lora.b, lora.num_slots, lora.rank, p.lora_token_slots,
+                lora.part_offsets, lora.num_parts, default_lora_shrink(), num_threads);
 }
 
 }  // namespace

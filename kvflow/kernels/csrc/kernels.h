@@ -86,6 +86,8 @@ struct DecodeLayerParams {
   int64_t table_stride;
   const int32_t* seq_lens;  // [rows], counting this step's token
   int64_t gemv_max_rows;     // above it (bf16) the products run on the GEMM, as kernels.linear dispatches
+  // LoRA: each row's adapter slot (-1: none) for the products that carry a LoraProduct; nullptr: no adapter rows.
+  const int32_t* lora_token_slots = nullptr;
   int64_t qkv_width() const;
   int64_t workspace_elements() const;
   // float32 scratch a quantized product needs (its widest output, M rows); 0 for dense weights
@@ -109,12 +111,23 @@ struct QuantRun {
 
 // One linear layer's weight for decode_layer: dense (row-major [out, in] T, `bias` T or nullptr), or quantized:
 // `num_runs` runs whose outputs, each rounded to T, are concatenated in order (as the per-op path's torch.cat).
+// A product's LoRA adapter slots as lora_add takes them (a = nullptr: none): after the base product, rows with a
+// slot get lora_add's delta, on the default shrink, so the fused layer equals the per-op layer plus its deltas.
+template <typename T>
+struct LoraProduct {
+  const T* a = nullptr;  // [num_slots, num_parts * rank, K]
+  const T* b = nullptr;  // [num_slots, N, rank]
+  int64_t num_slots = 0, rank = 0, num_parts = 0;
+  int64_t part_offsets[kMaxProductRuns + 1] = {};
+};
+
 template <typename T>
 struct LayerProduct {
   const T* dense = nullptr;
   const T* bias = nullptr;
   int num_runs = 0;
   QuantRun runs[kMaxProductRuns] = {};
+  LoraProduct<T> lora;
 };
 
 // One layer's weights. `q_norm` / `k_norm` ([head_dim] each, both or neither; Qwen3): each query and key head is
