@@ -54,6 +54,7 @@ def make_operands(
     rank: int,
     seed: int,
     slot_choices: Sequence[int] = USED_SLOTS,
+    in_features: int = IN_FEATURES,
 ) -> LoraOperands:
     """(y, x, lora_a, lora_b, token_slots int32, part_offsets) with random values and slots from `slot_choices`."""
     generator = torch.Generator().manual_seed(seed)
@@ -61,8 +62,8 @@ def make_operands(
     for size in parts:
         offsets.append(offsets[-1] + size)
     y = torch.randn(num_rows, offsets[-1], generator=generator).to(dtype)
-    x = torch.randn(num_rows, IN_FEATURES, generator=generator).to(dtype)
-    lora_a = (torch.randn(NUM_SLOTS, len(parts) * rank, IN_FEATURES, generator=generator) * 0.2).to(
+    x = torch.randn(num_rows, in_features, generator=generator).to(dtype)
+    lora_a = (torch.randn(NUM_SLOTS, len(parts) * rank, in_features, generator=generator) * 0.2).to(
         dtype
     )
     lora_b = (torch.randn(NUM_SLOTS, offsets[-1], rank, generator=generator) * 0.2).to(dtype)
@@ -177,9 +178,16 @@ def test_row_alone_equals_row_in_any_batch_and_thread_count(
 ) -> None:
     dtype, shrink = variant
     num_rows = 300
-    # Slot 0 gets most rows (groups of hundreds: many row tiles), the others a few.
+    # Slot 0 gets most rows (groups of hundreds: many row tiles), the others a few. 512 inputs: the whole batch is
+    # past the kernel's parallel threshold (2^22 multiply-adds), a row alone or a small batch is below it.
     y, x, lora_a, lora_b, slots, offsets = make_operands(
-        dtype, num_rows, (48, 16, 21), rank, seed=rank, slot_choices=(0, 0, 0, 0, 1, 3, -1)
+        dtype,
+        num_rows,
+        (48, 16, 21),
+        rank,
+        seed=rank,
+        slot_choices=(0, 0, 0, 0, 1, 3, -1),
+        in_features=512,
     )
     alone = torch.cat(
         [

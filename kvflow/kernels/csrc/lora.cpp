@@ -275,9 +275,10 @@ void expand_tile_any(int rows, const float* bt, int64_t width, int64_t rank, con
 }
 
 // Below this many multiply-adds (shrink and expand together) the call runs on the calling thread: waking the
-// OpenMP team costs more than it saves (measured ~55 us per region from the engine-core thread, where a one-row
-// delta computes in 5-13 us). Rows never split a sum across threads either way, so results do not change.
-constexpr int64_t kParallelMacs = int64_t{1} << 19;
+// OpenMP team from the engine-core thread costs ~55 us, where a one-row delta computes in 5-13 us and a 64-row
+// decode step's in 40-150 us on the built-in model's shapes (one thread measured faster than two there, in the
+// engine: benchmarks/lora.py). Rows never split a sum across threads either way, so results do not change.
+constexpr int64_t kParallelMacs = int64_t{1} << 22;
 
 struct ShrinkItem {
   int64_t slot, first, count, a_begin;  // rows_of(slot)[first .. first + count), A rows [a_begin, +kItemARows)
@@ -306,14 +307,6 @@ bool lora_add(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t n, i
       for (int64_t a_begin = 0; a_begin < a_rows; a_begin += kItemARows)
         shrink_items.push_back({s, first, std::min<int64_t>(kTileRows, groups.count(s) - first), a_begin});
   const int64_t num_shrink = static_cast<int64_t>(shrink_items.size());
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (parallel && num_shrink > 1)
-  for (int64_t i = 0; i < num_shrink; ++i) {
-    const ShrinkItem& item = shrink_items[i];
-    shrink_tile_any<T>(static_cast<int>(item.count), shrink, x, x_stride, groups.rows_of(item.slot) + item.first,
-                       lora_a + item.slot * a_rows * in, in, item.a_begin,
-                       std::min(a_rows, item.a_begin + kItemARows), t.data(), a_rows);
-  }
-
   std::vector<ExpandItem> expand_items;
   for (int64_t s = 0; s < num_slots; ++s) {
     if (groups.count(s) == 0) continue;
@@ -322,8 +315,16 @@ bool lora_add(T* y, int64_t y_stride, const T* x, int64_t x_stride, int64_t n, i
         expand_items.push_back({s, p, o, std::min(part_offsets[p + 1], o + kItemWidth)});
   }
   const int64_t num_expand = static_cast<int64_t>(expand_items.size());
-#pragma omp parallel num_threads(num_threads) if (parallel && num_expand > 1)
+  // One parallel region (one team wake-up): every shrink item, the loop's barrier, then every expand item.
+#pragma omp parallel num_threads(num_threads) if (parallel)
   {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < num_shrink; ++i) {
+      const ShrinkItem& item = shrink_items[i];
+      shrink_tile_any<T>(static_cast<int>(item.count), shrink, x, x_stride, groups.rows_of(item.slot) + item.first,
+                         lora_a + item.slot * a_rows * in, in, item.a_begin,
+                         std::min(a_rows, item.a_begin + kItemARows), t.data(), a_rows);
+    }
     std::vector<float> bt(static_cast<size_t>(rank * kItemWidth));
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < num_expand; ++i) {
