@@ -164,8 +164,10 @@ class LoRAModelManager:
         return adapter
 
     def _evict_over_capacity(self) -> None:
+        """Evict least recently used adapters down to `max_cpu_loras`, never a pinned one nor the one just loaded
+        (the last): with the cache full of pinned adapters it holds one more."""
         capacity = self.lora_config.num_cpu_loras
-        for adapter_id in list(self.loaded):
+        for adapter_id in list(self.loaded)[:-1]:
             if len(self.loaded) <= capacity:
                 return
             if adapter_id not in self.pinned:

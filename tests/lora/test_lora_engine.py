@@ -435,3 +435,28 @@ def test_fused_decode_layer_adds_the_deltas_bit_for_bit_as_the_per_op_layers(
             llm.shutdown()
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
     assert runs[0] == runs[1]
+
+
+def test_the_adapter_cache_keeps_max_cpu_loras_evicting_the_least_recently_used_but_never_a_pinned_one(
+    setup: LoRASetup,
+) -> None:
+    names = list(ADAPTER_SPECS)
+    llm = make_llm(setup, max_loras=1, max_cpu_loras=2)
+    try:
+        for name in names[:3]:
+            assert llm.add_lora(setup.requests[name])
+        assert llm.list_loras() == {setup.requests[name].lora_int_id for name in names[1:3]}
+        assert not llm.pin_lora(setup.requests[names[0]].lora_int_id)  # evicted: nothing to pin
+        assert llm.pin_lora(setup.requests[names[1]].lora_int_id)
+        # names[1] is pinned and names[2] the least recently used: loading names[3] evicts names[2]
+        assert_matches_references(setup, run_mix(llm, setup, [names[3]]))
+        assert llm.list_loras() == {
+            setup.requests[names[1]].lora_int_id,
+            setup.requests[names[3]].lora_int_id,
+        }
+        assert llm.remove_lora(setup.requests[names[1]].lora_int_id)
+        assert not llm.remove_lora(setup.requests[names[1]].lora_int_id)
+        # evicted adapters come back from their folders when a request names them
+        assert_matches_references(setup, run_mix(llm, setup, ["base", names[0], names[2]]))
+    finally:
+        llm.shutdown()
