@@ -460,3 +460,16 @@ def test_the_adapter_cache_keeps_max_cpu_loras_evicting_the_least_recently_used_
         assert_matches_references(setup, run_mix(llm, setup, ["base", names[0], names[2]]))
     finally:
         llm.shutdown()
+
+
+def test_two_data_parallel_engine_cores_each_serve_the_adapters(setup: LoRASetup) -> None:
+    """`data_parallel_size=2`: `add_lora` reaches both cores, and requests routed to either one run their adapter
+    exactly."""
+    llm = make_llm(setup, data_parallel_size=2, max_loras=2)
+    try:
+        outputs = run_mix(llm, setup, ["base", "all", "attn"])
+        loaded = llm.list_loras()
+    finally:
+        llm.shutdown()
+    assert_matches_references(setup, outputs)
+    assert loaded == {setup.requests["all"].lora_int_id, setup.requests["attn"].lora_int_id}
