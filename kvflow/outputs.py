@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvflow.lora.request import LoRARequest
 
 
 @dataclass
@@ -97,3 +101,5 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # The LoRA adapter it ran with (None: the base model), as vLLM's RequestOutput reports it.
+    lora_request: LoRARequest | None = None

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreEvent, EngineCoreOutput, LogprobsLists
     from kvflow.engine.detokenizer import IncrementalDetokenizer
     from kvflow.engine.input_processor import ProcessedPrompt
+    from kvflow.lora.request import LoRARequest
     from kvflow.request import Request
     from kvflow.sampling_params import SamplingParams
     from kvflow.tokenizer import Tokenizer
@@ -51,6 +52,7 @@ class ParentRequest:
     arrival_monotonic: float = 0.0  # the time.monotonic() stamp behind metrics.arrival_time
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_emitted: bool = False
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.completions = [None] * self.n
@@ -92,6 +94,7 @@ class RequestState:
     prompt_logprobs_emitted: bool = False
     # Finished with "error" through its own fault (EngineCoreOutput.client_error).
     client_error: bool = False
+    lora_request: LoRARequest | None = None
 
     def stamp(self, now_monotonic: float) -> float:
         """The wall-clock time of a `time.monotonic()` stamp, measured from this request's arrival."""
@@ -138,6 +141,7 @@ class OutputProcessor:
         arrival_time: float | None = None,
         parent: ParentRequest | None = None,
         index: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -166,6 +170,7 @@ class OutputProcessor:
             parent,
             index,
             arrival_monotonic=arrival_monotonic,
+            lora_request=lora_request,
         )
         if sampling_params.logprobs is not None:
             state.logprobs = []
@@ -181,6 +186,7 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         output_kind: str,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ParentRequest:
         """Register a parallel-sampling request; its children are added with `add_request(..., parent=...)`."""
         if request_id in self.parent_requests:
@@ -194,6 +200,7 @@ class OutputProcessor:
             output_kind,
             _arrival_metrics(arrival_monotonic),
             arrival_monotonic=arrival_monotonic,
+            lora_request=lora_request,
         )
         self.parent_requests[request_id] = parent
         return parent
@@ -212,6 +219,7 @@ class OutputProcessor:
                 processed.prompt_token_ids,
                 processed.sampling_params.output_kind,
                 requests[0].arrival_time,
+                requests[0].lora_request,
             )
         for index, request in enumerate(requests):
             self.add_request(
@@ -222,6 +230,7 @@ class OutputProcessor:
                 request.arrival_time,
                 parent=parent,
                 index=index,
+                lora_request=request.lora_request,
             )
 
     def has_unfinished_requests(self) -> bool:
@@ -440,6 +449,7 @@ class OutputProcessor:
             finished=finished,
             metrics=state.metrics,
             prompt_logprobs=prompt_logprobs,
+            lora_request=state.lora_request,
         )
 
     @staticmethod
@@ -518,6 +528,7 @@ class OutputProcessor:
             finished=finished,
             metrics=parent.metrics,
             prompt_logprobs=prompt_logprobs,
+            lora_request=parent.lora_request,
         )
 
 

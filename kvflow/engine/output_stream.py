@@ -150,6 +150,7 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput, delta: bool) -> Re
         prompt_logprobs=older.prompt_logprobs
         if older.prompt_logprobs is not None
         else newer.prompt_logprobs,
+        lora_request=newer.lora_request,
     )
 
 

@@ -98,10 +98,12 @@ def run_mix(llm: LLM, setup: LoRASetup, names: list[str], **generate_options):
 
 
 def assert_matches_references(setup: LoRASetup, outputs) -> None:
+    """Each output's tokens are its adapter's (or the base's) reference, and it names the adapter it ran with."""
     for (name, index), output in outputs.items():
         assert list(output.outputs[0].token_ids) == setup.references[name][index], (
             f"{name}, prompt {index}"
         )
+        assert output.lora_request == setup.requests.get(name)
 
 
 def assert_only_adapter_rows_change(without, mixed, stride: int) -> None:
@@ -473,3 +475,20 @@ def test_two_data_parallel_engine_cores_each_serve_the_adapters(setup: LoRASetup
         llm.shutdown()
     assert_matches_references(setup, outputs)
     assert loaded == {setup.requests["all"].lora_int_id, setup.requests["attn"].lora_int_id}
+
+
+def test_parallel_samples_all_run_the_adapter(setup: LoRASetup) -> None:
+    """`n=2`: both samples run with the prompt's adapter, and the folded output names it."""
+    params = SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    llm = make_llm(setup)
+    try:
+        [output] = llm.generate(
+            [{"prompt_token_ids": PROMPTS[1]}],
+            params,
+            lora_request=setup.requests["mlp"],
+            use_tqdm=False,
+        )
+    finally:
+        llm.shutdown()
+    assert [list(sample.token_ids) for sample in output.outputs] == [setup.references["mlp"][1]] * 2
+    assert output.lora_request == setup.requests["mlp"]
