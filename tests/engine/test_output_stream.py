@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from kvflow.engine.output_stream import OutputStream, Wakeups, merge_outputs
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
@@ -39,6 +40,7 @@ def test_merging_keeps_every_field_of_the_output_types() -> None:
         "finished",
         "metrics",
         "prompt_logprobs",
+        "lora_request",
     ]
     assert [f.name for f in dataclasses.fields(CompletionOutput)] == [
         "index",
@@ -66,6 +68,9 @@ def test_deltas_concatenate_per_completion_and_cumulative_outputs_replace() -> N
     )
     assert [list(position) for position in completion.logprobs or []] == [[1], [2], [3]]
     assert merged.prompt_logprobs == first.prompt_logprobs  # a delta stream carries them once
+    adapter = LoRARequest("tuned", 1, "/adapters/tuned")
+    first.lora_request = second.lora_request = adapter
+    assert merge_outputs(first, second, delta=True).lora_request == adapter
     assert first.outputs[0].token_ids == [1]  # the merged outputs were not changed in place
     other_sample = output([9], "z", index=1)
     both = merge_outputs(merged, other_sample, delta=True)
