@@ -10,9 +10,9 @@ every row is a decode row (one token each, every one sampled) and there are at m
 returns None and the model runs its per-op layers.
 
 Invariants: `decode_layer` chains the very kernels the per-op path calls, in the same order, so a fused step's
-results equal the per-op path's bit for bit; with LoRA adapter rows in the step (`BatchInputs.lora_token_slots`)
-each product is followed by the same `lora_add` the per-op `Linear` calls after its product. That is why `max_rows` never exceeds the row count up to which the
-per-op products stay on those kernels, as each states it: dense bfloat16 layers `kernels.bf16_kernel_max_rows()`
+results equal the per-op path's bit for bit (with LoRA adapter rows in the step, `BatchInputs.lora_token_slots`,
+each product is followed by the same `lora_add` the per-op `Linear` calls after its product). That is why
+`max_rows` never exceeds the row count up to which the per-op products stay on those kernels, as each states it: dense bfloat16 layers `kernels.bf16_kernel_max_rows()`
 (the rows `kernels.linear` runs on the kernels), quantized layers their method's `fused_decode_product()` (its runs
 and their row limit); and never the extension's own limit (`kernels.decode_layer_max_rows()`). This module inspects
 no quantization method: a layer whose method states no fused product keeps its model on the per-op path. A float32
