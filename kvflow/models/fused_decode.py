@@ -11,15 +11,16 @@ returns None and the model runs its per-op layers.
 
 Invariants: `decode_layer` chains the very kernels the per-op path calls, in the same order, so a fused step's
 results equal the per-op path's bit for bit (with LoRA adapter rows in the step, `BatchInputs.lora_token_slots`,
-each product is followed by the same `lora_add` the per-op `Linear` calls after its product). That is why
-`max_rows` never exceeds the row count up to which the per-op products stay on those kernels, as each states it:
-dense bfloat16 layers `kernels.bf16_kernel_max_rows()` (the rows `kernels.linear` runs on the kernels), quantized
-layers their method's `fused_decode_product()` (its runs and their row limit); and never the extension's own limit
-(`kernels.decode_layer_max_rows()`). This module inspects no quantization method: a layer whose method states no fused product keeps its model on the per-op path. A float32
-quantized model's per-op norms run the C++ RMSNorm too (`RMSNorm.float32_kernel`, set here), which the fused layer
-calls: torch's float32 RMSNorm sums in another order; so do its per-head q/k norms (`RMSNorm.forward_heads`),
-whose bfloat16 rows always run on that kernel. The layer weights are gathered once: weight loaders copy into
-the parameters in place, so the tensors gathered here always hold the loaded values.
+each product is followed by the same `lora_add` the per-op `Linear` calls after its product). That is why `max_rows`
+never exceeds the row count up to which the per-op products stay on those kernels, as each states it: dense bfloat16
+layers `kernels.bf16_kernel_max_rows()` (the rows `kernels.linear` runs on the kernels), quantized layers their
+method's `fused_decode_product()` (its runs and their row limit); and never the extension's own limit
+(`kernels.decode_layer_max_rows()`). This module inspects no quantization method: a layer whose method states no
+fused product keeps its model on the per-op path. A float32 quantized model's per-op norms run the C++ RMSNorm too
+(`RMSNorm.float32_kernel`, set here), which the fused layer calls: torch's float32 RMSNorm sums in another order; so
+do its per-head q/k norms (`RMSNorm.forward_heads`), whose bfloat16 rows always run on that kernel. The layer
+weights are gathered once: weight loaders copy into the parameters in place, so the tensors gathered here always
+hold the loaded values.
 """
 
 from __future__ import annotations
