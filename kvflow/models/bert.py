@@ -1,0 +1,550 @@
+"""BERT and XLM-RoBERTa encoders (`BertModel`, `XLMRobertaModel`) and their sequence-classification heads, for
+embeddings, reranking and classification (issue 43).
+
+An encoder step is prefill-only and keeps no cache: `input_ids` is every sequence's tokens back to back
+(`[total_tokens]`) with `seq_lens` (or `query_start_loc`, `[num_seqs + 1]`) saying where each sequence ends, and the
+result is the last hidden states `[total_tokens, hidden_size]` (or, for a classifier, logits
+`[num_seqs, num_labels]`). Each sequence runs the whole stack on its own (bidirectional attention over that sequence
+only), so a sequence's output is bit for bit the same alone or in any batch: no product ever mixes the rows of two
+sequences, and the row counts each product sees depend on that sequence's length alone.
+
+The config is read from `config.json` here (`parse_encoder_config`), not by `kvflow.models.hf_config`, whose
+`TransformerConfig` describes decoders; `load_encoder_model` builds and loads a model from a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.distributed.parallel_state import TensorParallelGroup
+from kvflow.models.checkpoint_files import iterate_safetensors_weights
+from kvflow.models.layers.linear import Linear
+from kvflow.models.loader import CheckpointModel, resolve_dtype
+
+if TYPE_CHECKING:
+    from kvflow.models.quantization import QuantizationPlan
+
+__all__ = [
+    "ENCODER_ARCHITECTURES",
+    "BertEncoderModel",
+    "BertForSequenceClassification",
+    "EncoderConfig",
+    "XLMRobertaForSequenceClassification",
+    "load_encoder_config",
+    "load_encoder_model",
+    "parse_encoder_config",
+]
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+# Checkpoint prefixes a base model's tensors carry inside a task checkpoint (`bert.` in BertFor*, `roberta.` in
+# XLMRobertaFor*), stripped before mapping.
+_BASE_PREFIXES = ("bert.", "roberta.")
+# Tensors no parameter holds: the position-id buffer older checkpoints save, and heads an encoder does not run
+# (the masked-LM heads `cls.` / `lm_head.`, and the pooler for a plain encoder).
+_IGNORED_PREFIXES = ("cls.", "lm_head.")
+_IGNORED_SUFFIXES = ("embeddings.position_ids",)
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """The fields of a BERT / XLM-RoBERTa `config.json` the encoder runs on.
+
+    Invariants: `hidden_size` is a multiple of `num_attention_heads`; `position_offset` is the first position id
+    (0 for BERT; `pad_token_id + 1` for XLM-RoBERTa, whose positions skip the padding index), so a sequence may be
+    at most `max_position_embeddings - position_offset` tokens long; `hidden_act` is a key of `_ACTIVATIONS`.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    pad_token_id: int
+    position_offset: int
+    num_labels: int
+    torch_dtype: str | None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_position_embeddings - self.position_offset
+
+
+ENCODER_ARCHITECTURES = (
+    "BertModel",
+    "XLMRobertaModel",
+    "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+)
+
+
+def parse_encoder_config(raw: dict[str, Any]) -> EncoderConfig:
+    """An `EncoderConfig` from a parsed `config.json`; a setting the encoder does not run is a ValueError naming
+    the field."""
+    architectures = raw.get("architectures") or []
+    architecture = architectures[0] if architectures else None
+    if architecture not in ENCODER_ARCHITECTURES:
+        raise ValueError(
+            f"architectures: {architecture!r} is not an encoder kvflow runs; "
+            f"supported: {', '.join(ENCODER_ARCHITECTURES)}"
+        )
+    _check_supported(raw)
+    hidden_size = int(raw["hidden_size"])
+    num_heads = int(raw["num_attention_heads"])
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size {hidden_size} is not a multiple of num_attention_heads {num_heads}"
+        )
+    is_xlm_roberta = architecture.startswith("XLMRoberta")
+    raw_pad = raw.get("pad_token_id")
+    pad_token_id = int(raw_pad) if raw_pad is not None else (1 if is_xlm_roberta else 0)
+    id2label = raw.get("id2label")
+    return EncoderConfig(
+        architecture=architecture,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden_size,
+        num_hidden_layers=int(raw["num_hidden_layers"]),
+        num_attention_heads=num_heads,
+        intermediate_size=int(raw["intermediate_size"]),
+        hidden_act=str(raw.get("hidden_act", "gelu")),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 512)),
+        type_vocab_size=int(raw.get("type_vocab_size", 2)),
+        layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+        pad_token_id=pad_token_id,
+        position_offset=pad_token_id + 1 if is_xlm_roberta else 0,
+        num_labels=len(id2label) if id2label else int(raw.get("num_labels", 2)),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def _check_supported(raw: dict[str, Any]) -> None:
+    position_type = raw.get("position_embedding_type", "absolute")
+    if position_type != "absolute":
+        raise ValueError(
+            f"position_embedding_type {position_type!r} is not supported (only 'absolute')"
+        )
+    for flag in ("is_decoder", "add_cross_attention"):
+        if raw.get(flag):
+            raise ValueError(f"{flag}: true is not supported (kvflow runs BERT as an encoder only)")
+    hidden_act = raw.get("hidden_act", "gelu")
+    if hidden_act not in _ACTIVATIONS:
+        raise ValueError(
+            f"hidden_act {hidden_act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}"
+        )
+    problem_type = raw.get("problem_type")
+    if problem_type not in (
+        None,
+        "single_label_classification",
+        "multi_label_classification",
+        "regression",
+    ):
+        raise ValueError(f"problem_type {problem_type!r} is not supported")
+
+
+def load_encoder_config(model_path: str | Path) -> EncoderConfig:
+    """The `EncoderConfig` of checkpoint folder `model_path` (its config.json)."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{model_path} has no config.json")
+    return parse_encoder_config(json.loads(config_file.read_text()))
+
+
+class _Embedding(nn.Module):
+    """A lookup table `weight [num_embeddings, dim]`, loaded whole."""
+
+    def __init__(
+        self, num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device | str
+    ):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_embeddings, dim, dtype=dtype, device=device), requires_grad=False
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class _LayerNorm(nn.Module):
+    """LayerNorm over the last dimension with a weight and a bias, in the activations' dtype (as BERT runs it)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(hidden_states, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class _EncoderLayer(nn.Module):
+    """One post-LN encoder layer: `x = norm(x + attn(x))`, then `x = norm(x + down(act(up(x))))`.
+
+    Invariant: `forward` takes one sequence's rows `[seq_len, hidden]`; attention is unmasked over them
+    (bidirectional) with the scale `1 / sqrt(head_dim)`.
+    """
+
+    def __init__(self, config: EncoderConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = Linear(hidden, [hidden] * 3, bias=True, dtype=dtype, device=device)
+        self.attn_out = Linear(hidden, hidden, bias=True, dtype=dtype, device=device)
+        self.attn_norm = _LayerNorm(hidden, config.layer_norm_eps, dtype, device)
+        self.up = Linear(hidden, inter, bias=True, dtype=dtype, device=device)
+        self.down = Linear(inter, hidden, bias=True, dtype=dtype, device=device)
+        self.mlp_norm = _LayerNorm(hidden, config.layer_norm_eps, dtype, device)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        seq_len = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states).view(seq_len, 3, self.num_heads, self.head_dim)
+        query, key, value = qkv.permute(1, 2, 0, 3).unbind(0)  # each [heads, seq_len, head_dim]
+        attended = F.scaled_dot_product_attention(
+            query, key, value, scale=1.0 / math.sqrt(self.head_dim)
+        )
+        attended = attended.transpose(0, 1).reshape(seq_len, -1)
+        hidden_states = self.attn_norm(hidden_states + self.attn_out(attended))
+        mlp = self.down(self.act(self.up(hidden_states)))
+        return self.mlp_norm(hidden_states + mlp)
+
+
+# The three checkpoint projections `qkv_proj` stacks, in shard order (`checkpoint_target` maps the names).
+_PACKED_QKV = {"qkv_proj": ["query", "key", "value"]}
+# Checkpoint name (after the base prefix) -> this module's name: (pattern, replacement, shard).
+_NAME_RULES: tuple[tuple[re.Pattern[str], str, int | None], ...] = tuple(
+    (re.compile(pattern), replacement, shard)
+    for pattern, replacement, shard in (
+        (r"^embeddings\.LayerNorm\.", "embeddings.norm.", None),
+        (r"^encoder\.layer\.(\d+)\.attention\.self\.query\.", r"layers.\1.qkv_proj.", 0),
+        (r"^encoder\.layer\.(\d+)\.attention\.self\.key\.", r"layers.\1.qkv_proj.", 1),
+        (r"^encoder\.layer\.(\d+)\.attention\.self\.value\.", r"layers.\1.qkv_proj.", 2),
+        (r"^encoder\.layer\.(\d+)\.attention\.output\.dense\.", r"layers.\1.attn_out.", None),
+        (r"^encoder\.layer\.(\d+)\.attention\.output\.LayerNorm\.", r"layers.\1.attn_norm.", None),
+        (r"^encoder\.layer\.(\d+)\.intermediate\.dense\.", r"layers.\1.up.", None),
+        (r"^encoder\.layer\.(\d+)\.output\.dense\.", r"layers.\1.down.", None),
+        (r"^encoder\.layer\.(\d+)\.output\.LayerNorm\.", r"layers.\1.mlp_norm.", None),
+    )
+)
+
+
+def _encoder_target(checkpoint_name: str) -> tuple[str, int | None]:
+    """This encoder's parameter name and shard for a (prefix-stripped) checkpoint tensor name."""
+    for pattern, replacement, shard in _NAME_RULES:
+        name, count = pattern.subn(replacement, checkpoint_name)
+        if count:
+            return name, shard
+    return checkpoint_name, None
+
+
+def _strip_base_prefix(checkpoint_name: str) -> str:
+    for prefix in _BASE_PREFIXES:
+        if checkpoint_name.startswith(prefix):
+            return checkpoint_name[len(prefix) :]
+    return checkpoint_name
+
+
+def _sequence_bounds(
+    input_ids: torch.Tensor, seq_lens: torch.Tensor | None, query_start_loc: torch.Tensor | None
+) -> list[tuple[int, int]]:
+    """`(start, end)` of each sequence's rows in the flattened batch, from exactly one of `seq_lens` /
+    `query_start_loc` (neither: one sequence of every token)."""
+    if seq_lens is not None and query_start_loc is not None:
+        raise ValueError("pass seq_lens or query_start_loc, not both")
+    if query_start_loc is not None:
+        starts = [int(x) for x in query_start_loc.tolist()]
+    else:
+        lens = [input_ids.shape[0]] if seq_lens is None else seq_lens.tolist()
+        starts = [0, *itertools.accumulate(int(length) for length in lens)]
+    if starts[0] != 0 or starts[-1] != input_ids.shape[0]:
+        raise ValueError(
+            f"the sequences cover tokens {starts[0]}..{starts[-1]}, input_ids has {input_ids.shape[0]}"
+        )
+    bounds = list(itertools.pairwise(starts))
+    if any(end <= start for start, end in bounds):
+        raise ValueError("every sequence needs at least one token")
+    return bounds
+
+
+class BertEncoderModel(CheckpointModel):
+    """A `BertModel` / `XLMRobertaModel` encoder: embeddings (word + absolute position + token type, then
+    LayerNorm) and `num_hidden_layers` post-LN layers; `forward` returns the last hidden states of every token.
+
+    Invariants: each sequence of a batch runs the stack alone, so its hidden states are bit for bit those it gets
+    alone (batch invariance); position ids restart at `config.position_offset` for each sequence (XLM-RoBERTa's
+    start after the padding index; equal to transformers' for sequences that hold no padding token). Checkpoint
+    names load bare or under `bert.` / `roberta.`; the pooler, classifier and masked-LM heads are not held and are
+    skipped (a classifier checkpoint loads as its base encoder).
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = _PACKED_QKV
+    _skipped_prefixes: ClassVar[tuple[str, ...]] = ("pooler.", "classifier.", *_IGNORED_PREFIXES)
+
+    def __init__(
+        self,
+        config: EncoderConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        attention_backend: str = "torch",
+        tp: TensorParallelGroup | None = None,
+        quantization: QuantizationPlan | None = None,
+    ) -> None:
+        super().__init__()
+        if tp is not None and tp.size > 1:
+            raise ValueError("tensor parallelism: encoder models run on one rank")
+        if quantization is not None:
+            raise ValueError("quantization: encoder models run unquantized")
+        self.config = config
+        self.tp = tp if tp is not None else TensorParallelGroup.single()
+        self.embeddings = nn.Module()
+        self.embeddings.word_embeddings = _Embedding(
+            config.vocab_size, config.hidden_size, dtype, device
+        )
+        self.embeddings.position_embeddings = _Embedding(
+            config.max_position_embeddings, config.hidden_size, dtype, device
+        )
+        self.embeddings.token_type_embeddings = _Embedding(
+            config.type_vocab_size, config.hidden_size, dtype, device
+        )
+        self.embeddings.norm = _LayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(
+            _EncoderLayer(config, dtype, device) for _ in range(config.num_hidden_layers)
+        )
+
+    def checkpoint_target(self, checkpoint_name: str) -> tuple[str, int | None]:
+        return _encoder_target(checkpoint_name)
+
+    def _kept_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            name = _strip_base_prefix(name)
+            if not name.startswith(self._skipped_prefixes) and not name.endswith(_IGNORED_SUFFIXES):
+                yield name, tensor
+
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        strict: bool = True,
+        sliced: bool = False,
+    ) -> None:
+        super().load_weights(self._kept_weights(weights), strict=strict, sliced=sliced)
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+        """One sequence's embeddings `[seq_len, hidden]` after the embedding LayerNorm."""
+        seq_len = input_ids.shape[0]
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"a sequence of {seq_len} tokens is longer than the model's {self.config.max_seq_len} positions"
+            )
+        positions = torch.arange(
+            self.config.position_offset,
+            self.config.position_offset + seq_len,
+            device=input_ids.device,
+        )
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        embeddings = self.embeddings
+        hidden = embeddings.word_embeddings(input_ids) + embeddings.token_type_embeddings(
+            token_type_ids
+        )
+        hidden = hidden + embeddings.position_embeddings(positions)
+        return embeddings.norm(hidden)
+
+    def encode_sequence(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last hidden states `[seq_len, hidden]` of one sequence."""
+        hidden_states = self.embed(input_ids, token_type_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The last hidden states `[total_tokens, hidden]` of a flattened batch (`_sequence_bounds`)."""
+        bounds = _sequence_bounds(input_ids, seq_lens, query_start_loc)
+        outputs = [
+            self.encode_sequence(
+                input_ids[start:end], None if token_type_ids is None else token_type_ids[start:end]
+            )
+            for start, end in bounds
+        ]
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def sequence_starts(
+        self,
+        input_ids: torch.Tensor,
+        seq_lens: torch.Tensor | None,
+        query_start_loc: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The row of each sequence's first token (its CLS / `<s>`) in the flattened batch."""
+        bounds = _sequence_bounds(input_ids, seq_lens, query_start_loc)
+        return torch.tensor([start for start, _ in bounds], device=input_ids.device)
+
+
+class _SequenceClassifier(CheckpointModel):
+    """An encoder and a head on each sequence's first token; `forward` returns logits `[num_seqs, num_labels]`.
+
+    Invariants: the encoder's parameters are under `base.` (loaded from the checkpoint's `bert.` / `roberta.`
+    tensors), the head's under their checkpoint names; a sequence's logits do not depend on the rest of the batch.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = _PACKED_QKV
+    _head_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        config: EncoderConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        attention_backend: str = "torch",
+        tp: TensorParallelGroup | None = None,
+        quantization: QuantizationPlan | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.base = BertEncoderModel(
+            config, dtype=dtype, device=device, tp=tp, quantization=quantization
+        )
+        self.tp = self.base.tp
+
+    def checkpoint_target(self, checkpoint_name: str) -> tuple[str, int | None] | None:
+        if checkpoint_name.startswith(self._head_names):
+            return None
+        name, shard = _encoder_target(checkpoint_name.removeprefix("base."))
+        return f"base.{name}", shard
+
+    def _kept_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name.startswith(self._head_names):
+                yield name, tensor
+                continue
+            name = _strip_base_prefix(name)
+            if name.startswith(self._head_names):  # BERT's pooler sits under `bert.`
+                yield name, tensor
+            elif not name.startswith(_IGNORED_PREFIXES) and not name.endswith(_IGNORED_SUFFIXES):
+                yield f"base.{name}", tensor
+
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        strict: bool = True,
+        sliced: bool = False,
+    ) -> None:
+        super().load_weights(self._kept_weights(weights), strict=strict, sliced=sliced)
+
+    def classify(self, first_token_states: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        query_start_loc: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits `[num_seqs, num_labels]` of a flattened batch (`_sequence_bounds`), each sequence run alone."""
+        bounds = _sequence_bounds(input_ids, seq_lens, query_start_loc)
+        logits = []
+        for start, end in bounds:
+            types = None if token_type_ids is None else token_type_ids[start:end]
+            hidden_states = self.base.encode_sequence(input_ids[start:end], types)
+            logits.append(self.classify(hidden_states[:1]))
+        return torch.cat(logits)
+
+
+class BertForSequenceClassification(_SequenceClassifier):
+    """BERT's classifier: the pooler (`dense` + tanh on the CLS token's state), then `classifier`."""
+
+    _head_names = ("pooler.", "classifier.")
+
+    def __init__(self, config: EncoderConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        weight = self.base.embeddings.word_embeddings.weight
+        hidden = config.hidden_size
+        self.pooler = nn.Module()
+        self.pooler.dense = Linear(
+            hidden, hidden, bias=True, dtype=weight.dtype, device=weight.device
+        )
+        self.classifier = Linear(
+            hidden, config.num_labels, bias=True, dtype=weight.dtype, device=weight.device
+        )
+
+    def classify(self, first_token_states: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler.dense(first_token_states)))
+
+
+class XLMRobertaForSequenceClassification(_SequenceClassifier):
+    """XLM-RoBERTa's classifier: `classifier.dense` + tanh on the `<s>` token's state, then `classifier.out_proj`."""
+
+    _head_names = ("classifier.",)
+
+    def __init__(self, config: EncoderConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        weight = self.base.embeddings.word_embeddings.weight
+        hidden = config.hidden_size
+        self.classifier = nn.Module()
+        self.classifier.dense = Linear(
+            hidden, hidden, bias=True, dtype=weight.dtype, device=weight.device
+        )
+        self.classifier.out_proj = Linear(
+            hidden, config.num_labels, bias=True, dtype=weight.dtype, device=weight.device
+        )
+
+    def classify(self, first_token_states: torch.Tensor) -> torch.Tensor:
+        return self.classifier.out_proj(torch.tanh(self.classifier.dense(first_token_states)))
+
+
+_MODEL_CLASSES: dict[str, type[CheckpointModel]] = {
+    "BertModel": BertEncoderModel,
+    "XLMRobertaModel": BertEncoderModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+}
+
+
+def load_encoder_model(
+    model_path: str | Path, dtype: str = "auto", device: torch.device | str = "cpu"
+) -> CheckpointModel:
+    """The checkpoint folder's encoder (or classifier) with its weights, in eval mode, in `dtype` ("auto": the
+    checkpoint's `torch_dtype`, float32 without one; or "float32", "bfloat16", "float16")."""
+    config = load_encoder_config(model_path)
+    torch_dtype = resolve_dtype(dtype, config)  # type: ignore[arg-type]  # reads only `torch_dtype`
+    model = _MODEL_CLASSES[config.architecture](config, dtype=torch_dtype, device=device)
+    model.load_weights(iterate_safetensors_weights(model_path))
+    return model.eval()
