@@ -40,6 +40,7 @@ from kvflow.entrypoints.openai.server_config import (
 )
 from kvflow.lora.request import LoRARequest
 from kvflow.sampling_params import BeamSearchParams, SamplingParams
+from kvflow.testing.waiting import wait_until
 from tests.entrypoints.server import (
     RemoteServer,
     kvflow_command,
@@ -637,10 +638,11 @@ def test_unloading_an_adapter_in_use_loses_no_request(
         await client.close()
 
     asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S * 2))
-    deadline = time.monotonic() + TIMEOUT_S
-    while not any(line.endswith("freed") for line in _busy_lines(server)):
-        assert time.monotonic() < deadline, f"'busy' was never freed: {_busy_lines(server)}"
-        time.sleep(0.05)
+    wait_until(
+        lambda: any(line.endswith("freed") for line in _busy_lines(server)),
+        "the server frees adapter 'busy' after its last request",
+        timeout_s=TIMEOUT_S,
+    )
     assert model_ids(server) == ["base", "a1", "a2"]
 
 
