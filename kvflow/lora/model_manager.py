@@ -99,6 +99,13 @@ class LoRAModelManager:
         self._slot_paths = [""] * self.max_loras
         self._slot_last_used = [0] * self.max_loras
         self._num_steps = 0
+        # The checkpoint's (all ranks') shape of every target layer, which the loader checks each adapter against.
+        self.full_part_sizes = {
+            name: self._full_part_sizes(name, layer) for name, layer in targets.items()
+        }
+        self.full_input_sizes = {
+            name: self._full_input_size(layer) for name, layer in targets.items()
+        }
         packed = getattr(type(model), "packed_modules_mapping", {})
         self.packed_modules_mapping: dict[str, list[str]] = dict(packed)
 
@@ -144,11 +151,9 @@ class LoRAModelManager:
             lora_modules=self.part_counts,
             max_lora_rank=self.lora_config.max_lora_rank,
             dtype=self.dtype,
-            part_sizes={
-                name: self._full_part_sizes(name, layer) for name, layer in self.layers.items()
-            },
+            part_sizes=self.full_part_sizes,
+            input_sizes=self.full_input_sizes,
         )
-        self._check_shapes(lora_request, adapter)
         self.loaded[lora_request.lora_int_id] = (lora_request, adapter)
         self._evict_over_capacity()
         logger.info(
@@ -237,6 +242,12 @@ class LoRAModelManager:
             return (layer.row_ranges[0][1] * self.tp_size, kv_rows, kv_rows)
         return tuple(length * self.tp_size for _, length in layer.row_ranges)
 
+    def _full_input_size(self, layer: Linear) -> int:
+        """The checkpoint's input columns of `layer` (a row-parallel layer holds 1/tp of them)."""
+        if isinstance(layer, RowParallelLinear):
+            return layer.column_range[1] * self.tp_size
+        return layer.input_size
+
     def _local_parts(
         self, layer: Linear, module: LoRAModuleWeights
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
@@ -258,23 +269,3 @@ class LoRAModelManager:
             parts_a.append(part_a.to(self.device))
             parts_b.append(part_b.to(self.device))
         return parts_a, parts_b
-
-    def _check_shapes(self, lora_request: LoRARequest, adapter: PEFTAdapter) -> None:
-        """Each module's A takes the layer's (whole) input and its B gives each part's (whole) rows."""
-        for name, module in adapter.modules.items():
-            layer = self.layers[name]
-            in_features = (
-                layer.column_range[1] * self.tp_size
-                if isinstance(layer, RowParallelLinear) and self.tp_size > 1
-                else layer.input_size
-            )
-            part_rows = self._full_part_sizes(name, layer)
-            for part, (part_a, part_b) in enumerate(zip(module.lora_a, module.lora_b, strict=True)):
-                if part_a is None or part_b is None:
-                    continue
-                if part_a.shape[1] != in_features or part_b.shape[0] != part_rows[part]:
-                    raise ValueError(
-                        f"LoRA adapter {lora_request.lora_name!r}: module {name} part {part} has A "
-                        f"{tuple(part_a.shape)} and B {tuple(part_b.shape)}, but the layer takes "
-                        f"{in_features} inputs and gives {part_rows[part]} rows (an adapter for another model?)"
-                    )
