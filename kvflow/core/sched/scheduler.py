@@ -440,8 +440,9 @@ class Scheduler:
         """
         skipped = create_request_queue(self.policy)
         head_blocked = False
-        # LoRA: the adapters of the running requests, and whether a request already waits for an adapter slot.
-        running_loras = self._running_lora_ids() if self.max_loras else set()
+        # LoRA: the adapters of the running requests (gathered at the first adapter request: steps without one never
+        # walk `running` for them), and whether a request already waits for an adapter slot.
+        running_loras: set[int] | None = None
         lora_blocked = False
         while self.waiting and plan.token_budget > 0:
             request = self.waiting.peek_request()
@@ -450,17 +451,17 @@ class Scheduler:
                 skipped.add_request(self.waiting.pop_request())
                 continue
             lora_request = request.lora_request
-            if lora_request is not None and (
-                lora_blocked
-                or (
+            if lora_request is not None:
+                if running_loras is None:
+                    running_loras = self._running_lora_ids()
+                if lora_blocked or (
                     lora_request.lora_int_id not in running_loras
                     and len(running_loras) >= self.max_loras
-                )
-            ):
-                # No adapter slot: it waits, in order, and so does every later adapter request (fairness).
-                lora_blocked = True
-                skipped.add_request(self.waiting.pop_request())
-                continue
+                ):
+                    # No adapter slot: it waits, in order, and so does every later adapter request (fairness).
+                    lora_blocked = True
+                    skipped.add_request(self.waiting.pop_request())
+                    continue
             holds_slot = self.sessions.holds_slot(request.request_id)
             if only_started and not holds_slot and request.status != RequestStatus.PREEMPTED:
                 # PAUSED_NEW: a request that never ran is held, in order, until resume.
@@ -469,7 +470,7 @@ class Scheduler:
             if holds_slot or not head_blocked:
                 has_slot = holds_slot or self.num_slot_holders < self.max_num_running_reqs
                 if has_slot and self._try_admit(request, plan):
-                    if lora_request is not None:
+                    if running_loras is not None and lora_request is not None:
                         running_loras.add(lora_request.lora_int_id)
                     continue
                 head_blocked = True
