@@ -91,6 +91,9 @@ class AsyncLLM:
         self._lock = threading.RLock()
         self._streams: dict[str, OutputStream] = {}
         self._live_request_ids: set[str] = set()
+        # Adapters the engine has loaded (and so checked) for this front end: later requests naming them are queued
+        # without that round trip (the worker reloads an evicted adapter from its folder itself).
+        self._checked_loras: set[LoRARequest] = set()
         self._beam_searches: dict[str, _BeamSearchRun] = {}
         self._stat_loggers: list[StatLogger] = list(stat_loggers)
         if not engine_args.disable_log_stats:
@@ -166,8 +169,9 @@ class AsyncLLM:
             raise ValueError(
                 "lora_request is not supported with streaming input (a StreamingInput iterator)"
             )
-        if lora_request is not None:
+        if lora_request is not None and lora_request not in self._checked_loras:
             await self._await(self.engine_core_client.add_lora(lora_request))
+            self._checked_loras.add(lora_request)
         processed: ProcessedPrompt | None = None
         if is_session:
             if sampling_params is not None and (
@@ -292,6 +296,7 @@ class AsyncLLM:
     async def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter from the engine's cache; requests still running with it load it again from its path
         and finish normally. True when it was loaded."""
+        self._checked_loras = {r for r in self._checked_loras if r.lora_int_id != lora_int_id}
         return await self._await(self.engine_core_client.remove_lora(lora_int_id))
 
     async def pin_lora(self, lora_int_id: int) -> bool:

@@ -82,6 +82,9 @@ class LLM:
         self.vocab_size = self.input_processor.vocab_size
         self.eos_token_id = self.input_processor.eos_token_id
         self._request_counter = itertools.count()
+        # Adapters the engine has loaded (and so checked) for this LLM: later calls naming them skip that round
+        # trip (the worker reloads an evicted adapter from its folder itself).
+        self._checked_loras: set[LoRARequest] = set()
         stat_logger = None if engine_args.disable_log_stats else LoggingStatLogger()
         self._outputs = _FinishedOutputs(parts.output_processor, stat_logger)
         self.engine_core_client, self.num_kv_blocks = start_engine_core_client(
@@ -268,6 +271,7 @@ class LLM:
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drop an adapter from the engine's cache (requests still running with it reload it); True if loaded."""
+        self._checked_loras = {r for r in self._checked_loras if r.lora_int_id != lora_int_id}
         return self.engine_core_client.remove_lora(lora_int_id).result()
 
     def pin_lora(self, lora_int_id: int) -> bool:
@@ -279,9 +283,11 @@ class LLM:
         return self.engine_core_client.list_loras().result()
 
     def _load_adapters(self, lora_requests: Sequence[LoRARequest | None]) -> None:
-        """Load each distinct adapter of a call (a bad one raises before anything is queued)."""
+        """Load each distinct adapter of a call not loaded before (a bad one raises before anything is queued)."""
         for lora_request in dict.fromkeys(item for item in lora_requests if item is not None):
-            self.engine_core_client.add_lora(lora_request).result()
+            if lora_request not in self._checked_loras:
+                self.engine_core_client.add_lora(lora_request).result()
+                self._checked_loras.add(lora_request)
 
     # ------------------------------------------------------------------------------------------------ pause
     def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
