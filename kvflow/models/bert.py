@@ -291,7 +291,25 @@ def _sequence_bounds(
     return bounds
 
 
-class BertEncoderModel(CheckpointModel):
+class _EncoderCheckpoint(CheckpointModel):
+    """A checkpoint model that loads only the tensors `_kept_weights` keeps (renamed as it says): an encoder's
+    checkpoint also holds heads and buffers the model does not."""
+
+    def _kept_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        strict: bool = True,
+        sliced: bool = False,
+    ) -> None:
+        super().load_weights(self._kept_weights(weights), strict=strict, sliced=sliced)
+
+
+class BertEncoderModel(_EncoderCheckpoint):
     """A `BertModel` / `XLMRobertaModel` encoder: embeddings (word + absolute position + token type, then
     LayerNorm) and `num_hidden_layers` post-LN layers; `forward` returns the last hidden states of every token.
 
@@ -347,14 +365,6 @@ class BertEncoderModel(CheckpointModel):
             name = _strip_base_prefix(name)
             if not name.startswith(self._skipped_prefixes) and not name.endswith(_IGNORED_SUFFIXES):
                 yield name, tensor
-
-    def load_weights(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        strict: bool = True,
-        sliced: bool = False,
-    ) -> None:
-        super().load_weights(self._kept_weights(weights), strict=strict, sliced=sliced)
 
     def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
         """One sequence's embeddings `[seq_len, hidden]` after the embedding LayerNorm."""
@@ -414,7 +424,7 @@ class BertEncoderModel(CheckpointModel):
         return torch.tensor([start for start, _ in bounds], device=input_ids.device)
 
 
-class _SequenceClassifier(CheckpointModel):
+class _SequenceClassifier(_EncoderCheckpoint):
     """An encoder and a head on each sequence's first token; `forward` returns logits `[num_seqs, num_labels]`.
 
     Invariants: the encoder's parameters are under `base.` (loaded from the checkpoint's `bert.` / `roberta.`
@@ -459,14 +469,6 @@ class _SequenceClassifier(CheckpointModel):
                 yield name, tensor
             elif not name.startswith(_IGNORED_PREFIXES) and not name.endswith(_IGNORED_SUFFIXES):
                 yield f"base.{name}", tensor
-
-    def load_weights(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        strict: bool = True,
-        sliced: bool = False,
-    ) -> None:
-        super().load_weights(self._kept_weights(weights), strict=strict, sliced=sliced)
 
     def classify(self, first_token_states: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

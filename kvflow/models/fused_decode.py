@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -185,11 +185,10 @@ class FusedDecodeLayers:
         self._quantized = None if quantized is None else list(quantized)
         self._layer_windows = tuple(layer_windows)
         self._layers = list(layers)
-        # Per layer, the LoRA slots of its four products as decode_layer takes them (gathered at the first step with
-        # adapter rows: the LoRA manager attaches them after the model is built; their tensors are updated in place).
-        self._lora_args: (
-            list[tuple[list[torch.Tensor], list[torch.Tensor], list[list[int]]]] | None
-        ) = None
+        # Per layer, the LoRA slots of its four products as decode_layer's keyword arguments (gathered at the first
+        # step with adapter rows: the LoRA manager attaches them after the model is built; their tensors are updated
+        # in place, so the gathered ones stay current).
+        self._lora_args: list[dict[str, Any]] | None = None
         self.num_heads = num_heads
         self.eps = eps
         self.scale = scale
@@ -290,7 +289,7 @@ class FusedDecodeLayers:
         lora_token_slots = batch.lora_token_slots
         lora_args = None if lora_token_slots is None else self._layer_lora_args()
         if lora_token_slots is not None and lora_args is None:
-            return None
+            return None  # a product without LoRA slots: the per-op layers run the step
         residual: torch.Tensor | None = None
         for layer_index in range(len(self._layer_windows)):
             rows = rows_by_window[self._layer_windows[layer_index]]
@@ -307,17 +306,7 @@ class FusedDecodeLayers:
                 self.scale,
                 rows.window,
             )
-            lora = (
-                {}
-                if lora_args is None
-                else dict(
-                    zip(
-                        ("lora_token_slots", "lora_a", "lora_b", "lora_part_offsets"),
-                        (lora_token_slots, *lora_args[layer_index]),
-                        strict=True,
-                    )
-                )
-            )
+            lora = {} if lora_args is None else lora_args[layer_index]
             if self._quantized is not None:
                 args = self._quantized[layer_index]
                 hidden_states, residual = self._ops.decode_layer_quantized(
@@ -335,6 +324,7 @@ class FusedDecodeLayers:
                     args.runs_per_product,
                     args.intermediate,
                     *step,
+                    lora_token_slots=lora_token_slots,
                     **lora,
                 )
             else:
@@ -345,16 +335,15 @@ class FusedDecodeLayers:
                     *self._weights[layer_index],
                     *step,
                     kernels.MAX_GEMV_ROWS,
+                    lora_token_slots=lora_token_slots,
                     **lora,
                 )
         assert residual is not None
         return hidden_states, residual
 
-    def _layer_lora_args(
-        self,
-    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor], list[list[int]]]] | None:
-        """Each layer's LoRA slots for `decode_layer` (A, B and part offsets of qkv, o, gate_up, down), or None when
-        a product has none (that step then runs per-op)."""
+    def _layer_lora_args(self) -> list[dict[str, Any]] | None:
+        """Each layer's LoRA slots for `decode_layer` (`lora_a`, `lora_b`, `lora_part_offsets` of qkv, o, gate_up,
+        down), or None when a product has none."""
         if self._lora_args is None:
             gathered = []
             for layer in self._layers:
@@ -363,11 +352,11 @@ class FusedDecodeLayers:
                 if any(linear.lora is None for linear in linears):
                     return None
                 gathered.append(
-                    (
-                        [linear.lora.lora_a for linear in linears],
-                        [linear.lora.lora_b for linear in linears],
-                        [list(linear.lora.part_offsets) for linear in linears],
-                    )
+                    {
+                        "lora_a": [linear.lora.lora_a for linear in linears],
+                        "lora_b": [linear.lora.lora_b for linear in linears],
+                        "lora_part_offsets": [list(linear.lora.part_offsets) for linear in linears],
+                    }
                 )
             self._lora_args = gathered
         return self._lora_args
