@@ -19,7 +19,7 @@ from kvflow.models.attention.cpu_paged import (
     SOFTCAP_IN_TORCH_ENV,
     CpuPagedAttention,
 )
-from tests.kernels.test_paged_decode_attention import Step, _make_step
+from tests.kernels.test_paged_decode_attention import Step, _dense_reference, _make_step
 
 SOFTCAP = 2.0  # small enough that the cap bends most of these random scores
 
@@ -35,32 +35,6 @@ SHAPES = {  # (num_heads, num_kv_heads, head_dim, block_size)
     "gqa3_d40_bs4": (6, 2, 40, 4),
     "mha_d8_bs5": (4, 4, 8, 5),
 }
-
-
-def _dense_reference(
-    step: Step,
-    requests: list[tuple[int, int]],
-    num_heads: int,
-    window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """Exact attention in float64 over the same (already rounded) inputs, soft-capped as transformers' Gemma 2
-    (`tanh(scores / cap) * cap` on the scaled scores, before the mask and the softmax)."""
-    outputs, token = [], 0
-    for (context, query_len), k, v in zip(requests, step.keys, step.values, strict=True):
-        group = num_heads // k.shape[1]
-        for i in range(query_len):
-            position = context + i
-            first = 0 if window is None else max(0, position - window + 1)
-            kk = k[first : position + 1].double().repeat_interleave(group, dim=1)
-            vv = v[first : position + 1].double().repeat_interleave(group, dim=1)
-            q = step.query[token].double()
-            scores = torch.einsum("hd,lhd->hl", q, kk) * q.shape[-1] ** -0.5
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            outputs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), vv))
-            token += 1
-    return torch.stack(outputs)
 
 
 def _backends(

@@ -90,9 +90,14 @@ def _make_step(
 
 
 def _dense_reference(
-    step: Step, requests: list[tuple[int, int]], num_heads: int, window: int | None
+    step: Step,
+    requests: list[tuple[int, int]],
+    num_heads: int,
+    window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Exact attention in float64 over the same (already rounded) inputs."""
+    """Exact attention in float64 over the same (already rounded) inputs; with `softcap`, soft-capped as
+    transformers' Gemma 2 (`tanh(scores / cap) * cap` on the scaled scores, before the mask and the softmax)."""
     outputs, token = [], 0
     for (context, query_len), k, v in zip(requests, step.keys, step.values, strict=True):
         group = num_heads // k.shape[1]
@@ -103,6 +108,8 @@ def _dense_reference(
             vv = v[first : position + 1].double().repeat_interleave(group, dim=1)
             q = step.query[token].double()
             scores = torch.einsum("hd,lhd->hl", q, kk) * q.shape[-1] ** -0.5
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
             outputs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), vv))
             token += 1
     return torch.stack(outputs)
