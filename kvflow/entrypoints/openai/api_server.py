@@ -7,6 +7,11 @@
     POST /v1/completions       serving_completion.py
     POST /v1/chat/completions  serving_chat.py
     POST /tokenize, /detokenize  serving_tokenization.py
+  with --runner pooling (on a generate server these are a 400 naming the runner; on a pooling server the
+  completions and chat endpoints are):
+    POST /v1/embeddings, /pooling  serving_embedding.py
+    POST /classify             serving_classification.py
+    POST /v1/score, /score, /v1/rerank, /rerank, /v2/rerank  serving_score.py
     GET  /is_paused, and with --enable-admin-endpoints pause / resume and the admin endpoints: rl.py
   with --enable-runtime-lora-updating (404 without, as in vLLM), see serving_models.py:
     POST /v1/load_lora_adapter {"lora_name", "lora_path"[, "load_inplace"]}  200 text, 400 naming the problem
@@ -77,12 +82,23 @@ from kvflow.entrypoints.openai.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from kvflow.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from kvflow.entrypoints.openai.rl import RLControl, admin_router, control_router
 from kvflow.entrypoints.openai.server_config import ServerConfig
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
+from kvflow.entrypoints.openai.serving_classification import OpenAIServingClassification
 from kvflow.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from kvflow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.openai.serving_engine import LiveRequests
 from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
+from kvflow.entrypoints.openai.serving_pooling import engine_runner, require_runner
+from kvflow.entrypoints.openai.serving_score import OpenAIServingScores
 from kvflow.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -142,12 +158,14 @@ async def show_models(raw_request: Request) -> ModelList:
 
 @router.post("/v1/completions")
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    require_runner(raw_request.app.state.runner, "generate", raw_request.url.path)
     serving: OpenAIServingCompletion = raw_request.app.state.serving_completion
     return await serving.create_completion(request, raw_request)
 
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    require_runner(raw_request.app.state.runner, "generate", raw_request.url.path)
     serving: OpenAIServingChat = raw_request.app.state.serving_chat
     return await serving.create_chat_completion(request, raw_request)
 
@@ -160,6 +178,39 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeRe
 @router.post("/detokenize")
 async def detokenize(request: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
     return raw_request.app.state.serving_tokenization.detokenize(request)
+
+
+@router.post("/v1/embeddings")
+async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingEmbedding = raw_request.app.state.serving_embedding
+    return await serving.create_embedding(request, raw_request)
+
+
+@router.post("/pooling")
+async def create_pooling(request: PoolingRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingEmbedding = raw_request.app.state.serving_embedding
+    return await serving.create_pooling(request, raw_request)
+
+
+@router.post("/classify")
+async def create_classify(request: ClassificationRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingClassification = raw_request.app.state.serving_classification
+    return await serving.create_classify(request, raw_request)
+
+
+@router.post("/v1/score")
+@router.post("/score")
+async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingScores = raw_request.app.state.serving_scores
+    return await serving.create_score(request, raw_request)
+
+
+@router.post("/v1/rerank")
+@router.post("/rerank")
+@router.post("/v2/rerank")
+async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
+    serving: OpenAIServingScores = raw_request.app.state.serving_scores
+    return await serving.create_rerank(request, raw_request)
 
 
 # Mounted with --enable-runtime-lora-updating only (vLLM mounts them only under VLLM_ALLOW_RUNTIME_LORA_UPDATING).
@@ -250,6 +301,10 @@ def build_app(
         reasoning_parser=_reasoning_parser(engine),
     )
     app.state.serving_tokenization = OpenAIServingTokenization(engine, models, chat_prompt)
+    app.state.runner = engine_runner(engine)
+    app.state.serving_embedding = OpenAIServingEmbedding(*serving, chat_prompt=chat_prompt)
+    app.state.serving_classification = OpenAIServingClassification(*serving)
+    app.state.serving_scores = OpenAIServingScores(*serving)
     app.state.rl_control = RLControl(
         engine, live_requests, shared_engine=api_server_index is not None
     )
