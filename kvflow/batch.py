@@ -37,6 +37,9 @@ class BatchInputs:
     # LoRA: the adapter slot of each flat token ([num_tokens] int32, -1: the base model), or None when no token
     # of the step runs with an adapter (`kvflow.lora.model_manager`).
     lora_token_slots: torch.Tensor | None = None
+    # Pooling (encoder models): each flat token's token type id ([num_tokens] int64; cross-encoder pairs), or
+    # None when every token has type 0.
+    token_type_ids: torch.Tensor | None = None
 
     def for_group(self, group_id: int) -> BatchInputs:
         """This batch with KV cache group `group_id`'s slot mapping and block tables (itself for group 0)."""

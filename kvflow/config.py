@@ -6,10 +6,13 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvflow.reasoning import REASONING_PARSERS
 from kvflow.spec_decode import SPEC_PROPOSERS
+
+if TYPE_CHECKING:
+    from kvflow.pooling.model_spec import PoolingModelSpec
 
 SchedulingPolicyName = Literal["fcfs", "priority"]
 # The allowed values of the choice options; `EngineArgs` offers the same lists on the command line.
@@ -53,8 +56,16 @@ class ModelConfig:
     max_logprobs: int = 20
     quantization: str | None = None
     quantize_lm_head: bool = False
+    # "generate" (sample tokens) or "pooling" (embed / classify / score; `pooling` then describes the model).
+    runner: str = "generate"
+    pooling: PoolingModelSpec | None = None
 
     def __post_init__(self) -> None:
+        _require(
+            (self.runner == "pooling") == (self.pooling is not None)
+            and self.runner in ("generate", "pooling"),
+            f"runner must be 'generate' or 'pooling' (with its model spec), got {self.runner!r}",
+        )
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(
             self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),

@@ -10,6 +10,13 @@ from typing import Any
 from kvflow.builtin_models import HASH_ARCHITECTURES, HASH_MODEL_ARCHITECTURE
 
 _HASH_MODEL_MAX_MODEL_LEN = 4096
+# Encoder-only checkpoints (`kvflow.models.bert`): their config.json is not a decoder's.
+ENCODER_ARCHITECTURES = (
+    "BertModel",
+    "XLMRobertaModel",
+    "BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification",
+)
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json keys that become request defaults (vLLM's list), and the SamplingParams field each sets.
 SAMPLING_DEFAULT_KEYS = {
@@ -136,6 +143,8 @@ def resolve_model_info(model: str | None, revision: str | None = None) -> ModelI
 
         config = GGUFCheckpoint(path).hf_config()
         eos_token_ids = _as_id_tuple(config.eos_token_id)
+    elif _config_architecture(path) in ENCODER_ARCHITECTURES:
+        return _encoder_model_info(model, path)
     else:
         from kvflow.models.hf_config import load_hf_config
 
@@ -148,6 +157,34 @@ def resolve_model_info(model: str | None, revision: str | None = None) -> ModelI
         config.vocab_size,
         max_model_len,
         eos_token_ids,
+        config.architecture,
+    )
+
+
+def _config_architecture(path: Path) -> str | None:
+    """The first architecture config.json names (None when it names none or there is no readable file)."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    if isinstance(architectures, list) and architectures:
+        return str(architectures[0])
+    return None
+
+
+def _encoder_model_info(model: str | None, path: Path) -> ModelInfo:
+    """A BERT / XLM-RoBERTa checkpoint's info: its longest sequence is its position table less the offset
+    XLM-RoBERTa's positions start at; an encoder generates nothing, so it has no EOS."""
+    from kvflow.models.bert import load_encoder_config
+
+    config = load_encoder_config(path)
+    return ModelInfo(
+        str(model) if model is not None else "default",
+        path,
+        config.vocab_size,
+        config.max_seq_len,
+        (),
         config.architecture,
     )
 

@@ -1,4 +1,5 @@
-"""What users get back from `LLM.generate`: one `RequestOutput` per prompt."""
+"""What users get back: one `RequestOutput` per prompt from `LLM.generate`; one `PoolingRequestOutput` (or its
+`Embedding` / `Classification` / `Scoring` form) per prompt from `LLM.encode` / `embed` / `classify` / `score`."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from kvflow.lora.request import LoRARequest
 
 
@@ -103,3 +106,84 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     # The LoRA adapter it ran with (None: the base model), as vLLM's RequestOutput reports it.
     lora_request: LoRARequest | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: `data`, a float32 tensor (an embedding or class probabilities `[d]`, a score
+    `[1]`, or with pooling type "ALL" one row per prompt token `[num_tokens, hidden]`)."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The finished output of one pooling request (`LLM.encode`, `AsyncLLM.encode`): its prompt's token ids and
+    the pooled result. `finished` is always True (a pooling request reports once); `num_cached_tokens` counts
+    prompt tokens read from the prefix cache (decoder models only)."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding (`LLM.embed`): its values, L2-normalized unless the request or pooler config said not to."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    """One classification (`LLM.classify`): a probability per label (softmax; sigmoid for a one-label model), or
+    the raw logits with `use_activation=False`."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    """One relevance score (`LLM.score`): a cross-encoder's probability that the pair is relevant, or the cosine
+    similarity of two embeddings."""
+
+    score: float
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvflow.core.sched.output import EngineCoreEvent, LogprobsLists
     from kvflow.lora.request import LoRARequest
+    from kvflow.pooling_params import PoolingParams
     from kvflow.sampling_params import SamplingParams
     from kvflow.structured_output.request import StructuredOutputRequest
 
@@ -151,6 +152,7 @@ class Request:
         block_hasher: BlockHasher | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -161,6 +163,9 @@ class Request:
         self.cache_salt = cache_salt
         # The adapter it runs with (None: the base model); its id keys the request's prefix-cache blocks.
         self.lora_request = lora_request
+        # A pooling request (runner "pooling"): it computes its prompt, returns one pooled result and finishes,
+        # generating nothing (None: it generates).
+        self.pooling_params = pooling_params
 
         self.status = RequestStatus.WAITING
         # Set by the engine core for a request with `sampling_params.structured_outputs`; it then waits in

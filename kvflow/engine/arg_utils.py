@@ -33,11 +33,13 @@ from kvflow.config import (
     StructuredOutputsConfig,
 )
 from kvflow.models.quantization import QUANTIZATION_METHODS, check_quantization
+from kvflow.pooling_params import RUNNER_TYPES, PoolerConfig
 from kvflow.reasoning import REASONING_PARSERS
 from kvflow.utils import resolve_device
 
 if TYPE_CHECKING:
     from kvflow.model_info import ModelInfo
+    from kvflow.pooling.model_spec import PoolingModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -196,6 +198,20 @@ class EngineArgs:
     max_cpu_loras: int | None = _option(
         None, "with --enable-lora: loaded adapters kept in memory (default: --max-loras)"
     )
+    runner: str = _option(
+        "auto",
+        "'generate' (sample tokens), 'pooling' (embeddings, classification, scores: LLM.embed / classify / "
+        "score / encode and the server's /v1/embeddings, /v1/score, /v1/rerank, /classify, /pooling), or "
+        "'auto': pooling for embedding and classification checkpoints (BertModel, *ForSequenceClassification, "
+        "a sentence-transformers folder), else generate",
+        RUNNER_TYPES,
+    )
+    pooler_config: dict | None = _option(  # noqa: RUF009 (None default)
+        None,
+        'with runner pooling, as JSON: {"pooling_type": "LAST"|"MEAN"|"CLS"|"ALL", "normalize": bool, '
+        '"dimensions": N, "use_activation": bool} (default: the checkpoint\'s sentence-transformers settings, '
+        "else CLS for encoders and LAST for decoders, normalized)",
+    )
     disable_log_stats: bool = _option(
         False,
         "no periodic throughput / scheduler stats in the log (every $KVFLOW_LOG_STATS_INTERVAL s)",
@@ -205,6 +221,13 @@ class EngineArgs:
         for path_option in ("model", "tokenizer"):  # accept pathlib paths for folders
             if isinstance(getattr(self, path_option), os.PathLike):
                 setattr(self, path_option, os.fspath(getattr(self, path_option)))
+        # vLLM takes the PoolerConfig object as well as its dict.
+        if isinstance(self.pooler_config, PoolerConfig):
+            self.pooler_config = {
+                f.name: getattr(self.pooler_config, f.name)
+                for f in dataclasses.fields(PoolerConfig)
+                if getattr(self.pooler_config, f.name) is not None
+            }
         hints = get_type_hints(EngineArgs)
         for option in dataclasses.fields(self):
             value = getattr(self, option.name)
@@ -227,6 +250,7 @@ class EngineArgs:
         self._structured_outputs_config()  # checked now
         self._speculative_config()
         self._lora_config()
+        PoolerConfig.from_option(self.pooler_config)
 
     # ------------------------------------------------------------------------------------------------ config
     def create_engine_config(self, model_info: ModelInfo) -> EngineConfig:
@@ -250,6 +274,8 @@ class EngineArgs:
         max_model_len = (
             self.max_model_len if self.max_model_len is not None else model_info.max_model_len
         )
+        pooling = self._pooling_spec(model_info)
+        chunked_prefill = self.enable_chunked_prefill and _pools_by_prefix(pooling)
         return EngineConfig(
             model_config=ModelConfig(
                 model=str(model_info.path) if model_info.path else model_info.name,
@@ -263,23 +289,26 @@ class EngineArgs:
                 device=self.device,
                 generation_config=self.generation_config,
                 max_logprobs=self.max_logprobs,
+                runner="generate" if pooling is None else "pooling",
+                pooling=pooling,
             ),
             cache_config=CacheConfig(
                 block_size=self.block_size,
                 num_kv_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                enable_prefix_caching=self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching and _pools_by_prefix(pooling),
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 cpu_kv_cache_space_bytes=cpu_kv_cache_space_bytes(),
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self._max_num_batched_tokens(max_model_len),
+                max_num_batched_tokens=self._max_num_batched_tokens(max_model_len, chunked_prefill),
                 max_model_len=max_model_len,
-                enable_chunked_prefill=self.enable_chunked_prefill,
+                enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]
-                async_scheduling=self.async_scheduling,
+                # A pooling step's requests finish with it: nothing to overlap with the next step.
+                async_scheduling=self.async_scheduling and pooling is None,
                 use_v2_model_runner=self.use_v2_model_runner,
             ),
             parallel_config=ParallelConfig(
@@ -337,11 +366,46 @@ class EngineArgs:
             )
         return config
 
-    def _max_num_batched_tokens(self, max_model_len: int) -> int:
+    def _max_num_batched_tokens(self, max_model_len: int, chunked_prefill: bool) -> int:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         default = _DEFAULT_MAX_NUM_BATCHED_TOKENS[resolve_device(self.device).type]
-        return default if self.enable_chunked_prefill else max(default, max_model_len)
+        return default if chunked_prefill else max(default, max_model_len)
+
+    def _pooling_spec(self, model_info: ModelInfo) -> PoolingModelSpec | None:
+        """The model's pooling spec when it runs with the pooling runner (None: it generates); the options a
+        pooling engine does not run are ValueErrors naming them."""
+        from kvflow.pooling.model_spec import load_pooling_model_spec, resolve_runner
+
+        runner = resolve_runner(self.runner, model_info.architecture, model_info.path)
+        if runner == "generate":
+            if self.pooler_config is not None:
+                raise ValueError("pooler_config needs runner='pooling' (--runner pooling)")
+            return None
+        refused = {
+            "speculative_config": self.speculative_config is not None,
+            "enable_lora": self.enable_lora,
+            "quantization": self.quantization is not None,
+            "tensor_parallel_size": self.tensor_parallel_size != 1,
+            "use_v2_model_runner": not self.use_v2_model_runner,
+        }
+        for option, given in refused.items():
+            if given:
+                raise ValueError(
+                    f"{option}: not supported with runner='pooling' (embedding and classification models "
+                    "run unquantized on one rank, with the slot runner, without adapters or speculation)"
+                )
+        assert model_info.path is not None
+        spec = load_pooling_model_spec(model_info.path, model_info.architecture, self.pooler_config)
+        if not _pools_by_prefix(spec) and self.max_num_batched_tokens is not None:
+            max_model_len = self.max_model_len or model_info.max_model_len
+            if self.max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} is less than max_model_len="
+                    f"{max_model_len}: this model encodes each input whole in one step (pooling type "
+                    f"{spec.pooler_config.pooling_type}{'' if spec.is_causal else ', bidirectional attention'})"
+                )
+        return spec
 
     # ------------------------------------------------------------------------------------------------ CLI
     @classmethod
@@ -383,6 +447,12 @@ class EngineArgs:
         """The EngineArgs of a namespace parsed with `add_cli_args` (fields it lacks keep their defaults)."""
         names = (option.name for option in dataclasses.fields(cls))
         return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+
+def _pools_by_prefix(pooling: PoolingModelSpec | None) -> bool:
+    """Whether a prompt may run in several steps and reuse cached prefixes: always when generating; for pooling,
+    only a causal model pooling its last token (its earlier tokens' states are never needed again)."""
+    return pooling is None or (pooling.is_causal and pooling.pooler_config.pooling_type == "LAST")
 
 
 def cpu_kv_cache_space_bytes(environ: Mapping[str, str] = os.environ) -> int:

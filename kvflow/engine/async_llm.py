@@ -30,6 +30,8 @@ from kvflow.engine.input_processor import check_lora_request, check_priority
 from kvflow.engine.output_stream import OutputStream, Wakeups
 from kvflow.engine.sessions import SessionFeeder, StreamingInput
 from kvflow.engine.stat_logger import LoggingStatLogger
+from kvflow.pooling.frontend import pooled_output, pooling_spec_of, supported_tasks, with_task
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
     from kvflow.engine.input_processor import ProcessedPrompt, PromptType
     from kvflow.engine.stats import StatLogger
     from kvflow.lora.request import LoRARequest
-    from kvflow.outputs import RequestOutput
+    from kvflow.outputs import PoolingRequestOutput, RequestOutput
     from kvflow.sampling_params import BeamSearchParams
     from kvflow.tokenizer import Tokenizer
 
@@ -202,6 +204,56 @@ class AsyncLLM:
             stream.closed = True
             if input_task is not None and not input_task.done():
                 input_task.cancel()
+            if not ended:
+                self._abort_if_owned(request_id, stream)
+            with self._lock:
+                self._live_request_ids.discard(request_id)
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """("generate",) with the generate runner, else the pooling model's tasks (see `LLM.supported_tasks`)."""
+        return supported_tasks(self.engine_config)
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Pool one prompt (runner "pooling"): yields its one finished `PoolingRequestOutput`.
+
+        `pooling_params.task` says what `outputs.data` holds ("embed", "classify", "score" or "encode"; None: the
+        model's first task). A prompt is a string, `{"prompt_token_ids": [...]}`, or a cross-encoder's text pair
+        `{"prompt_token_ids": [...], "token_type_ids": [...]}` (`Tokenizer.encode_pair`). A bad prompt or parameter
+        raises ValueError before anything is queued; a request that ends without its result (aborted) raises
+        `PoolingRequestEndedError`. Leaving the generator early aborts the request."""
+        self._check_open()
+        check_priority(priority, self.engine_config.scheduler_config.policy)
+        if not isinstance(pooling_params, PoolingParams):
+            raise ValueError(
+                f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}"
+            )
+        task = pooling_params.task or self.supported_tasks[0]
+        spec = pooling_spec_of(self.engine_config, task)
+        processed = self.input_processor.process_pooling(
+            prompt, with_task(pooling_params, task), spec
+        )
+        stream = OutputStream(asyncio.get_running_loop())
+        request_id = self._claim_request_id(request_id)
+        ended = False
+        try:
+            await self._add_prompt(request_id, processed, stream, priority)
+            while not ended:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                ended = item.finished
+                if ended:
+                    yield pooled_output(item)
+        finally:
+            stream.closed = True
             if not ended:
                 self._abort_if_owned(request_id, stream)
             with self._lock:

@@ -14,6 +14,7 @@ from kvflow.config import ModelConfig
 from kvflow.engine.request_limits import RequestLimits, short_list
 from kvflow.lora.request import LoRARequest
 from kvflow.model_info import load_sampling_defaults
+from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
 from kvflow.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, wrap_int64
 from kvflow.structured_output.validation import validate_structured_outputs
@@ -22,6 +23,7 @@ from kvflow.utils import child_request_id, short_repr
 if TYPE_CHECKING:
     from kvflow.config import StructuredOutputsConfig
     from kvflow.model_info import ModelInfo
+    from kvflow.pooling.model_spec import PoolingModelSpec
     from kvflow.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # A pooling prompt's settings (its task set, and a text pair's `token_type_start`); None: it generates.
+    pooling_params: PoolingParams | None = None
 
 
 class InputProcessor:
@@ -176,6 +180,39 @@ class InputProcessor:
             prompt_text, prompt_token_ids, self.with_model_stop_ids(sampling_params)
         )
 
+    def process_pooling(
+        self, prompt: PromptType, pooling_params: PoolingParams, spec: PoolingModelSpec
+    ) -> ProcessedPrompt:
+        """Validate and tokenize one pooling prompt: a string, `{"prompt_token_ids": [...]}`, or a text pair as
+        `{"prompt_token_ids": [...], "token_type_ids": [0, ..., 1, ...]}` (`Tokenizer.encode_pair`). The whole
+        prompt must fit `max_model_len` (pooling generates nothing), after `truncate_prompt_tokens` if given."""
+        if not isinstance(pooling_params, PoolingParams):
+            raise ValueError(
+                f"pooling_params must be PoolingParams, got {type(pooling_params).__name__}"
+            )
+        pooling_params.validate()
+        spec.check_params(pooling_params)
+        token_type_ids = None
+        if isinstance(prompt, dict) and "token_type_ids" in prompt:
+            token_type_ids = prompt["token_type_ids"]
+            prompt = {key: value for key, value in prompt.items() if key != "token_type_ids"}
+        prompt_text, prompt_token_ids = self.tokenize(prompt)
+        token_type_start = _token_type_start(token_type_ids, len(prompt_token_ids))
+        truncate = pooling_params.truncate_prompt_tokens
+        if truncate is not None:
+            keep = self.max_model_len if truncate == -1 else truncate
+            removed = max(len(prompt_token_ids) - keep, 0)
+            prompt_token_ids = prompt_token_ids[removed:]
+            if token_type_start is not None:
+                token_type_start = max(token_type_start - removed, 0)
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens, more than max_model_len={self.max_model_len} "
+                "(pass truncate_prompt_tokens to keep its last tokens)"
+            )
+        params = dataclasses.replace(pooling_params, token_type_start=token_type_start)
+        return ProcessedPrompt(prompt_text, prompt_token_ids, POOLING_SAMPLING_PARAMS, params)
+
     def truncate(
         self, prompt_token_ids: list[int], truncate_prompt_tokens: int | None
     ) -> list[int]:
@@ -291,6 +328,21 @@ class InputProcessor:
         `lora_request` (checked by `check_lora_request`) is the adapter every request of the prompt runs with.
         """
         params = processed.sampling_params
+        if processed.pooling_params is not None:
+            if resumable or lora_request is not None:
+                raise ValueError(
+                    "a pooling request cannot be a streaming-input session or use a LoRA adapter"
+                )
+            return [
+                Request(
+                    request_id,
+                    processed.prompt_token_ids,
+                    params,
+                    arrival_time=arrival_time,
+                    priority=priority,
+                    pooling_params=processed.pooling_params,
+                )
+            ]
         if resumable and params.prompt_logprobs is not None:
             raise ValueError(
                 "SamplingParams.prompt_logprobs is not supported for a streaming-input session"
@@ -322,6 +374,28 @@ class InputProcessor:
             )
             for index in range(params.n)
         ]
+
+
+# What a pooling request's `Request.sampling_params` holds: it samples nothing, but the scheduler and the slots
+# read a SamplingParams of every request.
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+def _token_type_start(token_type_ids: object, num_tokens: int) -> int | None:
+    """The first position of type 1 in a pair's `token_type_ids` (None: no 1s, or no types given); the types must
+    be one per token, 0s then 1s (the two texts of a pair), else a ValueError naming `token_type_ids`."""
+    if token_type_ids is None:
+        return None
+    if not isinstance(token_type_ids, list | tuple) or len(token_type_ids) != num_tokens:
+        raise ValueError(
+            f"token_type_ids must be a list of {num_tokens} ints (one per prompt token)"
+        )
+    if any(value not in (0, 1) or isinstance(value, bool) for value in token_type_ids):
+        raise ValueError("token_type_ids must hold 0s and 1s")
+    start = next((i for i, value in enumerate(token_type_ids) if value == 1), None)
+    if start is not None and any(value != 1 for value in token_type_ids[start:]):
+        raise ValueError("token_type_ids must be 0s then 1s (the first text, then the second)")
+    return start
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -33,6 +33,7 @@ import msgspec
 
 from kvflow.core.sched.output import EngineCoreOutput, SchedulerStats
 from kvflow.lora.request import LoRARequest
+from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -87,6 +88,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     resumable: bool = False
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
     @classmethod
     def from_request(cls, request: Request) -> EngineCoreRequest:
@@ -100,6 +102,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
             request.resumable,
             request.cache_salt,
             request.lora_request,
+            request.pooling_params,
         )
 
     def to_request(self) -> Request:
@@ -113,6 +116,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
             resumable=self.resumable,
             cache_salt=self.cache_salt,
             lora_request=self.lora_request,
+            pooling_params=self.pooling_params,
         )
 
 

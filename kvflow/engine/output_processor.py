@@ -11,9 +11,20 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+import torch
+
 from kvflow.core.sched.output import EngineCoreEventType
 from kvflow.engine.stats import FinishedRequestStats, IterationStats
-from kvflow.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from kvflow.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from kvflow.utils import child_request_id
 
 if TYPE_CHECKING:
@@ -95,6 +106,9 @@ class RequestState:
     # Finished with "error" through its own fault (EngineCoreOutput.client_error).
     client_error: bool = False
     lora_request: LoRARequest | None = None
+    # A pooling request (it generates nothing): its result once the core sent it.
+    is_pooling: bool = False
+    pooled: np.ndarray | None = None
 
     def stamp(self, now_monotonic: float) -> float:
         """The wall-clock time of a `time.monotonic()` stamp, measured from this request's arrival."""
@@ -142,6 +156,7 @@ class OutputProcessor:
         parent: ParentRequest | None = None,
         index: int = 0,
         lora_request: LoRARequest | None = None,
+        is_pooling: bool = False,
     ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -153,7 +168,7 @@ class OutputProcessor:
             arrival_monotonic = arrival_time if arrival_time is not None else time.monotonic()
             metrics = _arrival_metrics(arrival_monotonic)
         detokenizer = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not is_pooling:
             from kvflow.engine.detokenizer import IncrementalDetokenizer
 
             detokenizer = IncrementalDetokenizer(
@@ -171,6 +186,7 @@ class OutputProcessor:
             index,
             arrival_monotonic=arrival_monotonic,
             lora_request=lora_request,
+            is_pooling=is_pooling,
         )
         if sampling_params.logprobs is not None:
             state.logprobs = []
@@ -231,6 +247,7 @@ class OutputProcessor:
                 parent=parent,
                 index=index,
                 lora_request=request.lora_request,
+                is_pooling=request.pooling_params is not None,
             )
 
     def has_unfinished_requests(self) -> bool:
@@ -257,6 +274,9 @@ class OutputProcessor:
                 continue  # aborted on this side already
             if engine_output.new_token_ids:
                 _count_tokens(result.iteration_stats, state, len(engine_output.new_token_ids), now)
+            elif engine_output.pooling_output is not None:
+                state.pooled = engine_output.pooling_output.to_array()
+                result.iteration_stats.num_prompt_tokens += len(state.prompt_token_ids)
             finish_reason, stop_reason = self._apply(state, engine_output, now)
             if finish_reason is not None and engine_output.finish_reason is None:
                 # A stop string ended it; the core does not know yet.
@@ -429,7 +449,17 @@ class OutputProcessor:
         finish_reason: str | None,
         stop_reason: int | str | None,
         finished: bool,
-    ) -> RequestOutput | None:
+    ) -> RequestOutput | PoolingRequestOutput | None:
+        if state.pooled is not None:
+            return PoolingRequestOutput(
+                request_id=state.request_id,
+                outputs=PoolingOutput(torch.from_numpy(state.pooled.copy())),
+                prompt_token_ids=state.prompt_token_ids,
+                finished=finished,
+                prompt=state.prompt,
+                num_cached_tokens=state.metrics.num_cached_tokens,
+                metrics=state.metrics,
+            )
         completion = self._make_completion(
             state, finish_reason if finished else None, stop_reason if finished else None, finished
         )

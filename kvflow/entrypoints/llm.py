@@ -31,6 +31,18 @@ from kvflow.engine.input_processor import (
 )
 from kvflow.engine.stat_logger import LoggingStatLogger
 from kvflow.entrypoints.interrupts import DeferredInterrupt
+from kvflow.pooling.frontend import (
+    as_classification,
+    as_embedding,
+    as_score,
+    cosine_score,
+    expand_pooling_params,
+    pooled_output,
+    pooling_spec_of,
+    supported_tasks,
+)
+from kvflow.pooling.scoring import pair_prompt, pair_texts
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import BeamSearchParams, SamplingParams
 from kvflow.tokenizer.chat import render_chat
 
@@ -41,7 +53,13 @@ if TYPE_CHECKING:
     from kvflow.engine.core_client import EngineCoreClient
     from kvflow.engine.output_processor import OutputProcessor
     from kvflow.lora.request import LoRARequest
-    from kvflow.outputs import RequestOutput
+    from kvflow.outputs import (
+        ClassificationRequestOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
     from kvflow.request import Request
     from kvflow.tokenizer import Tokenizer
 
@@ -145,6 +163,16 @@ class LLM:
             self.input_processor.process(prompt, params)
             for prompt, params in zip(prompt_list, params_list, strict=True)
         ]
+        return self._run(processed, priorities, lora_requests, use_tqdm)  # type: ignore[return-value]
+
+    def _run(
+        self,
+        processed: list[ProcessedPrompt],
+        priorities: list[int],
+        lora_requests: list[LoRARequest | None],
+        use_tqdm: bool | Callable[..., tqdm],
+    ) -> list[RequestOutput | PoolingRequestOutput]:
+        """Queue validated prompts as one submission and wait for all of them; their finished outputs, in order."""
         request_ids: list[str] = []
         with DeferredInterrupt() as interrupt:
             call = _Call(use_tqdm)
@@ -165,6 +193,135 @@ class LLM:
             finally:
                 call.close()
         return [call.finished[request_id] for request_id in request_ids]
+
+    # ------------------------------------------------------------------------------------------------ pooling
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """("generate",) with the generate runner; with the pooling runner the model's tasks (an embedding
+        model: embed, encode, score; a classifier: classify, encode, and score with one label)."""
+        return supported_tasks(self.engine_config)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        priority: int | Sequence[int] | None = None,
+        pooling_task: str = "encode",
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (runner "pooling"): one `PoolingRequestOutput` per prompt, in input order, whose
+        `outputs.data` is what `pooling_task` returns ("encode": the pooled hidden state, `[num_tokens, hidden]`
+        for pooling type ALL; "embed", "classify", "score": see `embed`, `classify`, `score`). A prompt may also
+        be a text pair as `{"prompt_token_ids": [...], "token_type_ids": [...]}`. `pooling_params` (one for all, or
+        one per prompt) give each request's settings; their `task` is `pooling_task` unless they set one.
+        A prompt longer than `max_model_len` is a ValueError unless `truncate_prompt_tokens` keeps its last k
+        tokens (-1: as many as fit)."""
+        spec = pooling_spec_of(self.engine_config, pooling_task)
+        prompt_list = self.input_processor.normalize_prompts(prompts)
+        params_list = expand_pooling_params(
+            pooling_params, len(prompt_list), pooling_task, truncate_prompt_tokens
+        )
+        priorities = self._expand_priority(priority, len(prompt_list))
+        processed = [
+            self.input_processor.process_pooling(prompt, params, spec)
+            for prompt, params in zip(prompt_list, params_list, strict=True)
+        ]
+        outputs = self._run(processed, priorities, [None] * len(processed), use_tqdm)
+        return [pooled_output(output) for output in outputs]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        priority: int | Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (`.outputs.embedding`, a list of floats): the pooled hidden state cut to
+        `dimensions` (Matryoshka models) and L2-normalized unless `normalize=False` (per request in
+        `PoolingParams`, or the engine's `pooler_config`)."""
+        return [
+            as_embedding(output)
+            for output in self.encode(
+                prompts,
+                pooling_params,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                use_tqdm=use_tqdm,
+                priority=priority,
+                pooling_task="embed",
+            )
+        ]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        priority: int | Sequence[int] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (`.outputs.probs`: softmax over the labels, sigmoid for a one-label
+        model; the logits with `PoolingParams(use_activation=False)`); a classifier model only."""
+        return [
+            as_classification(output)
+            for output in self.encode(
+                prompts,
+                pooling_params,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                use_tqdm=use_tqdm,
+                priority=priority,
+                pooling_task="classify",
+            )
+        ]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """A relevance score per text pair (`.outputs.score`), pairs made by vLLM's rules: one `data_1` against each
+        `data_2` (1:N), or two lists of one length in order (N:N). A cross-encoder (a one-label classifier) reads
+        each pair as one input (the tokenizer's pair template, token types 0 / 1) and scores it with its sigmoid; an
+        embedding model embeds every text and scores a pair by the cosine similarity of its embeddings."""
+        pairs = pair_texts(data_1, data_2)
+        spec = pooling_spec_of(self.engine_config, "score")
+        if spec.kind == "embed":
+            texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+            embeddings = self.encode(
+                texts,
+                pooling_params,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                use_tqdm=use_tqdm,
+                pooling_task="embed",
+            )
+            by_text = dict(zip(texts, embeddings, strict=True))
+            return [
+                cosine_score(by_text[text_1], by_text[text_2], index)
+                for index, (text_1, text_2) in enumerate(pairs)
+            ]
+        if self.tokenizer is None:
+            raise ValueError(
+                "score needs a tokenizer (this engine has none) to join each text pair"
+            )
+        prompts = [pair_prompt(self.tokenizer, text_1, text_2) for text_1, text_2 in pairs]
+        return [
+            as_score(output)
+            for output in self.encode(
+                prompts,
+                pooling_params,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+                use_tqdm=use_tqdm,
+                pooling_task="score",
+            )
+        ]
 
     def beam_search(
         self,

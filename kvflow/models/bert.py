@@ -28,11 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallelGroup
+from kvflow.model_info import ENCODER_ARCHITECTURES
 from kvflow.models.checkpoint_files import iterate_safetensors_weights
 from kvflow.models.layers.linear import Linear
 from kvflow.models.loader import CheckpointModel, resolve_dtype
 
 if TYPE_CHECKING:
+    from kvflow.batch import BatchInputs
+    from kvflow.config import ModelConfig
+    from kvflow.model_info import ModelInfo
     from kvflow.models.quantization import QuantizationPlan
 
 __all__ = [
@@ -92,14 +96,6 @@ class EncoderConfig:
     @property
     def max_seq_len(self) -> int:
         return self.max_position_embeddings - self.position_offset
-
-
-ENCODER_ARCHITECTURES = (
-    "BertModel",
-    "XLMRobertaModel",
-    "BertForSequenceClassification",
-    "XLMRobertaForSequenceClassification",
-)
 
 
 def parse_encoder_config(raw: dict[str, Any]) -> EncoderConfig:
@@ -293,7 +289,57 @@ def _sequence_bounds(
 
 class _EncoderCheckpoint(CheckpointModel):
     """A checkpoint model that loads only the tensors `_kept_weights` keeps (renamed as it says): an encoder's
-    checkpoint also holds heads and buffers the model does not."""
+    checkpoint also holds heads and buffers the model does not.
+
+    As a runner model (runner "pooling" only) it keeps no KV cache (`make_kv_cache` is empty, a block costs 0
+    bytes): every step gives it whole prompts, and `hidden_states(batch, kv_cache)` encodes each of the step's
+    sequences on its own and returns the rows at `batch.logits_indices`.
+    """
+
+    samples_own_tokens = False
+    # Bidirectional attention: a sequence is encoded whole, in one step (no chunked prefill, no prefix cache).
+    is_causal = False
+
+    @classmethod
+    def build(
+        cls,
+        model_config: ModelConfig,
+        model_info: ModelInfo,
+        device: torch.device,
+        tp: TensorParallelGroup | None = None,
+    ) -> _EncoderCheckpoint:
+        """The checkpoint folder's encoder with its weights, in `model_config.dtype`, on one rank."""
+        assert model_info.path is not None, f"model {model_info.name!r} has no checkpoint folder"
+        if model_config.quantization is not None:
+            raise ValueError(
+                f"quantization={model_config.quantization!r}: encoder models run unquantized"
+            )
+        config = load_encoder_config(model_info.path)
+        torch_dtype = resolve_dtype(model_config.dtype, config)  # type: ignore[arg-type]
+        model = cls(config, dtype=torch_dtype, device=device, tp=tp)
+        model.load_weights(iterate_safetensors_weights(model_info.path))
+        return model.eval()
+
+    def make_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        return torch.zeros(0)
+
+    def kv_cache_bytes_per_block(self, block_size: int) -> int:
+        return 0
+
+    def encoder(self) -> BertEncoderModel:
+        raise NotImplementedError
+
+    def hidden_states(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The last hidden states `[len(logits_indices), hidden]` of the step's flat tokens at
+        `batch.logits_indices`; each request's scheduled tokens are its whole prompt (token types from
+        `batch.token_type_ids`, None: all 0)."""
+        encoder = self.encoder()
+        hidden = encoder.forward(
+            batch.input_ids,
+            query_start_loc=batch.query_start_loc,
+            token_type_ids=batch.token_type_ids,
+        )
+        return hidden.index_select(0, batch.logits_indices.to(torch.int64))
 
     def _kept_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -357,6 +403,9 @@ class BertEncoderModel(_EncoderCheckpoint):
 
     def checkpoint_target(self, checkpoint_name: str) -> tuple[str, int | None]:
         return _encoder_target(checkpoint_name)
+
+    def encoder(self) -> BertEncoderModel:
+        return self
 
     def _kept_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -469,6 +518,13 @@ class _SequenceClassifier(_EncoderCheckpoint):
                 yield name, tensor
             elif not name.startswith(_IGNORED_PREFIXES) and not name.endswith(_IGNORED_SUFFIXES):
                 yield f"base.{name}", tensor
+
+    def encoder(self) -> BertEncoderModel:
+        return self.base
+
+    @property
+    def num_labels(self) -> int:
+        return self.config.num_labels
 
     def classify(self, first_token_states: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

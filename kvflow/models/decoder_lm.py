@@ -9,6 +9,7 @@ architecture names; the checkpoint loading is `CheckpointModel`'s.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -172,6 +173,12 @@ class DecoderForCausalLM(CheckpointModel):
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
         """Run the batch's tokens, fill their KV slots, and return float32 logits `[num_sampled, vocab_size]`."""
+        return self.lm_head(self.hidden_states(batch, kv_cache))
+
+    def hidden_states(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Run the batch's tokens, fill their KV slots, and return the last hidden states (after the final norm)
+        of the flat tokens at `batch.logits_indices`, `[len(logits_indices), hidden_size]` in the model dtype: what
+        `forward` feeds the LM head, and what a pooling runner pools."""
         layout = self.kv_cache_layout
         if layout.is_hybrid:
             # Keyed by KV cache group: each group reads its own block tables.
@@ -196,7 +203,18 @@ class DecoderForCausalLM(CheckpointModel):
         if residual is None:  # no layers
             hidden_states = hidden_states.index_select(0, logits_indices)
         hidden_states, _ = self.model.norm.forward_with_residual(hidden_states, residual)
-        return self.lm_head(hidden_states)
+        return hidden_states
+
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        strict: bool = True,
+        sliced: bool = False,
+    ) -> None:
+        """`CheckpointModel.load_weights`, also taking a base model's bare names (`layers.0...`, `embed_tokens...`,
+        `norm...`: a checkpoint saved from `Qwen3Model` / `LlamaModel`, as embedding models such as Qwen3-Embedding
+        are) as the `model.` names they are."""
+        super().load_weights(_with_model_prefix(weights), strict=strict, sliced=sliced)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first layer's input for `input_ids` (a family that scales its embeddings overrides this)."""
@@ -238,3 +256,13 @@ class DecoderForCausalLM(CheckpointModel):
                 logits_indices if layer_index == last_layer else None,
             )
         return hidden_states, residual
+
+
+_BASE_MODEL_PREFIXES = ("layers.", "embed_tokens.", "norm.")
+
+
+def _with_model_prefix(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        yield (f"model.{name}" if name.startswith(_BASE_MODEL_PREFIXES) else name), tensor

@@ -102,6 +102,11 @@ class ArchitectureRules:
 ARCHITECTURE_RULES: dict[str, ArchitectureRules] = {
     "Qwen2ForCausalLM": ArchitectureRules(qkv_bias=True, gated_sliding_window=True),
     "Qwen3ForCausalLM": ArchitectureRules(gated_sliding_window=True, qk_norm=True),
+    # The same decoders as embedding models (no LM head) and classifiers (a `score` head): runner "pooling".
+    "Qwen2Model": ArchitectureRules(qkv_bias=True, gated_sliding_window=True),
+    "Qwen2ForSequenceClassification": ArchitectureRules(qkv_bias=True, gated_sliding_window=True),
+    "Qwen3Model": ArchitectureRules(gated_sliding_window=True, qk_norm=True),
+    "Qwen3ForSequenceClassification": ArchitectureRules(gated_sliding_window=True, qk_norm=True),
     "Gemma2ForCausalLM": ArchitectureRules(gemma2=True),
     "Phi3ForCausalLM": ArchitectureRules(phi3_rope=True),
     "Gemma3ForCausalLM": ArchitectureRules(gemma3=True, qk_norm=True),
@@ -191,6 +196,8 @@ class TransformerConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # A sequence classifier's labels (`id2label`'s size, else `num_labels`; 2 as in transformers).
+    num_labels: int = 2
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -310,6 +317,7 @@ def parse_hf_config(raw: dict[str, Any]) -> TransformerConfig:
         o_proj_bias=attention_bias and not rules.qkv_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         layer_types=layer_types,
+        num_labels=len(raw["id2label"]) if raw.get("id2label") else int(raw.get("num_labels", 2)),
         **_expert_fields(raw, rules.experts),
         **(gemma_fields or {"hidden_act": str(raw.get("hidden_act", "silu"))}),
     )

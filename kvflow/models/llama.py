@@ -17,6 +17,7 @@ import torch
 from kvflow.models.decoder_lm import DecoderForCausalLM
 from kvflow.models.fused_decode import FusedDecodeLayers
 from kvflow.models.layers.decoder import PreNormDecoderLayer
+from kvflow.models.layers.linear import Linear
 from kvflow.models.layers.mlp import GatedMLP
 from kvflow.models.layers.self_attention import SelfAttention
 
@@ -89,3 +90,30 @@ class LlamaForCausalLM(DecoderForCausalLM):
         return super().run_layers(
             batch, hidden_states, cos, sin, kv_cache, metadata_by_window, logits_indices
         )
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """A Llama-family decoder with a classification head (`Qwen2ForSequenceClassification`,
+    `Qwen3ForSequenceClassification`, `LlamaForSequenceClassification`): `score`, a `[num_labels, hidden]` linear
+    layer without bias, on the pooled (by default the last token's) final hidden state. Run by the pooling runner
+    only: it has no LM head, so `forward` (logits over a vocabulary) is not available.
+
+    Invariants: `classify` maps `[n, hidden]` pooled states to float32 logits `[n, num_labels]`, row by row.
+    """
+
+    def add_family_parts(self, config: TransformerConfig) -> None:
+        super().add_family_parts(config)
+        del self.lm_head  # the classifier's checkpoint has none, and no step needs one
+        self.lm_head = None
+        self.num_labels = config.num_labels
+        self.score = Linear(
+            config.hidden_size, config.num_labels, bias=False, dtype=self.dtype, device=self.device
+        )
+
+    def forward(self, batch: BatchInputs, kv_cache: torch.Tensor) -> torch.Tensor:
+        raise ValueError(
+            f"{self.config.architecture} is a classifier: it runs with runner='pooling' only"
+        )
+
+    def classify(self, pooled_states: torch.Tensor) -> torch.Tensor:
+        return self.score(pooled_states.to(self.dtype)).float()

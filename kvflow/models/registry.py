@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvflow.models.interface import RunnerModel
 
 _LLAMA = "kvflow.models.llama:LlamaForCausalLM"
+_DECODER_CLASSIFIER = "kvflow.models.llama:LlamaForSequenceClassification"
 
 MODEL_REGISTRY: LazyRegistry[type[RunnerModel]] = LazyRegistry(
     "model architecture",
@@ -43,6 +44,17 @@ MODEL_REGISTRY: LazyRegistry[type[RunnerModel]] = LazyRegistry(
         "MixtralForCausalLM": "kvflow.models.mixtral:MixtralForCausalLM",
         "Qwen2MoeForCausalLM": "kvflow.models.qwen_moe:Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM": "kvflow.models.qwen_moe:Qwen3MoeForCausalLM",
+        # Pooling models (runner "pooling"): decoder embedders and classifiers, BERT-style encoders.
+        "LlamaModel": _LLAMA,
+        "Qwen2Model": _LLAMA,
+        "Qwen3Model": _LLAMA,
+        "LlamaForSequenceClassification": _DECODER_CLASSIFIER,
+        "Qwen2ForSequenceClassification": _DECODER_CLASSIFIER,
+        "Qwen3ForSequenceClassification": _DECODER_CLASSIFIER,
+        "BertModel": "kvflow.models.bert:BertEncoderModel",
+        "XLMRobertaModel": "kvflow.models.bert:BertEncoderModel",
+        "BertForSequenceClassification": "kvflow.models.bert:BertForSequenceClassification",
+        "XLMRobertaForSequenceClassification": "kvflow.models.bert:XLMRobertaForSequenceClassification",
         HASH_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashModel",
         HASH_LOGITS_MODEL_ARCHITECTURE: "kvflow.models.hash_model:HashLogitsModel",
     },

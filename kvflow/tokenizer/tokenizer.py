@@ -168,6 +168,13 @@ class Tokenizer:
             ids = self._apply_add_bos_eos(ids)
         return ids
 
+    def encode_pair(self, text: str, text_pair: str) -> tuple[list[int], list[int]]:
+        """`(token ids, token type ids)` of a text pair as the tokenizer's post-processor joins them (BERT:
+        `[CLS] a [SEP] b [SEP]`, types 0 then 1; XLM-RoBERTa: `<s> a </s></s> b </s>`, all 0): the input of a
+        cross-encoder. A tokenizer without a pair template joins the two encodings as they are."""
+        encoding = self._backend.encode(text, text_pair, add_special_tokens=True)
+        return list(encoding.ids), list(encoding.type_ids)
+
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(
             [int(token_id) for token_id in token_ids], skip_special_tokens=skip_special_tokens

@@ -21,6 +21,7 @@ from kvflow.spec_decode import SPEC_PROPOSERS
 from kvflow.utils import cdiv, resolve_device
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.persistent_batch import PersistentBatchModelRunner
+from kvflow.worker.pooling_runner import PoolingModelRunner
 
 if TYPE_CHECKING:
     from kvflow.config import CacheConfig, EngineConfig
@@ -325,16 +326,27 @@ class Worker:
                 scheduler_config.max_num_batched_tokens,
             )
         )
-        self.kv_cache_plan = plan_kv_cache(
-            engine_config,
-            bytes_per_block,
-            measure_device_memory(self.device),
-            self.tp.size,
-            blocks_per_sequence=blocks_per_sequence,
-        )
+        if bytes_per_block == 0:
+            # An encoder keeps no KV: its block ids only count tokens, every slot at full length.
+            num_blocks = scheduler_config.max_num_seqs * cdiv(
+                scheduler_config.max_model_len, block_size
+            )
+            self.kv_cache_plan = KVCachePlan(num_blocks, 0, "no KV cache (an encoder)")
+        else:
+            self.kv_cache_plan = plan_kv_cache(
+                engine_config,
+                bytes_per_block,
+                measure_device_memory(self.device),
+                self.tp.size,
+                blocks_per_sequence=blocks_per_sequence,
+            )
         _log_kv_cache_plan(self.kv_cache_plan, engine_config, self.device, blocks_per_sequence)
         self.num_kv_blocks = self.kv_cache_plan.num_blocks
         runner_class = get_model_runner_class(scheduler_config.use_v2_model_runner)
+        runner_options: dict[str, Any] = {}
+        if model_config.pooling is not None:
+            runner_class = PoolingModelRunner
+            runner_options["pooling"] = model_config.pooling
         self.model_runner = runner_class(
             self.model,
             max_num_reqs=scheduler_config.max_num_seqs,
@@ -351,6 +363,7 @@ class Worker:
                 else engine_config.speculative_config.disable_by_batch_size
             ),
             lora_manager=self.lora_manager,
+            **runner_options,
         )
 
     def update_weights(self, weights: str | Path | Mapping[str, torch.Tensor]) -> None:

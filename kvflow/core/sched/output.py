@@ -20,6 +20,7 @@ from kvflow.spec_decode.metrics import (
 
 if TYPE_CHECKING:
     from kvflow.lora.request import LoRARequest
+    from kvflow.pooling_params import PoolingParams
     from kvflow.request import Request
     from kvflow.sampling_params import SamplingParams
 
@@ -46,6 +47,8 @@ class NewRequestData:
     num_computed_tokens: int
     prefill_token_ids: list[int] | None = None
     lora_request: LoRARequest | None = None
+    # A pooling request (runner "pooling"): what to return once its prompt is computed; None: it generates.
+    pooling_params: PoolingParams | None = None
 
     @classmethod
     def from_request(
@@ -62,6 +65,7 @@ class NewRequestData:
             num_computed_tokens=request.num_computed_tokens,
             prefill_token_ids=prefill_token_ids,
             lora_request=request.lora_request,
+            pooling_params=request.pooling_params,
         )
 
 
@@ -187,6 +191,9 @@ class ModelRunnerOutput:
     # Speculative decoding: how many of each batch row's verified drafts were real proposals (the rest of its
     # scheduled draft slots were padding; None: all were real).
     num_real_drafts: list[int] | None = None
+    # Pooling runner: each batch row's pooled result (float32), for the rows whose prompt completed this step;
+    # None for the others (and None as a whole from a generating runner).
+    pooler_output: list[np.ndarray | None] | None = None
 
     @classmethod
     def make_empty(cls) -> ModelRunnerOutput:
@@ -213,6 +220,22 @@ class EngineCoreEvent:
 
     type: EngineCoreEventType
     timestamp: float
+
+
+class PooledData(msgspec.Struct, gc=False):
+    """A pooling request's result on its way to the front end: a float32 array as its shape and little-endian
+    bytes (msgspec encodes bytes as one blob, not a list of floats)."""
+
+    shape: list[int]
+    data: bytes
+
+    @classmethod
+    def from_array(cls, array: np.ndarray) -> PooledData:
+        values = np.ascontiguousarray(array, dtype="<f4")
+        return cls(list(values.shape), values.tobytes())
+
+    def to_array(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype="<f4").reshape(self.shape)
 
 
 class EngineCoreOutput(msgspec.Struct, omit_defaults=True, gc=False):
@@ -247,6 +270,8 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, gc=False):
     new_prompt_logprobs: LogprobsLists | None = None
     events: list[EngineCoreEvent] | None = None
     client_error: bool = False
+    # A finished pooling request's result (its only output; `new_token_ids` is empty).
+    pooling_output: PooledData | None = None
 
     @property
     def finished(self) -> bool:

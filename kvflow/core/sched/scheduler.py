@@ -8,6 +8,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.core.hybrid_kv_cache_manager import make_kv_cache_manager
@@ -27,6 +28,7 @@ from kvflow.core.sched.output import (
     EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
+    PooledData,
     SchedulerOutput,
     SchedulerStats,
 )
@@ -39,6 +41,9 @@ from kvflow.core.sched.step_output import StepPlan, make_cached_request_data
 from kvflow.core.sched.stop import check_stop
 from kvflow.request import Request, RequestStatus, StreamingUpdate
 from kvflow.spec_decode.metrics import SpecDecodingStats
+
+if TYPE_CHECKING:
+    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +64,8 @@ class Scheduler:
         the worker has slots). A waiting request whose adapter would be one too many waits; from then on, in that
         step, no later request with an adapter is admitted either (requests of the adapters already running must
         not overtake it, or a busy adapter could keep its slot forever), while base-model requests still are.
+      * a pooling request (`Request.pooling_params`) finishes in the step whose output carries its pooled result
+        (the step that computed the last of its prompt); it never gets an output token.
       * per-step cost grows with the number of scheduled requests, not with their token histories: full token
         lists are copied only for requests the worker cannot know (new, slot-runner resumes) or, for the
         persistent-batch protocol, requests not scheduled in the previous step.
@@ -639,9 +646,15 @@ class Scheduler:
         apply_output = self._apply_output
         outcome = model_runner_output
         append_output = outputs.append
+        pooler_output = model_runner_output.pooler_output
         for request_id in scheduler_output.num_scheduled_tokens:
             index = req_id_to_index.get(request_id)
             if index is None:
+                continue
+            if pooler_output is not None and pooler_output[index] is not None:
+                pooled = self._finish_pooled(request_id, pooler_output[index], stopped_running)
+                if pooled is not None:
+                    append_output(pooled)
                 continue
             generated = sampled_token_ids[index]
             if not generated or (stale_placeholders and self._drop_stale_placeholder(request_id)):
@@ -699,6 +712,32 @@ class Scheduler:
         if stopped_running:
             self.running = [request for request in self.running if request not in stopped_running]
         return outputs
+
+    def _finish_pooled(
+        self, request_id: str, pooled: np.ndarray, stopped_running: set[Request]
+    ) -> EngineCoreOutput | None:
+        """A pooling request whose prompt is computed: it finishes ("stop") with its pooled result as its one output
+        (None when it was aborted while the step ran)."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished():
+            return None
+        output = EngineCoreOutput(
+            request_id,
+            [],
+            finish_reason="stop",
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            pooling_output=PooledData.from_array(pooled),
+        )
+        if request.events:
+            output.events, request.events = request.events, []
+        status_before = request.status
+        request.status = RequestStatus.FINISHED_STOPPED
+        if status_before == RequestStatus.RUNNING:
+            stopped_running.add(request)
+        else:  # preempted by a forced reset after this step was planned
+            self.waiting.remove_requests([request])
+        self._free_request(request)
+        return output
 
     def _apply_output(
         self,
