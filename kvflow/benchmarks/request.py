@@ -1,4 +1,6 @@
-"""One streamed request to an OpenAI-compatible server, timed the way vLLM's `bench serve` times it."""
+"""One request to an OpenAI-compatible server, timed the way vLLM's `bench serve` times it: a streamed completion
+or chat request, or an embedding request (vLLM's `openai-embeddings` backend: one whole response, whose latency is
+all there is to time)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ class RequestResult:
 
     `ttft` is from sending the request to the first chunk that carries text or tokens; `itl` has one gap per later
     such chunk; `latency` runs to the end of the stream. `output_tokens` is the server's `usage.completion_tokens`
-    when it reports usage, else the number of content chunks.
+    when it reports usage, else the number of content chunks. An embedding request has one latency (`ttft` equals
+    it), no output tokens, and `prompt_len` from the server's `usage.prompt_tokens` when it reports it.
     """
 
     success: bool = False
@@ -66,6 +69,51 @@ def request_body(
         # vLLM's extra field: a server without a tokenizer streams token ids and no text.
         body["return_token_ids"] = True
     return body
+
+
+def is_embedding_endpoint(endpoint: str) -> bool:
+    """Whether `endpoint` takes embedding requests (`/v1/embeddings`) rather than generation ones."""
+    return endpoint.rstrip("/").endswith("/embeddings")
+
+
+def embedding_request_body(model: str, sample: SampleRequest) -> dict[str, Any]:
+    """An OpenAI embeddings body for `sample`: its text or token ids as the one `input`, float results."""
+    return {"model": model, "input": sample.prompt, "encoding_format": "float"}
+
+
+async def send_embedding_request(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], sample: SampleRequest
+) -> RequestResult:
+    """POST an embeddings `body` and read the whole response; success means one embedding per input came back.
+    Never raises for a failed request."""
+    result = RequestResult(prompt_len=sample.prompt_len)
+    result.start_time = start = time.perf_counter()
+    try:
+        async with session.post(url, json=body) as response:
+            payload = await response.read()
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {payload.decode(errors='replace')[:200]}"
+                return result
+            whole = _DECODER.decode(payload)
+    except Exception as error:  # a benchmark reports failures, it does not stop at the first one
+        result.error = f"{type(error).__name__}: {error}"[:200]
+        return result
+    result.latency = result.ttft = time.perf_counter() - start
+    num_inputs = len(body["input"]) if _is_batch(body["input"]) else 1
+    data = whole.get("data") or []
+    if len(data) != num_inputs or not all(item.get("embedding") for item in data):
+        result.error = f"{len(data)} embeddings came back for {num_inputs} inputs"
+        return result
+    prompt_tokens = (whole.get("usage") or {}).get("prompt_tokens")
+    if prompt_tokens:
+        result.prompt_len = int(prompt_tokens)
+    result.success = True
+    return result
+
+
+def _is_batch(value: Any) -> bool:
+    """An embeddings `input` of several inputs: a list of texts or of token-id lists (one token-id list is one)."""
+    return isinstance(value, list) and bool(value) and not isinstance(value[0], int)
 
 
 async def send_request(

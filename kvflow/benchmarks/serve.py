@@ -1,7 +1,9 @@
 """`kvflow bench serve`: load an OpenAI-compatible server with random prompts and print vLLM's result table.
 
 Requests go out on a Poisson process at `request_rate` (or all at once for `inf`), at most `max_concurrency` in
-flight, each streamed; the table reports throughput and TTFT / TPOT / ITL / E2EL mean, median and P99 in ms.
+flight, each streamed; the table reports throughput and TTFT / TPOT / ITL / E2EL mean, median and P99 in ms. An
+embeddings endpoint (`/v1/embeddings`, vLLM's `openai-embeddings` backend) gets one whole-response request per
+prompt, and its table (`format_embedding_table`) has what a pooling request has: input tokens, throughput, E2EL.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvflow.benchmarks.request import RequestResult, request_body, send_request
+from kvflow.benchmarks.request import (
+    RequestResult,
+    embedding_request_body,
+    is_embedding_endpoint,
+    request_body,
+    send_embedding_request,
+    send_request,
+)
 
 if TYPE_CHECKING:
     from kvflow.benchmarks.datasets import SampleRequest
@@ -50,15 +59,20 @@ async def run_benchmark(
     connector = aiohttp.TCPConnector(limit=config.max_concurrency or len(samples))
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
+        embeddings = is_embedding_endpoint(config.endpoint)
+        send = send_embedding_request if embeddings else send_request
 
         async def one(sample: SampleRequest) -> RequestResult:
-            body = request_body(
-                config.endpoint, config.model, sample, config.ignore_eos, config.stream
-            )
+            if embeddings:
+                body = embedding_request_body(config.model, sample)
+            else:
+                body = request_body(
+                    config.endpoint, config.model, sample, config.ignore_eos, config.stream
+                )
             if limit is None:
-                return await send_request(client, url, body, sample)
+                return await send(client, url, body, sample)
             async with limit:
-                return await send_request(client, url, body, sample)
+                return await send(client, url, body, sample)
 
         start = time.perf_counter()
         tasks = []
@@ -138,6 +152,26 @@ def format_table(summary: dict[str, Any]) -> str:
         rows.append(_row(f"Median {short} (ms):", summary[f"median_{key}_ms"]))
         rows.append(_row(f"P99 {short} (ms):", summary[f"p99_{key}_ms"]))
     rows.append("=" * 50)
+    return "\n".join(rows)
+
+
+def format_embedding_table(summary: dict[str, Any]) -> str:
+    """The result table vLLM's `bench serve` prints for a pooling (embedding) run: no output tokens, so no TTFT,
+    TPOT or ITL; throughput in requests and input tokens, and the end-to-end latency."""
+    rows = [
+        "{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+        _row("Successful requests:", summary["completed"]),
+        _row("Failed requests:", summary["failed"]),
+        _row("Benchmark duration (s):", summary["duration"]),
+        _row("Total input tokens:", summary["total_input_tokens"]),
+        _row("Request throughput (req/s):", summary["request_throughput"]),
+        _row("Total Token throughput (tok/s):", summary["total_token_throughput"]),
+        "{s:{c}^50}".format(s="End-to-end Latency", c="-"),
+        _row("Mean E2EL (ms):", summary["mean_e2el_ms"]),
+        _row("Median E2EL (ms):", summary["median_e2el_ms"]),
+        _row("P99 E2EL (ms):", summary["p99_e2el_ms"]),
+        "=" * 50,
+    ]
     return "\n".join(rows)
 
 

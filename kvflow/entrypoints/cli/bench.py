@@ -8,12 +8,13 @@ from pathlib import Path
 
 from kvflow.entrypoints.cli.args import HelpFormatter, SubcommandParser
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 # vLLM's `--backend` values and the endpoint each loads.
 BACKEND_ENDPOINTS = {
     "openai": "/v1/completions",
     "vllm": "/v1/completions",
     "openai-chat": "/v1/chat/completions",
+    "openai-embeddings": "/v1/embeddings",
 }
 
 DESCRIPTION = """\
@@ -22,7 +23,10 @@ vLLM's serving benchmark table: successful and failed requests, duration, reques
 token throughput, and TTFT / TPOT / ITL / E2EL mean, median and P99 in ms. Prompts are
 random token ids: decoded to text with --tokenizer, sent as token-id prompts without one
 (e.g. against `kvflow serve hash`). Requests arrive as a Poisson process at
---request-rate (inf: all at once), at most --max-concurrency at a time, all streamed."""
+--request-rate (inf: all at once), at most --max-concurrency at a time, all streamed.
+With --backend openai-embeddings (/v1/embeddings, e.g. against `kvflow serve MODEL
+--runner pooling`) each prompt is one embedding request, and the table has what a
+pooling request has: input tokens, request and token throughput, and E2EL."""
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -59,7 +63,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         default=None,
         choices=list(BACKEND_ENDPOINTS),
         help="vLLM's spelling of the endpoint: openai and vllm load /v1/completions, openai-chat "
-        "/v1/chat/completions",
+        "/v1/chat/completions, openai-embeddings /v1/embeddings",
     )
     serve.add_argument("--model", default=None, help="model name (default: the server's first)")
     serve.add_argument("--tokenizer", default=None, help="tokenizer folder: send text prompts")
@@ -72,7 +76,12 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         help="prompt source (--dataset-name: vLLM's spelling)",
     )
     serve.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens")
-    serve.add_argument("--random-output-len", type=int, default=128, help="tokens to generate")
+    serve.add_argument(
+        "--random-output-len",
+        type=int,
+        default=128,
+        help="tokens to generate (unused by /v1/embeddings)",
+    )
     serve.add_argument(
         "--random-range-ratio",
         type=float,
@@ -109,8 +118,10 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 def run_bench_serve(args: argparse.Namespace) -> None:
     from kvflow.benchmarks.datasets import random_requests
+    from kvflow.benchmarks.request import is_embedding_endpoint
     from kvflow.benchmarks.serve import (
         BenchmarkConfig,
+        format_embedding_table,
         format_table,
         run_benchmark,
         save_result,
@@ -147,7 +158,8 @@ def run_bench_serve(args: argparse.Namespace) -> None:
     )
     results, duration = asyncio.run(run_benchmark(config, samples))
     summary = summarize(results, duration)
-    print(format_table(summary), flush=True)
+    table = format_embedding_table if is_embedding_endpoint(endpoint) else format_table
+    print(table(summary), flush=True)
     if summary["errors"]:
         print("errors: " + "; ".join(summary["errors"]), flush=True)
     if args.save_result is not None:
