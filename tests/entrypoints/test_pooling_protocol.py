@@ -20,7 +20,7 @@ from kvflow.entrypoints.openai.protocol_pooling import (
 )
 from kvflow.entrypoints.openai.serving_classification import label_of, load_id2label
 from kvflow.entrypoints.openai.serving_pooling import encode_base64, input_items, require_runner
-from kvflow.entrypoints.openai.serving_score import cosine, pair_texts, rank, score_sides
+from kvflow.entrypoints.openai.serving_score import pair_texts, rank, score_sides
 
 
 def _refused(param: str | None) -> pytest.RaisesContext[OpenAIServingError]:
@@ -69,13 +69,6 @@ def test_rank_is_best_first_with_ties_in_input_order_and_top_n() -> None:
 def test_rerank_documents_may_be_objects() -> None:
     request = RerankRequest(query="q", documents=["a", {"text": "b"}])
     assert [doc if isinstance(doc, str) else doc.text for doc in request.documents] == ["a", "b"]
-
-
-def test_cosine_matches_the_definition() -> None:
-    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, -1.0, 0.5])
-    expected = float(a @ b / (a.norm() * b.norm()))
-    assert cosine(a, b) == pytest.approx(expected, abs=1e-6)
-    assert cosine(a, a) == pytest.approx(1.0, abs=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------- inputs

@@ -31,6 +31,8 @@ from kvflow.entrypoints.openai.serving_engine import (
     run_until_disconnected,
 )
 from kvflow.entrypoints.openai.unsupported import UnknownFields
+from kvflow.pooling.frontend import PoolingRequestEndedError
+from kvflow.pooling.scoring import pair_prompt
 from kvflow.pooling_params import PoolingParams
 
 if TYPE_CHECKING:
@@ -263,10 +265,10 @@ class OpenAIServingPooling:
         types (0 for the first text, 1 for the second)."""
         if self.tokenizer is None:
             raise OpenAIServingError("this model has no tokenizer", param=param)
-        token_ids, token_type_ids = self.tokenizer.encode_pair(text_1, text_2)  # type: ignore[attr-defined]
+        prompt = pair_prompt(self.tokenizer, text_1, text_2)
         if truncate_prompt_tokens is None:
-            self.check_length(len(token_ids), param)
-        return {"prompt_token_ids": list(token_ids), "token_type_ids": list(token_type_ids)}
+            self.check_length(len(prompt["prompt_token_ids"]), param)
+        return prompt
 
     # ------------------------------------------------------------------------------------------------ running
     async def run(
@@ -300,7 +302,7 @@ class OpenAIServingPooling:
         outputs: list[PoolingRequestOutput | None] = [None] * len(prompts)
         with self.live_requests.claim(request_id, engine_ids):
             streams = [
-                self.engine.encode(prompt, each_params, request_id=engine_id, priority=priority)  # type: ignore[attr-defined]
+                self.engine.encode(prompt, each_params, request_id=engine_id, priority=priority)
                 for prompt, each_params, engine_id in zip(prompts, params, engine_ids, strict=True)
             ]
             try:
@@ -308,6 +310,12 @@ class OpenAIServingPooling:
                     outputs[index] = output
             except ValueError as error:
                 raise bad_request(error, set(fields), self.aliases) from error
+            except (
+                PoolingRequestEndedError
+            ) as error:  # aborted (an admin's pause), or failed in its step
+                raise OpenAIServingError(
+                    str(error), status_code=HTTPStatus.INTERNAL_SERVER_ERROR
+                ) from error
         missing = [index for index, output in enumerate(outputs) if output is None]
         if missing:
             raise OpenAIServingError(

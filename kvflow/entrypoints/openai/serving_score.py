@@ -5,7 +5,7 @@ as vLLM pairs them (`pair_texts`). How a pair is scored depends on the model (`A
   * a cross-encoder (a classifier that supports "score"): one engine request with task "score" per pair, on the
     pair tokenized as one sequence with its token types (`Tokenizer.encode_pair`);
   * an embedding model: each text is embedded once (task "embed"), and a pair's score is the cosine similarity of
-    its two embeddings.
+    its two embeddings (`kvflow.pooling.scoring.cosine_similarity`, as `LLM.score`).
 Rerank scores `query` against every document and answers the documents best first (ties in input order), cut to
 `top_n` when it is > 0.
 """
@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
 from fastapi.responses import JSONResponse, Response
 
 from kvflow.entrypoints.openai.errors import OpenAIServingError
 from kvflow.entrypoints.openai.protocol_pooling import RerankRequest, ScoreRequest
 from kvflow.entrypoints.openai.serving_engine import CLIENT_CLOSED_REQUEST
 from kvflow.entrypoints.openai.serving_pooling import OpenAIServingPooling, list_body
+from kvflow.pooling.scoring import cosine_similarity
 from kvflow.utils import short_repr
 
 if TYPE_CHECKING:
@@ -77,15 +77,6 @@ def pair_texts(
             param=names[1],
         )
     return [(index, index) for index in range(len(texts_1))]
-
-
-def cosine(embedding_1: torch.Tensor, embedding_2: torch.Tensor) -> float:
-    """The cosine similarity of two embeddings (float32)."""
-    return float(
-        torch.nn.functional.cosine_similarity(
-            embedding_1.float(), embedding_2.float(), dim=0
-        ).item()
-    )
 
 
 def rank(scores: Sequence[float], top_n: int) -> list[int]:
@@ -210,5 +201,7 @@ class OpenAIServingScores(OpenAIServingPooling):
             return None
         embeddings_1 = [output.outputs.data for output in outputs[: len(texts_1)]]
         embeddings_2 = [output.outputs.data for output in outputs[len(texts_1) :]]
-        scores = [cosine(embeddings_1[first], embeddings_2[second]) for first, second in pairs]
+        scores = [
+            cosine_similarity(embeddings_1[first], embeddings_2[second]) for first, second in pairs
+        ]
         return scores, outputs
