@@ -1,11 +1,12 @@
 """`kvflow serve MODEL --runner pooling` (issue 43 item 4): /v1/embeddings through the official `openai` client,
 /v1/score, /v1/rerank, /classify and /pooling as raw JSON, and their errors.
 
-Two tiny random BERT checkpoints (`kvflow.testing.pooling_checkpoints`), one module-scoped server each: a
-sentence-transformers embedder (mean pooling, normalized; behind an API key) and a cross-encoder with one label.
-The oracle for every value is the offline engine on the same checkpoint (`LLM(..., runner="pooling")`'s `embed`,
-`score`, `classify`, `encode`), which must agree with the server to float32 precision. A hash-model server (runner
-generate: the built-in model) checks the reverse refusal.
+Tiny random checkpoints (`kvflow.testing.pooling_checkpoints`), one server each, all started at once: a
+sentence-transformers BERT embedder (mean pooling, normalized, Matryoshka sizes; behind an API key, with a chat
+template), a BERT cross-encoder with one label, and a three-label Qwen2 classifier with named labels. The oracle
+for every value is the offline engine on the same checkpoint (`LLM(..., runner="pooling")`'s `embed`, `score`,
+`classify`, `encode`), which the server must match to float32 precision. A generate server (the built-in model)
+checks the reverse refusal.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 
 from kvflow.entrypoints.llm import LLM
 from kvflow.pooling_params import PoolingParams
-from kvflow.testing.pooling_checkpoints import make_tiny_encoder
+from kvflow.testing.pooling_checkpoints import make_tiny_decoder_classifier, make_tiny_encoder
 from tests.entrypoints.server import DEFAULT_SERVER, RemoteServer
 from tests.entrypoints.test_serve_rl import wait_for_metric
 
@@ -47,12 +48,18 @@ DOCUMENTS = [
 # Longer than the checkpoints' 128 positions.
 LONG_TEXT = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
 ATOL = 1e-6
+LABELS = ["negative", "neutral", "positive"]
+# The embedder server's chat template (for /v1/embeddings' `messages` form).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+)
 
 
 @dataclass(frozen=True)
 class Checkpoints:
     embedder: Path
     reranker: Path
+    classifier: Path
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +71,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     _update_config(embedder, matryoshka_dimensions=[8, 16, 64])  # `dimensions` may cut to 8 or 16
     reranker = make_tiny_encoder(root / "reranker", "bert_cls", seed=1)
     _update_config(reranker, id2label={"0": "relevant"}, label2id={"relevant": 0})
-    return Checkpoints(embedder, reranker)
+    classifier = make_tiny_decoder_classifier(root / "classifier", num_labels=3, seed=2)
+    _update_config(
+        classifier,
+        id2label=dict(enumerate(LABELS)),
+        label2id={label: i for i, label in enumerate(LABELS)},
+    )
+    return Checkpoints(embedder, reranker, classifier)
 
 
 def _update_config(folder: Path, **fields: object) -> None:
@@ -76,6 +89,7 @@ def _update_config(folder: Path, **fields: object) -> None:
 class Servers:
     embed: RemoteServer
     rerank: RemoteServer
+    classify: RemoteServer
     generate: RemoteServer
 
 
@@ -91,6 +105,8 @@ def servers(checkpoints: Checkpoints) -> Iterator[Servers]:
                 "--served-model-name",
                 EMBEDDER,
                 "--enable-admin-endpoints",
+                "--chat-template",
+                CHAT_TEMPLATE,
             ],
             API_KEY,
         ),
@@ -98,6 +114,7 @@ def servers(checkpoints: Checkpoints) -> Iterator[Servers]:
             [str(checkpoints.reranker), "--runner", "pooling", "--served-model-name", RERANKER],
             None,
         ),
+        "classify": ([str(checkpoints.classifier), "--runner", "pooling"], None),
         "generate": (DEFAULT_SERVER, None),
     }
     started: dict[str, RemoteServer] = {}
@@ -179,6 +196,23 @@ def test_embeddings_through_the_openai_client(embed_server: RemoteServer, embed_
     assert norm == pytest.approx(1.0, abs=1e-5)
 
 
+def test_many_inputs_come_back_in_order(
+    embed_server: RemoteServer, rerank_server: RemoteServer, rerank_llm: LLM
+) -> None:
+    """More inputs than `serving_engine.MANY_PROMPTS`: prepared on a worker thread, run at once, answered in input
+    order."""
+    texts = [f"{text} ({index})" for index, text in enumerate(TEXTS * 7)]
+    response = embed_server.client().embeddings.create(model=EMBEDDER, input=texts)
+    alone = embed_server.client().embeddings.create(model=EMBEDDER, input=texts[17])
+    assert [item.index for item in response.data] == list(range(len(texts)))
+    np.testing.assert_allclose(response.data[17].embedding, alone.data[0].embedding, atol=ATOL)
+    expected = rerank_llm.score(QUERY, texts, use_tqdm=False)
+    scores = rerank_server.post("/score", json={"text_1": QUERY, "text_2": texts}).json()["data"]
+    np.testing.assert_allclose(
+        [item["score"] for item in scores], [output.outputs.score for output in expected], atol=ATOL
+    )
+
+
 def test_embeddings_dimensions_normalize_and_token_ids(
     embed_server: RemoteServer, embed_llm: LLM
 ) -> None:
@@ -209,6 +243,20 @@ def test_embeddings_dimensions_normalize_and_token_ids(
     )
     np.testing.assert_allclose(
         _decode(raw.json()["data"][0]["embedding"]), plain.outputs.embedding, atol=1e-5
+    )
+
+
+def test_embeddings_of_chat_messages(embed_server: RemoteServer, embed_llm: LLM) -> None:
+    """vLLM's chat form: the messages rendered with the chat template, no special tokens added by default."""
+    messages = [{"role": "user", "content": TEXTS[0]}, {"role": "assistant", "content": TEXTS[1]}]
+    rendered = "".join(f"{message['role']}: {message['content']}\n" for message in messages)
+    token_ids = embed_llm.get_tokenizer().encode(rendered, add_special_tokens=False)
+    [expected] = embed_llm.embed([{"prompt_token_ids": token_ids}], use_tqdm=False)
+    response = embed_server.post("/v1/embeddings", json={"messages": messages})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == len(token_ids)
+    np.testing.assert_allclose(
+        response.json()["data"][0]["embedding"], expected.outputs.embedding, atol=ATOL
     )
 
 
@@ -403,6 +451,25 @@ def test_classify_and_pooling(rerank_server: RemoteServer, rerank_llm: LLM) -> N
 
     message = _error(rerank_server.post("/v1/embeddings", json={"input": "x"}), 400, None)
     assert "'embed'" in message and "classification" in message
+
+
+def test_decoder_classifier_labels(servers: Servers, checkpoints: Checkpoints) -> None:
+    """A three-label Qwen2 classifier: each input's probabilities and its most probable class's name; it scores no
+    pairs (only one-label classifiers do), which is a 400 naming the task."""
+    llm = LLM(str(checkpoints.classifier), runner="pooling")
+    try:
+        expected = llm.classify(TEXTS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    response = servers.classify.post("/classify", json={"input": TEXTS})
+    assert response.status_code == 200, response.text
+    for item, output in zip(response.json()["data"], expected, strict=True):
+        probs = output.outputs.probs
+        assert item["num_classes"] == 3
+        assert item["label"] == LABELS[int(np.argmax(probs))]
+        np.testing.assert_allclose(item["probs"], probs, atol=ATOL)
+    score = servers.classify.post("/score", json={"text_1": "a", "text_2": "b"})
+    assert "'score'" in _error(score, 400, None)
 
 
 # ---------------------------------------------------------------------------------------------------- generate

@@ -75,10 +75,7 @@ class OpenAIServingClassification(OpenAIServingPooling):
         items = input_items(request.input)
         self.check_num_inputs(len(items), "input")
         truncate = request.truncate_prompt_tokens
-        prompts = [
-            await self.prompt_of(item, request.add_special_tokens, truncate, "input")
-            for item in items
-        ]
+        prompts = await self.prompts_of(items, request.add_special_tokens, truncate, "input")
         params = [
             self.pooling_params(
                 _FIELDS,

@@ -92,11 +92,11 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
                 continue_final_message=request.continue_final_message,
             )
             add_special_tokens = bool(request.add_special_tokens)
-            return [await self.prompt_of(text, add_special_tokens, truncate, "messages")]
+            return await self.prompts_of([text], add_special_tokens, truncate, "messages")
         items = input_items(request.input)
         self.check_num_inputs(len(items), "input")
         add_special_tokens = request.add_special_tokens is not False
-        return [await self.prompt_of(item, add_special_tokens, truncate, "input") for item in items]
+        return await self.prompts_of(items, add_special_tokens, truncate, "input")
 
     async def create_pooling(self, request: PoolingRequest, raw_request: Request) -> Response:
         task = request.task or "encode"
@@ -105,10 +105,7 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
         items = input_items(request.input)
         self.check_num_inputs(len(items), "input")
         truncate = request.truncate_prompt_tokens
-        prompts = [
-            await self.prompt_of(item, request.add_special_tokens, truncate, "input")
-            for item in items
-        ]
+        prompts = await self.prompts_of(items, request.add_special_tokens, truncate, "input")
         params = [
             self.pooling_params(
                 _POOLING_FIELDS,

@@ -13,12 +13,13 @@ every input still running.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvflow.engine.input_processor import check_priority
 from kvflow.entrypoints.openai.errors import OpenAIServingError, bad_request
@@ -26,7 +27,8 @@ from kvflow.entrypoints.openai.middleware import REQUEST_ID_HEADER
 from kvflow.entrypoints.openai.protocol import UsageInfo
 from kvflow.entrypoints.openai.server_config import ServingLimits
 from kvflow.entrypoints.openai.serving_engine import (
-    encode_text,
+    LONG_TEXT_CHARS,
+    MANY_PROMPTS,
     merge_async_iterators,
     run_until_disconnected,
 )
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from kvflow.entrypoints.openai.serving_engine import LiveRequests
     from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
     from kvflow.outputs import PoolingRequestOutput
+
+_T = TypeVar("_T")
 
 # The server paths each runner serves (the other runner's paths are a 400 naming the runner).
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -114,6 +118,15 @@ def usage_of(outputs: Sequence[PoolingRequestOutput]) -> UsageInfo:
     """Prompt tokens of every engine request a response ran (pooling generates none)."""
     num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     return UsageInfo(prompt_tokens=num_tokens, total_tokens=num_tokens, completion_tokens=0)
+
+
+async def off_loop_if_heavy(items: Sequence[object], prepare: Callable[[], _T]) -> _T:
+    """`prepare()`, on a worker thread when `items` are many or hold a long text (the tokenizer lets the event
+    loop run meanwhile), else here."""
+    heavy = len(items) > MANY_PROMPTS or any(
+        isinstance(item, str) and len(item) >= LONG_TEXT_CHARS for item in items
+    )
+    return await asyncio.to_thread(prepare) if heavy else prepare()
 
 
 def list_body(
@@ -235,7 +248,25 @@ class OpenAIServingPooling:
             raise bad_request(error, set(fields), self.aliases) from error
 
     # ------------------------------------------------------------------------------------------------ prompts
-    async def prompt_of(
+    async def prompts_of(
+        self,
+        items: Sequence[str | list[int]],
+        add_special_tokens: bool,
+        truncate_prompt_tokens: int | None,
+        param: str,
+    ) -> list[dict[str, Any]]:
+        """`prompt_of` each input; prepared on a worker thread when there are many or a long text (so that a
+        request of a thousand texts does not stall every other request while it is tokenized)."""
+
+        def prepare() -> list[dict[str, Any]]:
+            return [
+                self.prompt_of(item, add_special_tokens, truncate_prompt_tokens, param)
+                for item in items
+            ]
+
+        return await off_loop_if_heavy(items, prepare)
+
+    def prompt_of(
         self,
         item: str | list[int],
         add_special_tokens: bool,
@@ -247,7 +278,7 @@ class OpenAIServingPooling:
         if isinstance(item, str):
             if self.tokenizer is None:
                 raise OpenAIServingError("this model has no tokenizer: send token ids", param=param)
-            token_ids = await encode_text(self.tokenizer, item, add_special_tokens)
+            token_ids = self.tokenizer.encode(item, add_special_tokens=add_special_tokens)
             if not token_ids:
                 raise OpenAIServingError(f"{param} holds a text with no tokens", param=param)
             prompt: dict[str, Any] = {"prompt_token_ids": token_ids, "prompt": item}
@@ -258,17 +289,27 @@ class OpenAIServingPooling:
             self.check_length(len(token_ids), param)
         return prompt
 
-    def pair_prompt(
-        self, text_1: str, text_2: str, truncate_prompt_tokens: int | None, param: str
-    ) -> dict[str, Any]:
-        """A cross-encoder's input: the pair tokenized as one sequence (`Tokenizer.encode_pair`), with its token
-        types (0 for the first text, 1 for the second)."""
-        if self.tokenizer is None:
+    async def pair_prompts(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        truncate_prompt_tokens: int | None,
+        param: str,
+    ) -> list[dict[str, Any]]:
+        """A cross-encoder's inputs: each pair tokenized as one sequence with its token types, 0 for the first
+        text and 1 for the second (`kvflow.pooling.scoring.pair_prompt`, as `LLM.score`); checked against
+        `max_model_len` unless the engine is to cut them. Many pairs are prepared on a worker thread."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             raise OpenAIServingError("this model has no tokenizer", param=param)
-        prompt = pair_prompt(self.tokenizer, text_1, text_2)
-        if truncate_prompt_tokens is None:
-            self.check_length(len(prompt["prompt_token_ids"]), param)
-        return prompt
+
+        def prepare() -> list[dict[str, Any]]:
+            prompts = [pair_prompt(tokenizer, text_1, text_2) for text_1, text_2 in pairs]
+            if truncate_prompt_tokens is None:
+                for prompt in prompts:
+                    self.check_length(len(prompt["prompt_token_ids"]), param)
+            return prompts
+
+        return await off_loop_if_heavy([text for pair in pairs for text in pair], prepare)
 
     # ------------------------------------------------------------------------------------------------ running
     async def run(

@@ -165,10 +165,9 @@ class OpenAIServingScores(OpenAIServingPooling):
         self.check_num_inputs(len(pairs), names[1])
         truncate = request.truncate_prompt_tokens
         if self.cross_encoder:
-            prompts = [
-                self.pair_prompt(texts_1[first], texts_2[second], truncate, names[1])
-                for first, second in pairs
-            ]
+            prompts = await self.pair_prompts(
+                [(texts_1[first], texts_2[second]) for first, second in pairs], truncate, names[1]
+            )
             params = [
                 self.pooling_params(
                     fields,
@@ -185,12 +184,9 @@ class OpenAIServingScores(OpenAIServingPooling):
                 return None
             return [float(output.outputs.data.reshape(-1)[0]) for output in outputs], outputs
         self.check_task("embed", raw_request.url.path)
-        texts = [*texts_1, *texts_2]
         prompts = [
-            await self.prompt_of(
-                text, True, truncate, names[0] if index < len(texts_1) else names[1]
-            )
-            for index, text in enumerate(texts)
+            *await self.prompts_of(texts_1, True, truncate, names[0]),
+            *await self.prompts_of(texts_2, True, truncate, names[1]),
         ]
         params = [
             self.pooling_params(fields, task="embed", truncate_prompt_tokens=truncate)
