@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ENCODER_KINDS",
+    "corpus_words",
     "hf_classifier_logits",
     "make_tiny_decoder_classifier",
     "make_tiny_decoder_embedder",
@@ -389,7 +390,7 @@ def _corpus_lines() -> list[str]:
     return [line.strip() for line in _CORPUS.strip().splitlines() if line.strip()]
 
 
-def _corpus_words() -> list[str]:
+def corpus_words() -> list[str]:
     """The corpus's lowercased words and punctuation marks, most frequent first (ties alphabetically)."""
     counts = collections.Counter(re.findall(r"\w+|[^\w\s]", _CORPUS.lower()))
     return sorted(counts, key=lambda word: (-counts[word], word))
@@ -407,7 +408,7 @@ def _bert_tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
 
     characters = _corpus_characters()
     pieces = [*_BERT_SPECIALS, *characters, *(f"##{char}" for char in characters)]
-    words = [word for word in _corpus_words() if word not in pieces]
+    words = [word for word in corpus_words() if word not in pieces]
     pieces += words[: max(0, vocab_size - len(pieces))]
     vocab = _filled_vocab(
         {piece: index for index, piece in enumerate(pieces)}, vocab_size, "[unused{}]"
