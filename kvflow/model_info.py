@@ -10,13 +10,7 @@ from typing import Any
 from kvflow.builtin_models import HASH_ARCHITECTURES, HASH_MODEL_ARCHITECTURE
 
 _HASH_MODEL_MAX_MODEL_LEN = 4096
-# Encoder-only checkpoints (`kvflow.models.bert`): their config.json is not a decoder's.
-ENCODER_ARCHITECTURES = (
-    "BertModel",
-    "XLMRobertaModel",
-    "BertForSequenceClassification",
-    "XLMRobertaForSequenceClassification",
-)
+
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json keys that become request defaults (vLLM's list), and the SamplingParams field each sets.
 SAMPLING_DEFAULT_KEYS = {
@@ -143,7 +137,7 @@ def resolve_model_info(model: str | None, revision: str | None = None) -> ModelI
 
         config = GGUFCheckpoint(path).hf_config()
         eos_token_ids = _as_id_tuple(config.eos_token_id)
-    elif _config_architecture(path) in ENCODER_ARCHITECTURES:
+    elif _is_encoder_checkpoint(path):
         return _encoder_model_info(model, path)
     else:
         from kvflow.models.hf_config import load_hf_config
@@ -161,6 +155,12 @@ def resolve_model_info(model: str | None, revision: str | None = None) -> ModelI
     )
 
 
+def _is_encoder_checkpoint(path: Path) -> bool:
+    from kvflow.models.encoder_config import ENCODER_ARCHITECTURES
+
+    return _config_architecture(path) in ENCODER_ARCHITECTURES
+
+
 def _config_architecture(path: Path) -> str | None:
     """The first architecture config.json names (None when it names none or there is no readable file)."""
     try:
@@ -176,7 +176,7 @@ def _config_architecture(path: Path) -> str | None:
 def _encoder_model_info(model: str | None, path: Path) -> ModelInfo:
     """A BERT / XLM-RoBERTa checkpoint's info: its longest sequence is its position table less the offset
     XLM-RoBERTa's positions start at; an encoder generates nothing, so it has no EOS."""
-    from kvflow.models.bert import load_encoder_config
+    from kvflow.models.encoder_config import load_encoder_config
 
     config = load_encoder_config(path)
     return ModelInfo(

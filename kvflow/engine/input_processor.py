@@ -76,6 +76,7 @@ class InputProcessor:
         if model_config is None:
             model_config = ModelConfig()  # its defaults: generation_config "auto", max_logprobs 20
         self.tokenizer = tokenizer
+        self.runner = model_config.runner
         self.limits = RequestLimits.of(model_info, model_config, max_model_len)
         self.vocab_size = model_info.vocab_size
         self.max_model_len = max_model_len
@@ -151,6 +152,11 @@ class InputProcessor:
         self, prompt: PromptType, sampling_params: SamplingParams | None
     ) -> ProcessedPrompt:
         """Validate and tokenize one prompt (None params: `default_sampling_params`)."""
+        if self.runner != "generate":
+            raise ValueError(
+                f"this engine runs with runner={self.runner!r}: it embeds, classifies and scores "
+                "(embed / classify / score / encode); generating text needs runner='generate'"
+            )
         if sampling_params is None:
             sampling_params = self.default_sampling_params
         if not isinstance(sampling_params, SamplingParams):

@@ -669,7 +669,8 @@ class _FinishedOutputs:
 
 class _Progress:
     """The progress bar of one `generate` call: finished requests, and input / output tokens per second, where a
-    prompt's tokens count once its first output token arrives (it has been prefilled by then).
+    prompt's tokens count once its first output token (or a pooling request's result) arrives (it has been
+    prefilled by then).
 
     Invariant: the client's thread only counts (under the outputs lock); the bar is drawn by the waiting call's
     thread alone (`refresh`, `close`)."""
@@ -696,6 +697,8 @@ class _Progress:
         once)."""
         if output.new_token_ids:
             self.num_output_tokens += len(output.new_token_ids)
+            self.num_input_tokens += self._prompt_len.pop(request_id, 0)
+        elif output.pooling_output is not None:  # a pooling request: its prompt is done, nothing follows
             self.num_input_tokens += self._prompt_len.pop(request_id, 0)
 
     def record_finished(self) -> None:

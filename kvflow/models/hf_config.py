@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvflow.models.encoder_config import ENCODER_ARCHITECTURES
 from kvflow.models.registry import SUPPORTED_ARCHITECTURES, unsupported_architecture_error
 
 FULL_ATTENTION = "full_attention"
@@ -413,14 +414,15 @@ def _gemma3_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None, flo
 
 
 def _architecture(raw: dict[str, Any]) -> str:
-    """The first architecture kvflow supports in `architectures`, checked before any other key is read, so an
-    unsupported model fails with the supported list rather than with a key only supported models have."""
+    """The first decoder architecture kvflow supports in `architectures`, checked before any other key is read, so
+    an unsupported model fails with the supported list rather than with a key only supported models have (an
+    encoder's config is `kvflow.models.encoder_config`'s to read)."""
     architectures = raw.get("architectures")
     if not architectures:
         raise KeyError("architectures")
     names = [architectures] if isinstance(architectures, str) else [str(a) for a in architectures]
     for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
+        if name in SUPPORTED_ARCHITECTURES and name not in ENCODER_ARCHITECTURES:
             return name
     raise unsupported_architecture_error(names)
 

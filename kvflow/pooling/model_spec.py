@@ -106,6 +106,10 @@ def has_sentence_transformers_files(path: Path | None) -> bool:
 def resolve_runner(runner: str, architecture: str, path: Path | None) -> str:
     """Returns "generate" or "pooling" for the engine option `runner` ("auto": pooling for a pooling-only architecture or
     a folder with sentence-transformers' modules.json). ValueError when the model cannot run as asked."""
+    if path is None:  # the hash models: test stand-ins that generate
+        if runner == "pooling":
+            raise ValueError("runner='pooling' needs a checkpoint (the hash model only generates)")
+        return "generate"
     pooling_only = is_pooling_only_architecture(architecture)
     if runner == "auto":
         return "pooling" if pooling_only or has_sentence_transformers_files(path) else "generate"
@@ -113,8 +117,6 @@ def resolve_runner(runner: str, architecture: str, path: Path | None) -> str:
         raise ValueError(
             f"runner='generate': {architecture} has no language-model head; run it with runner='pooling'"
         )
-    if runner == "pooling" and path is None:
-        raise ValueError("runner='pooling' needs a checkpoint (the hash model only generates)")
     return runner
 
 

@@ -16,6 +16,18 @@ from kvflow.models.hf_config import (
 )
 from kvflow.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
 
+# Pooling architectures that run on a class named otherwise: base decoders on the causal LM (its head unused),
+# decoder classifiers on one Llama-family classifier, BERT and XLM-RoBERTa encoders on one encoder.
+_POOLING_CLASSES = {
+    "LlamaModel": "LlamaForCausalLM",
+    "Qwen2Model": "LlamaForCausalLM",
+    "Qwen3Model": "LlamaForCausalLM",
+    "Qwen2ForSequenceClassification": "LlamaForSequenceClassification",
+    "Qwen3ForSequenceClassification": "LlamaForSequenceClassification",
+    "BertModel": "BertEncoderModel",
+    "XLMRobertaModel": "BertEncoderModel",
+}
+
 
 def _write(folder: Path, config: dict[str, Any]) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -182,7 +194,7 @@ def test_registry_maps_every_supported_architecture() -> None:
         if architecture in llama_family:
             assert model_class is LlamaForCausalLM
         else:
-            assert model_class.__name__ == architecture
+            assert model_class.__name__ == _POOLING_CLASSES.get(architecture, architecture)
     assert get_model_class(["SomethingElse", "MistralForCausalLM"]) is LlamaForCausalLM
 
 
