@@ -347,6 +347,33 @@ def test_client_disconnect_aborts_its_inputs(embed_server: RemoteServer) -> None
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
+def test_abort_requests_by_response_id(embed_server: RemoteServer) -> None:
+    """POST /abort_requests takes a pooling response's id (`embd-<request id>`); the aborted request, held by a
+    keep pause, is answered with an error naming the abort (a pooling request has no partial result)."""
+
+    async def scenario() -> None:
+        async with embed_server.async_http() as http:
+            assert (await http.post("/pause", params={"mode": "keep"})).json() == {
+                "status": "paused"
+            }
+            try:
+                task = asyncio.ensure_future(
+                    http.post(
+                        "/v1/embeddings", json={"input": TEXTS}, headers={"X-Request-Id": "held"}
+                    )
+                )
+                await wait_for_metric(http, "kvflow:num_requests_waiting", len(TEXTS))
+                aborted = await http.post("/abort_requests", json={"request_ids": ["embd-held"]})
+                assert aborted.json() == {"aborted": ["embd-held"]}
+                response = await task
+            finally:
+                await http.post("/resume")
+            assert response.status_code == 500
+            assert "abort" in response.json()["error"]["message"]
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
 def test_cosine_scores_on_an_embedding_model(embed_server: RemoteServer, embed_llm: LLM) -> None:
     expected = [
         output.outputs.score for output in embed_llm.score(QUERY, DOCUMENTS, use_tqdm=False)

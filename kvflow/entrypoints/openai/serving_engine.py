@@ -127,8 +127,8 @@ class LiveRequests:
             del self.engine_ids[request_id]
 
     def resolve(self, request_ids: Sequence[str] | None) -> dict[str, list[str]]:
-        """The live ones among `request_ids` (each as given, or as a response `id`, `cmpl-<id>` / `chatcmpl-<id>`),
-        with their engine ids; None means every live request."""
+        """The live ones among `request_ids` (each as given, or as a response `id`, `cmpl-<id>` / `chatcmpl-<id>` /
+        `embd-<id>` ...: `RESPONSE_ID_PREFIXES`), with their engine ids; None means every live request."""
         if request_ids is None:
             return dict(self.engine_ids)
         found: dict[str, list[str]] = {}
@@ -140,10 +140,14 @@ class LiveRequests:
         return found
 
 
+# The prefixes of response ids (`<prefix><request id>`): completions, chat, and the pooling endpoints'.
+RESPONSE_ID_PREFIXES = ("cmpl-", "chatcmpl-", "embd-", "pool-", "classify-", "score-", "rerank-")
+
+
 def _without_response_prefix(response_id: str) -> list[str]:
     return [
         response_id[len(prefix) :]
-        for prefix in ("cmpl-", "chatcmpl-")
+        for prefix in RESPONSE_ID_PREFIXES
         if response_id.startswith(prefix)
     ]
 
