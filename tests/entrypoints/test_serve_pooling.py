@@ -5,7 +5,7 @@ Tiny random checkpoints (`kvflow.testing.pooling_checkpoints`), one server each,
 sentence-transformers BERT embedder (mean pooling, normalized, Matryoshka sizes; behind an API key, with a chat
 template), a BERT cross-encoder with one label, and a three-label Qwen2 classifier with named labels. The oracle
 for every value is the offline engine on the same checkpoint (`LLM(..., runner="pooling")`'s `embed`, `score`,
-`classify`, `encode`), which the server must match to float32 precision. A generate server (the built-in model)
+`classify`, `encode`), which the server must match to float32 precision. A generate server (the hash model)
 checks the reverse refusal.
 """
 
@@ -27,7 +27,7 @@ import pytest
 from kvflow.entrypoints.llm import LLM
 from kvflow.pooling_params import PoolingParams
 from kvflow.testing.pooling_checkpoints import make_tiny_decoder_classifier, make_tiny_encoder
-from tests.entrypoints.server import DEFAULT_SERVER, RemoteServer
+from tests.entrypoints.server import HASH_SERVER, RemoteServer
 from tests.entrypoints.test_serve_rl import wait_for_metric
 
 API_KEY = "pooling-test-key"
@@ -62,9 +62,7 @@ class Checkpoints:
     classifier: Path
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    root = tmp_path_factory.mktemp("pooling-serve")
+def make_checkpoints(root: Path) -> Checkpoints:
     embedder = make_tiny_encoder(
         root / "embedder", "bert", sentence_transformers={"pooling": "mean", "normalize": True}
     )
@@ -87,57 +85,64 @@ def _update_config(folder: Path, **fields: object) -> None:
 
 @dataclass(frozen=True)
 class Servers:
+    checkpoints: Checkpoints
     embed: RemoteServer
     rerank: RemoteServer
     classify: RemoteServer
     generate: RemoteServer
 
 
-@pytest.fixture(scope="module")
-def servers(checkpoints: Checkpoints) -> Iterator[Servers]:
-    """The three servers, started (and stopped) at once: each start is mostly waiting on imports."""
-    launches = {
-        "embed": (
-            [
-                str(checkpoints.embedder),
-                "--runner",
-                "pooling",
-                "--served-model-name",
-                EMBEDDER,
-                "--enable-admin-endpoints",
-                "--chat-template",
-                CHAT_TEMPLATE,
-            ],
-            API_KEY,
-        ),
-        "rerank": (
-            [str(checkpoints.reranker), "--runner", "pooling", "--served-model-name", RERANKER],
-            None,
-        ),
+def _pooling_launches(checkpoints: Checkpoints) -> dict[str, tuple[list[str], str | None]]:
+    """Each pooling server's arguments and API key."""
+    embed_args = [str(checkpoints.embedder), "--runner", "pooling", "--served-model-name", EMBEDDER]
+    embed_args += ["--enable-admin-endpoints", "--chat-template", CHAT_TEMPLATE]
+    rerank_args = [
+        str(checkpoints.reranker),
+        "--runner",
+        "pooling",
+        "--served-model-name",
+        RERANKER,
+    ]
+    return {
+        "embed": (embed_args, API_KEY),
+        "rerank": (rerank_args, None),
         "classify": ([str(checkpoints.classifier), "--runner", "pooling"], None),
-        "generate": (DEFAULT_SERVER, None),
     }
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    """Every server, started (and stopped) at once, the generate one while the checkpoints are written: each
+    start is mostly waiting on imports."""
     started: dict[str, RemoteServer] = {}
     failure: BaseException | None = None
-    with ThreadPoolExecutor(len(launches)) as pool:
-        futures = {
-            name: pool.submit(RemoteServer, *args, api_key=api_key)
-            for name, (args, api_key) in launches.items()
-        }
+    with ThreadPoolExecutor(4) as pool:
+        futures = {"generate": pool.submit(RemoteServer, *HASH_SERVER)}
+        try:
+            checkpoints = make_checkpoints(tmp_path_factory.mktemp("pooling-serve"))
+            for name, (args, api_key) in _pooling_launches(checkpoints).items():
+                futures[name] = pool.submit(RemoteServer, *args, api_key=api_key)
+        except BaseException as error:  # the servers started are stopped below
+            failure = error
         for name, future in futures.items():
             try:
                 started[name] = future.result()
-            except BaseException as error:  # the others are stopped below
+            except BaseException as error:
                 failure = error
     try:
         if failure is not None:
             raise failure
-        yield Servers(**started)
+        yield Servers(checkpoints, **started)
     finally:
-        with ThreadPoolExecutor(len(launches)) as pool:
+        with ThreadPoolExecutor(len(started) or 1) as pool:
             list(pool.map(RemoteServer.stop, started.values()))
         for server in started.values():
             server.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(servers: Servers) -> Checkpoints:
+    return servers.checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +185,9 @@ def _decode(text: str) -> list[float]:
 def test_embeddings_through_the_openai_client(embed_server: RemoteServer, embed_llm: LLM) -> None:
     expected = embed_llm.embed(TEXTS, use_tqdm=False)
     client = embed_server.client()
-    floats = client.embeddings.create(model=EMBEDDER, input=TEXTS, encoding_format="float")
+    floats = client.embeddings.create(
+        model=EMBEDDER, input=TEXTS, encoding_format="float", user="someone"
+    )
     # The client's default: base64, decoded by the client itself.
     decoded = client.embeddings.create(model=EMBEDDER, input=TEXTS)
     for response in (floats, decoded):
@@ -510,6 +517,6 @@ def test_pooling_endpoints_on_a_generate_server(servers: Servers) -> None:
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
         _error(server.post(path, json={"query": "a", "documents": ["b"]}), 400, None)
     with pytest.raises(openai.BadRequestError, match="--runner pooling"):
-        server.client().embeddings.create(model="default", input=[1, 2])
+        server.client().embeddings.create(model="hash", input=[1, 2])
     completion = server.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
     assert completion.status_code == 200, completion.text
