@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -25,9 +27,17 @@ import openai
 import pytest
 
 from kvflow.entrypoints.llm import LLM
+from kvflow.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from kvflow.pooling_params import PoolingParams
 from kvflow.testing.pooling_checkpoints import make_tiny_decoder_classifier, make_tiny_encoder
 from tests.entrypoints.server import HASH_SERVER, RemoteServer
+from tests.entrypoints.test_serve_hostile import random_json
 from tests.entrypoints.test_serve_rl import wait_for_metric
 
 API_KEY = "pooling-test-key"
@@ -504,6 +514,43 @@ def test_decoder_classifier_labels(servers: Servers, checkpoints: Checkpoints) -
         np.testing.assert_allclose(item["probs"], probs, atol=ATOL)
     score = servers.classify.post("/score", json={"text_1": "a", "text_2": "b"})
     assert "'score'" in _error(score, 400, None)
+
+
+FUZZED = {  # each pooling path's request model, and a valid body its fields are fuzzed from
+    "/v1/embeddings": (EmbeddingRequest, {"input": ["a b", "c"]}),
+    "/pooling": (PoolingRequest, {"input": "a b"}),
+    "/classify": (ClassificationRequest, {"input": "x"}),
+    "/score": (ScoreRequest, {"text_1": "a", "text_2": ["b", "c"]}),
+    "/rerank": (RerankRequest, {"query": "q", "documents": ["a", "b"]}),
+}
+
+
+def test_random_json_at_every_field_is_never_a_5xx(servers: Servers) -> None:
+    """`test_serve_hostile`'s hurtful JSON values in one to three fields of a valid body, on both kinds of pooling
+    server: each answer is a 200 or an error in OpenAI's shape below 500, and the servers stay healthy."""
+    rng = random.Random(43)
+    statuses: dict[int, int] = {}
+    for server in (servers.embed, servers.rerank):
+        with server.http() as http:
+            for _ in range(40):
+                path = rng.choice(list(FUZZED))
+                model, base = FUZZED[path]
+                body: dict[str, Any] = dict(base)
+                for field_name in rng.sample(sorted(model.model_fields), rng.randrange(1, 4)):
+                    body[field_name] = random_json(rng)
+                try:
+                    raw = json.dumps(body).encode("utf-8", "surrogatepass")
+                except RecursionError:
+                    continue
+                response = http.post(
+                    path, content=raw, headers={"content-type": "application/json"}
+                )
+                assert response.status_code < 500, (path, str(body)[:400], response.text[:400])
+                if response.status_code != 200:
+                    assert response.json()["error"]["code"] == response.status_code
+                statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        assert server.get("/health").status_code == 200
+    assert statuses.get(400, 0) > 0 and statuses.get(200, 0) > 0, statuses
 
 
 # ---------------------------------------------------------------------------------------------------- generate
