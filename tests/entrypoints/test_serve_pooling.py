@@ -327,6 +327,9 @@ def test_wrong_task_and_runner_are_400s(embed_server: RemoteServer) -> None:
         embed_server.client().completions.create(model=EMBEDDER, prompt="x")
     models = embed_server.client().models.list()
     assert [card.id for card in models.data] == [EMBEDDER]
+    tokens = embed_server.post("/tokenize", json={"prompt": TEXTS[0]})
+    assert tokens.status_code == 200, tokens.text
+    assert tokens.json()["count"] == len(tokens.json()["tokens"]) > 2
 
 
 def test_request_id_header_and_metrics(embed_server: RemoteServer) -> None:
@@ -495,6 +498,9 @@ def test_classify_and_pooling(rerank_server: RemoteServer, rerank_llm: LLM) -> N
 
     message = _error(rerank_server.post("/v1/embeddings", json={"input": "x"}), 400, None)
     assert "'embed'" in message and "classification" in message
+    _error(rerank_server.post("/pooling", json={"input": "x", "task": "embed"}), 400, "task")
+    by_task = rerank_server.post("/pooling", json={"input": TEXTS[0], "task": "classify"}).json()
+    np.testing.assert_allclose(by_task["data"][0]["data"], expected[0].outputs.probs, atol=ATOL)
 
 
 def test_decoder_classifier_labels(servers: Servers, checkpoints: Checkpoints) -> None:

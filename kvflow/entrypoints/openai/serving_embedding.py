@@ -100,7 +100,7 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
 
     async def create_pooling(self, request: PoolingRequest, raw_request: Request) -> Response:
         task = request.task or "encode"
-        self.check_request(request, task, raw_request.url.path)
+        self.check_request(request, task, raw_request.url.path, "task" if request.task else None)
         request_id = self.request_id(raw_request, request.request_id)
         items = input_items(request.input)
         self.check_num_inputs(len(items), "input")

@@ -179,8 +179,11 @@ class OpenAIServingPooling:
         self.supported_tasks = engine_tasks(engine)
 
     # ------------------------------------------------------------------------------------------------ checks
-    def check_request(self, request: PoolingRequestFields, task: str, path: str) -> None:
-        """What every pooling request must pass before its inputs are looked at."""
+    def check_request(
+        self, request: PoolingRequestFields, task: str, path: str, task_param: str | None = None
+    ) -> None:
+        """What every pooling request must pass before its inputs are looked at (`task_param`: the request field
+        that named the task, if one did)."""
         if self.engine.errored:
             raise OpenAIServingError(
                 "the engine has died; restart the server",
@@ -193,7 +196,7 @@ class OpenAIServingPooling:
             )
         self.unknown_fields.report(request.model_extra)
         require_runner(self.runner, "pooling", path)
-        self.check_task(task, path)
+        self.check_task(task, path, task_param)
         try:
             check_priority(request.priority, self.scheduling_policy)
         except ValueError as error:
