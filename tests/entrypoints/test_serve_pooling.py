@@ -29,10 +29,15 @@ import pytest
 from kvflow.entrypoints.llm import LLM
 from kvflow.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
+    ClassificationResponse,
     EmbeddingRequest,
+    EmbeddingResponse,
     PoolingRequest,
+    PoolingResponse,
     RerankRequest,
+    RerankResponse,
     ScoreRequest,
+    ScoreResponse,
 )
 from kvflow.pooling_params import PoolingParams
 from kvflow.testing.pooling_checkpoints import make_tiny_decoder_classifier, make_tiny_encoder
@@ -255,6 +260,7 @@ def test_embeddings_dimensions_normalize_and_token_ids(
         "/v1/embeddings", json={"input": TEXTS[0], "normalize": False, "encoding_format": "base64"}
     )
     assert raw.status_code == 200, raw.text
+    EmbeddingResponse.model_validate(raw.json())
     [plain] = embed_llm.embed(
         [TEXTS[0]], pooling_params=PoolingParams(normalize=False), use_tqdm=False
     )
@@ -402,6 +408,7 @@ def test_cosine_scores_on_an_embedding_model(embed_server: RemoteServer, embed_l
         response = embed_server.post(path, json={"text_1": QUERY, "text_2": DOCUMENTS})
         assert response.status_code == 200, response.text
         body = response.json()
+        ScoreResponse.model_validate(body)
         assert body["object"] == "list" and body["model"] == EMBEDDER
         assert body["id"].startswith("score-")
         assert [item["index"] for item in body["data"]] == [0, 1, 2, 3]
@@ -455,6 +462,7 @@ def test_rerank(rerank_server: RemoteServer, rerank_llm: LLM) -> None:
         )
         assert response.status_code == 200, response.text
         body = response.json()
+        RerankResponse.model_validate(body)
         assert body["model"] == RERANKER and body["id"].startswith("rerank-")
         assert [item["index"] for item in body["results"]] == order
         for item in body["results"]:
@@ -482,6 +490,7 @@ def test_classify_and_pooling(rerank_server: RemoteServer, rerank_llm: LLM) -> N
     response = rerank_server.post("/classify", json={"model": RERANKER, "input": TEXTS})
     assert response.status_code == 200, response.text
     body = response.json()
+    ClassificationResponse.model_validate(body)
     assert body["id"].startswith("classify-") and body["object"] == "list"
     for item, output in zip(body["data"], expected, strict=True):
         assert item["label"] == "relevant" and item["num_classes"] == 1
@@ -491,6 +500,7 @@ def test_classify_and_pooling(rerank_server: RemoteServer, rerank_llm: LLM) -> N
 
     pooled = rerank_server.post("/pooling", json={"input": TEXTS[:2]})
     assert pooled.status_code == 200, pooled.text
+    PoolingResponse.model_validate(pooled.json())
     [first, _] = rerank_llm.encode(TEXTS[:2], use_tqdm=False)
     data = pooled.json()["data"]
     assert [item["object"] for item in data] == ["pooling", "pooling"]

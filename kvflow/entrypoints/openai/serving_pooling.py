@@ -49,18 +49,6 @@ if TYPE_CHECKING:
 
 _T = TypeVar("_T")
 
-# The server paths each runner serves (the other runner's paths are a 400 naming the runner).
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
-POOLING_PATHS = (
-    "/v1/embeddings",
-    "/pooling",
-    "/classify",
-    "/v1/score",
-    "/score",
-    "/v1/rerank",
-    "/rerank",
-    "/v2/rerank",
-)
 # What each task is called in errors (the endpoint that asks for it).
 _TASK_ENDPOINTS = {
     "embed": "embeddings (/v1/embeddings)",
@@ -72,12 +60,7 @@ _TASK_ENDPOINTS = {
 
 def engine_runner(engine: AsyncLLM) -> str:
     """The engine's resolved runner: "generate" or "pooling"."""
-    return str(getattr(engine.engine_config.model_config, "runner", "generate"))
-
-
-def engine_tasks(engine: AsyncLLM) -> tuple[str, ...]:
-    """What the engine's model can be asked (`AsyncLLM.supported_tasks`)."""
-    return tuple(getattr(engine, "supported_tasks", ("generate",)))
+    return engine.engine_config.model_config.runner
 
 
 def require_runner(runner: str, needed: str, path: str) -> None:
@@ -176,7 +159,7 @@ class OpenAIServingPooling:
         self.max_model_len = models.max_model_len
         self.scheduling_policy = engine.engine_config.scheduler_config.policy
         self.runner = engine_runner(engine)
-        self.supported_tasks = engine_tasks(engine)
+        self.supported_tasks = engine.supported_tasks
 
     # ------------------------------------------------------------------------------------------------ checks
     def check_request(
