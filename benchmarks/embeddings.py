@@ -10,7 +10,9 @@ Models (random weights, real shapes, float32, written by `kvflow.testing.pooling
   30522, 512 positions; sentence-transformers mean pooling + normalize, `max_seq_length` 512 (the real model's is
   256; 512 here so that no input is cut).
 - **qwen3**: Qwen3-Embedding-0.6B's shape: Qwen3, hidden 1024, 28 layers, 16 query / 8 KV heads of 128,
-  intermediate 3072, vocabulary 151669; last-token pooling + normalize; kvflow's engines get `max_model_len` 2048.
+  intermediate 3072, vocabulary 151669; last-token pooling + normalize; kvflow's engines get `max_model_len` 2048
+  and no prefix caching (kvflow caches a last-token-pooling decoder's prompts, and every round embeds the same
+  texts: with the cache on, later rounds would compute nothing; sentence-transformers has no such cache).
 
 Inputs: `--num-inputs` texts (default 1000 for minilm; 64 for qwen3, whose 0.6B parameters take minutes per
 thousand inputs on a few cores) of random words from a built-in English text, each cut to a length drawn uniformly
@@ -24,9 +26,9 @@ Contenders, all alive for the whole run, timed on the whole input list per round
 3. **kvflow serve**: `kvflow serve PATH --runner pooling` on 127.0.0.1 (its engine core uses every core, as
    in-process), one /v1/embeddings request per text, `--concurrency` (32) in flight, through `kvflow bench serve`'s
    aiohttp client (`--backend openai-embeddings`) in this process.
-Each round runs the three in a rotated order (drift cancels), after a warm-up of each on the first 16 inputs; the
-figure is inputs / median seconds. The embeddings of 1 and 2 are checked against each other (cosine per input,
-the minimum printed).
+Each round runs the three in a rotated order (drift cancels), after a warm-up of each on the first 4 inputs; the
+figure is inputs / median seconds. The embeddings of 1 and 2 (from their first timed runs) are checked against
+each other (cosine per input, the minimum printed).
 
 Goals (issue 43), printed with PASS / MISS: kvflow in-process >= 2.0x sentence-transformers; serve >= 0.8 of
 in-process.
@@ -60,7 +62,7 @@ DEFAULT_CACHE_DIR = REPO / ".cache" / "embeddings-bench"
 CHECKPOINT_MARKER = "kvflow-embeddings-benchmark.json"
 CONTENDERS = ("sentence-transformers", "kvflow in-process", "kvflow serve")
 SERVED_NAME = "embeddings-bench"
-WARMUP_INPUTS = 16  # each contender's warm-up embeds the first inputs
+WARMUP_INPUTS = 4  # each contender's warm-up embeds the first inputs
 GOALS = (("kvflow / sentence-transformers", 2.0), ("serve / in-process", 0.8))
 
 
@@ -116,7 +118,7 @@ MODELS: dict[str, ModelSpec] = {
                 "max_seq_length": 8192,
             },
         },
-        {"max_model_len": 2048},
+        {"max_model_len": 2048, "enable_prefix_caching": False},
         64,
         "Qwen3-Embedding-0.6B (Qwen3, hidden 1024, 28 layers, 16/8 heads of 128, intermediate 3072, "
         "vocab 151669)",
@@ -238,6 +240,14 @@ def serve_run(
         )
 
 
+def _flag(key: str, value: Any) -> str:
+    """The `kvflow serve` flag for an engine argument."""
+    name = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{name}" if value else f"--no-{name}"
+    return f"--{name}={value}"
+
+
 def min_cosine(first: Any, second: Any) -> float:
     import numpy as np
 
@@ -248,25 +258,29 @@ def min_cosine(first: Any, second: Any) -> float:
 
 def measure(
     runs: dict[str, Callable[[slice], object]], rounds: int, num_inputs: int
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, object]]:
     """Embeddings per second of each contender: inputs / median seconds over `rounds` rotated rounds of all the
-    inputs, after a warm-up run of each on the first `WARMUP_INPUTS`. A run embeds the inputs its slice picks."""
+    inputs, after a warm-up run of each on the first `WARMUP_INPUTS`; and what each one's first timed run returned.
+    A run embeds the inputs its slice picks."""
     for name, run in runs.items():
         _stderr(f"  warm-up: {name} ...")
         run(slice(0, WARMUP_INPUTS))
     seconds: dict[str, list[float]] = {name: [] for name in runs}
+    outputs: dict[str, object] = {}
     names = list(runs)
     for round_index in range(rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            runs[name](slice(None))
+            output = runs[name](slice(None))
             seconds[name].append(time.perf_counter() - start)
+            outputs.setdefault(name, output)
         _stderr(
             f"  round {round_index + 1}: "
             + ", ".join(f"{name} {num_inputs / times[-1]:.1f}/s" for name, times in seconds.items())
         )
-    return {name: num_inputs / statistics.median(times) for name, times in seconds.items()}
+    rates = {name: num_inputs / statistics.median(times) for name, times in seconds.items()}
+    return rates, outputs
 
 
 def bench_model(
@@ -287,23 +301,21 @@ def bench_model(
         raise RuntimeError(
             f"LLM changed this process's torch threads: {threads_before} -> {threads}"
         )
-    st_out, kvflow_out = st_run(st_model, texts), kvflow_run(llm, texts)
-    cosine = min_cosine(st_out, kvflow_out)
     runs: dict[str, Callable[[slice], object]] = {
         CONTENDERS[0]: lambda part: st_run(st_model, texts[part]),
         CONTENDERS[1]: lambda part: kvflow_run(llm, texts[part]),
     }
-    serve_args = [f"--{key.replace('_', '-')}={value}" for key, value in engine_args.items()]
-    rates: dict[str, float]
+    serve_args = [_flag(key, value) for key, value in engine_args.items()]
     if with_server:
         engine = ["--runner", "pooling", "--served-model-name", SERVED_NAME, *serve_args]
         with running_server([str(path)], engine) as (base_url, _):
             runs[CONTENDERS[2]] = lambda part: serve_run(
                 base_url, SERVED_NAME, texts[part], lengths[part], settings.concurrency
             )
-            rates = measure(runs, settings.rounds, len(texts))
+            rates, outputs = measure(runs, settings.rounds, len(texts))
     else:
-        rates = measure(runs, settings.rounds, len(texts))
+        rates, outputs = measure(runs, settings.rounds, len(texts))
+    cosine = min_cosine(outputs[CONTENDERS[0]], outputs[CONTENDERS[1]])
     return {
         "model": name,
         "num_inputs": len(texts),
