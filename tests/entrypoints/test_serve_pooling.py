@@ -118,10 +118,14 @@ def _pooling_launches(checkpoints: Checkpoints) -> dict[str, tuple[list[str], st
         "--served-model-name",
         RERANKER,
     ]
+    classify_args = [str(checkpoints.classifier), "--runner", "pooling"]
+    # Only the embedder's engine core runs in a process of its own (kvflow serve's default layout, where the
+    # disconnect and abort tests run); the others keep theirs in the server process: three fewer processes to
+    # start (the setup took 13 s instead of 8).
     return {
         "embed": (embed_args, API_KEY),
-        "rerank": (rerank_args, None),
-        "classify": ([str(checkpoints.classifier), "--runner", "pooling"], None),
+        "rerank": ([*rerank_args, "--no-engine-process"], None),
+        "classify": ([*classify_args, "--no-engine-process"], None),
     }
 
 
@@ -132,7 +136,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
     started: dict[str, RemoteServer] = {}
     failure: BaseException | None = None
     with ThreadPoolExecutor(4) as pool:
-        futures = {"generate": pool.submit(RemoteServer, *HASH_SERVER)}
+        futures = {"generate": pool.submit(RemoteServer, *HASH_SERVER, "--no-engine-process")}
         try:
             checkpoints = make_checkpoints(tmp_path_factory.mktemp("pooling-serve"))
             for name, (args, api_key) in _pooling_launches(checkpoints).items():
