@@ -11,6 +11,11 @@ serving_completion.py    POST /v1/completions
 serving_chat.py          POST /v1/chat/completions
 chat_prompt.py           a chat request's prompt text: the one chat renderer plus the server's template trust rules
 serving_tokenization.py  POST /tokenize, POST /detokenize
+protocol_pooling.py      the pooling endpoints' bodies (--runner pooling), in OpenAI's, vLLM's, Jina's / Cohere's shapes
+serving_pooling.py       what the pooling handlers share: runner and task checks, inputs, AsyncLLM.encode runs
+serving_embedding.py     POST /v1/embeddings, POST /pooling
+serving_classification.py  POST /classify
+serving_score.py         POST /v1/score and /score, POST /v1/rerank, /rerank and /v2/rerank
 template_sandbox.py      chat templates sent by clients, rendered in a child process with time/memory/output limits
 serving_models.py        the served model's name and GET /v1/models
 logprobs.py              RequestOutput logprobs in OpenAI's completion and chat shapes
