@@ -4,9 +4,10 @@ embeddings, reranking and classification (issue 43).
 An encoder step is prefill-only and keeps no cache: `input_ids` is every sequence's tokens back to back
 (`[total_tokens]`) with `seq_lens` (or `query_start_loc`, `[num_seqs + 1]`) saying where each sequence ends, and the
 result is the last hidden states `[total_tokens, hidden_size]` (or, for a classifier, logits
-`[num_seqs, num_labels]`). Each sequence runs the whole stack on its own (bidirectional attention over that sequence
-only), so a sequence's output is bit for bit the same alone or in any batch: no product ever mixes the rows of two
-sequences, and the row counts each product sees depend on that sequence's length alone.
+`[num_seqs, num_labels]`). The sequences stay packed (no padding): attention runs per sequence (bidirectional, over
+that sequence only) and every other operation row by row over all of them at once, so a sequence's output is bit for
+bit the same alone or in any batch: the matrix products never run the few-row algorithms whose sums are ordered
+otherwise (`_RowInvariantLinear`), so a row's result depends on its own values only (checked by the tests).
 
 The config is read from `config.json` by `kvflow.models.encoder_config`, not by `kvflow.models.hf_config`, whose
 `TransformerConfig` describes decoders; `load_encoder_model` builds and loads a model from a checkpoint folder.
@@ -96,11 +97,30 @@ class _LayerNorm(nn.Module):
         return F.layer_norm(hidden_states, self.weight.shape, self.weight, self.bias, self.eps)
 
 
+# The fewest rows an encoder's matrix product multiplies (`_RowInvariantLinear`).
+GEMM_MIN_ROWS = 64
+
+
+class _RowInvariantLinear(Linear):
+    """A `Linear` whose rows come out the same whatever rows are multiplied with them: PyTorch's GEMM on at least
+    `GEMM_MIN_ROWS` rows (fewer are padded with zeros). A product of few rows takes another algorithm, which orders
+    a row's sums otherwise (kvflow's kernels switch from GEMV to GEMM by rows; MKL's float32 GEMM has a path of its
+    own for 2-3 rows); from a few dozen rows on, the CPU GEMMs compute each row alike whatever the row count
+    (`tests/models/test_bert_vs_hf.py` checks it bit for bit)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_rows = hidden_states.shape[0]
+        if num_rows >= GEMM_MIN_ROWS:
+            return F.linear(hidden_states, self.weight, self.bias)
+        padded = F.pad(hidden_states, (0, 0, 0, GEMM_MIN_ROWS - num_rows))
+        return F.linear(padded, self.weight, self.bias)[:num_rows]
+
+
 class _EncoderLayer(nn.Module):
     """One post-LN encoder layer: `x = norm(x + attn(x))`, then `x = norm(x + down(act(up(x))))`.
 
-    Invariant: `forward` takes one sequence's rows `[seq_len, hidden]`; attention is unmasked over them
-    (bidirectional) with the scale `1 / sqrt(head_dim)`.
+    Invariant: attention is unmasked within each sequence (bidirectional) and never crosses sequences, with the
+    scale `1 / sqrt(head_dim)`; every other operation works row by row.
     """
 
     def __init__(self, config: EncoderConfig, dtype: torch.dtype, device: torch.device | str):
@@ -108,22 +128,34 @@ class _EncoderLayer(nn.Module):
         hidden, inter = config.hidden_size, config.intermediate_size
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
-        self.qkv_proj = Linear(hidden, [hidden] * 3, bias=True, dtype=dtype, device=device)
-        self.attn_out = Linear(hidden, hidden, bias=True, dtype=dtype, device=device)
+        self.qkv_proj = _RowInvariantLinear(
+            hidden, [hidden] * 3, bias=True, dtype=dtype, device=device
+        )
+        self.attn_out = _RowInvariantLinear(hidden, hidden, bias=True, dtype=dtype, device=device)
         self.attn_norm = _LayerNorm(hidden, config.layer_norm_eps, dtype, device)
-        self.up = Linear(hidden, inter, bias=True, dtype=dtype, device=device)
-        self.down = Linear(inter, hidden, bias=True, dtype=dtype, device=device)
+        self.up = _RowInvariantLinear(hidden, inter, bias=True, dtype=dtype, device=device)
+        self.down = _RowInvariantLinear(inter, hidden, bias=True, dtype=dtype, device=device)
         self.mlp_norm = _LayerNorm(hidden, config.layer_norm_eps, dtype, device)
         self.act = _ACTIVATIONS[config.hidden_act]
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        seq_len = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states).view(seq_len, 3, self.num_heads, self.head_dim)
-        query, key, value = qkv.permute(1, 2, 0, 3).unbind(0)  # each [heads, seq_len, head_dim]
-        attended = F.scaled_dot_product_attention(
-            query, key, value, scale=1.0 / math.sqrt(self.head_dim)
-        )
-        attended = attended.transpose(0, 1).reshape(seq_len, -1)
+    def forward(
+        self, hidden_states: torch.Tensor, bounds: list[tuple[int, int]] | None = None
+    ) -> torch.Tensor:
+        """The layer over packed sequences: `hidden_states` `[total_tokens, hidden]` holds each sequence's rows at
+        its `(start, end)` in `bounds` (None: one sequence of every row). Projections, norms and the activation run
+        on all rows at once (row by row the same: they mix no rows); attention runs per sequence."""
+        num_tokens = hidden_states.shape[0]
+        if bounds is None:
+            bounds = [(0, num_tokens)]
+        qkv = self.qkv_proj(hidden_states).view(num_tokens, 3, self.num_heads, self.head_dim)
+        attended = hidden_states.new_empty(num_tokens, self.num_heads * self.head_dim)
+        for start, end in bounds:
+            # [1, heads, seq_len, head_dim] each: the 4-D layout takes PyTorch's fused CPU attention kernel.
+            query, key, value = qkv[start:end].permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
+            output = F.scaled_dot_product_attention(
+                query, key, value, scale=1.0 / math.sqrt(self.head_dim)
+            )
+            attended[start:end] = output[0].transpose(0, 1).reshape(end - start, -1)
         hidden_states = self.attn_norm(hidden_states + self.attn_out(attended))
         mlp = self.down(self.act(self.up(hidden_states)))
         return self.mlp_norm(hidden_states + mlp)
@@ -258,9 +290,10 @@ class BertEncoderModel(_EncoderCheckpoint):
     """A `BertModel` / `XLMRobertaModel` encoder: embeddings (word + absolute position + token type, then
     LayerNorm) and `num_hidden_layers` post-LN layers; `forward` returns the last hidden states of every token.
 
-    Invariants: each sequence of a batch runs the stack alone, so its hidden states are bit for bit those it gets
-    alone (batch invariance); position ids restart at `config.position_offset` for each sequence (XLM-RoBERTa's
-    start after the padding index; equal to transformers' for sequences that hold no padding token). Checkpoint
+    Invariants: attention never crosses sequences and everything else is row by row, so a sequence's hidden states
+    are bit for bit those it gets alone (batch invariance, see the module docstring); position ids restart at
+    `config.position_offset` for each sequence (XLM-RoBERTa's start after the padding index; equal to
+    transformers' for sequences that hold no padding token). Checkpoint
     names load bare or under `bert.` / `roberta.`; the pooler, classifier and masked-LM heads are not held and are
     skipped (a classifier checkpoint loads as its base encoder).
     """
@@ -314,17 +347,27 @@ class BertEncoderModel(_EncoderCheckpoint):
             if not name.startswith(self._skipped_prefixes) and not name.endswith(_IGNORED_SUFFIXES):
                 yield name, tensor
 
-    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
-        """One sequence's embeddings `[seq_len, hidden]` after the embedding LayerNorm."""
-        seq_len = input_ids.shape[0]
-        if seq_len > self.config.max_seq_len:
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None,
+        bounds: list[tuple[int, int]] | None = None,
+    ) -> torch.Tensor:
+        """Packed sequences' embeddings `[total_tokens, hidden]` after the embedding LayerNorm; position ids restart
+        at each sequence's `(start, end)` in `bounds` (None: one sequence)."""
+        if bounds is None:
+            bounds = [(0, input_ids.shape[0])]
+        longest = max(end - start for start, end in bounds)
+        if longest > self.config.max_seq_len:
             raise ValueError(
-                f"a sequence of {seq_len} tokens is longer than the model's {self.config.max_seq_len} positions"
+                f"a sequence of {longest} tokens is longer than the model's {self.config.max_seq_len} positions"
             )
-        positions = torch.arange(
-            self.config.position_offset,
-            self.config.position_offset + seq_len,
-            device=input_ids.device,
+        offset = self.config.position_offset
+        positions = torch.cat(
+            [
+                torch.arange(offset, offset + end - start, device=input_ids.device)
+                for start, end in bounds
+            ]
         )
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
@@ -339,9 +382,21 @@ class BertEncoderModel(_EncoderCheckpoint):
         self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The last hidden states `[seq_len, hidden]` of one sequence."""
-        hidden_states = self.embed(input_ids, token_type_ids)
+        return self.encode_packed(input_ids, [(0, input_ids.shape[0])], token_type_ids)
+
+    def encode_packed(
+        self,
+        input_ids: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The last hidden states `[total_tokens, hidden]` of sequences packed back to back, sequence i at rows
+        `bounds[i]`. Batch invariance: attention is per sequence and everything else row by row, so a sequence's
+        rows are bit for bit what it gets alone: the products never take their few-row algorithms
+        (`_RowInvariantLinear`), so a row's result depends on its own values only (the tests check it)."""
+        hidden_states = self.embed(input_ids, token_type_ids, bounds)
         for layer in self.layers:
-            hidden_states = layer(hidden_states)
+            hidden_states = layer(hidden_states, bounds)
         return hidden_states
 
     def forward(
@@ -353,13 +408,7 @@ class BertEncoderModel(_EncoderCheckpoint):
     ) -> torch.Tensor:
         """The last hidden states `[total_tokens, hidden]` of a flattened batch (`_sequence_bounds`)."""
         bounds = _sequence_bounds(input_ids, seq_lens, query_start_loc)
-        outputs = [
-            self.encode_sequence(
-                input_ids[start:end], None if token_type_ids is None else token_type_ids[start:end]
-            )
-            for start, end in bounds
-        ]
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        return self.encode_packed(input_ids, bounds, token_type_ids)
 
     def sequence_starts(
         self,
@@ -437,12 +486,8 @@ class _SequenceClassifier(_EncoderCheckpoint):
     ) -> torch.Tensor:
         """Logits `[num_seqs, num_labels]` of a flattened batch (`_sequence_bounds`), each sequence run alone."""
         bounds = _sequence_bounds(input_ids, seq_lens, query_start_loc)
-        logits = []
-        for start, end in bounds:
-            types = None if token_type_ids is None else token_type_ids[start:end]
-            hidden_states = self.base.encode_sequence(input_ids[start:end], types)
-            logits.append(self.classify(hidden_states[:1]))
-        return torch.cat(logits)
+        hidden_states = self.base.encode_packed(input_ids, bounds, token_type_ids)
+        return torch.cat([self.classify(hidden_states[start : start + 1]) for start, _ in bounds])
 
 
 class BertForSequenceClassification(_SequenceClassifier):

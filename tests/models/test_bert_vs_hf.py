@@ -197,6 +197,21 @@ def test_batch_invariance_bit_for_bit(checkpoints: dict[str, Path], kind: str, d
     assert batched.dtype == getattr(torch, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariance_across_row_tiles(checkpoints: dict[str, Path], dtype: str) -> None:
+    """Sequences of 1-3 tokens (a matrix product of so few rows can take another algorithm), and batches of
+    several hundred rows: each sequence's rows equal its rows alone."""
+    model = load_encoder_model(checkpoints["bert"], dtype=dtype)
+    generator = torch.Generator().manual_seed(7)
+    lengths = (1, 3, 2, 63, 64, 1, 50, 64, 64, 64, 9)
+    sequences = [torch.randint(1, _SHAPE["vocab_size"], (n,), generator=generator) for n in lengths]
+    batched = _kvflow_forward(model, sequences)
+    start = 0
+    for seq in sequences:
+        assert torch.equal(batched[start : start + len(seq)], _kvflow_forward(model, [seq]))
+        start += len(seq)
+
+
 def test_bfloat16_close_to_float32(checkpoints: dict[str, Path]) -> None:
     sequences = _sequences("bert", seed=5)
     full = _kvflow_forward(load_encoder_model(checkpoints["bert"], dtype="float32"), sequences)
