@@ -277,7 +277,7 @@ def measure(
             outputs.setdefault(name, output)
         _stderr(
             f"  round {round_index + 1}: "
-            + ", ".join(f"{name} {num_inputs / times[-1]:.1f}/s" for name, times in seconds.items())
+            + ", ".join(f"{name} {num_inputs / times[-1]:.3g}/s" for name, times in seconds.items())
         )
     rates = {name: num_inputs / statistics.median(times) for name, times in seconds.items()}
     return rates, outputs
@@ -356,7 +356,7 @@ def report_table(
         serve_ratio = _ratio(rates.get(CONTENDERS[2]), rates[CONTENDERS[1]])
         lines.append(
             f"| {result['model']} | {result['num_inputs']} | {result['input_tokens']} | "
-            + " | ".join(_cell(rates.get(name), 1) for name in CONTENDERS)
+            + " | ".join(_cell(rates.get(name)) for name in CONTENDERS)
             + f" | {_cell(speedup)} | {_cell(serve_ratio)} | {result['min_cosine']:.7f} |"
         )
         goals += [
