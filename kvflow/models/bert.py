@@ -97,23 +97,12 @@ class _LayerNorm(nn.Module):
         return F.layer_norm(hidden_states, self.weight.shape, self.weight, self.bias, self.eps)
 
 
-# The fewest rows an encoder's matrix product multiplies (`_RowInvariantLinear`).
-GEMM_MIN_ROWS = 64
-
-
 class _RowInvariantLinear(Linear):
-    """A `Linear` whose rows come out the same whatever rows are multiplied with them: PyTorch's GEMM on at least
-    `GEMM_MIN_ROWS` rows (fewer are padded with zeros). A product of few rows takes another algorithm, which orders
-    a row's sums otherwise (kvflow's kernels switch from GEMV to GEMM by rows; MKL's float32 GEMM has a path of its
-    own for 2-3 rows); from a few dozen rows on, the CPU GEMMs compute each row alike whatever the row count
-    (`tests/models/test_bert_vs_hf.py` checks it bit for bit)."""
+    """A `Linear` whose rows come out the same whatever rows are multiplied with them (`row_invariant_linear`)."""
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        num_rows = hidden_states.shape[0]
-        if num_rows >= GEMM_MIN_ROWS:
-            return F.linear(hidden_states, self.weight, self.bias)
-        padded = F.pad(hidden_states, (0, 0, 0, GEMM_MIN_ROWS - num_rows))
-        return F.linear(padded, self.weight, self.bias)[:num_rows]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.row_invariant = True
 
 
 class _EncoderLayer(nn.Module):

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvflow.core.sched.output import ModelRunnerOutput
+from kvflow.models.layers.linear import Linear
 from kvflow.pooling.pooler import finish_pooled, pool, pooled_token_offsets
 from kvflow.utils import to_device
 from kvflow.worker.model_runner import ModelRunner
@@ -31,13 +32,19 @@ class PoolingModelRunner(ModelRunner):
     Invariants: every held request has its `PoolingParams` in `pooling_params` (they arrive once, with the request
     in `scheduled_new_reqs`); the model returns last hidden states only for the rows pooling needs (the step's
     `logits_indices`: the final token for LAST, the first for CLS, every token for MEAN / ALL), so a step costs the
-    forward pass plus O(pooled rows); results are computed per request (batch invariant).
+    forward pass plus O(pooled rows); every linear layer runs batch-invariant products (`row_invariant_linear`)
+    and results are computed per request, so a request's result does not depend on what shares its steps (a
+    decoder's may on how its prompt was split: prefix-cache hits, chunks).
     """
 
     def __init__(self, model: RunnerModel, *, pooling: PoolingModelSpec, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.pooling = pooling
         self.pooling_params: dict[str, PoolingParams] = {}
+        # Every product batch-invariant: a request's result must not depend on what shares its step.
+        for module in model.modules():  # type: ignore[attr-defined]
+            if isinstance(module, Linear):
+                module.row_invariant = True
         has_classifier = callable(getattr(model, "classify", None))
         assert has_classifier == (pooling.kind == "classify"), (
             f"a {pooling.kind} spec for a model {'with' if has_classifier else 'without'} a classifier"

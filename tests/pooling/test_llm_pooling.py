@@ -53,7 +53,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def bert_embedder(folders: dict[str, Path]) -> LLM:
-    return LLM(str(folders["bert_mean"]), max_num_seqs=8)  # runner "auto": a sentence-transformers folder
+    return LLM(
+        str(folders["bert_mean"]), max_num_seqs=8
+    )  # runner "auto": a sentence-transformers folder
 
 
 def test_auto_runner_and_sentence_transformers_defaults(bert_embedder: LLM) -> None:
@@ -161,9 +163,7 @@ def test_matryoshka_dimensions(folders: dict[str, Path], tmp_path: Path) -> None
         llm.embed(TEXTS[0], PoolingParams(dimensions=20), use_tqdm=False)
     reference = st_encode(folder, [TEXTS[0]], truncate_dim=32)[0]
     got = llm.embed(TEXTS[0], PoolingParams(dimensions=32), use_tqdm=False)[0].outputs.embedding
-    np.testing.assert_allclose(
-        np.asarray(got), reference / np.linalg.norm(reference), atol=_ATOL
-    )
+    np.testing.assert_allclose(np.asarray(got), reference / np.linalg.norm(reference), atol=_ATOL)
 
 
 @pytest.mark.parametrize("kind", ["bert_cls", "xlmr_cls"])
@@ -211,6 +211,19 @@ def test_decoder_embedder_matches_sentence_transformers(folders: dict[str, Path]
     )
 
 
+def test_decoder_embedding_is_bit_identical_alone_and_in_any_batch(
+    folders: dict[str, Path],
+) -> None:
+    """Without prefix reuse (a hit computes the prompt in two pieces) and with whole prompts per step, a decoder's
+    embedding is the same alone and among others: every product of the pooling runner is batch-invariant."""
+    llm = LLM(
+        str(folders["qwen3_embed"]), max_num_seqs=4, num_kv_blocks=64, enable_prefix_caching=False
+    )
+    alone = [llm.embed(text, use_tqdm=False)[0].outputs.embedding for text in TEXTS]
+    batched = llm.embed(TEXTS[::-1], use_tqdm=False)
+    assert [output.outputs.embedding for output in batched[::-1]] == alone
+
+
 def test_decoder_mean_and_all_pooling(folders: dict[str, Path]) -> None:
     llm = LLM(
         str(folders["qwen3_embed"]),
@@ -219,7 +232,9 @@ def test_decoder_mean_and_all_pooling(folders: dict[str, Path]) -> None:
         num_kv_blocks=64,
     )
     config = llm.engine_config
-    assert not config.scheduler_config.enable_chunked_prefill  # every token's state is needed at once
+    assert (
+        not config.scheduler_config.enable_chunked_prefill
+    )  # every token's state is needed at once
     assert not config.cache_config.enable_prefix_caching
     token_ids = llm.get_tokenizer().encode(TEXTS[2])
     states = llm.encode({"prompt_token_ids": token_ids}, use_tqdm=False)[0].outputs.data
@@ -258,8 +273,7 @@ async def _async_llm_encode(folders: dict[str, Path]) -> None:
 
     async with AsyncLLM(str(folders["bert_mean"]), max_num_seqs=4) as engine:
         results = [
-            output
-            async for output in engine.encode(TEXTS[0], PoolingParams(task="embed"), "req-1")
+            output async for output in engine.encode(TEXTS[0], PoolingParams(task="embed"), "req-1")
         ]
         assert len(results) == 1 and results[0].finished
         assert results[0].request_id == "req-1"

@@ -68,6 +68,28 @@ class LinearMethod:
         return None
 
 
+# The fewest rows a batch-invariant product multiplies (`row_invariant_linear`).
+ROW_INVARIANT_MIN_ROWS = 64
+
+
+def row_invariant_linear(
+    hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear` whose rows come out the same whatever rows are multiplied with them: PyTorch's GEMM on at least
+    `ROW_INVARIANT_MIN_ROWS` rows (fewer are padded with zeros). A product of few rows takes another algorithm,
+    which orders a row's sums otherwise (kvflow's kernels switch from GEMV to GEMM by rows; MKL's float32 GEMM has
+    a path of its own for 2-3 rows); from a few dozen rows on, the CPU GEMMs compute each row alike whatever the row
+    count (the pooling tests check it bit for bit)."""
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+    num_rows = rows.shape[0]
+    if num_rows >= ROW_INVARIANT_MIN_ROWS:
+        out = F.linear(rows, weight, bias)
+    else:
+        out = F.linear(F.pad(rows, (0, 0, 0, ROW_INVARIANT_MIN_ROWS - num_rows)), weight, bias)
+        out = out[:num_rows]
+    return out.view(*hidden_states.shape[:-1], weight.shape[0])
+
+
 class Linear(nn.Module):
     """`y = x @ weight.T (+ bias)`, where `weight` stacks `len(output_sizes)` shards along its rows.
 
@@ -106,6 +128,9 @@ class Linear(nn.Module):
         self.quant_method: LinearMethod | None = None
         # Set by the LoRA manager (`kvflow.lora.model_manager`) on layers adapters may target; None: no adapters.
         self.lora: LoRALayerWeights | None = None
+        # Batch-invariant products (the pooling runner sets it; see `row_invariant_linear`): a row's result does
+        # not depend on the rows multiplied with it.
+        self.row_invariant = False
 
     def shard_rows(self, shard: int | None) -> slice:
         """The rows of `weight` (and entries of `bias`) that shard `shard` occupies (None: all of them)."""
@@ -130,6 +155,8 @@ class Linear(nn.Module):
         adapters in the step, each adapter row's LoRA delta (base-model rows are left as the product gave them)."""
         if self.quant_method is not None:
             out = self.quant_method.apply(hidden_states, bias)
+        elif self.row_invariant:
+            out = row_invariant_linear(hidden_states, self.weight, bias)
         else:
             out = kernels.linear(hidden_states, self.weight, bias)  # CPU GEMV/GEMM, else None
             if out is None:
