@@ -11,7 +11,15 @@ _os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 from kvflow.logger import configure_logging as _configure_logging
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from kvflow.pooling_params import PoolerConfig, PoolingParams
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.version import __version__
 
@@ -20,10 +28,16 @@ _configure_logging()  # the `kvflow` logger prints INFO to stderr (kvflow/logger
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "ClassificationRequestOutput",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "LoRARequest",
+    "PoolerConfig",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestOutput",
     "SamplingParams",
+    "ScoringRequestOutput",
     "StreamingInput",
     "StructuredOutputsParams",
     "__version__",
