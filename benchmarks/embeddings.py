@@ -21,8 +21,8 @@ from `--min-len`..`--max-len` tokens (16-512) with the model's tokenizer, specia
 Contenders, all alive for the whole run, timed on the whole input list per round:
 1. **sentence-transformers**: `SentenceTransformer(path, device="cpu").encode(texts)` (its defaults: batches of
    32, sorted by length, padded).
-2. **kvflow in-process**: `LLM(path, runner="pooling").embed(texts)`; its engine runs in this process, on the same
-   torch threads as sentence-transformers (printed).
+2. **kvflow in-process**: `LLM(path, runner="pooling").embed(texts)`; its engine runs on a thread of this process,
+   with as many torch threads as sentence-transformers (printed).
 3. **kvflow serve**: `kvflow serve PATH --runner pooling` on 127.0.0.1 (its engine core uses every core, as
    in-process), one /v1/embeddings request per text, `--concurrency` (32) in flight, through `kvflow bench serve`'s
    aiohttp client (`--backend openai-embeddings`) in this process.
