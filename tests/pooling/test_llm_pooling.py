@@ -48,6 +48,15 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "bert_cls": make_tiny_encoder(root / "bert_cls", "bert_cls"),
         "qwen3_embed": make_tiny_decoder_embedder(root / "qwen3_embed", "qwen3"),
         "qwen2_cls": make_tiny_decoder_classifier(root / "qwen2_cls", "qwen2", num_labels=3),
+        "qwen3_cls": make_tiny_decoder_classifier(root / "qwen3_cls", "qwen3", num_labels=2),
+        "qwen2_embed": make_tiny_decoder_embedder(
+            root / "qwen2_embed",
+            "qwen2",
+            sentence_transformers={"pooling": "mean", "normalize": True},
+        ),
+        "xlmr_embed": make_tiny_encoder(
+            root / "xlmr_embed", "xlmr", sentence_transformers={"pooling": "cls", "normalize": True}
+        ),
     }
 
 
@@ -249,9 +258,28 @@ def test_decoder_mean_and_all_pooling(folders: dict[str, Path]) -> None:
     torch.testing.assert_close(torch.tensor(mean), states.mean(dim=0), atol=1e-5, rtol=0)
 
 
-def test_decoder_classifier_matches_transformers(folders: dict[str, Path]) -> None:
-    folder = folders["qwen2_cls"]
+@pytest.mark.parametrize("kind", ["qwen2_embed", "xlmr_embed"])
+def test_other_embedders_match_sentence_transformers(folders: dict[str, Path], kind: str) -> None:
+    """gte-Qwen2-style (`Qwen2Model`, mean pooling: each prompt whole in one step) and an XLM-RoBERTa encoder
+    (CLS pooling)."""
+    llm = LLM(str(folders[kind]), max_num_seqs=4, num_kv_blocks=64)
+    assert llm.engine_config.model_config.runner == "pooling"
+    reference = st_encode(folders[kind], TEXTS)
+    for output, expected in zip(llm.embed(TEXTS, use_tqdm=False), reference, strict=True):
+        np.testing.assert_allclose(np.asarray(output.outputs.embedding), expected, atol=_ATOL)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_cls", "qwen3_cls"])
+def test_decoder_classifier_matches_transformers(folders: dict[str, Path], kind: str) -> None:
+    folder = folders[kind]
     llm = LLM(str(folder), max_num_seqs=4, num_kv_blocks=64)
+    if kind == "qwen3_cls":
+        outputs = llm.classify(TEXTS, use_tqdm=False)
+        tokenizer = llm.get_tokenizer()
+        logits = hf_classifier_logits(folder, [tokenizer.encode(text) for text in TEXTS])
+        got = torch.tensor([output.outputs.probs for output in outputs])
+        torch.testing.assert_close(got, torch.softmax(logits, dim=-1), atol=_ATOL, rtol=0)
+        return
     assert llm.supported_tasks == ("classify", "encode")
     tokenizer = llm.get_tokenizer()
     outputs = llm.classify(TEXTS, use_tqdm=False)
