@@ -5,7 +5,9 @@ Reproduce with `python benchmarks/embeddings.py` (`--model minilm` or `--model q
 `--num-inputs N`; `--quick` is a seconds-long smoke run on tiny shapes). Checkpoints are made once and reused from
 `.cache/embeddings-bench/` (`--cache-dir`).
 
-Models (random weights, real shapes, float32, written by `kvflow.testing.pooling_checkpoints`):
+Models (random weights, real shapes, saved in float32 and run in `--dtype`, float32 unless bfloat16 is asked for:
+sentence-transformers loads the model in it, kvflow's engines get it; written by
+`kvflow.testing.pooling_checkpoints`):
 - **minilm**: all-MiniLM-L6-v2's shape: `BertModel`, hidden 384, 6 layers, 12 heads, intermediate 1536, vocabulary
   30522, 512 positions; sentence-transformers mean pooling + normalize, `max_seq_length` 512 (the real model's is
   256; 512 here so that no input is cut).
@@ -204,7 +206,9 @@ def make_inputs(
 
 # ------------------------------------------------------------------------------------------------ contenders
 def st_run(model: Any, texts: list[str]) -> Any:
-    return model.encode(texts, convert_to_numpy=True)
+    import torch
+
+    return model.encode(texts, convert_to_tensor=True).to(torch.float32).numpy()
 
 
 def kvflow_run(llm: Any, texts: list[str]) -> Any:
@@ -284,7 +288,12 @@ def measure(
 
 
 def bench_model(
-    name: str, path: Path, settings: Settings, engine_args: dict[str, Any], with_server: bool
+    name: str,
+    path: Path,
+    settings: Settings,
+    engine_args: dict[str, Any],
+    with_server: bool,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     import torch
     from sentence_transformers import SentenceTransformer
@@ -294,7 +303,10 @@ def bench_model(
 
     texts, lengths = make_inputs(path, settings.num_inputs, settings.min_len, settings.max_len)
     threads_before = torch.get_num_threads()
-    st_model = SentenceTransformer(str(path), device="cpu")
+    st_model = SentenceTransformer(
+        str(path), device="cpu", model_kwargs={"dtype": getattr(torch, dtype)}
+    )
+    engine_args = {**engine_args, "dtype": dtype}
     llm = LLM(str(path), runner="pooling", disable_log_stats=True, **engine_args)
     threads = torch.get_num_threads()
     if threads != threads_before:
@@ -395,6 +407,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (quick: 1)")
     parser.add_argument("--concurrency", type=int, default=32, help="server requests in flight")
     parser.add_argument("--no-server", action="store_true", help="skip the kvflow serve contender")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="every contender's dtype (the checkpoints are float32)",
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     return parser.parse_args(argv)
@@ -441,12 +459,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             else ""
         )
         print(
-            f"# {name}: {shape}, float32; {settings.num_inputs} inputs{note} of {settings.min_len}-"
+            f"# {name}: {shape}, {args.dtype}; {settings.num_inputs} inputs{note} of {settings.min_len}-"
             f"{settings.max_len} tokens; {settings.rounds} rounds; server concurrency {settings.concurrency}",
             flush=True,
         )
         _stderr(f"{name}: measuring ...")
-        result = bench_model(name, path, settings, spec.engine_args, not args.no_server)
+        result = bench_model(name, path, settings, spec.engine_args, not args.no_server, args.dtype)
+        result["dtype"] = args.dtype
         result["settings"] = asdict(settings)
         results.append(result)
     table, goals = report_table(results)
