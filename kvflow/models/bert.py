@@ -137,7 +137,10 @@ class _EncoderLayer(nn.Module):
         if bounds is None:
             bounds = [(0, num_tokens)]
         qkv = self.qkv_proj(hidden_states).view(num_tokens, 3, self.num_heads, self.head_dim)
-        attended = hidden_states.new_empty(num_tokens, self.num_heads * self.head_dim)
+        if qkv.dtype is torch.bfloat16:
+            # PyTorch's fused CPU attention runs float32 faster than bfloat16 (it widens bfloat16 block by block).
+            qkv = qkv.float()
+        attended = qkv.new_empty(num_tokens, self.num_heads * self.head_dim)
         for start, end in bounds:
             # [1, heads, seq_len, head_dim] each: the 4-D layout takes PyTorch's fused CPU attention kernel.
             query, key, value = qkv[start:end].permute(1, 2, 0, 3).unsqueeze(1).unbind(0)
@@ -145,6 +148,7 @@ class _EncoderLayer(nn.Module):
                 query, key, value, scale=1.0 / math.sqrt(self.head_dim)
             )
             attended[start:end] = output[0].transpose(0, 1).reshape(end - start, -1)
+        attended = attended.to(hidden_states.dtype)
         hidden_states = self.attn_norm(hidden_states + self.attn_out(attended))
         mlp = self.down(self.act(self.up(hidden_states)))
         return self.mlp_norm(hidden_states + mlp)
