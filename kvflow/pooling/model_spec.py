@@ -18,20 +18,22 @@ from kvflow.pooling_params import PoolerConfig, PoolingParams
 _CLASSIFIER_SUFFIX = "ForSequenceClassification"
 _BASE_MODEL_SUFFIXES = ("Model", "EmbeddingModel")
 _ST_MODULES_FILE = "modules.json"
-_ST_POOLING = "sentence_transformers.models.Pooling"
-_ST_NORMALIZE = "sentence_transformers.models.Normalize"
-_ST_TRANSFORMER = "sentence_transformers.models.Transformer"
-# sentence-transformers' pooling modes and the pooling type each is.
-_ST_POOLING_MODES = {
-    "pooling_mode_cls_token": "CLS",
-    "pooling_mode_mean_tokens": "MEAN",
-    "pooling_mode_lasttoken": "LAST",
+# sentence-transformers' module classes by name: `sentence_transformers.models.Pooling` in the files the Hub's
+# models carry, `sentence_transformers.sentence_transformer.modules.pooling.Pooling` in what version 6 writes.
+_ST_POOLING = "Pooling"
+_ST_NORMALIZE = "Normalize"
+_ST_TRANSFORMER = "Transformer"
+# sentence-transformers' pooling modes and the pooling type each is: the older boolean keys of
+# 1_Pooling/config.json, and the names of the newer `pooling_mode` key.
+_ST_POOLING_FLAGS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
 }
-_ST_UNSUPPORTED_MODES = (
-    "pooling_mode_max_tokens",
-    "pooling_mode_mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens",
-)
+_ST_POOLING_TYPES = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}
 
 
 @dataclass(frozen=True)
@@ -104,8 +106,9 @@ def has_sentence_transformers_files(path: Path | None) -> bool:
 
 
 def resolve_runner(runner: str, architecture: str, path: Path | None) -> str:
-    """Returns "generate" or "pooling" for the engine option `runner` ("auto": pooling for a pooling-only architecture or
-    a folder with sentence-transformers' modules.json). ValueError when the model cannot run as asked."""
+    """The runner, "generate" or "pooling", for the engine option `runner` ("auto": pooling for a pooling-only
+    architecture or a folder with sentence-transformers' modules.json). ValueError when the model cannot run as
+    asked."""
     if path is None:  # the hash models: test stand-ins that generate
         if runner == "pooling":
             raise ValueError("runner='pooling' needs a checkpoint (the hash model only generates)")
@@ -176,11 +179,12 @@ def _sentence_transformers_pooler(path: Path) -> PoolerConfig:
     normalize = False
     for module in modules:
         module_type = str(module.get("type", ""))
-        if module_type == _ST_POOLING:
+        class_name = module_type.rsplit(".", 1)[-1]
+        if class_name == _ST_POOLING:
             pooling_type = _pooling_mode(path / str(module.get("path", "")) / "config.json")
-        elif module_type == _ST_NORMALIZE:
+        elif class_name == _ST_NORMALIZE:
             normalize = True
-        elif module_type != _ST_TRANSFORMER:
+        elif class_name != _ST_TRANSFORMER:
             raise ValueError(
                 f"{modules_file}: module {module_type!r} is not supported (kvflow runs Transformer, "
                 "Pooling and Normalize)"
@@ -189,20 +193,33 @@ def _sentence_transformers_pooler(path: Path) -> PoolerConfig:
 
 
 def _pooling_mode(config_file: Path) -> str | None:
+    """The pooling type of sentence-transformers' pooling config (its `pooling_mode_*` flags, or the newer
+    `pooling_mode` name); a mode kvflow does not compute, several at once, or a pooling that leaves the prompt out
+    (`include_prompt: false`) is a ValueError naming it."""
     if not config_file.is_file():
         return None
     config = _read_json(config_file)
-    for mode in _ST_UNSUPPORTED_MODES:
-        if config.get(mode):
-            raise ValueError(
-                f"{config_file}: {mode} is not supported (CLS, mean and last-token are)"
-            )
-    chosen = [kind for key, kind in _ST_POOLING_MODES.items() if config.get(key)]
-    if len(chosen) > 1:
+    mode = config.get("pooling_mode")
+    if mode is None:
+        modes = [name for key, name in _ST_POOLING_FLAGS.items() if config.get(key)]
+    else:
+        modes = [mode] if isinstance(mode, str) else list(mode)
+    if config.get("include_prompt") is False:
         raise ValueError(
-            f"{config_file}: several pooling modes at once ({chosen}) are not supported"
+            f"{config_file}: include_prompt false is not supported (the whole prompt is pooled)"
         )
-    return chosen[0] if chosen else None
+    if len(modes) > 1:
+        raise ValueError(
+            f"{config_file}: several pooling modes at once ({modes}) are not supported"
+        )
+    if not modes:
+        return None
+    pooling_type = _ST_POOLING_TYPES.get(str(modes[0]))
+    if pooling_type is None:
+        raise ValueError(
+            f"{config_file}: pooling mode {modes[0]!r} is not supported (cls, mean and lasttoken are)"
+        )
+    return pooling_type
 
 
 def _read_json(file: Path) -> Any:

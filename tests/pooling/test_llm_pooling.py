@@ -156,6 +156,29 @@ def test_score_with_an_embedding_model_is_the_cosine(bert_embedder: LLM) -> None
         assert score.outputs.score == pytest.approx(_cosine(embeddings[0], other), abs=1e-6)
 
 
+def test_a_folder_sentence_transformers_6_writes(folders: dict[str, Path], tmp_path: Path) -> None:
+    """sentence-transformers 6 saves `pooling_mode` (not the `pooling_mode_*` flags) and longer module class
+    paths; a max-pooling model is refused, naming the mode, rather than embedded otherwise."""
+    from sentence_transformers import SentenceTransformer, models
+
+    def save(mode: str) -> Path:
+        transformer = models.Transformer(str(folders["bert_mean"]))
+        pooling = models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode=mode)
+        model = SentenceTransformer(
+            modules=[transformer, pooling, models.Normalize()], device="cpu"
+        )
+        model.save(str(tmp_path / mode))
+        return tmp_path / mode
+
+    folder = save("cls")
+    llm = LLM(str(folder), max_num_seqs=4)
+    assert llm.engine_config.model_config.pooling.pooler_config.pooling_type == "CLS"  # type: ignore[union-attr]
+    got = np.asarray(llm.embed(TEXTS[2], use_tqdm=False)[0].outputs.embedding)
+    np.testing.assert_allclose(got, st_encode(folder, [TEXTS[2]])[0], atol=_ATOL)
+    with pytest.raises(ValueError, match="pooling mode 'max'"):
+        LLM(str(save("max")))
+
+
 def test_matryoshka_dimensions(folders: dict[str, Path], tmp_path: Path) -> None:
     folder = tmp_path / "matryoshka"
     make_tiny_encoder(folder, "bert", sentence_transformers={"pooling": "cls", "normalize": True})
