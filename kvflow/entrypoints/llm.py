@@ -698,7 +698,8 @@ class _Progress:
         if output.new_token_ids:
             self.num_output_tokens += len(output.new_token_ids)
             self.num_input_tokens += self._prompt_len.pop(request_id, 0)
-        elif output.pooling_output is not None:  # a pooling request: its prompt is done, nothing follows
+        elif output.pooling_output is not None:
+            # A pooling request: its prompt is done, and nothing follows.
             self.num_input_tokens += self._prompt_len.pop(request_id, 0)
 
     def record_finished(self) -> None:
