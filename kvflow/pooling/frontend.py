@@ -43,10 +43,7 @@ def pooling_spec_of(engine_config: EngineConfig, task: str) -> PoolingModelSpec:
         raise ValueError(
             f"task {task!r} needs runner='pooling' (--runner pooling); this engine runs the 'generate' runner"
         )
-    if task not in spec.supported_tasks:
-        raise ValueError(
-            f"task {task!r} is not supported by this model; its tasks: {', '.join(spec.supported_tasks)}"
-        )
+    spec.check_task(task)
     return spec
 
 

@@ -65,13 +65,18 @@ class PoolingModelSpec:
             return ("classify", "score", "encode")
         return ("classify", "encode")
 
-    def check_params(self, params: PoolingParams) -> None:
-        """ValueError naming the field when `params` asks this model for what it cannot do."""
-        if params.task is not None and params.task not in self.supported_tasks:
+    def check_task(self, task: str) -> None:
+        """ValueError naming `task` when this model does not run it."""
+        if task not in self.supported_tasks:
             raise ValueError(
-                f"task {params.task!r} is not supported by this {_kind_name(self)}; its tasks: "
+                f"task {task!r} is not supported by this {_kind_name(self)}; its tasks: "
                 f"{', '.join(self.supported_tasks)}"
             )
+
+    def check_params(self, params: PoolingParams) -> None:
+        """ValueError naming the field when `params` asks this model for what it cannot do."""
+        if params.task is not None:
+            self.check_task(params.task)
         if params.dimensions is not None:
             self.check_dimensions(params.dimensions, "dimensions")
 

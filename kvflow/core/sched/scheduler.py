@@ -703,11 +703,9 @@ class Scheduler:
                 if output.finish_reason is None:
                     output.finish_reason = request.get_finished_reason()
                     output.stop_reason = request.stop_reason
-                if status_before == RequestStatus.RUNNING:
-                    stopped_running.add(request)
-                else:  # preempted by a forced reset after this step was planned (rare)
-                    self.waiting.remove_requests([request])
-                output.session_continues = not self._handle_stopped_request(request, status_before)
+                output.session_continues = not self._retire_stopped(
+                    request, status_before, stopped_running
+                )
             append_output(output)
         if stopped_running:
             self.running = [request for request in self.running if request not in stopped_running]
@@ -732,11 +730,7 @@ class Scheduler:
             output.events, request.events = request.events, []
         status_before = request.status
         request.status = RequestStatus.FINISHED_STOPPED
-        if status_before == RequestStatus.RUNNING:
-            stopped_running.add(request)
-        else:  # preempted by a forced reset after this step was planned
-            self.waiting.remove_requests([request])
-        self._free_request(request)
+        self._retire_stopped(request, status_before, stopped_running)
         return output
 
     def _apply_output(
@@ -805,6 +799,17 @@ class Scheduler:
                 # E.g., [5, EOS, 9]: stops at EOS (num_appended 2), so 9 is dropped -> [5, EOS].
                 return new_token_ids[:num_appended], True
         return new_token_ids, False
+
+    def _retire_stopped(
+        self, request: Request, status_before: RequestStatus, stopped_running: set[Request]
+    ) -> bool:
+        """Take a request that stopped this step out of its queue (a running one joins `stopped_running`, which the
+        caller filters out of `running` once per step) and finish it (`_handle_stopped_request`). True if finished."""
+        if status_before == RequestStatus.RUNNING:
+            stopped_running.add(request)
+        else:  # preempted by a forced reset after this step was planned (rare)
+            self.waiting.remove_requests([request])
+        return self._handle_stopped_request(request, status_before)
 
     def _handle_stopped_request(self, request: Request, status_before: RequestStatus) -> bool:
         """Finish a stopped request, or keep a streaming session for its next chunk. True if finished.
