@@ -130,9 +130,7 @@ class ModelRunner:
         A step with structured-output requests stops after the forward pass and returns None: `sample_tokens`,
         the next call, samples it under the step's grammar bitmask (computed meanwhile by the engine)."""
         assert self._deferred_step is None, "a step's sampling is still waiting for its grammar"
-        self._release(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
-        self._add_new_requests(scheduler_output.scheduled_new_reqs)
-        self._update_cached_requests(scheduler_output.scheduled_cached_reqs)
+        self._apply_plan(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput.make_empty()
         batch, arrays, spec = self._prepare_inputs(
@@ -173,6 +171,12 @@ class ModelRunner:
         output = self._update_states(batch, arrays, sampled, spec, verified)
         output.prompt_logprobs_dict = prompt_logprobs
         return output
+
+    def _apply_plan(self, scheduler_output: SchedulerOutput) -> None:
+        """The step's request changes, in the protocol's order: release, add, update."""
+        self._release(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
+        self._add_new_requests(scheduler_output.scheduled_new_reqs)
+        self._update_cached_requests(scheduler_output.scheduled_cached_reqs)
 
     # ------------------------------------------------------------------------------------------ a. release
     def _release(self, finished_req_ids: set[str], preempted_req_ids: set[str]) -> None:

@@ -72,9 +72,7 @@ class PoolingModelRunner(ModelRunner):
     # ------------------------------------------------------------------------------------------ step
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Apply the step's plan, run its tokens, and pool the requests whose prompt it completes."""
-        self._release(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids)
-        self._add_new_requests(scheduler_output.scheduled_new_reqs)
-        self._update_cached_requests(scheduler_output.scheduled_cached_reqs)
+        self._apply_plan(scheduler_output)
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput.make_empty()
         batch, arrays, _ = self._prepare_inputs(scheduler_output.num_scheduled_tokens)
