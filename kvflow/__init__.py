@@ -20,7 +20,7 @@ from kvflow.outputs import (
     ScoringRequestOutput,
 )
 from kvflow.pooling_params import PoolerConfig, PoolingParams
-from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
+from kvflow.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from kvflow.version import __version__
 
 _configure_logging()  # the `kvflow` logger prints INFO to stderr (kvflow/logger.py; KVFLOW_LOGGING_LEVEL)
@@ -28,6 +28,7 @@ _configure_logging()  # the `kvflow` logger prints INFO to stderr (kvflow/logger
 __all__ = [
     "LLM",
     "AsyncLLM",
+    "BeamSearchParams",
     "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingRequestOutput",

@@ -220,3 +220,13 @@ def test_validate_checks_a_params_object_changed_after_construction():
     params.top_k, params.stop = 0, None  # type: ignore[assignment]
     with pytest.raises(ValueError, match=r"\bstop\b"):
         params.validate()
+
+
+def test_every_public_name_imports_from_the_package() -> None:
+    """`from kvflow import X` works for each name in `kvflow.__all__`, as vLLM users write it (issue 44: the beam
+    search parameters were missing)."""
+    import kvflow
+
+    assert "BeamSearchParams" in kvflow.__all__
+    for name in kvflow.__all__:
+        assert getattr(kvflow, name) is not None, name

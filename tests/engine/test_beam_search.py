@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvflow import LLM
+from kvflow import LLM, BeamSearchParams
 from kvflow.beam_search import get_beam_search_score
-from kvflow.sampling_params import BeamSearchParams
 from kvflow.testing.hf_checkpoints import load_hf_model, make_tiny_checkpoint
 
 EOS = 2  # the tiny checkpoints' eos_token_id
