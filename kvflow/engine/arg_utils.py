@@ -35,6 +35,7 @@ from kvflow.config import (
 from kvflow.models.quantization import QUANTIZATION_METHODS, check_quantization
 from kvflow.pooling_params import RUNNER_TYPES, PoolerConfig
 from kvflow.reasoning import REASONING_PARSERS
+from kvflow.tracing import check_otel_available
 from kvflow.utils import resolve_device
 
 if TYPE_CHECKING:
@@ -216,6 +217,12 @@ class EngineArgs:
         False,
         "no periodic throughput / scheduler stats in the log (every $KVFLOW_LOG_STATS_INTERVAL s)",
     )
+    otlp_traces_endpoint: str | None = _option(
+        None,
+        "OpenTelemetry collector URL: export one span per finished request (vLLM's llm_request span and "
+        "gen_ai.* attributes) over OTLP, gRPC unless $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is http/protobuf; "
+        "needs pip install 'kvflow[otel]'",
+    )
 
     def __post_init__(self) -> None:
         for path_option in ("model", "tokenizer"):  # accept pathlib paths for folders
@@ -251,6 +258,8 @@ class EngineArgs:
         self._speculative_config()
         self._lora_config()
         PoolerConfig.from_option(self.pooler_config)
+        if self.otlp_traces_endpoint is not None:
+            check_otel_available()
 
     # ------------------------------------------------------------------------------------------------ config
     def create_engine_config(self, model_info: ModelInfo) -> EngineConfig:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -138,11 +138,14 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream `RequestOutput`s for one prompt as tokens arrive; the last has `finished=True`.
 
         `lora_request` (needs `enable_lora=True`): the adapter it runs with (loaded, and checked, before the
         request is queued: a bad adapter is a ValueError naming what is wrong); not with streaming input.
+        `trace_headers`: W3C trace context (`traceparent`, `tracestate`) the request's span joins when the engine
+        traces (`otlp_traces_endpoint`, `kvflow.tracing`); a streaming-input session's span starts a trace.
 
         `SamplingParams.output_kind` picks cumulative outputs (default), "delta" (only the new tokens and text) or
         "final_only" (just the finished output); `n > 1` folds the samples into one output per step. `priority`
@@ -188,7 +191,9 @@ class AsyncLLM:
         ended = False
         try:
             if processed is not None:
-                await self._add_prompt(request_id, processed, stream, priority, lora_request)
+                await self._add_prompt(
+                    request_id, processed, stream, priority, lora_request, trace_headers
+                )
             else:
                 input_task = stream.loop.create_task(
                     self._sessions.feed(request_id, prompt, sampling_params, stream)  # type: ignore[arg-type]
@@ -437,18 +442,16 @@ class AsyncLLM:
         stream: OutputStream,
         priority: int,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
         """`_add_request`, on a worker thread when the prompt expands into many samples (their requests, output
         states and messages grow with `n`), so that a large `n` does not stall the event loop. A consumer
         cancelled meanwhile waits for the add to finish, so that its abort finds the request."""
+        add = (request_id, processed, stream, priority, lora_request, trace_headers)
         if processed.sampling_params.n < _ADD_OFF_LOOP_MIN_N:
-            self._add_request(request_id, processed, stream, priority, lora_request)
+            self._add_request(*add)
             return
-        added = asyncio.ensure_future(
-            asyncio.to_thread(
-                self._add_request, request_id, processed, stream, priority, lora_request
-            )
-        )
+        added = asyncio.ensure_future(asyncio.to_thread(self._add_request, *add))
         try:
             await asyncio.shield(added)
         except asyncio.CancelledError:
@@ -463,13 +466,14 @@ class AsyncLLM:
         stream: OutputStream,
         priority: int,
         lora_request: LoRARequest | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
         """Register the prompt's outputs and stream, then queue its core requests (n children for `n > 1`)."""
         requests = self.input_processor.make_requests(
             request_id, processed, time.monotonic(), priority=priority, lora_request=lora_request
         )
         with self._lock:
-            self.output_processor.add_prompt(request_id, processed, requests)
+            self.output_processor.add_prompt(request_id, processed, requests, trace_headers)
             self._streams[request_id] = stream
             try:
                 added = self.engine_core_client.add_requests(requests)

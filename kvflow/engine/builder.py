@@ -19,6 +19,7 @@ from kvflow.engine.core_builder import build_engine_core
 from kvflow.engine.input_processor import InputProcessor
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.model_info import ModelInfo, resolve_model_info
+from kvflow.tracing import build_request_tracer
 
 if TYPE_CHECKING:
     from kvflow.config import EngineConfig
@@ -64,8 +65,10 @@ def build_frontend(
         engine_config.model_config,
         engine_config.structured_outputs_config,
     )
+    model_name = engine_args.model if engine_args.model is not None else model_info.name
+    tracer = build_request_tracer(engine_args.otlp_traces_endpoint, model_name)
     return FrontendParts(
-        engine_config, model_info, tokenizer, input_processor, OutputProcessor(tokenizer)
+        engine_config, model_info, tokenizer, input_processor, OutputProcessor(tokenizer, tracer)
     )
 
 

@@ -8,6 +8,7 @@ parallel-sampling request into one output, and tracks per-request metrics.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from kvflow.request import Request
     from kvflow.sampling_params import SamplingParams
     from kvflow.tokenizer import Tokenizer
+    from kvflow.tracing import RequestTracer
 
 
 # The RequestMetrics field each timed core event sets (its first occurrence).
@@ -109,6 +111,8 @@ class RequestState:
     # A pooling request (it generates nothing): its result once the core sent it.
     is_pooling: bool = False
     pooled: np.ndarray | None = None
+    # The W3C trace context (traceparent / tracestate) its span joins, when traced (kvflow.tracing).
+    trace_headers: Mapping[str, str] | None = None
 
     def stamp(self, now_monotonic: float) -> float:
         """The wall-clock time of a `time.monotonic()` stamp, measured from this request's arrival."""
@@ -140,8 +144,11 @@ class OutputProcessor:
     the finished output is produced exactly once; text never shows a partial stop string while running.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None = None, tracer: RequestTracer | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        self.tracer = tracer  # ends a span per finished request (otlp_traces_endpoint)
         self.request_states: dict[str, RequestState] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
 
@@ -157,6 +164,7 @@ class OutputProcessor:
         index: int = 0,
         lora_request: LoRARequest | None = None,
         is_pooling: bool = False,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
         if request_id in self.request_states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -187,6 +195,7 @@ class OutputProcessor:
             arrival_monotonic=arrival_monotonic,
             lora_request=lora_request,
             is_pooling=is_pooling,
+            trace_headers=trace_headers,
         )
         if sampling_params.logprobs is not None:
             state.logprobs = []
@@ -222,10 +231,15 @@ class OutputProcessor:
         return parent
 
     def add_prompt(
-        self, request_id: str, processed: ProcessedPrompt, requests: list[Request]
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        requests: list[Request],
+        trace_headers: Mapping[str, str] | None = None,
     ) -> None:
         """Track one prompt's core requests (from `InputProcessor.make_requests`): the request itself, or a
-        parent `request_id` that folds its `n` children's outputs into one."""
+        parent `request_id` that folds its `n` children's outputs into one. `trace_headers`: the trace context
+        their spans join."""
         parent = None
         if len(requests) > 1:
             parent = self.add_parent_request(
@@ -248,6 +262,7 @@ class OutputProcessor:
                 index=index,
                 lora_request=request.lora_request,
                 is_pooling=request.pooling_params is not None,
+                trace_headers=trace_headers,
             )
 
     def has_unfinished_requests(self) -> bool:
@@ -399,7 +414,7 @@ class OutputProcessor:
     def _finish(
         self, state: RequestState, finish_reason: str | None, now: float, stats: IterationStats
     ) -> None:
-        """Stamp, forget and count a request that finished."""
+        """Stamp, forget, count and trace a request that finished."""
         metrics = state.metrics
         metrics.finished_time = state.stamp(now)
         del self.request_states[state.request_id]
@@ -418,6 +433,8 @@ class OutputProcessor:
                 num_preemptions=metrics.num_preemptions,
             )
         )
+        if self.tracer is not None:
+            self.tracer.request_finished(state, stats.finished_requests[-1])
 
     # ------------------------------------------------------------------------------------------------ abort
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:

@@ -104,6 +104,7 @@ from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from kvflow.entrypoints.openai.unsupported import UnknownFields
 from kvflow.reasoning import REASONING_PARSERS
+from kvflow.tracing import trace_server_requests
 from kvflow.version import __version__
 
 if TYPE_CHECKING:
@@ -308,6 +309,7 @@ def build_app(
     app.state.rl_control = RLControl(
         engine, live_requests, shared_engine=api_server_index is not None
     )
+    trace_server_requests(app, engine, config.served_model_name)  # with --otlp-traces-endpoint
     app.include_router(router)
     app.include_router(control_router)
     if config.enable_admin_endpoints:

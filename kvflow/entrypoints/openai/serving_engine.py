@@ -41,6 +41,7 @@ from kvflow.entrypoints.openai.unsupported import UnknownFields, refuse_unsuppor
 from kvflow.model_info import load_sampling_defaults
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.structured_output.validation import validate_structured_outputs
+from kvflow.tracing import current_trace_headers
 from kvflow.utils import short_repr
 
 if TYPE_CHECKING:
@@ -399,6 +400,9 @@ class OpenAIServing:
         (None: the base model) and yield `(prompt index, output)` as outputs arrive. Closing or cancelling the
         iterator aborts whatever still runs."""
 
+        # The HTTP request's trace context (only kept when the engine traces: kvflow.tracing).
+        trace_headers = current_trace_headers()
+
         def start(index: int, engine_id: str) -> AsyncIterator[RequestOutput]:
             prompt = prompts[index]
             return self.engine.generate(
@@ -407,6 +411,7 @@ class OpenAIServing:
                 engine_id,
                 priority,
                 lora_request=lora_request,
+                trace_headers=trace_headers,
             )
 
         async for item in self.run_each(request_id, len(prompts), start, lora_request):
