@@ -22,8 +22,9 @@ class RequestResult:
 
     `ttft` is from sending the request to the first chunk that carries text or tokens; `itl` has one gap per later
     such chunk; `latency` runs to the end of the stream. `output_tokens` is the server's `usage.completion_tokens`
-    when it reports usage, else the number of content chunks. An embedding request has one latency (`ttft` equals
-    it), no output tokens, and `prompt_len` from the server's `usage.prompt_tokens` when it reports it.
+    when it reports usage, else the number of content chunks. `prompt_len` is the server's `usage.prompt_tokens`
+    when it reports it (what it really processed: a chat request's count includes its chat template), else the
+    sample's length. An embedding request has one latency (`ttft` equals it) and no output tokens.
     """
 
     success: bool = False
@@ -104,11 +105,16 @@ async def send_embedding_request(
     if len(data) != num_inputs or not all(item.get("embedding") for item in data):
         result.error = f"{len(data)} embeddings came back for {num_inputs} inputs"
         return result
-    prompt_tokens = (whole.get("usage") or {}).get("prompt_tokens")
-    if prompt_tokens:
-        result.prompt_len = int(prompt_tokens)
+    _read_prompt_tokens(result, whole.get("usage") or {})
     result.success = True
     return result
+
+
+def _read_prompt_tokens(result: RequestResult, usage: dict[str, Any]) -> None:
+    """The server's count of the prompt's tokens, when its usage has one, replaces the sample's."""
+    prompt_tokens = usage.get("prompt_tokens")
+    if prompt_tokens:
+        result.prompt_len = int(prompt_tokens)
 
 
 def _is_batch(value: Any) -> bool:
@@ -139,6 +145,7 @@ async def send_request(
                 whole = _DECODER.decode(await response.read())
                 result.latency = result.ttft = time.perf_counter() - start
                 result.output_tokens = int(whole["usage"]["completion_tokens"])
+                _read_prompt_tokens(result, whole["usage"])
                 result.success = result.output_tokens > 0
                 if not result.success:
                     result.error = "the response carried no output"
@@ -167,6 +174,7 @@ async def send_request(
                     usage = chunk.get("usage")
                     if usage:
                         result.output_tokens = int(usage.get("completion_tokens", 0))
+                        _read_prompt_tokens(result, usage)
     except Exception as error:  # a benchmark reports failures, it does not stop at the first one
         result.error = f"{type(error).__name__}: {error}"[:200]
         return result

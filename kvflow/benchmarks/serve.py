@@ -110,11 +110,11 @@ def summarize(results: list[RequestResult], duration_s: float) -> dict[str, Any]
         summary[f"mean_{name}_ms"] = 1000 * statistics.fmean(values) if values else 0.0
         for percentile in PERCENTILES:
             key = "median" if percentile == 50 else f"p{percentile}"
-            summary[f"{key}_{name}_ms"] = 1000 * _percentile(values, percentile)
+            summary[f"{key}_{name}_ms"] = 1000 * percentile_of(values, percentile)
     return summary
 
 
-def _percentile(values: list[float], percentile: float) -> float:
+def percentile_of(values: list[float], percentile: float) -> float:
     """Linear interpolation between closest ranks (numpy's default), 0 for no values."""
     if not values:
         return 0.0

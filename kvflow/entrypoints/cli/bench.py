@@ -6,6 +6,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from kvflow.entrypoints.cli import bench_offline
 from kvflow.entrypoints.cli.args import HelpFormatter, SubcommandParser
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
@@ -21,9 +22,12 @@ DESCRIPTION = """\
 Send random prompts to an OpenAI-compatible server (kvflow serve, vLLM, ...) and print
 vLLM's serving benchmark table: successful and failed requests, duration, request and
 token throughput, and TTFT / TPOT / ITL / E2EL mean, median and P99 in ms. Prompts are
-random token ids: decoded to text with --tokenizer, sent as token-id prompts without one
-(e.g. against `kvflow serve hash`). Requests arrive as a Poisson process at
---request-rate (inf: all at once), at most --max-concurrency at a time, all streamed.
+random tokens: with --tokenizer, text that encodes to exactly --random-input-len tokens
+(the tokenizer's BOS included; for the chat endpoint, the message content alone);
+without one, token-id prompts (e.g. against `kvflow serve hash`). "Total input tokens"
+counts what the server says it processed (its usage), so a chat request's template
+counts too. Requests arrive as a Poisson process at --request-rate (inf: all at
+once), at most --max-concurrency at a time, all streamed.
 With --backend openai-embeddings (/v1/embeddings, e.g. against `kvflow serve MODEL
 --runner pooling`) each prompt is one embedding request, and the table has what a
 pooling request has: input tokens, request and token throughput, and E2EL."""
@@ -32,8 +36,9 @@ pooling request has: input tokens, request and token throughput, and E2EL."""
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
     bench = subcommands.add_parser(
         "bench",
-        help="benchmark a running server",
-        description="Benchmarks. `kvflow bench serve --help` describes the serving benchmark.",
+        help="benchmark a running server, or the offline engine's throughput and latency",
+        description="Benchmarks, as vLLM's `vllm bench`: serve (a running server), throughput and latency "
+        "(the offline engine). `kvflow bench BENCHMARK --help` describes each.",
         formatter_class=HelpFormatter,
     )
     kinds = bench.add_subparsers(
@@ -114,6 +119,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         "marked (PNG)",
     )
     serve.set_defaults(handler=run_bench_serve)
+    bench_offline.add_parsers(kinds)
 
 
 def run_bench_serve(args: argparse.Namespace) -> None:
@@ -146,6 +152,8 @@ def run_bench_serve(args: argparse.Namespace) -> None:
         args.seed,
         tokenizer,
         prefix_len=args.random_prefix_len,
+        # A chat message's content gets the chat template's tokens around it, not the tokenizer's BOS.
+        add_special_tokens=not endpoint.endswith("/chat/completions"),
     )
     model = args.model or _first_model(base_url)
     config = BenchmarkConfig(
