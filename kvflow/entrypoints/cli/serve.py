@@ -144,6 +144,14 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         f"without); also turned on by {' or '.join(RUNTIME_LORA_UPDATING_ENVS)}=1, as in vLLM",
     )
     server.add_argument(
+        "--max-stored-responses",
+        type=_positive_int,
+        default=ServerConfig.max_stored_responses,
+        metavar="N",
+        help="responses of /v1/responses kept in memory (GET /v1/responses/{id}, previous_response_id); "
+        "past N the least recently used is forgotten",
+    )
+    server.add_argument(
         "--timeout-keep-alive",
         type=_positive_float,
         default=ServerConfig.timeout_keep_alive_s,
@@ -301,6 +309,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         trust_request_chat_template=args.trust_request_chat_template,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        max_stored_responses=args.max_stored_responses,
         limits=ServingLimits(**{name: getattr(args, name) for _, name, _ in _LIMIT_FLAGS}),
         lora_modules=tuple(args.lora_modules),
         enable_runtime_lora_updating=args.enable_runtime_lora_updating,

@@ -6,6 +6,7 @@
     GET  /v1/models            the served model's card
     POST /v1/completions       serving_completion.py
     POST /v1/chat/completions  serving_chat.py
+    POST /v1/responses, GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel  serving_responses.py
     POST /tokenize, /detokenize  serving_tokenization.py
   with --runner pooling (on a generate server these are a 400 naming the runner; on a pooling server the
   completions and chat endpoints are):
@@ -89,6 +90,8 @@ from kvflow.entrypoints.openai.protocol_pooling import (
     RerankRequest,
     ScoreRequest,
 )
+from kvflow.entrypoints.openai.protocol_responses import ResponsesRequest
+from kvflow.entrypoints.openai.response_store import ResponseStore
 from kvflow.entrypoints.openai.rl import RLControl, admin_router, control_router
 from kvflow.entrypoints.openai.server_config import ServerConfig
 from kvflow.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -98,6 +101,7 @@ from kvflow.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from kvflow.entrypoints.openai.serving_engine import LiveRequests
 from kvflow.entrypoints.openai.serving_models import OpenAIServingModels
 from kvflow.entrypoints.openai.serving_pooling import engine_runner, require_runner
+from kvflow.entrypoints.openai.serving_responses import OpenAIServingResponses
 from kvflow.entrypoints.openai.serving_score import OpenAIServingScores
 from kvflow.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from kvflow.entrypoints.openai.template_sandbox import TemplateSandbox
@@ -169,6 +173,31 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
     require_runner(raw_request.app.state.runner, "generate", raw_request.url.path)
     serving: OpenAIServingChat = raw_request.app.state.serving_chat
     return await serving.create_chat_completion(request, raw_request)
+
+
+@router.post("/v1/responses")
+async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+    require_runner(raw_request.app.state.runner, "generate", raw_request.url.path)
+    serving: OpenAIServingResponses = raw_request.app.state.serving_responses
+    return await serving.create_response(request, raw_request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, raw_request: Request) -> JSONResponse:
+    serving: OpenAIServingResponses = raw_request.app.state.serving_responses
+    return JSONResponse(serving.retrieve(response_id))
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, raw_request: Request) -> JSONResponse:
+    serving: OpenAIServingResponses = raw_request.app.state.serving_responses
+    return JSONResponse(await serving.delete(response_id))
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: str, raw_request: Request) -> JSONResponse:
+    serving: OpenAIServingResponses = raw_request.app.state.serving_responses
+    return JSONResponse(await serving.cancel(response_id))
 
 
 @router.post("/tokenize")
@@ -300,6 +329,14 @@ def build_app(
         tool_parser=_tool_parser(config, engine),
         enable_auto_tool_choice=config.enable_auto_tool_choice,
         reasoning_parser=_reasoning_parser(engine),
+    )
+    app.state.serving_responses = OpenAIServingResponses(
+        *serving,
+        chat_prompt=chat_prompt,
+        tool_parser=_tool_parser(config, engine),
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        reasoning_parser=_reasoning_parser(engine),
+        store=ResponseStore(config.max_stored_responses),
     )
     app.state.serving_tokenization = OpenAIServingTokenization(engine, models, chat_prompt)
     app.state.runner = engine_runner(engine)

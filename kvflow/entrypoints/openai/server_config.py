@@ -130,6 +130,8 @@ class ServerConfig:
     `tool_call_parser`: the `TOOL_PARSERS` name that extracts calls from replies under tool_choice "auto",
     which `enable_auto_tool_choice` turns on (vLLM's `--enable-auto-tool-choice --tool-call-parser NAME`; the
     first needs the second).
+    `max_stored_responses`: how many responses /v1/responses keeps in memory for `GET /v1/responses/{id}` and
+    `previous_response_id` (`--max-stored-responses`); past it the least recently used one is forgotten.
     `lora_modules`: the adapters served from the start (`--lora-modules`, needs the engine's `enable_lora`), each
     registered under its name with `lora_int_id` 1, 2, ... in the order given; `enable_runtime_lora_updating`
     mounts POST /v1/load_lora_adapter and /v1/unload_lora_adapter (`--enable-runtime-lora-updating`, or
@@ -146,6 +148,7 @@ class ServerConfig:
     chat_template: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    max_stored_responses: int = 1000
     limits: ServingLimits = field(default_factory=ServingLimits)
     lora_modules: tuple[LoRAModulePath, ...] = ()
     enable_runtime_lora_updating: bool = False

@@ -141,8 +141,17 @@ class LiveRequests:
         return found
 
 
-# The prefixes of response ids (`<prefix><request id>`): completions, chat, and the pooling endpoints'.
-RESPONSE_ID_PREFIXES = ("cmpl-", "chatcmpl-", "embd-", "pool-", "classify-", "score-", "rerank-")
+# The prefixes of response ids (`<prefix><request id>`): completions, chat, responses, and the pooling endpoints'.
+RESPONSE_ID_PREFIXES = (
+    "cmpl-",
+    "chatcmpl-",
+    "resp_",
+    "embd-",
+    "pool-",
+    "classify-",
+    "score-",
+    "rerank-",
+)
 
 
 def _without_response_prefix(response_id: str) -> list[str]:
