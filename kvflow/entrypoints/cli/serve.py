@@ -26,8 +26,10 @@ from kvflow.entrypoints.openai.server_chat_template import load_server_chat_temp
 from kvflow.entrypoints.openai.server_config import (
     REQUEST_TEMPLATE_TIMEOUT_S,
     RUNTIME_LORA_UPDATING_ENVS,
+    CORSConfig,
     ServerConfig,
     ServingLimits,
+    parse_json_string_list,
     parse_lora_module,
     runtime_lora_updating_from_env,
 )
@@ -159,6 +161,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         help="close a kept-alive connection idle this long (longer than clients' own idle expiry, so a "
         "client never reuses a connection as the server closes it)",
     )
+    _add_cors_arguments(parser)
     limits = parser.add_argument_group(
         "request limits", "each exceeded is a 400 naming the field (413 for the body)"
     )
@@ -213,6 +216,50 @@ _LIMIT_FLAGS = (
 )
 
 
+def _add_cors_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's CORS flags, except that CORS is off until --allowed-origins names who may call."""
+    cors = parser.add_argument_group(
+        "CORS",
+        "which browser pages may call the server; without --allowed-origins, none (no CORS headers)",
+    )
+    cors.add_argument(
+        "--allowed-origins",
+        type=_json_string_list,
+        default=None,
+        metavar="JSON",
+        help="origins whose pages may call the server, as a JSON list: '[\"https://app.example\"]', or "
+        "'[\"*\"]' for any",
+    )
+    cors.add_argument(
+        "--allowed-methods",
+        type=_json_string_list,
+        default=None,
+        metavar="JSON",
+        help="HTTP methods those pages may use (JSON list); default with --allowed-origins: '[\"*\"]'",
+    )
+    cors.add_argument(
+        "--allowed-headers",
+        type=_json_string_list,
+        default=None,
+        metavar="JSON",
+        help="request headers those pages may send (JSON list); default with --allowed-origins: "
+        "'[\"*\"]'",
+    )
+    cors.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="let those pages send cookies and HTTP authentication; with '*' origins the answer names "
+        "the page's own origin (browsers refuse '*' with credentials), so any site may",
+    )
+
+
+def _json_string_list(text: str) -> tuple[str, ...]:
+    try:
+        return parse_json_string_list(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -240,6 +287,7 @@ def run_serve(args: argparse.Namespace) -> None:
             f"{', '.join(TOOL_PARSERS.names())})"
         )
     _check_lora_flags(args)
+    _check_cors_flags(args)
     if args.api_server_count > 1 and not args.engine_process:
         raise CommandError(
             f"--api-server-count {args.api_server_count} needs the engine core in its own process (shared by "
@@ -297,6 +345,39 @@ def _check_lora_flags(args: argparse.Namespace) -> None:
         )
 
 
+def _check_cors_flags(args: argparse.Namespace) -> None:
+    """The other CORS flags say what the origins of --allowed-origins may do: without it (CORS off, unlike vLLM
+    whose default is any origin) they would silently do nothing."""
+    if args.allowed_origins is not None:
+        return
+    given = [
+        flag
+        for flag, value in (
+            ("--allowed-methods", args.allowed_methods),
+            ("--allowed-headers", args.allowed_headers),
+            ("--allow-credentials", args.allow_credentials or None),
+        )
+        if value is not None
+    ]
+    if given:
+        raise CommandError(
+            f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --allowed-origins: kvflow sends "
+            "no CORS headers until it names the origins that may call (vLLM's default is '[\"*\"]': give "
+            "--allowed-origins '[\"*\"]' for the same)"
+        )
+
+
+def _cors_config(args: argparse.Namespace) -> CORSConfig | None:
+    if args.allowed_origins is None:
+        return None
+    return CORSConfig(
+        allowed_origins=args.allowed_origins,
+        allowed_methods=("*",) if args.allowed_methods is None else args.allowed_methods,
+        allowed_headers=("*",) if args.allowed_headers is None else args.allowed_headers,
+        allow_credentials=args.allow_credentials,
+    )
+
+
 def _server_config(args: argparse.Namespace) -> ServerConfig:
     from kvflow.entrypoints.openai.serving_models import DEFAULT_MODEL_NAME
 
@@ -315,6 +396,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
         enable_runtime_lora_updating=args.enable_runtime_lora_updating,
         timeout_keep_alive_s=args.timeout_keep_alive,
         uvicorn_log_level=args.uvicorn_log_level,
+        cors=_cors_config(args),
     )
 
 

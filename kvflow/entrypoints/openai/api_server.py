@@ -23,10 +23,11 @@ its error); a request's `model` may name any registered adapter.
 
 Every error is OpenAI's body (errors.py); an exception no route turned into a response is a 500 that keeps the
 connection usable (middleware.py). With an API key, every path except /health, /metrics and /version needs
-`Authorization: Bearer KEY` (401 otherwise). A request's `X-Request-Id` header is its id and is echoed on the
-response. The socket is bound and listening before the engine starts (`kvflow.entrypoints.cli.serve`); the address
-is announced once uvicorn serves it. SIGINT and SIGTERM stop the server: requests in flight end (finish_reason
-"abort"), the engine shuts down, and the process exits with status 0.
+`Authorization: Bearer KEY` (401 otherwise). With --allowed-origins, browser pages from those origins may call
+the server (CORS, middleware.py); without it, no CORS headers are sent. A request's `X-Request-Id` header is its
+id and is echoed on the response. The socket is bound and listening before the engine starts
+(`kvflow.entrypoints.cli.serve`); the address is announced once uvicorn serves it. SIGINT and SIGTERM stop the
+server: requests in flight end (finish_reason "abort"), the engine shuts down, and the process exits with status 0.
 
 As one of several API server processes (`kvflow serve --api-server-count N`, `api_servers.py`), the same app runs
 with `api_server_index` set: every response carries `X-Kvflow-Api-Server: <index>` (which process answered), the
@@ -54,6 +55,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvflow.engine.async_llm import EngineDeadError
@@ -71,6 +73,7 @@ from kvflow.entrypoints.openai.middleware import (
     BodySurrogateScanMiddleware,
     RequestIdMiddleware,
     UnexpectedErrorMiddleware,
+    cors_options,
 )
 from kvflow.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -359,13 +362,15 @@ def build_app(
         )
         app.include_router(lora_router)
     _add_error_handlers(app)
-    # Added innermost first: requests pass RequestId, UnexpectedError, BodySizeLimit, APIKey, BodySurrogateScan,
-    # then the routes.
+    # Added innermost first: requests pass RequestId, CORS (with --allowed-origins: preflights are answered there,
+    # before the API key is asked for), UnexpectedError, BodySizeLimit, APIKey, BodySurrogateScan, then the routes.
     app.add_middleware(BodySurrogateScanMiddleware)
     if config.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, open_paths=OPEN_PATHS)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.limits.max_request_body_bytes)
     app.add_middleware(UnexpectedErrorMiddleware)
+    if config.cors is not None:
+        app.add_middleware(CORSMiddleware, **cors_options(config.cors))
     app.add_middleware(RequestIdMiddleware)
     if api_server_index is not None:
         app.add_middleware(ApiServerHeaderMiddleware, index=api_server_index)

@@ -1,6 +1,10 @@
-"""The server's ASGI middleware, outermost first: request ids, unexpected errors, body size, API key.
+"""The server's ASGI middleware, outermost first: request ids, CORS, unexpected errors, body size, API key.
 
     RequestIdMiddleware         echoes `X-Request-Id` on the response (errors included)
+    CORSMiddleware              Starlette's, with --allowed-origins only (`cors_options`): answers browser
+                                preflights itself, before the API key is asked for (a preflight never carries
+                                one), and adds the CORS headers to every answer, 401, 413 and 500 included, so
+                                a page can read why its call failed
     UnexpectedErrorMiddleware   any exception a route did not turn into a response: logged once with the request id
                                 and traceback, answered with a 500 in OpenAI's shape on a connection that stays usable
     BodySizeLimitMiddleware     a body over `--max-request-body-bytes`: 413 before the route reads it
@@ -31,6 +35,8 @@ if TYPE_CHECKING:
 
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+    from kvflow.entrypoints.openai.server_config import CORSConfig
+
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -58,6 +64,25 @@ class RequestIdMiddleware:
             await send(message)
 
         await self.app(scope, receive, send_with_request_id)
+
+
+def cors_options(cors: CORSConfig) -> dict[str, object]:
+    """Starlette's `CORSMiddleware` arguments for `cors`. Its behaviour, relied on: a preflight (OPTIONS with
+    Origin and Access-Control-Request-Method) is answered 200 with the allowed origin, methods and headers, or
+    400 naming what is disallowed, without reaching the routes; an answer to an origin not allowed has no
+    Access-Control-Allow-Origin; with credentials, '*' origins answer with the request's own Origin (and '*'
+    methods and headers with the list or the requested ones), as browsers require."""
+    if cors.any_origin_with_credentials:
+        logger.warning(
+            "CORS: --allow-credentials with '*' origins lets any web site call this server with its users' "
+            "cookies and HTTP authentication; name the origins in --allowed-origins to narrow it"
+        )
+    return {
+        "allow_origins": cors.allowed_origins,
+        "allow_methods": cors.allowed_methods,
+        "allow_headers": cors.allowed_headers,
+        "allow_credentials": cors.allow_credentials,
+    }
 
 
 class UnexpectedErrorMiddleware:

@@ -116,6 +116,53 @@ def runtime_lora_updating_from_env(environ: dict[str, str] | None = None) -> str
 
 
 @dataclass(frozen=True)
+class CORSConfig:
+    """Which browser pages may call the server (`--allowed-origins` and its companions, vLLM's flags), answered
+    by Starlette's CORS middleware. Without it (`ServerConfig.cors` None, the default) the server sends no CORS
+    headers and browsers keep other sites' pages from reading its answers.
+
+    `allowed_origins`: origins such as "https://app.example", or "*" for any; `allowed_methods` (upper case, as
+    browsers send them) and `allowed_headers`: what a preflight may ask for ("*": any); `allow_credentials`: pages
+    may send cookies and HTTP authentication. Browsers refuse "*" with credentials, so with both the answer names
+    the request's own origin: any site may then call the server with the user's credentials.
+
+    Invariants: every entry is a non-empty string; methods are upper case.
+    """
+
+    allowed_origins: tuple[str, ...]
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_methods", tuple(m.upper() for m in self.allowed_methods))
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            values = getattr(self, name)
+            if not all(isinstance(value, str) and value for value in values):
+                raise ValueError(
+                    f"--{name.replace('_', '-')}: every entry must be a non-empty string"
+                )
+
+    @property
+    def any_origin_with_credentials(self) -> bool:
+        return self.allow_credentials and "*" in self.allowed_origins
+
+
+def parse_json_string_list(text: str) -> tuple[str, ...]:
+    """A flag's JSON list of strings (`--allowed-origins '["https://app.example"]'`, as in vLLM); ValueError
+    saying what it expected otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"expected a JSON list of strings such as '[\"https://app.example\"]', got {text!r} ({error})"
+        ) from error
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise ValueError(f"expected a JSON list of non-empty strings, got {text!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The server's options.
 
@@ -137,6 +184,7 @@ class ServerConfig:
     mounts POST /v1/load_lora_adapter and /v1/unload_lora_adapter (`--enable-runtime-lora-updating`, or
     `VLLM_ALLOW_RUNTIME_LORA_UPDATING` / `KVFLOW_ALLOW_RUNTIME_LORA_UPDATING`); without it those paths are 404, as
     in vLLM.
+    `cors`: the CORS policy (`CORSConfig`); None, no CORS headers at all.
     """
 
     host: str = "127.0.0.1"
@@ -154,3 +202,4 @@ class ServerConfig:
     enable_runtime_lora_updating: bool = False
     timeout_keep_alive_s: float = 75.0
     uvicorn_log_level: str = "warning"
+    cors: CORSConfig | None = None
