@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from kvflow.entrypoints.cli.config_file import ConfigFileParser
+
 if TYPE_CHECKING:
     from kvflow.sampling_params import SamplingParams
 
@@ -14,9 +16,10 @@ logging:
   shows more (and the traceback behind an engine startup error)."""
 
 
-class SubcommandParser(argparse.ArgumentParser):
+class SubcommandParser(ConfigFileParser):
     """A subcommand's parser: a usage error is one line naming the mistake and where help is, instead of the
-    whole usage (dozens of engine flags) followed by the message."""
+    whole usage (dozens of engine flags) followed by the message. A subcommand with `--config`
+    (`config_file.add_config_file_argument`) reads its flags from that YAML file too."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")

@@ -21,6 +21,7 @@ import os
 import socket
 
 from kvflow.entrypoints.cli.args import LOGGING_EPILOG, HelpFormatter
+from kvflow.entrypoints.cli.config_file import CONFIG_FILE_DESTS, add_config_file_argument
 from kvflow.entrypoints.cli.engine import CommandError, make_async_llm
 from kvflow.entrypoints.openai.server_chat_template import load_server_chat_template
 from kvflow.entrypoints.openai.server_config import (
@@ -82,6 +83,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         metavar="MODEL",
         help="checkpoint folder or 'hash' (same as --model); default: the built-in default model",
     )
+    add_config_file_argument(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on")
     server.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
@@ -275,12 +277,7 @@ def _positive_float(text: str) -> float:
 
 
 def run_serve(args: argparse.Namespace) -> None:
-    if args.model_tag is not None:
-        if args.model is not None and args.model != args.model_tag:
-            raise CommandError(
-                f"MODEL {args.model_tag!r} and --model {args.model!r} disagree: give one"
-            )
-        args.model = args.model_tag
+    resolve_model(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise CommandError(
             "--enable-auto-tool-choice needs --tool-call-parser NAME (how this model writes its calls: "
@@ -315,6 +312,19 @@ def run_serve(args: argparse.Namespace) -> None:
             _serve_in_this_process(args, config, sock)
     finally:
         sock.close()
+
+
+def resolve_model(args: argparse.Namespace) -> None:
+    """Sets `args.model` from MODEL when given: CommandError if --model on the command line names another; a
+    `model` from the --config file yields to MODEL, as in vLLM."""
+    if args.model_tag is None:
+        return
+    model_from_file = "model" in getattr(args, CONFIG_FILE_DESTS, ())
+    if args.model is not None and args.model != args.model_tag and not model_from_file:
+        raise CommandError(
+            f"MODEL {args.model_tag!r} and --model {args.model!r} disagree: give one"
+        )
+    args.model = args.model_tag
 
 
 def _check_lora_flags(args: argparse.Namespace) -> None:
