@@ -101,7 +101,8 @@ def otlp_span_exporter(endpoint: str) -> SpanExporter:
 
 
 def build_request_tracer(endpoint: str | None, model_name: str) -> RequestTracer | None:
-    """The tracer of an engine with `otlp_traces_endpoint=endpoint` (None: no tracing, and no import)."""
+    """The tracer of an engine with `otlp_traces_endpoint=endpoint` (None: no tracing, and no import);
+    `model_name` is the model as the engine was given it ("default" for the built-in one)."""
     if endpoint is None:
         return None
     return RequestTracer(otlp_span_exporter(endpoint), model_name)
@@ -109,15 +110,13 @@ def build_request_tracer(endpoint: str | None, model_name: str) -> RequestTracer
 
 def trace_requests(engine: Any, span_exporter: SpanExporter, batch: bool = False) -> RequestTracer:
     """Trace `engine`'s requests (an `LLM` or `AsyncLLM`) to `span_exporter` from now on, instead of the exporter
-    its `otlp_traces_endpoint` built (which is shut down). `batch=False` hands each span to the exporter as it ends
-    (tests read an `InMemorySpanExporter` right after a request); True batches them on a thread, as the OTLP path
-    does."""
+    its `otlp_traces_endpoint` built (which is shut down). `batch=False` hands each span to the exporter as it ends,
+    on the engine's output thread (for exporters that return at once: tests read an `InMemorySpanExporter` right
+    after a request); True batches them on a thread of their own, as the OTLP path does."""
     output_processor = engine.output_processor
     previous: RequestTracer | None = output_processor.tracer
-    tracer = RequestTracer(span_exporter, previous.model_name if previous else "", batch=batch)
-    if not tracer.model_name:
-        tracer.model_name = engine.engine_config.model_config.model
-    output_processor.tracer = tracer
+    model_name = previous.model_name if previous is not None else engine.model_info.name
+    output_processor.tracer = tracer = RequestTracer(span_exporter, model_name, batch=batch)
     if previous is not None:
         previous.shutdown()
     return tracer

@@ -65,8 +65,7 @@ def build_frontend(
         engine_config.model_config,
         engine_config.structured_outputs_config,
     )
-    model_name = engine_args.model if engine_args.model is not None else model_info.name
-    tracer = build_request_tracer(engine_args.otlp_traces_endpoint, model_name)
+    tracer = build_request_tracer(engine_args.otlp_traces_endpoint, model_info.name)
     return FrontendParts(
         engine_config, model_info, tokenizer, input_processor, OutputProcessor(tokenizer, tracer)
     )
