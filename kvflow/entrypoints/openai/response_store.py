@@ -85,7 +85,11 @@ class ResponseStore:
         excess = len(self._responses) - self.max_responses
         if excess <= 0:
             return
-        for response_id in [
-            response_id for response_id, stored in self._responses.items() if not stored.running
-        ][:excess]:
+        evicted = []
+        for response_id, stored in self._responses.items():  # least recently used first
+            if len(evicted) == excess:
+                break
+            if not stored.running:
+                evicted.append(response_id)
+        for response_id in evicted:
             del self._responses[response_id]

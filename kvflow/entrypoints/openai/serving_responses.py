@@ -26,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -482,25 +483,17 @@ class OpenAIServingResponses(OpenAIServingChat):
         return {"id": response_id, "object": "response", "deleted": True}
 
 
+@dataclass(frozen=True)
 class _Run:
     """What one response runs with: its request, live request id, prompt, reply parser, the conversation before
     its instructions (previous response and input), and its adapter."""
 
-    def __init__(
-        self,
-        request: ResponsesRequest,
-        request_id: str,
-        prompt: PromptInput,
-        reply: ReplyParser,
-        conversation: list[dict[str, Any]],
-        lora_request: LoRARequest | None,
-    ) -> None:
-        self.request = request
-        self.request_id = request_id
-        self.prompt = prompt
-        self.reply = reply
-        self.conversation = conversation
-        self.lora_request = lora_request
+    request: ResponsesRequest
+    request_id: str
+    prompt: PromptInput
+    reply: ReplyParser
+    conversation: list[dict[str, Any]]
+    lora_request: LoRARequest | None
 
 
 def _check_responses_fields(request: ResponsesRequest) -> None:
