@@ -225,6 +225,7 @@ class AsyncLLM:
         pooling_params: PoolingParams,
         request_id: str | None = None,
         priority: int = 0,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """Pool one prompt (runner "pooling"): yields its one finished `PoolingRequestOutput`.
 
@@ -232,7 +233,8 @@ class AsyncLLM:
         model's first task). A prompt is a string, `{"prompt_token_ids": [...]}`, or a cross-encoder's text pair
         `{"prompt_token_ids": [...], "token_type_ids": [...]}` (`Tokenizer.encode_pair`). A bad prompt or parameter
         raises ValueError before anything is queued; a request that ends without its result (aborted) raises
-        `PoolingRequestEndedError`. Leaving the generator early aborts the request."""
+        `PoolingRequestEndedError`. Leaving the generator early aborts the request. `trace_headers`: as for
+        `generate`."""
         self._check_open()
         check_priority(priority, self.engine_config.scheduler_config.policy)
         if not isinstance(pooling_params, PoolingParams):
@@ -248,7 +250,7 @@ class AsyncLLM:
         request_id = self._claim_request_id(request_id)
         ended = False
         try:
-            await self._add_prompt(request_id, processed, stream, priority)
+            await self._add_prompt(request_id, processed, stream, priority, None, trace_headers)
             while not ended:
                 item = await stream.get()
                 if isinstance(item, BaseException):

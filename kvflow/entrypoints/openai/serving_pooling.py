@@ -36,6 +36,7 @@ from kvflow.entrypoints.openai.unsupported import UnknownFields
 from kvflow.pooling.frontend import PoolingRequestEndedError
 from kvflow.pooling.scoring import pair_prompt
 from kvflow.pooling_params import PoolingParams
+from kvflow.tracing import current_trace_headers
 
 if TYPE_CHECKING:
     import torch
@@ -328,8 +329,11 @@ class OpenAIServingPooling:
         )
         outputs: list[PoolingRequestOutput | None] = [None] * len(prompts)
         with self.live_requests.claim(request_id, engine_ids):
+            trace_headers = current_trace_headers()  # with --otlp-traces-endpoint
             streams = [
-                self.engine.encode(prompt, each_params, request_id=engine_id, priority=priority)
+                self.engine.encode(
+                    prompt, each_params, engine_id, priority, trace_headers=trace_headers
+                )
                 for prompt, each_params, engine_id in zip(prompts, params, engine_ids, strict=True)
             ]
             try:
