@@ -18,7 +18,9 @@ import jsonschema
 import openai
 import pytest
 
+from kvflow.entrypoints.openai.protocol import ChatMessage, FunctionCall, ToolCall
 from kvflow.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from kvflow.entrypoints.openai.responses_items import input_messages, output_items, output_messages
 from kvflow.testing.waiting import wait_until
 from tests.entrypoints.server import DEFAULT_SERVER, RemoteServer, running_server
 
@@ -451,3 +453,49 @@ def test_response_ids_abort_like_request_ids(server: RemoteServer) -> None:
         last = [line for line in lines if line.startswith("data: ")][-1]
     final = json.loads(last.removeprefix("data: "))
     assert final["type"] == "response.incomplete" and final["response"]["status"] == "cancelled"
+
+
+# ---------------------------------------------------------------------------------------------------- items
+def test_input_items_become_chat_messages() -> None:
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    messages = input_messages(
+        [
+            {"role": "developer", "content": "Be brief."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "hm"}],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Let me see.", "annotations": []}],
+            },
+            call,
+            {**call, "call_id": "c2"},
+            {"type": "function_call_output", "call_id": "c1", "output": "1"},
+        ]
+    )
+    assert [message["role"] for message in messages] == ["system", "user", "assistant", "tool"]
+    assistant = messages[2]
+    assert assistant["reasoning_content"] == "hm" and assistant["content"] == [
+        {"type": "text", "text": "Let me see."}
+    ]
+    assert [tool_call["id"] for tool_call in assistant["tool_calls"]] == ["c1", "c2"]
+    assert messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "1"}
+    assert input_messages("Hi") == [{"role": "user", "content": "Hi"}]
+
+
+def test_output_items_round_trip_to_the_assistant_message() -> None:
+    message = ChatMessage(
+        role="assistant",
+        content="Sure.",
+        reasoning="hm",
+        tool_calls=[ToolCall(id="c1", function=FunctionCall(name="f", arguments="{}"))],
+    )
+    items = output_items(message, "incomplete")
+    assert [item["type"] for item in items] == ["reasoning", "message", "function_call"]
+    assert [item["status"] for item in items] == ["completed", "completed", "incomplete"]
+    [assistant] = output_messages(items)
+    assert assistant["reasoning"] == "hm" and assistant["tool_calls"][0]["id"] == "c1"

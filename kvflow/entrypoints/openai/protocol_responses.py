@@ -37,6 +37,8 @@ class ResponsesRequest(SamplingFields):
     previous_response_id: str | None = None
     background: bool = False
     metadata: dict[str, str] | None = None
+    # vLLM's chat field: keyword arguments for the chat template (e.g. {"enable_thinking": false} for Qwen3's).
+    chat_template_kwargs: dict[str, Any] | None = None
     # Taken: they change nothing kvflow generates (a cache routing hint, an end user's id, the billing tier).
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None

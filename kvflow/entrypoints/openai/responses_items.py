@@ -232,19 +232,21 @@ def text_response_format(text: Mapping[str, Any] | None) -> ResponseFormat | Non
 
 # ---------------------------------------------------------------------------------------------------- output
 def output_items(message: ChatMessage, status: str) -> list[dict[str, Any]]:
-    """A parsed reply as output items (`status`: "completed", or "incomplete" for a reply cut short): its
-    reasoning, its text (when it has some, or when it is nothing else), then its calls."""
+    """A parsed reply as output items: its reasoning, its text (when it has some, or when it is nothing else),
+    then its calls. Every item is "completed" but the last, which has `status` ("incomplete" for a reply cut
+    short: the item it was cut in), as a stream closes them."""
     items: list[dict[str, Any]] = []
     if message.reasoning is not None:
-        items.append(reasoning_item(item_id("rs"), message.reasoning, status))
+        items.append(reasoning_item(item_id("rs"), message.reasoning, "completed"))
     if message.content is not None or not (message.tool_calls or message.reasoning):
-        items.append(message_item(item_id("msg"), message.content or "", status))
+        items.append(message_item(item_id("msg"), message.content or "", "completed"))
     for call in message.tool_calls:
         items.append(
             function_call_item(
-                item_id("fc"), call.id, call.function.name, call.function.arguments, status
+                item_id("fc"), call.id, call.function.name, call.function.arguments, "completed"
             )
         )
+    items[-1]["status"] = status
     return items
 
 

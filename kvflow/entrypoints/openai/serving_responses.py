@@ -157,6 +157,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             request.parallel_tool_calls,
             self.auto_tool_choice,
         )
+        # text.format, as the response_format the shared constraint checks read (the request's own one is refused)
         request.response_format = text_response_format(request.text)
         controls = self._with_tool_constraint(request, self._controls(request), tool_choice)
         request_id = self.request_id(raw_request, request.request_id)
@@ -220,7 +221,9 @@ class OpenAIServingResponses(OpenAIServingChat):
     ) -> PromptInput:
         """The prompt (the chat template over `messages` and `tools`) and its sampling params."""
         try:
-            text = await self.chat_prompt.render(messages, tools=tools)
+            text = await self.chat_prompt.render(
+                messages, chat_template_kwargs=request.chat_template_kwargs, tools=tools
+            )
         except OpenAIServingError as error:
             if error.param == "messages":
                 error.param = "input"
