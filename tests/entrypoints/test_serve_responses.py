@@ -499,3 +499,6 @@ def test_output_items_round_trip_to_the_assistant_message() -> None:
     assert [item["status"] for item in items] == ["completed", "completed", "incomplete"]
     [assistant] = output_messages(items)
     assert assistant["reasoning"] == "hm" and assistant["tool_calls"][0]["id"] == "c1"
+    cut_in_thought = output_items(ChatMessage(role="assistant", reasoning="hm"), "incomplete")
+    [assistant] = output_messages(cut_in_thought)
+    assert assistant["reasoning"] == "hm" and assistant["content"] == [{"type": "text", "text": ""}]

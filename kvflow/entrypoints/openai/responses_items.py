@@ -296,5 +296,8 @@ def function_call_item(
 
 
 def output_messages(items: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """A response's output items as the chat messages a follow-up continues from (they are valid input items)."""
+    """A response's output items as the chat messages a follow-up continues from (they are valid input items;
+    a reply that is only reasoning, cut short in it, is an assistant message with no text)."""
+    if all(item["type"] == "reasoning" for item in items):
+        items = [*items, message_item(item_id("msg"), "", "completed")]
     return input_messages(list(items))
