@@ -25,15 +25,20 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
     from opentelemetry.sdk.trace.export import SpanExporter
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
+    from kvflow.engine.async_llm import AsyncLLM
     from kvflow.engine.output_processor import RequestState
     from kvflow.engine.stats import FinishedRequestStats
+    from kvflow.entrypoints.llm import LLM
 
 logger = logging.getLogger(__name__)
 
 # The W3C trace-context headers a request may carry (lower case, as ASGI spells header names).
 TRACE_HEADERS = ("traceparent", "tracestate")
+_TRACE_HEADER_NAMES = tuple(name.encode("latin-1") for name in TRACE_HEADERS)
 INSTALL_HINT = "pip install 'kvflow[otel]'"
 SPAN_NAME = "llm_request"
 INSTRUMENTATION_NAME = "kvflow.tracing"
@@ -108,7 +113,9 @@ def build_request_tracer(endpoint: str | None, model_name: str) -> RequestTracer
     return RequestTracer(otlp_span_exporter(endpoint), model_name)
 
 
-def trace_requests(engine: Any, span_exporter: SpanExporter, batch: bool = False) -> RequestTracer:
+def trace_requests(
+    engine: LLM | AsyncLLM, span_exporter: SpanExporter, batch: bool = False
+) -> RequestTracer:
     """Trace `engine`'s requests (an `LLM` or `AsyncLLM`) to `span_exporter` from now on, instead of the exporter
     its `otlp_traces_endpoint` built (which is shut down). `batch=False` hands each span to the exporter as it ends,
     on the engine's output thread (for exporters that return at once: tests read an `InMemorySpanExporter` right
@@ -193,10 +200,6 @@ class RequestTracer:
             attributes[SpanAttributes.GEN_AI_REQUEST_N] = parent.n if parent else params.n
         return attributes
 
-    def force_flush(self) -> bool:
-        """Hand every ended span to the exporter now; False if that did not finish within 30 s."""
-        return self._provider.force_flush()
-
     def shutdown(self) -> None:
         """Export what is pending and stop the export thread (the provider also does this at exit)."""
         self._provider.shutdown()
@@ -213,12 +216,6 @@ _REQUEST_TRACE_HEADERS: contextvars.ContextVar[dict[str, str] | None] = contextv
 )
 
 
-def extract_trace_headers(headers: Mapping[str, str]) -> dict[str, str] | None:
-    """The W3C trace-context entries of `headers` (names in lower case), or None when there are none."""
-    found = {name: headers[name] for name in TRACE_HEADERS if name in headers}
-    return found or None
-
-
 def current_trace_headers() -> dict[str, str] | None:
     """The trace-context headers of the HTTP request this task serves (set by `TraceHeadersMiddleware`)."""
     return _REQUEST_TRACE_HEADERS.get()
@@ -229,17 +226,17 @@ class TraceHeadersMiddleware:
     the request is served (its streamed body included), where the serving code reads them
     (`current_trace_headers`) to hand them to the engine. Only installed when the engine traces."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {
             name.decode("latin-1"): value.decode("latin-1")
             for name, value in scope["headers"]
-            if name in (b"traceparent", b"tracestate")
+            if name in _TRACE_HEADER_NAMES
         }
         token = _REQUEST_TRACE_HEADERS.set(headers or None)
         try:
@@ -248,10 +245,10 @@ class TraceHeadersMiddleware:
             _REQUEST_TRACE_HEADERS.reset(token)
 
 
-def trace_server_requests(app: Any, engine: Any, served_model_name: str) -> None:
+def trace_server_requests(app: FastAPI, engine: AsyncLLM, served_model_name: str) -> None:
     """Wire the server to its engine's tracer, if it has one (`--otlp-traces-endpoint`): spans name the served
     model, and requests hand their HTTP trace context to the engine (`TraceHeadersMiddleware`)."""
-    tracer: RequestTracer | None = engine.output_processor.tracer
+    tracer = engine.output_processor.tracer
     if tracer is None:
         return
     tracer.model_name = served_model_name
