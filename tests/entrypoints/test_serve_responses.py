@@ -185,8 +185,8 @@ def test_stream_helper_and_json_schema_format(client: openai.OpenAI) -> None:
         text={"format": {"type": "json_object"}},
         max_output_tokens=64,
     )
-    if json_object.status == "completed":
-        assert isinstance(json.loads(json_object.output_text), dict)
+    assert json_object.status == "completed"
+    assert isinstance(json.loads(json_object.output_text), dict)
 
 
 # ---------------------------------------------------------------------------------------------------- store
