@@ -95,8 +95,9 @@ RESPONSES_UNSUPPORTED: tuple[UnsupportedField, ...] = (
     ),
     UnsupportedField(
         "include",
-        lambda value, _: not value,
-        "kvflow returns no logprobs, encrypted reasoning or tool sources in responses yet",
+        lambda value, _: set(value or ()) <= {"reasoning.encrypted_content"},
+        "kvflow returns no logprobs, images or tool sources in responses yet (it takes "
+        "'reasoning.encrypted_content': its reasoning items carry their text in content, which it reads back)",
     ),
     UnsupportedField(
         "reasoning",
