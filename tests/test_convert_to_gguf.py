@@ -2,7 +2,8 @@
 
 The converter needs the `gguf` package (in the dev extra, so CI has it). Checked: metadata,
 llama.cpp's tensor names and types, the q/k row order llama.cpp's `llama` rotary layout expects (and `qwen2`'s
-unchanged), tied embeddings written once, and the byte-level BPE vocabulary from the default model's tokenizer.json.
+unchanged), tied embeddings written once, and the byte-level BPE vocabulary from the default model's tokenizer.json
+(tests/test_gguf_tokenizer.py checks the tokenizer keys further).
 """
 
 from __future__ import annotations
@@ -129,9 +130,13 @@ def test_qwen2_keeps_rows_writes_biases_ties_embeddings_and_the_bpe_vocabulary(
     merges = fields["tokenizer.ggml.merges"]
     assert merges[:2] == [" ".join(pair) for pair in tokenizer["model"]["merges"][:2]]
     assert len(merges) == len(tokenizer["model"]["merges"])
-    assert fields["tokenizer.ggml.bos_token_id"] == 1  # the checkpoint's config.json ids
-    assert fields["tokenizer.ggml.eos_token_id"] == 2
+    # tokenizer_config.json's tokens before config.json's ids (1 and 2 here), as llama.cpp's converter reads them.
+    assert tokens[fields["tokenizer.ggml.bos_token_id"]] == "<|begin_of_text|>"
+    assert tokens[fields["tokenizer.ggml.eos_token_id"]] == "<|im_end|>"
     assert fields["tokenizer.ggml.add_bos_token"] is True
+    assert (
+        fields["tokenizer.huggingface.json"] == (DEFAULT_CHECKPOINT / "tokenizer.json").read_text()
+    )
 
 
 def test_unsupported_checkpoints_are_refused_naming_the_field(tmp_path: Path) -> None:

@@ -3,10 +3,13 @@ Qwen 2, Qwen 3, Gemma 2, Gemma 3 (text), Phi-3, Mixtral, Qwen2-MoE and Qwen3-MoE
 converter lays them out.
 
 Usage: `python tools/convert_to_gguf.py CHECKPOINT_DIR OUT.gguf [--dtype bf16|f32] [--outtype TYPE]
-[--tokenizer-pre NAME] [--embed-hf-tokenizer]`
+[--tokenizer-pre NAME] [--no-embed-hf-tokenizer]`
 
 For `benchmarks/latency.py` and `benchmarks/quantized.py`'s comparisons with llama.cpp on the same weights, and to
-make GGUF files kvflow serves (`kvflow serve OUT.gguf --tokenizer CHECKPOINT_DIR`). The writer is
+make GGUF files kvflow serves alone (`kvflow serve OUT.gguf`): the tokenizer goes into the file as llama.cpp's
+converter writes it (`tokenizer.ggml.*`, the chat template) and whole as `tokenizer.huggingface.json`, kvflow's
+exact copy of tokenizer.json (`--no-embed-hf-tokenizer` leaves that key out; kvflow then rebuilds a byte-level BPE
+tokenizer from llama.cpp's keys). The writer is
 `kvflow.models.quantization.gguf_writer.write_gguf` (its docstring says what is written); it needs the optional
 `gguf` package.
 `--outtype` stores the matrices as F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K or the Q4_K_M mix (kvflow's
@@ -38,7 +41,7 @@ def convert(
     dtype: str = "bf16",
     tokenizer_pre: str | None = None,
     outtype: str | None = None,
-    embed_hf_tokenizer: bool = False,
+    embed_hf_tokenizer: bool = True,
 ) -> Path:
     """Write `out_path` from `checkpoint_dir`; returns `out_path`. Raises ValueError naming the field or tensor
     that cannot be written."""
@@ -66,8 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--embed-hf-tokenizer",
-        action="store_true",
-        help="also store tokenizer.json whole (tokenizer.huggingface.json): kvflow needs no --tokenizer then",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="store tokenizer.json whole (tokenizer.huggingface.json) beside llama.cpp's keys (default: yes)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

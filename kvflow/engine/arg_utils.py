@@ -278,7 +278,7 @@ class EngineArgs:
         tokenizer = self.tokenizer
         if is_gguf and tokenizer is None and not self.skip_tokenizer_init:
             assert model_info.path is not None
-            tokenizer = str(GGUFCheckpoint(model_info.path).tokenizer_folder())
+            tokenizer = GGUFCheckpoint(model_info.path).tokenizer_source()
         # `is None`, not `or`: max_model_len=0 is a mistake to report, not "unset".
         max_model_len = (
             self.max_model_len if self.max_model_len is not None else model_info.max_model_len

@@ -127,15 +127,16 @@ def test_an_unsupported_tensor_type_is_refused_naming_the_tensor_and_type(
 
 
 def test_the_tokenizer_comes_from_the_option_or_the_file_else_a_clear_error(
-    tmp_path: Path,
+    checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
     from kvflow.default_model import ensure_default_model
 
     default_dir = ensure_default_model()
-    plain = write_gguf(default_dir, tmp_path / "plain.gguf", "Q8_0")
-    with pytest.raises(ValueError, match=r"no Hugging Face tokenizer.*--tokenizer"):
-        LLM(str(plain))
-    embedded = write_gguf(default_dir, tmp_path / "embedded.gguf", "Q8_0", embed_hf_tokenizer=True)
+    bare = write_gguf(checkpoints["llama"], tmp_path / "bare.gguf", "Q8_0")  # no tokenizer.json
+    with pytest.raises(ValueError, match=r"no tokenizer kvflow can rebuild.*--tokenizer"):
+        LLM(str(bare))
+    plain = write_gguf(default_dir, tmp_path / "plain.gguf", "Q8_0", embed_hf_tokenizer=False)
+    embedded = write_gguf(default_dir, tmp_path / "embedded.gguf", "Q8_0")
     params = SamplingParams(max_tokens=8, temperature=0.0)
     with_folder = LLM(str(plain), tokenizer=str(default_dir), disable_log_stats=True)
     from_file = LLM(str(embedded), disable_log_stats=True)

@@ -36,8 +36,6 @@ quantization.gguf_writer`).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 from collections.abc import Iterator
@@ -51,6 +49,7 @@ import torch
 
 from kvflow.kernels.quant import GGML_BLOCK_SIZES, dequantize_reference
 from kvflow.models.hf_config import TransformerConfig, parse_hf_config
+from kvflow.models.quantization import gguf_tokenizer
 from kvflow.models.quantization.ggml_quantize import dequantize as dequantize_5_bit
 from kvflow.models.quantization.ggml_quantize import to_q8_0
 
@@ -156,8 +155,6 @@ _ROPE_TENSORS = frozenset({ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT})
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 # llama.cpp's default sliding pattern: every n-th layer attends fully.
 _GEMMA_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
-_TOKENIZER_JSON_KEY = "tokenizer.huggingface.json"
-_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 
 
 def is_gguf_file(path: str | os.PathLike[str] | None) -> bool:
@@ -578,37 +575,18 @@ class GGUFCheckpoint:
 
     # ------------------------------------------------------------------------------------------ tokenizer
     def tokenizer_folder(self, cache_root: Path | None = None) -> Path:
-        """A tokenizer folder made from the file's own Hugging Face tokenizer (`tokenizer.huggingface.json`, with
-        `tokenizer.chat_template` and the BOS/EOS tokens), cached by content; ValueError when the file holds none."""
-        tokenizer_json = self._field(_TOKENIZER_JSON_KEY)
-        if not tokenizer_json:
-            raise ValueError(
-                f"{self.path}: the GGUF file holds no Hugging Face tokenizer ({_TOKENIZER_JSON_KEY}); pass the "
-                "original checkpoint's folder as tokenizer= (--tokenizer FOLDER)"
-            )
-        tokens = self._field("tokenizer.ggml.tokens") or []
-        config: dict[str, Any] = {}
-        for key, name in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")):
-            token_id = self._field(f"tokenizer.ggml.{name}")
-            if token_id is not None and 0 <= int(token_id) < len(tokens):
-                config[key] = tokens[int(token_id)]
-        chat_template = self._field(_CHAT_TEMPLATE_KEY)
-        if chat_template:
-            config["chat_template"] = chat_template
-        digest = hashlib.sha256(
-            (tokenizer_json + json.dumps(config, sort_keys=True)).encode()
-        ).hexdigest()[:16]
-        root = cache_root or Path(
-            os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow")
-        )
-        folder = root / "gguf_tokenizers" / digest
-        if not (folder / "tokenizer_config.json").is_file():
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
-            staging = folder / f".tokenizer_config.{os.getpid()}.json"
-            staging.write_text(json.dumps(config), encoding="utf-8")
-            staging.replace(folder / "tokenizer_config.json")
-        return folder
+        """A tokenizer folder made from the file's own tokenizer: `tokenizer.huggingface.json` whole, else rebuilt
+        from a "gpt2" file's `tokenizer.ggml.*` keys (see `kvflow.models.quantization.gguf_tokenizer`), with the
+        chat template and the BOS / EOS / padding tokens; cached by content. ValueError naming `--tokenizer` when
+        the file holds no tokenizer kvflow can rebuild."""
+        return gguf_tokenizer.tokenizer_folder(self._field, self.path, cache_root)
+
+    def tokenizer_source(self) -> str:
+        """Where a model loaded from this file without a tokenizer argument takes its tokenizer: the folder holding
+        the file when a tokenizer.json sits beside it, else `tokenizer_folder()`."""
+        if (self.path.parent / "tokenizer.json").is_file():
+            return str(self.path.parent)
+        return str(self.tokenizer_folder())
 
 
 def _permuted_heads(hf_name: str, config: TransformerConfig) -> int | None:

@@ -25,10 +25,11 @@ gguf_file.layer_names` read backwards), and the tokenizer; `kvflow.models.quanti
   (`ffn_gate_inp`) and Qwen2-MoE's shared-expert gate kept float32 as llama.cpp keeps them, the expert counts and
   sizes. llama.cpp renormalises the top-k weights of Qwen3-MoE and never of Qwen2-MoE: a checkpoint whose
   `norm_topk_prob` says otherwise is refused.
-* The tokenizer: tokenizer.json's byte-level BPE vocabulary (`tokenizer.ggml.*`, model "gpt2") and the chat
-  template; with `embed_hf_tokenizer` the whole tokenizer.json too (`tokenizer.huggingface.json`, which kvflow
-  reads when no tokenizer folder is given). A checkpoint without tokenizer.json gets model "none" (enough for
-  llama-bench, not for text).
+* The tokenizer, as llama.cpp's converter writes it (`tokenizer.ggml.*`: model "gpt2" for byte-level BPE, "llama"
+  for sentencepiece-style vocabularies, the special token ids, `add_bos_token`, the chat template; see
+  `kvflow.models.quantization.gguf_tokenizer`), and the whole tokenizer.json (`tokenizer.huggingface.json`, which
+  kvflow reads when no tokenizer folder is given) unless `embed_hf_tokenizer=False`: the files serve alone. A
+  checkpoint without tokenizer.json gets model "none" (enough for llama-bench, not for text).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ from kvflow.models.quantization.gguf_file import (
     gemma_query_pre_attn_scalar,
     gemma_sliding_layers,
     layer_names,
+)
+from kvflow.models.quantization.gguf_tokenizer import (  # noqa: F401 (detect_tokenizer_pre: re-exported)
+    HF_TOKENIZER_KEY,
+    detect_tokenizer_pre,
+    ggml_vocabulary,
 )
 
 logger = logging.getLogger(__name__)
@@ -227,74 +233,53 @@ def _encode(tensor: torch.Tensor, qtype: str, gguf: Any) -> tuple[np.ndarray, An
     return blocks.reshape(*tensor.shape[:-1], -1), gguf.GGMLQuantizationType[qtype]
 
 
-def detect_tokenizer_pre(tokenizer: dict[str, Any]) -> str:
-    """llama.cpp's pre-tokenizer name for a byte-level BPE tokenizer.json: GPT-2's regex split ('gpt-2') is the one
-    recognised; others need `tokenizer_pre` (see llama.cpp's src/llama-vocab.cpp for the names)."""
-    pre = tokenizer.get("pre_tokenizer") or {}
-    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt-2"
-    raise ValueError(
-        f"unrecognised pre_tokenizer {json.dumps(pre)[:200]}; pass --tokenizer-pre (e.g. qwen2, llama-bpe)"
-    )
-
-
 def write_tokenizer(
     writer: Any,
     gguf: Any,
     checkpoint_dir: Path,
     config: dict[str, Any],
     tokenizer_pre: str | None,
-    embed_hf_tokenizer: bool = False,
+    embed_hf_tokenizer: bool = True,
 ) -> None:
-    """The vocabulary from tokenizer.json (byte-level BPE), or a placeholder vocabulary without one."""
-    vocab_size = int(config["vocab_size"])
+    """llama.cpp's `tokenizer.ggml.*` keys and the chat template from the checkpoint's tokenizer files (see
+    `kvflow.models.quantization.gguf_tokenizer`), tokenizer.json whole as `tokenizer.huggingface.json` when
+    `embed_hf_tokenizer`; a placeholder vocabulary without tokenizer.json."""
     tokenizer_path = checkpoint_dir / "tokenizer.json"
     if not tokenizer_path.is_file():
         logger.warning("no tokenizer.json: writing a placeholder vocabulary (llama-bench only)")
         writer.add_tokenizer_model("none")
         return
     text = tokenizer_path.read_text(encoding="utf-8")
-    tokenizer = json.loads(text)
-    model = tokenizer["model"]
-    if model.get("type") != "BPE":
-        raise ValueError(
-            f"tokenizer.json model.type is {model.get('type')!r}; only BPE is supported"
-        )
-    tokens = [f"[PAD{index}]" for index in range(vocab_size)]
-    token_types = [gguf.TokenType.UNUSED] * vocab_size
-    for token, index in model["vocab"].items():
-        tokens[index], token_types[index] = token, gguf.TokenType.NORMAL
-    for added in tokenizer.get("added_tokens", []):
-        tokens[added["id"]] = added["content"]
-        special = added.get("special", False)
-        token_types[added["id"]] = (
-            gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED
-        )
-    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model["merges"]]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(tokenizer_pre or detect_tokenizer_pre(tokenizer))
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    for key, add in (
-        ("bos_token_id", writer.add_bos_token_id),
-        ("eos_token_id", writer.add_eos_token_id),
-        ("pad_token_id", writer.add_pad_token_id),
-    ):
-        value = config.get(key)
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if value is not None:
-            add(int(value))
     tokenizer_config_path = checkpoint_dir / "tokenizer_config.json"
-    if tokenizer_config_path.is_file():
-        tokenizer_config = json.loads(tokenizer_config_path.read_text())
-        if "add_bos_token" in tokenizer_config:
-            writer.add_add_bos_token(bool(tokenizer_config["add_bos_token"]))
-        if isinstance(tokenizer_config.get("chat_template"), str):
-            writer.add_chat_template(tokenizer_config["chat_template"])
+    tokenizer_config = (
+        json.loads(tokenizer_config_path.read_text()) if tokenizer_config_path.is_file() else {}
+    )
+    keys = ggml_vocabulary(
+        json.loads(text), tokenizer_config, config, int(config["vocab_size"]), tokenizer_pre
+    )
+    writer.add_tokenizer_model(keys["model"])
+    if "pre" in keys:
+        writer.add_tokenizer_pre(keys["pre"])
+    writer.add_token_list(keys["tokens"])
+    writer.add_token_types([gguf.TokenType(kind) for kind in keys["token_type"]])
+    if "merges" in keys:
+        writer.add_token_merges(keys["merges"])
+    if "scores" in keys:
+        writer.add_token_scores(keys["scores"])
+    for name in ("bos", "eos", "padding", "unknown"):
+        if f"{name}_token_id" in keys:
+            writer.add_uint32(f"tokenizer.ggml.{name}_token_id", keys[f"{name}_token_id"])
+    for name in ("add_bos_token", "add_eos_token"):
+        if name in keys:
+            writer.add_bool(f"tokenizer.ggml.{name}", keys[name])
+    chat_template = tokenizer_config.get("chat_template")
+    template_file = checkpoint_dir / "chat_template.jinja"
+    if not isinstance(chat_template, str) and template_file.is_file():
+        chat_template = template_file.read_text(encoding="utf-8")
+    if isinstance(chat_template, str):
+        writer.add_chat_template(chat_template)
     if embed_hf_tokenizer:
-        writer.add_string("tokenizer.huggingface.json", text)
+        writer.add_string(HF_TOKENIZER_KEY, text)
 
 
 def _llama3_rope_freqs(config: dict[str, Any], head_dim: int) -> np.ndarray | None:
@@ -445,7 +430,7 @@ def write_gguf(
     tensor_type: TensorType = "BF16",
     *,
     tokenizer_pre: str | None = None,
-    embed_hf_tokenizer: bool = False,
+    embed_hf_tokenizer: bool = True,
 ) -> Path:
     """Write `out_path` from `checkpoint_dir` (see the module docstring); returns `out_path`. Raises ValueError
     naming the field or tensor that cannot be written."""
