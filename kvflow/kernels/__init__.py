@@ -8,13 +8,24 @@ reference the kernels are tested against. `KVFLOW_CPU_KERNELS=0` makes every hel
 from __future__ import annotations
 
 import functools
-import os
 import subprocess
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from kvflow.kernels.bf16_gemm import (
+    BF16_GEMM_CHOICES,
+    BF16_GEMM_ENV,
+    MAX_GEMV_ROWS,
+    Bf16GemmPlan,
+    bf16_gemm_kernel,
+    bf16_gemm_plan,
+    choose_bf16_gemm_plan,
+    forget_bf16_gemm_plan,
+    gemm_kernel_wins,
+    use_bf16_gemm_plan,
+)
 from kvflow.kernels.build import (
     CPU_KERNELS_ENV,
     cpu_feature_flags,
@@ -27,13 +38,18 @@ __all__ = [
     "BF16_GEMM_ENV",
     "CPU_KERNELS_ENV",
     "MAX_GEMV_ROWS",
+    "Bf16GemmPlan",
     "add_rms_norm",
     "bf16_gemm_kernel",
+    "bf16_gemm_plan",
     "bf16_kernel_max_rows",
+    "choose_bf16_gemm_plan",
     "cpu_executes_avx512_bf16",
+    "cpu_feature_flags",
     "cpu_kernels_available",
     "cpu_kernels_requested",
     "decode_layer_max_rows",
+    "forget_bf16_gemm_plan",
     "fused_moe",
     "gemm_kernel_wins",
     "gemm_kernel_wins_here",
@@ -42,18 +58,11 @@ __all__ = [
     "lora_add",
     "rotary",
     "silu_and_mul",
+    "use_bf16_gemm_plan",
 ]
 
-# Up to this many rows the GEMV kernel beats torch's GEMM for the decode shapes (benchmarks/cpu_kernels.py).
-MAX_GEMV_ROWS = 8
 # float32 row counts (inclusive) the GEMV takes over from torch (`_float32_linear`).
 FLOAT32_GEMV_ROWS = (2, MAX_GEMV_ROWS)
-# The GEMM kernels' instruction set.
-_GEMM_REQUIRED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl"})
-# `KVFLOW_BF16_GEMM`: which product bfloat16 layers run above MAX_GEMV_ROWS rows. "auto" (the default): the CPU's
-# best kernel (the extension's default_gemm_kernel); "torch": F.linear (oneDNN); else one kernel by name.
-BF16_GEMM_ENV = "KVFLOW_BF16_GEMM"
-BF16_GEMM_CHOICES = ("auto", "torch", "widened_fp32", "avx512_bf16", "amx_bf16")
 _ELEMENTWISE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -67,61 +76,6 @@ def decode_layer_max_rows() -> int:
     of truth), or 0 when the kernels are not in use (no fused decode at all)."""
     ops = load_cpu_kernels()
     return 0 if ops is None else int(ops.MAX_DECODE_LAYER_ROWS)
-
-
-def gemm_kernel_wins(flags: Collection[str]) -> bool:
-    """Whether kvflow's bf16 GEMM (M > `MAX_GEMV_ROWS`) replaces torch's on a CPU with these feature flags: on every
-    AVX-512 (F, BW, VL) CPU, with the kernel `bf16_gemm_kernel` picks.
-
-    Without native bf16 matmul (Skylake-X/Cascade Lake/Ice Lake servers) oneDNN's bf16 GEMM runs at a fraction of
-    its fp32 rate, below the widened-fp32 kernel (benchmarks/cpu_kernels.py). With AMX the kernel
-    streams the weights through tiles as they lie, where oneDNN repacks them on every call; with AVX512_BF16 on AMD
-    the vdpbf16ps kernel reads the bf16 weights in place (cpu_features.h, gemm.cpp).
-    """
-    return set(flags) >= _GEMM_REQUIRED_FLAGS
-
-
-@functools.cache
-def bf16_gemm_kernel() -> str | None:
-    """The kernel `linear` (and the fused decode layer) sends bfloat16 products of more than `MAX_GEMV_ROWS` rows
-    to in this process: "widened_fp32", "avx512_bf16" or "amx_bf16"; None for torch's F.linear.
-
-    `KVFLOW_BF16_GEMM` chooses (`BF16_GEMM_CHOICES`; unset means "auto": the CPU's best kernel where
-    `gemm_kernel_wins`, else torch). Raises ValueError naming the variable for an unknown value, or for a kernel
-    this process cannot run (no AVX-512 build, CPU kernels off, AVX512_BF16 missing from CPUID, AMX missing or its
-    tile permission refused).
-    """
-    choice = os.environ.get(BF16_GEMM_ENV, "").strip().lower() or "auto"
-    if choice not in BF16_GEMM_CHOICES:
-        raise ValueError(f"{BF16_GEMM_ENV}={choice!r} is not one of {', '.join(BF16_GEMM_CHOICES)}")
-    if choice == "torch":
-        return None
-    ops = load_cpu_kernels()
-    if ops is None or not ops.has_avx512() or not gemm_kernel_wins(cpu_feature_flags()):
-        if choice == "auto":
-            return None
-        raise ValueError(
-            f"{BF16_GEMM_ENV}={choice}: kvflow's GEMM kernels need the CPU kernels "
-            f"({CPU_KERNELS_ENV} on) on an AVX-512 (F, BW, VL) CPU"
-        )
-    if choice == "auto":
-        choice = str(ops.default_gemm_kernel())
-    runnable = {
-        "widened_fp32": True,
-        "avx512_bf16": bool(ops.cpu_has_avx512_bf16()),
-        "amx_bf16": bool(ops.amx_usable()),
-    }
-    if not runnable[choice]:
-        raise ValueError(
-            f"{BF16_GEMM_ENV}={choice}: this CPU cannot run it "
-            + (
-                "(no AVX512_BF16 in CPUID)"
-                if choice == "avx512_bf16"
-                else "(no AMX in CPUID, or the kernel refused this process the tile state)"
-            )
-        )
-    ops.set_gemm_kernel(choice)
-    return choice
 
 
 @functools.cache
@@ -141,16 +95,17 @@ def cpu_executes_avx512_bf16() -> bool:
 
 
 def gemm_kernel_wins_here() -> bool:
-    """Whether `linear` sends more than `MAX_GEMV_ROWS` bfloat16 rows to kvflow's GEMM in this process (see
-    `bf16_gemm_kernel`)."""
-    return bf16_gemm_kernel() is not None
+    """Whether `linear` sends bfloat16 products just above `MAX_GEMV_ROWS` rows to kvflow's GEMM in this process
+    (the plan's first band, `bf16_gemm_plan`)."""
+    return bf16_gemm_plan().bands[0][2] is not None
 
 
 def bf16_kernel_max_rows() -> int | None:
-    """The most bfloat16 rows `linear` runs on the kernels in this process: `MAX_GEMV_ROWS` (the GEMV; torch's
-    F.linear above it), or None (every M) where kvflow's GEMM takes the rows above it (`gemm_kernel_wins_here`).
-    The fused decode layer reads its row limit here too."""
-    return None if gemm_kernel_wins_here() else MAX_GEMV_ROWS
+    """The most bfloat16 rows the fused decode layer runs on the kernels in this process: `MAX_GEMV_ROWS` (the GEMV)
+    where torch takes the rows just above it, else the last row of the plan's first run of bands on one GEMM kernel
+    (None: every M; `Bf16GemmPlan.first_kernel_rows`)."""
+    kernel, last_row = bf16_gemm_plan().first_kernel_rows()
+    return MAX_GEMV_ROWS if kernel is None else last_row
 
 
 def linear(
@@ -177,10 +132,10 @@ def linear(
     num_rows = hidden_states.numel() // input_size if input_size else 0
     if num_rows <= 0 or not weight.is_contiguous():
         return None
-    max_rows = bf16_kernel_max_rows()
-    if max_rows is not None and num_rows > max_rows:
-        return None
     use_gemm = num_rows > MAX_GEMV_ROWS
+    gemm = bf16_gemm_plan().kernel_for(num_rows) if use_gemm else None
+    if use_gemm and gemm is None:
+        return None  # torch's product wins these rows here
     ops = load_cpu_kernels()
     # The GEMV runs with AVX-512 or AVX2 + FMA (bf16 widened in registers); the GEMM only with AVX-512
     # (`gemm_kernel_wins`).
@@ -189,7 +144,10 @@ def linear(
     rows = hidden_states.reshape(num_rows, input_size)
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    out = (ops.gemm if use_gemm else ops.linear)(rows, weight, bias, float_output)
+    if gemm is not None:
+        out = ops.gemm_with(rows, weight, bias, float_output, gemm)
+    else:
+        out = ops.linear(rows, weight, bias, float_output)
     return out.view(*hidden_states.shape[:-1], weight.shape[0])
 
 

@@ -114,7 +114,7 @@ def _import_built(name: str, build_dir: Path) -> ModuleType | None:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def file_lock(path: Path):
     """An exclusive `flock` on `path` (created if absent), held for the block."""
     with open(path, "a+") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -159,7 +159,7 @@ def load_cpu_kernels() -> ModuleType | None:
         module = _import_built(name, build_dir)
         if module is None:
             build_dir.mkdir(parents=True, exist_ok=True)
-            with _file_lock(build_dir.parent / f"{name}.lock"):
+            with file_lock(build_dir.parent / f"{name}.lock"):
                 module = _import_built(name, build_dir) or _build(name, build_dir)
         logger.debug("loaded kvflow CPU kernels from %s", build_dir)
         return module

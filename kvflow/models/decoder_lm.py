@@ -20,6 +20,7 @@ from kvflow.distributed.parallel_state import TensorParallelGroup
 from kvflow.models.attention import AttentionBackend, get_attention_backend
 from kvflow.models.layers import LMHead, RotaryEmbedding
 from kvflow.models.layers.decoder import DecoderLayerFactory, DecoderModel
+from kvflow.models.layers.linear import Linear
 from kvflow.models.layers.self_attention import tp_head_ranges
 from kvflow.models.loader import CheckpointModel
 
@@ -127,12 +128,23 @@ class DecoderForCausalLM(CheckpointModel):
         # Before any weight loads: the layers take the plan's storage and kernels.
         if quantization is not None:
             quantization.apply(self)
+        if dtype is torch.bfloat16 and self.device.type == "cpu":
+            # Before the fast paths are chosen (the fused decode layer reads the plan's row limit); a bad
+            # KVFLOW_BF16_GEMM fails here, at load, not in a forward pass.
+            kernels.choose_bf16_gemm_plan(self.dense_product_shapes())
         self.add_family_parts(config)
         if layout.is_hybrid and getattr(self, "fused_decode", None) is not None:
             # The fused decode path reads one slot mapping and a tensor per layer: not this layout.
             self.fused_decode = None
-        if dtype is torch.bfloat16 and self.device.type == "cpu":
-            kernels.bf16_gemm_kernel()  # a bad KVFLOW_BF16_GEMM fails here, at load, not in a forward pass
+
+    def dense_product_shapes(self) -> set[tuple[int, int]]:
+        """The distinct [out, in] weight shapes of the decoder layers' unquantized linear layers (what the bfloat16
+        GEMM plan is measured on)."""
+        return {
+            (module.weight.shape[0], module.weight.shape[1])
+            for module in self.model.modules()
+            if isinstance(module, Linear) and module.quant_method is None
+        }
 
     def layer_factories(self, config: TransformerConfig) -> list[DecoderLayerFactory]:
         """What builds each decoder layer: the family's `decoder_layer` for every layer (a family whose layers differ,

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from kvflow.kernels import CPU_KERNELS_ENV, bf16_gemm_kernel, load_cpu_kernels
+from kvflow.kernels import CPU_KERNELS_ENV, forget_bf16_gemm_plan, load_cpu_kernels
 
 
 @pytest.fixture(scope="session")
@@ -35,13 +35,13 @@ def kernels_disabled() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setenv(CPU_KERNELS_ENV, "0")
         load_cpu_kernels.cache_clear()
-        bf16_gemm_kernel.cache_clear()
+        forget_bf16_gemm_plan()
         try:
             yield
         finally:
             monkeypatch.delenv(CPU_KERNELS_ENV)
             load_cpu_kernels.cache_clear()
-            bf16_gemm_kernel.cache_clear()
+            forget_bf16_gemm_plan()
 
 
 @pytest.fixture

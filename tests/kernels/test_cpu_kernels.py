@@ -176,7 +176,7 @@ def test_forcing_kernels_off_leaves_no_cached_choice_behind(ops: object) -> None
     """The GEMM choice made while the kernels were forced off (torch's path) is forgotten with the setting: a test
     run after one that forced them off, in the same process, gets this CPU's own choice (an xdist worker once
     skipped the GEMM tests that way)."""
-    kernels.bf16_gemm_kernel.cache_clear()
+    kernels.forget_bf16_gemm_plan()
     own_choice = kernels.bf16_gemm_kernel()
     with kernels_disabled():
         assert kernels.bf16_gemm_kernel() is None and not kernels.gemm_kernel_wins_here()

@@ -9,7 +9,7 @@ own `kMaxDecodeLayerRows`."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -31,6 +31,27 @@ ARCHITECTURES = {
     "mistral": {"sliding_window": 8},
     "qwen3": {},
 }
+
+
+@pytest.fixture(autouse=True)
+def cpu_default_gemm_kernel(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """The CPU's static GEMM kernel for every row band (`KVFLOW_BF16_GEMM` set to it), not a measured plan: these
+    tests check the fused path against the per-op one above the GEMV's rows, which a plan that measured torch
+    faster just above them would route around. Without the AVX-512 kernels (or under `kernels_off`) nothing is
+    forced."""
+    kernels.forget_bf16_gemm_plan()
+    ops = None if "kernels_off" in request.fixturenames else kernels.load_cpu_kernels()
+    if (
+        ops is not None
+        and ops.has_avx512()
+        and kernels.gemm_kernel_wins(kernels.cpu_feature_flags())
+    ):
+        monkeypatch.setenv(kernels.BF16_GEMM_ENV, str(ops.default_gemm_kernel()))
+    yield
+    monkeypatch.delenv(kernels.BF16_GEMM_ENV, raising=False)
+    kernels.forget_bf16_gemm_plan()
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
@@ -145,10 +166,10 @@ def test_fused_decode_steps_above_the_gemv_rows_take_the_gemm_like_the_per_op_pa
 def test_each_gemm_kernel_serves_the_fused_and_per_op_paths_alike(
     ops: ModuleType, checkpoint: Path, gemm_kernel: str
 ) -> None:
-    """The GEMM kernel is one process-wide choice that the per-op products (`kernels.linear`) and the fused
-    decode layer's (`decode_layer` -> `gemm`) both follow: with another kernel chosen the two paths still agree bit
-    for bit, and the logits stay near the default kernel's (another summation order, bfloat16 rounding: a loose
-    bound, which a transposed or misplaced tile output would break by far)."""
+    """The GEMM plan is one process-wide choice that the per-op products (`kernels.linear`) and the fused
+    decode layer's (`decode_layer` -> `gemm`, on the plan's first band's kernel) both follow: with another kernel
+    chosen the two paths still agree bit for bit, and the logits stay near the default kernel's (another summation
+    order, bfloat16 rounding: a loose bound, which a transposed or misplaced tile output would break by far)."""
     if not kernels.gemm_kernel_wins_here() or not ops.has_avx512():
         pytest.skip(
             "kvflow's GEMM serves > 8 rows only on AVX-512 CPUs (KVFLOW_BF16_GEMM not torch)"
@@ -157,14 +178,15 @@ def test_each_gemm_kernel_serves_the_fused_and_per_op_paths_alike(
         pytest.skip("this CPU does not execute vdpbf16ps")
     prompt_lens = (5, 13, 3, 7, 9, 4, 6, 11, 8, 5, 10, 3)
     _, default_logits, _, _ = _run(checkpoint, fused=False, prompt_lens=prompt_lens)
-    ops.set_gemm_kernel(gemm_kernel)
+    kernels.use_bf16_gemm_plan(kernels.Bf16GemmPlan.uniform(gemm_kernel))
     try:
         fused_outputs, fused_logits, num_fused, fused_rows = _run(
             checkpoint, fused=True, prompt_lens=prompt_lens
         )
         per_op_outputs, per_op_logits, _, _ = _run(checkpoint, fused=False, prompt_lens=prompt_lens)
     finally:
-        ops.set_gemm_kernel(kernels.bf16_gemm_kernel())
+        kernels.forget_bf16_gemm_plan()
+        kernels.bf16_gemm_kernel()  # the static kernel again, for the fused path too
     assert num_fused >= 10 and max(fused_rows) > kernels.MAX_GEMV_ROWS
     assert fused_outputs == per_op_outputs
     for step, (fused, per_op) in enumerate(zip(fused_logits, per_op_logits, strict=True)):
@@ -246,10 +268,8 @@ def test_the_strategy_is_chosen_once_when_the_model_is_built(
         assert model.fused_decode is None
         return
     assert model.fused_decode is not None
-    assert model.fused_decode.max_rows == (
-        kernels.decode_layer_max_rows()
-        if kernels.gemm_kernel_wins_here()
-        else kernels.MAX_GEMV_ROWS
+    assert model.fused_decode.max_rows == min(
+        kernels.decode_layer_max_rows(), kernels.bf16_kernel_max_rows() or 1 << 30
     )
 
     def no_second_choice(*args: object, **kwargs: object) -> None:

@@ -186,11 +186,12 @@ def test_the_default_kernel_is_amx_then_amd_bf16_then_widened(ops: ModuleType) -
 
 @pytest.fixture
 def gemm_choice(ops: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
-    """A clean `bf16_gemm_kernel` for one test of `KVFLOW_BF16_GEMM`; the default restored afterwards."""
-    bf16_gemm_kernel.cache_clear()
+    """A clean `bf16_gemm_kernel` (and no measured plan) for one test of `KVFLOW_BF16_GEMM`; the default restored
+    afterwards."""
+    kernels.forget_bf16_gemm_plan()
     yield monkeypatch
     monkeypatch.delenv(BF16_GEMM_ENV, raising=False)
-    bf16_gemm_kernel.cache_clear()
+    kernels.forget_bf16_gemm_plan()
     ops.set_gemm_kernel(ops.default_gemm_kernel())
 
 
