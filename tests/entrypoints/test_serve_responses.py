@@ -162,6 +162,8 @@ def test_stream_events_in_order_and_text_as_whole(client: openai.OpenAI) -> None
     text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert text == events[-4].text == final.output_text == whole.output_text
     assert final.status == "incomplete" and final.usage.output_tokens == 12
+    # A streamed response is stored by the time its last event is read.
+    assert create(client, input="More.", previous_response_id=final.id).status == "incomplete"
 
 
 def test_stream_helper_and_json_schema_format(client: openai.OpenAI) -> None:
@@ -230,6 +232,22 @@ def test_retrieve_delete_and_store_false(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as error:
         create(client, input="More.", previous_response_id=unstored.id)
     assert error.value.body["param"] == "previous_response_id"
+
+
+def test_input_items_are_listed_by_page(client: openai.OpenAI, server: RemoteServer) -> None:
+    items: list[Any] = [
+        {"role": "user", "content": "Hi"},
+        {"id": "msg_mine", "type": "message", "role": "assistant", "content": "Hello."},
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+    ]
+    response = create(client, input=items)
+    listed = list(client.responses.input_items.list(response.id, limit=1))  # three pages
+    assert [item.type for item in listed] == ["message"] * 3
+    assert [item.role for item in listed] == ["user", "assistant", "user"][::-1]  # newest first
+    assert listed[1].id == "msg_mine" and listed[2].content[0].text == "Hi"
+    ascending = client.responses.input_items.list(response.id, order="asc")
+    assert [item.id for item in ascending.data] == [item.id for item in reversed(listed)]
+    assert server.get(f"/v1/responses/{response.id}/input_items?limit=0").status_code == 400
 
 
 def test_unknown_id_is_a_404_in_openai_shape(server: RemoteServer) -> None:

@@ -6,7 +6,8 @@
     GET  /v1/models            the served model's card
     POST /v1/completions       serving_completion.py
     POST /v1/chat/completions  serving_chat.py
-    POST /v1/responses, GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel  serving_responses.py
+    POST /v1/responses, GET / DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel,
+    GET /v1/responses/{id}/input_items  serving_responses.py
     POST /tokenize, /detokenize  serving_tokenization.py
   with --runner pooling (on a generate server these are a 400 naming the runner; on a pooling server the
   completions and chat endpoints are):
@@ -189,6 +190,12 @@ async def create_response(request: ResponsesRequest, raw_request: Request) -> Re
 async def retrieve_response(response_id: str, raw_request: Request) -> JSONResponse:
     serving: OpenAIServingResponses = raw_request.app.state.serving_responses
     return JSONResponse(serving.retrieve(response_id))
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_response_input_items(response_id: str, raw_request: Request) -> JSONResponse:
+    serving: OpenAIServingResponses = raw_request.app.state.serving_responses
+    return JSONResponse(serving.input_items(response_id, raw_request.query_params))
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -24,10 +24,12 @@ DEFAULT_MAX_STORED_RESPONSES = 1000
 class StoredResponse:
     """One kept response. `body` is the `Response` object clients read (its `status` moves from "queued" or
     "in_progress" to a final one exactly once); `messages` is the conversation up to and including its output (set
-    once it has finished; empty before); `task` runs a background response (None otherwise)."""
+    once it has finished; empty before); `input_items` are its request's input as items with ids (GET
+    /v1/responses/{id}/input_items); `task` runs a background response (None otherwise)."""
 
     body: dict[str, Any]
     messages: list[dict[str, Any]] = field(default_factory=list)
+    input_items: list[dict[str, Any]] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
 
     @property

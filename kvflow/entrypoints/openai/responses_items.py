@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "text": "text", "refusal": "refusal"}
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_ID_PREFIXES = {
+    "message": "msg",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "reasoning": "rs",
+}
 
 
 def item_id(prefix: str) -> str:
@@ -78,6 +84,33 @@ def input_messages(request_input: str | Sequence[Any]) -> list[dict[str, Any]]:
                 "function_call_output and reasoning items"
             )
     return messages
+
+
+def input_item_list(request_input: str | Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A request's input (already checked by `input_messages`) as the items OpenAI lists for a response: each with
+    an `id` (its own, or a new one) and a `type`, a message's string content as one text part."""
+    items = (
+        [{"role": "user", "content": request_input}]
+        if isinstance(request_input, str)
+        else request_input
+    )
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        entry = {
+            "id": item.get("id") or item_id(_ID_PREFIXES[kind]),
+            "type": kind,
+            **{key: value for key, value in item.items() if key not in ("id", "type")},
+        }
+        content = entry.get("content")
+        if kind == "message" and isinstance(content, str):
+            is_output = entry.get("role") == "assistant"
+            entry["content"] = [
+                output_text_part(content) if is_output else {"type": "input_text", "text": content}
+            ]
+        entry.setdefault("status", "completed")
+        listed.append(entry)
+    return listed
 
 
 def _message(where: str, item: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""POST /v1/responses (OpenAI's Responses API, as vLLM serves it), GET and DELETE /v1/responses/{id}, and POST
-/v1/responses/{id}/cancel.
+"""POST /v1/responses (OpenAI's Responses API, as vLLM serves it), GET and DELETE /v1/responses/{id}, GET
+/v1/responses/{id}/input_items, and POST /v1/responses/{id}/cancel.
 
 A response is a chat completion in other clothes, and is served by the chat endpoint's parts: its input items
 become chat messages (`responses_items`) that the one chat renderer turns into the prompt (with the tools, through
@@ -39,6 +39,7 @@ from kvflow.entrypoints.openai.response_store import ResponseStore, StoredRespon
 from kvflow.entrypoints.openai.responses_items import (
     chat_tool_choice,
     chat_tools,
+    input_item_list,
     input_messages,
     output_items,
     output_messages,
@@ -72,6 +73,7 @@ _FIELDS = frozenset(ResponsesRequest.model_fields)
 RESPONSE_ID_PREFIX = "resp_"
 # OpenAI's bounds on `metadata`.
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
+MAX_INPUT_ITEMS_PAGE = 100
 
 
 def _off(*values: object) -> Any:
@@ -377,7 +379,8 @@ class OpenAIServingResponses(OpenAIServingChat):
     def _keep(self, run: _Run, finished: dict[str, Any]) -> None:
         """Store a finished response (if its request asked to), with the conversation it ended."""
         if run.request.store:
-            self.store.put(finished["id"], StoredResponse(finished, _messages_after(run, finished)))
+            stored = StoredResponse(finished, _messages_after(run, finished), _input_items(run))
+            self.store.put(finished["id"], stored)
 
     # ------------------------------------------------------------------------------------------------ stream
     async def _stream(self, run: _Run, body: dict[str, Any]) -> AsyncGenerator[bytes, None]:
@@ -415,9 +418,10 @@ class OpenAIServingResponses(OpenAIServingChat):
                 yield event
             return
         finished = self._finished(run, body, _status(finish_reason), [], final, token_ids, text)
-        for event in events.finish(finished):
+        last_events = events.finish(finished)  # sets the output
+        self._keep(run, finished)  # before the client can read the end and ask for a follow-up
+        for event in last_events:
             yield event
-        self._keep(run, finished)
 
     # ------------------------------------------------------------------------------------------------ background
     def _start_background(self, run: _Run, body: dict[str, Any]) -> dict[str, Any]:
@@ -435,7 +439,7 @@ class OpenAIServingResponses(OpenAIServingChat):
                 param="background",
             )
         queued = {**body, "status": "queued"}
-        stored = StoredResponse(queued)
+        stored = StoredResponse(queued, input_items=_input_items(run))
         self.store.put(queued["id"], stored)
         stored.task = asyncio.ensure_future(self._run_background(run, stored))
         return queued
@@ -477,6 +481,47 @@ class OpenAIServingResponses(OpenAIServingChat):
                 "a queued or in-progress response can be cancelled"
             )
         return stored.body
+
+    def input_items(self, response_id: str, query: Mapping[str, str]) -> dict[str, Any]:
+        """One page of a stored response's input items (OpenAI's list: `after` an item id, `limit` 1 to 100,
+        default 20, `order` "desc" (the default) or "asc"); any other query parameter is a 400 naming it."""
+        unknown = sorted(set(query) - {"after", "limit", "order"})
+        if unknown:
+            raise OpenAIServingError(
+                f"{unknown[0]} is not supported by kvflow on input_items (it takes after, limit and order)",
+                param=unknown[0],
+            )
+        order, after = query.get("order", "desc"), query.get("after")
+        if order not in ("asc", "desc"):
+            raise OpenAIServingError(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        try:
+            limit = int(query.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= MAX_INPUT_ITEMS_PAGE:
+            raise OpenAIServingError(
+                f"limit must be an integer from 1 to {MAX_INPUT_ITEMS_PAGE}, got {query.get('limit')!r}",
+                param="limit",
+            )
+        items = self.store.get(response_id).input_items
+        items = items if order == "asc" else items[::-1]
+        start = 0
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise OpenAIServingError(
+                    f"after={after!r} is not an input item of response {response_id!r}",
+                    param="after",
+                )
+            start = ids.index(after) + 1
+        page = items[start : start + limit]
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + limit < len(items),
+        }
 
     async def delete(self, response_id: str) -> dict[str, Any]:
         """Forget a stored response (cancelling it first if it runs in the background)."""
@@ -526,6 +571,10 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> None:
                 f"values {MAX_METADATA_VALUE_CHARS}",
                 param="metadata",
             )
+
+
+def _input_items(run: _Run) -> list[dict[str, Any]]:
+    return input_item_list(run.request.input)
 
 
 def _messages_after(run: _Run, finished: Mapping[str, Any]) -> list[dict[str, Any]]:
