@@ -110,6 +110,11 @@ class ReasoningStream:
             return self._reasoning(delta_text)
         return "", self._content(delta_text)
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text so far is inside an open thought (after `finish()`: the output ended in one)."""
+        return self._phase == "reasoning"
+
     def finish(self) -> tuple[str, str]:
         """The output ended: release what was held back."""
         reasoning, content = self._leave_preamble() if self._phase == "preamble" else ("", "")

@@ -62,7 +62,8 @@ class ReplyDelta:
 
 class ReplyParser:
     """One request's reply parsing: `reasoning` and `starts_in_reasoning` (the parser's verdict on the prompt),
-    `tools` (None: no tool calls are parsed), `parallel` (`parallel_tool_calls`), `include_reasoning`."""
+    `tools` (None: no tool calls are parsed), `parallel` (`parallel_tool_calls`), `include_reasoning`,
+    `forced_call` (the tool choice that forces a call, as named in `unmet_tool_choice`'s text; None if none)."""
 
     def __init__(
         self,
@@ -71,12 +72,28 @@ class ReplyParser:
         tools: CallParser | None,
         parallel: bool = True,
         include_reasoning: bool = True,
+        forced_call: str | None = None,
     ) -> None:
         self.reasoning = reasoning
         self.starts_in_reasoning = starts_in_reasoning
         self.tools = tools
         self.parallel = parallel
         self.include_reasoning = include_reasoning
+        self.forced_call = forced_call
+
+    def unmet_tool_choice(self, text: str, made_calls: bool, finish: str | None) -> str | None:
+        """Why a reply under a forced tool choice (`forced_call`) that ended (`finish`) made no call; None when
+        it made one, is not forced, or has not ended. `text` is the whole reply (the stream asks its
+        `ReplyStream.unmet_tool_choice`, which agrees)."""
+        if self.forced_call is None or made_calls or finish is None:
+            return None
+        ended_in_reasoning = False
+        if self.reasoning is not None:
+            stream = self.reasoning.stream(self.starts_in_reasoning)
+            stream.push(text)
+            stream.finish()
+            ended_in_reasoning = stream.in_reasoning
+        return unmet_tool_choice_text(self, finish, ended_in_reasoning)
 
     @property
     def is_plain(self) -> bool:
@@ -129,6 +146,13 @@ class ReplyStream:
         self.tools = parser.tools.stream() if parser.tools is not None else None
         self.made_calls = False
 
+    def unmet_tool_choice(self, finish: str | None) -> str | None:
+        """`ReplyParser.unmet_tool_choice` of the reply pushed so far (`finish` not None: after `finish()`)."""
+        if self.parser.forced_call is None or self.made_calls or finish is None:
+            return None
+        ended_in_reasoning = self.reasoning is not None and self.reasoning.in_reasoning
+        return unmet_tool_choice_text(self.parser, finish, ended_in_reasoning)
+
     def push(self, text: str) -> ReplyDelta:
         if self.reasoning is None:
             return self._tools(text, None)
@@ -158,6 +182,23 @@ class ReplyStream:
             released_calls = [call for call in released_calls if call.index == 0]
         self.made_calls = self.made_calls or bool(released_calls)
         return ReplyDelta(content=text, tool_calls=released_calls)
+
+
+def unmet_tool_choice_text(parser: ReplyParser, finish: str, ended_in_reasoning: bool) -> str:
+    """The explanation a choice carries (`unmet_tool_choice`) when its forced call was never made."""
+    why = "ran out of max_tokens" if finish == "length" else f"stopped ({finish})"
+    if ended_in_reasoning:
+        assert parser.reasoning is not None
+        end = parser.reasoning.end_marker
+        return (
+            f"tool_choice {parser.forced_call} forces a call after the reasoning, and the reply {why} inside "
+            f"its reasoning, before {end}: no call was made (the thought is the reasoning; raise max_tokens, "
+            "or end the thought sooner)"
+        )
+    return (
+        f"tool_choice {parser.forced_call}: the reply {why} before a call was complete; no call was made "
+        "(what was generated is the content)"
+    )
 
 
 def finish_reason(finish: str | None, made_calls: bool) -> str | None:

@@ -376,6 +376,10 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionResponseChoice(BaseModel):
+    """One choice; `unmet_tool_choice` (kvflow's, set only then) explains why a forced tool choice made no call."""
+
+    model_config = ConfigDict(extra="allow")
+
     index: int
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None

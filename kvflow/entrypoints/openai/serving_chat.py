@@ -174,6 +174,7 @@ class OpenAIServingChat(OpenAIServing):
             tool_choice.reply_parser(self.tool_parser),
             parallel=tool_choice.parallel,
             include_reasoning=request.include_reasoning,
+            forced_call=tool_choice.forced_call(),
         )
 
     # ------------------------------------------------------------------------------------------------ prompt
@@ -236,8 +237,12 @@ class OpenAIServingChat(OpenAIServing):
                 if reply.is_plain
                 else reply.parse(output.text, echo)
             )
+            unmet = reply.unmet_tool_choice(
+                output.text, bool(message.tool_calls), output.finish_reason
+            )
             choices.append(
                 ChatCompletionResponseChoice(
+                    **({"unmet_tool_choice": unmet} if unmet else {}),
                     index=output.index,
                     message=message,
                     logprobs=self.logprobs(request, output),
@@ -374,6 +379,10 @@ class _ChatChunks:
             )
             if self.request.return_token_ids:
                 chunk["choices"][0]["token_ids"] = list(output.token_ids)
+            stream = self.streams.get(output.index)
+            unmet = stream.unmet_tool_choice(output.finish_reason) if stream else None
+            if unmet:
+                chunk["choices"][0]["unmet_tool_choice"] = unmet
             yield StreamChunk(chunk, output.index, len(output.token_ids))
 
     def _delta(self, output: CompletionOutput) -> tuple[dict[str, Any] | DeltaMessage, str | None]:

@@ -77,6 +77,13 @@ class ToolChoice:
     function_name: str | None = None
     parallel: bool = True
 
+    def forced_call(self) -> str | None:
+        """This choice as explanations name a forced call ("'required'", "function 'name'"); None for "none" and
+        "auto"."""
+        if self.mode == NAMED:
+            return f"function {self.function_name!r}"
+        return repr(REQUIRED) if self.mode == REQUIRED else None
+
     def constraint(self) -> StructuredOutputsParams | None:
         """The structured-output constraint of a forced call (None for "none" and "auto")."""
         if self.mode == NAMED:
