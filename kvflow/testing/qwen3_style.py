@@ -2,9 +2,11 @@
 Qwen3's, holds `<think>`, `</think>`, `<tool_call>` and `</tool_call>` as single added tokens (not special, so
 they stay in the detokenized text), and whose chat template is the built-in model's ChatML with tools (hermes
 calls) and Qwen3-Thinking-2507's generation prompt, which opens the thought (`<|im_start|>assistant\\n<think>\\n`).
+With `chat_template_kwargs={"open_thought": False}` it renders Qwen3's own (hybrid) generation prompt instead,
+after which the model opens the thought itself.
 
-`make_qwen3_style_checkpoint(path)` writes it; `THINK_TOKENS` are the added tokens in id order after the built-in
-model's 4096 (so `</think>`'s id is `QWEN3_STYLE_IDS["</think>"]`, e.g. for a `logit_bias` that closes a thought).
+`make_qwen3_style_checkpoint(path)` writes it; `QWEN3_STYLE_IDS` are the added tokens' ids, after the built-in
+model's 4096 (e.g. `QWEN3_STYLE_IDS["</think>"]` for a `logit_bias` that closes a thought).
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ THINK_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 _BASE_VOCAB = 4096  # the built-in model's tokenizer
 QWEN3_STYLE_IDS = {token: _BASE_VOCAB + index for index, token in enumerate(THINK_TOKENS)}
 _GENERATION_PROMPT = "    {{- '<|im_start|>assistant\\n' }}\n"
+_OPEN_THOUGHT = (
+    "    {%- if open_thought is not defined or open_thought %}{{- '<think>\\n' }}{%- endif %}\n"
+)
 
 
 def thinking_template(template: str) -> str:
-    """`template` with a generation prompt that opens a thought, as Qwen3-Thinking-2507's does."""
+    """`template` with a generation prompt that opens a thought, as Qwen3-Thinking-2507's does, unless the
+    template variable `open_thought` is false."""
     if _GENERATION_PROMPT not in template:
         raise ValueError("the template has no '<|im_start|>assistant\\n' generation prompt line")
-    return template.replace(_GENERATION_PROMPT, "    {{- '<|im_start|>assistant\\n<think>\\n' }}\n")
+    return template.replace(_GENERATION_PROMPT, _GENERATION_PROMPT + _OPEN_THOUGHT)
 
 
 def make_qwen3_style_checkpoint(path: str | Path, *, seed: int = 0) -> Path:

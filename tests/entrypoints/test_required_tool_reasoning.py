@@ -2,8 +2,10 @@
 decoding (a draft model), streamed and not, with the official `openai` client (issue 44).
 
 The model is a tiny Qwen3-style checkpoint whose template opens the thought (`<think>\\n`, as Qwen3-Thinking's
-does), so the forced call's constraint starts after `</think>`: the model thinks first, then must call. A
-`logit_bias` on the `</think>` token makes the random model close its thought after a few words. Without it the
+does), so the forced call's constraint starts after `</think>`: the model thinks first, then must call; with
+`open_thought: false` the prompt does not open it (Qwen3's own template) and the constraint lets the model open
+a thought before the call. A `logit_bias` on the `</think>` token makes the random model close its thought after
+a few words. Without it the
 thought runs to max_tokens: the reply then says so (`unmet_tool_choice`, finish_reason "length", the thought as
 reasoning) instead of coming back as empty content chunks, which is what the issue saw. Speculative decoding
 changes nothing in either case: streamed and unstreamed replies agree on every server.
@@ -87,24 +89,31 @@ def reply(client: openai.OpenAI, stream: bool, **fields: Any) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+@pytest.mark.parametrize(
+    "template_kwargs",
+    [{}, {"open_thought": False}],
+    ids=["the-prompt-opens-the-thought", "the-model-opens-it"],
+)
 def test_the_model_thinks_then_the_call_is_forced_streamed_as_unstreamed(
-    client: openai.OpenAI, tool_choice: Any
+    client: openai.OpenAI, template_kwargs: dict[str, Any]
 ) -> None:
+    """Where the prompt opens the thought, the call's constraint starts after `</think>`; where the model must
+    open it itself (Qwen3's own template), the constraint lets an optional thought come first (it used to force
+    the call's JSON from the first token: no thought at all)."""
     fields = {
-        "tool_choice": tool_choice,
+        "tool_choice": "required",
         "parallel_tool_calls": False,  # one call, then the reply ends
-        "max_tokens": 200,
+        "max_tokens": 400,
         "logit_bias": CLOSE_THOUGHT_SOON,
+        "extra_body": {"chat_template_kwargs": template_kwargs},
     }
     whole = reply(client, False, **fields)
     assert whole["reasoning"], whole  # it thought first
     assert len(whole["calls"]) == 1 and whole["finish_reason"] == "tool_calls", whole  # then called
-    [(name, _)] = whole["calls"]
-    assert name in ({"get_weather", "get_time"} if tool_choice == "required" else {"get_time"})
-    for _, arguments in whole["calls"]:
-        json.loads(arguments)
-    assert whole["unmet_tool_choice"] is None
+    [(name, arguments)] = whole["calls"]
+    assert name in {"get_weather", "get_time"}
+    json.loads(arguments)
+    assert whole["content"] is None and whole["unmet_tool_choice"] is None
     assert reply(client, True, **fields) == whole
 
 

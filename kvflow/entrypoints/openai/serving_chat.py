@@ -53,6 +53,7 @@ from kvflow.entrypoints.openai.streaming import (
     sse_response,
     sse_stream,
 )
+from kvflow.entrypoints.openai.thought_first import thought_then_call
 from kvflow.entrypoints.openai.tool_calls import ToolChoice, resolve_tool_choice
 from kvflow.structured_output.validation import validate_structured_outputs
 
@@ -159,6 +160,27 @@ class OpenAIServingChat(OpenAIServing):
             ) from error
         return dataclasses.replace(controls, structured_outputs=constraint)
 
+    def _thought_first(
+        self, controls: RequestControls, tool_choice: ToolChoice, prompt_text: str
+    ) -> RequestControls:
+        """A forced call's constraint for a prompt that does not open the thought, under a reasoning parser whose
+        constraints start after the reasoning: an optional thought, then the call (`thought_first`). Kept as it
+        is elsewhere, and where the backend cannot compile that (guidance takes no structural tag)."""
+        reasoning, constraint = self.reasoning_parser, tool_choice.constraint()
+        if (
+            reasoning is None
+            or constraint is None
+            or not self.structured_outputs_config.constrains_after_reasoning
+            or reasoning.starts_in_reasoning(prompt_text)
+        ):
+            return controls
+        thinking = thought_then_call(constraint, reasoning.start_marker, reasoning.end_marker)
+        try:
+            validate_structured_outputs(thinking, self.structured_outputs_config)
+        except ValueError:
+            return controls
+        return dataclasses.replace(controls, structured_outputs=thinking)
+
     def _reply_parser(
         self, request: ChatCompletionRequest, tool_choice: ToolChoice, prompt: PromptInput
     ) -> ReplyParser:
@@ -189,6 +211,7 @@ class OpenAIServingChat(OpenAIServing):
             continue_final_message=request.continue_final_message,
             tools=request.tools,
         )
+        controls = self._thought_first(controls, tool_choice, text)
         token_ids = await self.encode(text, request.add_special_tokens)
         prompt_text, token_ids = self.truncate_prompt(text, token_ids, controls)
         if request.max_completion_tokens is not None:
