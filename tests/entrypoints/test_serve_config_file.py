@@ -125,6 +125,8 @@ def test_every_kind_of_option_of_any_parser(tmp_path: Path) -> None:
         ("max-num-seqs: many\n", "max-num-seqs: invalid int value: 'many'"),
         ("enable-admin-endpoints: 1\n", "enable-admin-endpoints: expected true or false, got 1"),
         ("allowed-origins: https://app.example\n", "allowed-origins: expected a JSON list"),
+        # vLLM's list of served names: kvflow serves one; never a model literally named '["a", "b"]'
+        ("served-model-name: [a, b]\n", "served-model-name: expected one value, got a list"),
         (
             "max-num-seqs: 2\nmax_num_seqs: 3\n",
             "'max_num_seqs' and 'max-num-seqs' set the same option",

@@ -213,8 +213,13 @@ def _apply(
 
 
 def _convert(parser: argparse.ArgumentParser, action: argparse.Action, value: Any) -> Any:
-    """One value as the option's `type` reads it from the command line, checked against its `choices`: a list or
-    mapping is passed as JSON, a boolean as true/false, anything else as its text."""
+    """One value as the option's `type` reads it from the command line, checked against its `choices`: a mapping
+    is passed as JSON, and so is a list to a flag with a `type` (one that reads a JSON list; a text flag refuses
+    it); a boolean as true/false, anything else as its text."""
+    if isinstance(value, list) and action.type in (None, str):
+        # a text flag (no JSON list reader) takes one value: vLLM's list of served model names, say, is refused
+        # rather than served as a name spelled '["a", "b"]'
+        raise ValueError(f"expected one value, got a list: {value!r}")
     if isinstance(value, list | dict):
         text = json.dumps(value)
     elif isinstance(value, bool):
