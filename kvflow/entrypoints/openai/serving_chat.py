@@ -107,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
         controls = self._with_tool_constraint(request, self.request_controls(request), tool_choice)
         request_id = self.request_id(raw_request, request.request_id)
         prompt = await self._prompt(request, controls, tool_choice)
-        reply = self._reply_parser(request, tool_choice, prompt)
+        reply = self._reply_parser(tool_choice, prompt, request.include_reasoning)
         response_id = f"chatcmpl-{request_id}"
         echo = _echo_text(request)
         if request.stream:
@@ -182,8 +182,10 @@ class OpenAIServingChat(OpenAIServing):
         return dataclasses.replace(controls, structured_outputs=thinking)
 
     def _reply_parser(
-        self, request: ChatCompletionRequest, tool_choice: ToolChoice, prompt: PromptInput
+        self, tool_choice: ToolChoice, prompt: PromptInput, include_reasoning: bool = True
     ) -> ReplyParser:
+        """How the reply is read back: reasoning (from where the prompt leaves the model), content and tool
+        calls, with the forced call `unmet_tool_choice` names (chat completions and responses alike)."""
         reasoning = self.reasoning_parser
         starts_in_reasoning = (
             reasoning is not None
@@ -195,7 +197,7 @@ class OpenAIServingChat(OpenAIServing):
             starts_in_reasoning,
             tool_choice.reply_parser(self.tool_parser),
             parallel=tool_choice.parallel,
-            include_reasoning=request.include_reasoning,
+            include_reasoning=include_reasoning,
             forced_call=tool_choice.forced_call(),
         )
 

@@ -168,7 +168,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             [{"role": "system", "content": request.instructions}] if request.instructions else []
         )
         prompt = await self._render(request, [*system, *conversation], tools, controls, tool_choice)
-        reply = self._responses_reply_parser(tool_choice, prompt)
+        reply = self._reply_parser(tool_choice, prompt)
         model_name = self.models.model_name(lora_request)
         body = self._response_body(request, RESPONSE_ID_PREFIX + request_id, prompt, model_name)
         run = _Run(request, request_id, prompt, reply, conversation, lora_request)
@@ -231,6 +231,7 @@ class OpenAIServingResponses(OpenAIServingChat):
             if error.param == "messages":
                 error.param = "input"
             raise
+        controls = self._thought_first(controls, tool_choice, text)
         token_ids = await self.encode(text, add_special_tokens=False)
         prompt_text, token_ids = self.truncate_prompt(text, token_ids, controls)
         params = self.sampling_params(
@@ -248,20 +249,6 @@ class OpenAIServingResponses(OpenAIServingChat):
         if parser is not None and parser.keeps_special_tokens:
             params.skip_special_tokens = False
         return self.process(prompt_text, token_ids, params, _FIELDS, self.aliases)
-
-    def _responses_reply_parser(self, tool_choice: ToolChoice, prompt: PromptInput) -> ReplyParser:
-        reasoning = self.reasoning_parser
-        starts_in_reasoning = (
-            reasoning is not None
-            and prompt.text is not None
-            and reasoning.starts_in_reasoning(prompt.text)
-        )
-        return ReplyParser(
-            reasoning,
-            starts_in_reasoning,
-            tool_choice.reply_parser(self.tool_parser),
-            parallel=tool_choice.parallel,
-        )
 
     def _response_body(
         self, request: ResponsesRequest, response_id: str, prompt: PromptInput, model_name: str
