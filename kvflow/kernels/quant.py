@@ -6,8 +6,11 @@ the bytes of a GGUF tensor's row (whole blocks). `dequantize_reference` is the p
 when the C++ kernels are off (`KVFLOW_CPU_KERNELS=0`, no compiler, no AVX2).
 
 Products (`ggml_linear`, `int8_linear`) run in the C++ extension (csrc/quant_*.cpp) when it is loaded on an AVX2 or
-AVX-512 build, chosen by the number of activation rows M; `kernel_rows` holds each weight type's row thresholds,
-which the per-op products here and the fused decode layer (through `LinearMethod.fused_decode_product`) both read:
+AVX-512 build, chosen by the number of activation rows M as the weight type's plan says (`quant_plan`: the static
+thresholds below, or under `KVFLOW_QUANT_GEMM=auto`, the default, the products a model measured fastest for each
+band of rows on its own layer shapes, `quant_choice`); `run_product` runs one product, and `kernel_rows` the rows one
+extension call covers, which the fused decode layer (through `LinearMethod.fused_decode_product`) reads. The static
+plan:
 
 * Q4_0, Q4_K, Q6_K (int8 activations), every M: the integer block product. Up to 8 rows it is a GEMV on the
   blocks themselves, each weight byte read once per call, nothing dequantized to memory; above, the same kernel
@@ -43,23 +46,35 @@ dequantization.
 
 Mixture-of-experts layers with quantized experts (`fused_moe`, csrc/quant_moe.cpp) run every selected expert's
 gate_up and down products over the tokens that picked it on these same products, chosen by the group's row count
-with the thresholds above, the loop over experts in C++ (one call per layer).
+with the static thresholds above (not a measured plan), the loop over experts in C++ (one call per layer).
 
 Every C++ path computes each output element on one thread in a fixed order: results do not depend on the thread
-count. The dequantize + torch fp32 GEMM paths (Q8_0 and int8 at prefill-sized M on CPUs without the W8A8 kernels)
-sum as torch's BLAS does, which on some CPUs splits a sum by thread count.
+count. The dequantize + torch fp32 GEMM paths (statically Q8_0 and int8 at prefill-sized M on CPUs without the W8A8
+kernels; any type in a band where a measured plan chose it) sum as torch's BLAS does, which on some CPUs splits a sum
+by thread count. A measured plan may also put a band of the 4-bit types on another product than the integer one
+(the same fake-quantized x, another fp32 summation order): their rows are then bitwise batch-independent within a
+band, not across bands. The cached choice makes every process on a machine follow the same plan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from kvflow.kernels.build import load_cpu_kernels
+from kvflow.kernels.quant_plan import (
+    DEQUANT,
+    GEMV,
+    INT8_TILED_MAX_ROWS,
+    INTEGER_PRODUCT_TYPES,
+    QUANT_GEMV_MAX_ROWS,
+    QUANT_TILED_MAX_ROWS,
+    W8A8,
+    KernelRows,
+    quant_gemm_plan,
+)
 
 __all__ = [
     "ACTIVATION_BLOCK_SIZES",
@@ -87,6 +102,7 @@ __all__ = [
     "kernels_in_use",
     "quantize_activations_reference",
     "quantizes_activation_rows",
+    "run_product",
 ]
 
 # (elements per block, bytes per block), by gguf's GGMLQuantizationType name.
@@ -98,50 +114,10 @@ GGML_BLOCK_SIZES: dict[str, tuple[int, int]] = {
 }
 # Elements per activation scale for the weight types whose products quantize x to int8 (Q8_0 keeps fp32 x).
 ACTIVATION_BLOCK_SIZES: dict[str, int] = {"Q4_0": 32, "Q4_K": 256, "Q6_K": 256}
-# The types whose C++ product is the integer block kernel at every M (blocked above 8 rows).
-INTEGER_PRODUCT_TYPES = frozenset(ACTIVATION_BLOCK_SIZES)
 # The extension's type codes (csrc/kernels.h, `GgmlType`).
 _GGML_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
 # The extension's type code of int8 rows with a float32 scale per row (csrc/kernels.h, `kInt8Weights`).
 INT8_TYPE_CODE = -1
-
-# Up to this many activation rows the Q8_0 / int8 GEMV runs (decode); above it, the tiled kernel.
-QUANT_GEMV_MAX_ROWS = 8
-# Up to this many rows the tiled kernel runs (Q8_0; int8: INT8_TILED_MAX_ROWS); above it, dequantization then
-# torch's fp32 GEMM, or W8A8 on AVX-512 VNNI CPUs (`_W8A8_ABOVE_ROWS`).
-QUANT_TILED_MAX_ROWS = 32
-INT8_TILED_MAX_ROWS = 128
-
-# Above this many activation rows a weight type's kernel product is W8A8 on AVX-512 VNNI builds.
-_W8A8_ABOVE_ROWS = {
-    "int8": QUANT_GEMV_MAX_ROWS,
-    "Q8_0": QUANT_TILED_MAX_ROWS,
-}
-
-
-@dataclass(frozen=True)
-class KernelRows:
-    """How a weight type's kernel product picks by the number of activation rows M: up to `max_rows` rows (None:
-    every M) it is the extension's `ggml_linear` / `int8_linear` with `gemv_max_rows` (None: M itself, so the
-    integer product at every M); above `max_rows`, torch's fp32 GEMM on the dequantized weight, or W8A8
-    (`quantizes_activation_rows`). The per-op products and the fused decode layer both read it here."""
-
-    gemv_max_rows: int | None
-    max_rows: int | None
-
-    def gemv_rows_for(self, num_rows: int) -> int:
-        """The `gemv_max_rows` the extension's product takes for `num_rows` rows."""
-        return num_rows if self.gemv_max_rows is None else self.gemv_max_rows
-
-
-_KERNEL_ROWS: dict[str, KernelRows] = {
-    "int8": KernelRows(gemv_max_rows=QUANT_GEMV_MAX_ROWS, max_rows=INT8_TILED_MAX_ROWS),
-    "Q8_0": KernelRows(gemv_max_rows=QUANT_GEMV_MAX_ROWS, max_rows=QUANT_TILED_MAX_ROWS),
-    **{
-        qtype: KernelRows(gemv_max_rows=None, max_rows=None)
-        for qtype in sorted(INTEGER_PRODUCT_TYPES)
-    },
-}
 
 LinearFn = Callable[..., torch.Tensor]
 
@@ -157,8 +133,10 @@ def kernel_type_code(weight_type: str) -> int:
 
 
 def kernel_rows(weight_type: str) -> KernelRows:
-    """`KernelRows` of a weight type ("int8" or a GGUF block type); KeyError for another."""
-    return _KERNEL_ROWS[weight_type]
+    """`KernelRows` of a weight type ("int8" or a GGUF block type) under this process's plan
+    (`quant_plan.quant_gemm_plan`): the rows one extension call covers, as the fused decode layer runs them;
+    ValueError for another type."""
+    return quant_gemm_plan(weight_type).kernel_rows()
 
 
 def kernels_in_use() -> bool:
@@ -309,18 +287,17 @@ def fake_quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
 def quantizes_activation_rows(weight_type: str, num_rows: int) -> bool:
     """Whether the kernel product of `weight_type` ("int8" or "Q8_0") on `num_rows` activation rows is W8A8 (x
     quantized per row, integer dots; `fake_quantize_int8_rows` is what it multiplies): the C++ kernels on an AVX-512
-    VNNI CPU, int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 above `QUANT_TILED_MAX_ROWS` (Q8_0's decode and small
-    batches stay exact against the float32 model). The 4-bit types quantize x per block at every M."""
-    if weight_type not in _W8A8_ABOVE_ROWS:
-        raise ValueError(
-            f"weight_type must be one of {sorted(_W8A8_ABOVE_ROWS)}, got {weight_type!r}"
-        )
-    return _runs_w8a8(_kernel_ops(), weight_type, num_rows)
-
-
-def _runs_w8a8(ops: ModuleType | None, weight_type: str, num_rows: int) -> bool:
-    """`quantizes_activation_rows` with the extension already in hand (the per-call paths)."""
-    return ops is not None and num_rows > _W8A8_ABOVE_ROWS[weight_type] and ops.has_w8a8_kernels()
+    VNNI CPU, where this process's plan (`quant_plan.quant_gemm_plan`) runs W8A8 for that many rows (statically:
+    int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 above `QUANT_TILED_MAX_ROWS`; Q8_0's decode and small batches stay
+    exact against the float32 model). The 4-bit types quantize x per block at every M."""
+    if weight_type not in ("int8", "Q8_0"):
+        raise ValueError(f"weight_type must be one of ['Q8_0', 'int8'], got {weight_type!r}")
+    ops = _kernel_ops()
+    return (
+        ops is not None
+        and ops.has_w8a8_kernels()
+        and quant_gemm_plan(weight_type).product_for(num_rows) == W8A8
+    )
 
 
 def _kernel_ops(require_simd: bool = True):
@@ -372,21 +349,41 @@ def _ggml_linear_reference(
     return product.to(x.dtype)
 
 
+def run_product(
+    weight_type: str,
+    product: str,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`rows` `[M, K]` (contiguous rows, float32 or bfloat16) times a `weight_type` weight on one of the plan's
+    products (`quant_plan`: GEMV, TILED, W8A8, DEQUANT), float32 `[M, N]`; `scale` float32 for int8 weights,
+    `bias` float32 or None. The C++ kernels must be loaded; the caller checked the product exists on this build."""
+    ops = load_cpu_kernels()
+    num_rows = rows.shape[0]
+    if weight_type == "int8":
+        assert scale is not None
+        if product == DEQUANT:
+            return F.linear(rows.float(), weight.float() * scale[:, None], bias)
+        gemv_rows = num_rows if product == GEMV else num_rows - 1
+        return ops.int8_linear(rows, weight, scale, bias, gemv_rows)
+    code = _GGML_TYPE_CODES[weight_type]
+    if product == W8A8:
+        return ops.ggml_linear_w8a8(rows, weight, code, bias)
+    if product == DEQUANT:
+        x = fake_quantize_activations(weight_type, rows)
+        return F.linear(x, ops.ggml_dequantize(weight, code), bias)
+    gemv_rows = num_rows if product == GEMV else num_rows - 1
+    return ops.ggml_linear(rows, weight, code, bias, gemv_rows)
+
+
 def _ggml_linear_kernel(
     x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    ops = load_cpu_kernels()
-    num_columns = _num_columns(qtype, blocks)
-    rows = _rows_of(x, num_columns)
-    code = _GGML_TYPE_CODES[qtype]
-    limits = _KERNEL_ROWS[qtype]
-    num_rows = rows.shape[0]
-    if qtype in _W8A8_ABOVE_ROWS and _runs_w8a8(ops, qtype, num_rows):
-        out = ops.ggml_linear_w8a8(rows, blocks, code, _float_bias(bias))  # prefill-sized M
-    elif limits.max_rows is not None and num_rows > limits.max_rows:  # Q8_0: float32 x
-        out = F.linear(rows.float(), ops.ggml_dequantize(blocks, code), _float_bias(bias))
-    else:
-        out = ops.ggml_linear(rows, blocks, code, _float_bias(bias), limits.gemv_rows_for(num_rows))
+    rows = _rows_of(x, _num_columns(qtype, blocks))
+    product = quant_gemm_plan(qtype).product_for(rows.shape[0])
+    out = run_product(qtype, product, rows, blocks, None, _float_bias(bias))
     return out.to(x.dtype).view(*x.shape[:-1], blocks.shape[0])
 
 
@@ -460,21 +457,9 @@ def _int8_linear_reference(
 def _int8_linear_kernel(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    ops = load_cpu_kernels()
     rows = _rows_of(x, qweight.shape[1])
-    scale = scale.float().contiguous()
-    limits = _KERNEL_ROWS["int8"]
-    num_rows = rows.shape[0]
-    if (
-        limits.max_rows is not None
-        and num_rows > limits.max_rows
-        and not _runs_w8a8(ops, "int8", num_rows)
-    ):
-        out = F.linear(rows.float(), qweight.float() * scale[:, None], _float_bias(bias))
-    else:
-        out = ops.int8_linear(
-            rows, qweight, scale, _float_bias(bias), limits.gemv_rows_for(num_rows)
-        )
+    product = quant_gemm_plan("int8").product_for(rows.shape[0])
+    out = run_product("int8", product, rows, qweight, scale.float().contiguous(), _float_bias(bias))
     return out.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
 
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 import kvflow.models.fused_decode as fused_decode
-from kvflow.kernels import quant
+from kvflow.kernels import quant, quant_plan
 from kvflow.models.layers.linear import FusedProduct, Linear, LinearMethod, QuantRun
 from kvflow.models.quantization.int8 import Int8Linear
+from tests.kernels.quant_static import static_quant_plans  # noqa: F401
 
 
 def test_a_linear_method_states_no_fused_product_by_default() -> None:
@@ -66,12 +67,14 @@ def test_an_int8_layer_states_its_run_and_row_limit(monkeypatch) -> None:
 
 
 def test_kernel_rows_hold_each_types_thresholds() -> None:
+    """The static plan's rows one extension call covers: Q8_0 its GEMV then the tiled kernel up to
+    QUANT_TILED_MAX_ROWS; int8 W8A8 above the GEMV at every M where built (AVX-512 VNNI), else the tiled kernel up
+    to INT8_TILED_MAX_ROWS; the integer products every M."""
     assert quant.kernel_rows("Q8_0") == quant.KernelRows(
         quant.QUANT_GEMV_MAX_ROWS, quant.QUANT_TILED_MAX_ROWS
     )
-    assert quant.kernel_rows("int8") == quant.KernelRows(
-        quant.QUANT_GEMV_MAX_ROWS, quant.INT8_TILED_MAX_ROWS
-    )
+    int8_limit = None if quant_plan.w8a8_built() else quant.INT8_TILED_MAX_ROWS
+    assert quant.kernel_rows("int8") == quant.KernelRows(quant.QUANT_GEMV_MAX_ROWS, int8_limit)
     for qtype in quant.INTEGER_PRODUCT_TYPES:
         assert quant.kernel_rows(qtype) == quant.KernelRows(None, None)
         assert quant.kernel_rows(qtype).gemv_rows_for(37) == 37

@@ -23,6 +23,7 @@ from kvflow.models.layers.fused_moe import FusedMoE, softmax_topk
 from kvflow.models.quantization.ggml_quantize import quantize
 from kvflow.models.quantization.gguf_file import GGUFTensor
 from tests.kernels.conftest import kernels_disabled
+from tests.kernels.quant_static import static_quant_plans  # noqa: F401
 
 WEIGHT_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8")
 # (num_experts, top_k, hidden, intermediate): rows of whole 256-element blocks for the K-quants.

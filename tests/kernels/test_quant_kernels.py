@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from kvflow.kernels import quant
 from kvflow.models.quantization.ggml_quantize import quantize
+from tests.kernels.quant_static import static_quant_plans  # noqa: F401
 
 QTYPES = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 # Columns per type: whole blocks, several blocks, and for the 32-element types short rows.

@@ -43,6 +43,7 @@ from kvflow.models.quantization.gguf_writer import (
 )
 from kvflow.testing.gguf_files import dequantized_checkpoint
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
+from tests.kernels.quant_static import static_quant_plans  # noqa: F401
 from tests.models.greedy import greedy_tokens
 
 FAMILIES = ("gemma2", "gemma3", "phi3", "phi4_mini")

@@ -19,6 +19,7 @@ from kvflow.kernels.quant import QUANT_GEMV_MAX_ROWS, int8_quantize
 from kvflow.models.loader import load_model
 from kvflow.models.quantization.int8 import Int8Head, Int8Linear
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
+from tests.kernels.quant_static import static_quant_plans  # noqa: F401
 from tests.models.greedy import GREEDY, PROMPTS, greedy_tokens
 
 LINEAR_SUFFIXES = tuple(

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.kernels import quant
+from kvflow.kernels.quant_choice import activation_dtype, choose_quant_gemm_plans
 from kvflow.models.layers.fused_moe import FusedMoE
 from kvflow.models.layers.linear import FusedProduct, Linear, LinearMethod, QuantRun
 from kvflow.models.layers.vocab import LMHead, VocabEmbedding
@@ -265,6 +266,7 @@ class GGUFPlan:
     def apply(self, model: nn.Module) -> None:
         names = PackedNames(getattr(model, "packed_modules_mapping", {}))
         counts: dict[str, int] = {}
+        shapes: dict[str, set[tuple[int, int]]] = {}
         for module_name, module in model.named_modules():
             if not isinstance(module, Linear):
                 continue
@@ -280,7 +282,13 @@ class GGUFPlan:
                 counts[qtype] = counts.get(qtype, 0) + 1
             if all(qtype in FLOAT_TYPES for _, qtype in shard_types):
                 continue  # an ordinary float layer
-            module.quant_method = GGUFLinear(module, shard_types, module_name)
+            method = GGUFLinear(module, shard_types, module_name)
+            module.quant_method = method
+            for run in method.runs:
+                if not run.is_float:
+                    shapes.setdefault(run.qtype, set()).add((run.rows, run.columns))
+        # Before the model picks its fast paths: the fused decode layer's row limit follows the measured plans.
+        choose_quant_gemm_plans(shapes, dtype=activation_dtype(model))
         self._apply_vocab(model)
         self._apply_experts(model, counts)
         logger.info(

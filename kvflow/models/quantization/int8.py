@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kvflow.kernels import quant
+from kvflow.kernels.quant_choice import activation_dtype, choose_quant_gemm_plans
 from kvflow.models.layers.fused_moe import FusedMoE
 from kvflow.models.layers.linear import FusedProduct, Linear, LinearMethod, QuantRun
 from kvflow.models.layers.vocab import LMHead
@@ -130,10 +131,14 @@ class Int8Plan:
 
     def apply(self, model: nn.Module) -> None:
         count = 0
+        shapes = set()
         for module in model.modules():
             if isinstance(module, Linear):
                 module.quant_method = Int8Linear(module)
+                shapes.add((module.weight.shape[0], module.weight.shape[1]))
                 count += 1
+        # Before the model picks its fast paths: the fused decode layer's row limit follows the measured plan.
+        choose_quant_gemm_plans({INT8: shapes}, dtype=activation_dtype(model))
         experts = 0
         for module in model.modules():
             if isinstance(module, FusedMoE):
