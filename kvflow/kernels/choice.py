@@ -3,7 +3,8 @@
 A product kind (bfloat16 GEMM for one band of row counts, ...) has candidates that compute the same product. Each is
 timed at first use on the model's real shapes, a few milliseconds each: every candidate runs once to warm up, then
 `rounds` times, the candidates taking turns within each round so that a load spike on a busy machine lands on all of
-them; a candidate's time is its best round, and the fastest candidate wins.
+them; a candidate's time is its best round, and the fastest candidate wins. A caller may let a clear loser stop
+after two rounds (`drop_ratio`).
 
 The choice goes to a JSON file next to the compiled extension (`<kernel build dir>/kernel_choices.json`), written
 under a file lock, keyed by the product, its shapes, the thread count and the CPU model: the first process on a
@@ -15,6 +16,7 @@ no longer a candidate (AMX refused to this process, say) is measured again.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -50,22 +52,32 @@ class KernelChoice:
 
 
 def time_candidates(
-    candidates: Mapping[str, Callable[[], object]], rounds: int = DEFAULT_ROUNDS
+    candidates: Mapping[str, Callable[[], object]],
+    rounds: int = DEFAULT_ROUNDS,
+    *,
+    drop_ratio: float | None = None,
 ) -> dict[str, float]:
     """Each candidate's best time in milliseconds over `rounds` rounds, after one warm-up call each. Within a round
-    the candidates run in turn, the order rotated every round, so neither drift nor a spike favours one of them."""
+    the candidates run in turn, the order rotated every round, so neither drift nor a spike favours one of them.
+    With `drop_ratio`, a candidate whose best of the first two rounds is more than `drop_ratio` times the fastest
+    one's runs no further rounds: a clear loser costs three calls, not `rounds` + 1 (two rounds, so that one
+    preemption on a busy machine does not drop the fastest)."""
     if not candidates:
         raise ValueError("time_candidates needs at least one candidate")
     names = list(candidates)
     for name in names:
         candidates[name]()
     best = dict.fromkeys(names, float("inf"))
+    running = list(names)
     for round_index in range(max(1, rounds)):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
+        shift = round_index % len(running)
+        for name in running[shift:] + running[:shift]:
             started = time.perf_counter()
             candidates[name]()
             best[name] = min(best[name], (time.perf_counter() - started) * 1e3)
+        if round_index == 1 and drop_ratio is not None:
+            fastest = min(best.values())
+            running = [name for name in running if best[name] <= drop_ratio * fastest]
     return best
 
 
@@ -96,15 +108,17 @@ class KernelChoices:
         candidates: Mapping[str, Callable[[], object]],
         *,
         rounds: int = DEFAULT_ROUNDS,
+        drop_ratio: float | None = None,
     ) -> KernelChoice:
         """The choice for `key`: the cached one when it names one of `candidates`, else the fastest of them, timed
-        now (`time_candidates`) and cached."""
+        now (`time_candidates`, with `drop_ratio`) and cached."""
+        timing = functools.partial(time_candidates, rounds=rounds, drop_ratio=drop_ratio)
         if self.path is None:
-            return self._choose_in(self._memory, key, candidates, rounds)[0]
+            return self._choose_in(self._memory, key, candidates, timing)[0]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with file_lock(self.path.with_name(self.path.name + ".lock")):
             entries = self._read()
-            choice, changed = self._choose_in(entries, key, candidates, rounds)
+            choice, changed = self._choose_in(entries, key, candidates, timing)
             if changed:
                 self._write(entries)
         return choice
@@ -114,13 +128,13 @@ class KernelChoices:
         entries: dict[str, dict[str, object]],
         key: str,
         candidates: Mapping[str, Callable[[], object]],
-        rounds: int,
+        timing: Callable[[Mapping[str, Callable[[], object]]], dict[str, float]],
     ) -> tuple[KernelChoice, bool]:
         entry = entries.get(key)
         if entry is not None and entry.get("kernel") in candidates:
             times = {str(name): float(ms) for name, ms in dict(entry.get("times_ms", {})).items()}
             return KernelChoice(key, str(entry["kernel"]), times, "cached"), False
-        times = time_candidates(candidates, rounds)
+        times = timing(candidates)
         kernel = min(times, key=times.__getitem__)
         entries[key] = {"kernel": kernel, "times_ms": {n: round(t, 4) for n, t in times.items()}}
         return KernelChoice(key, kernel, times, "measured"), True
