@@ -10,9 +10,10 @@ that type, which the per-op products and the fused decode layer's row limit then
 plan and measures nothing.
 
 Candidates per type: the GEMV (Q4_0 / Q4_K / Q6_K: the integer product, at every band; Q8_0 and int8: up to
-`_GEMV_CANDIDATE_MAX_ROWS` rows, its cost growing with M), the extension's product above its GEMV rows (the tiled
+`_STREAMING_MAX_ROWS` rows, its cost growing with M), the extension's product above its GEMV rows (the tiled
 kernel, or for int8 on AVX-512 VNNI builds W8A8), Q8_0's W8A8 (VNNI builds) above `QUANT_TILED_MAX_ROWS` only, so that
-Q8_0's small batches stay exact against the float32 model whatever is measured, and the dequantized fp32 GEMM.
+Q8_0's small batches stay exact against the float32 model whatever is measured, and above `_STREAMING_MAX_ROWS`
+rows the dequantized fp32 GEMM.
 Mixture-of-experts experts keep the static thresholds (`quant.fused_moe`).
 """
 
@@ -49,8 +50,12 @@ logger = logging.getLogger(__name__)
 
 # Each band is timed at its last row (the open band at `_OPEN_BAND_ROWS`).
 _OPEN_BAND_ROWS = 512
-# Q8_0's and int8's GEMV compete up to this many rows (the fused decode layer's most).
-_GEMV_CANDIDATE_MAX_ROWS = 64
+# Up to this many rows (the fused decode layer's most) the products are bound by the weights' bytes: Q8_0's and
+# int8's GEMV compete there (its cost grows with M above), the dequantized fp32 GEMM only above. It writes a float32
+# copy of the weight and reads it back, ~8x the bytes of streaming Q8_0 blocks once, and on weights cut to the
+# timing budget that copy stays in cache and looks cheaper than it is: Q8_0 at 16 rows on Llama-3.2-1B's layers
+# measured 1.28x the GEMV's time on weights cut to 128M multiply-adds, 3.9x on the whole weights (Zen 4, 1 thread).
+_STREAMING_MAX_ROWS = 64
 # A timed product does at most about this many multiply-adds (its weight cut to fewer output rows if needed, never
 # below `_MIN_TIMED_OUTPUTS`): a few ms per candidate, whatever the model's size.
 _TIMED_MACS = 128 * 1024 * 1024
@@ -76,15 +81,15 @@ Product = Callable[[torch.Tensor, TimedWeight], object]
 def candidate_products(weight_type: str, last_row: int | None) -> tuple[str, ...]:
     """The products that compete for the band ending at `last_row` (None: open) of `weight_type` on this build."""
     has_w8a8 = w8a8_built()
+    streaming = last_row is not None and last_row <= _STREAMING_MAX_ROWS
     products = []
-    if weight_type in INTEGER_PRODUCT_TYPES or (
-        last_row is not None and last_row <= _GEMV_CANDIDATE_MAX_ROWS
-    ):
+    if weight_type in INTEGER_PRODUCT_TYPES or streaming:
         products.append(GEMV)
     products.append(above_gemv_product(weight_type, has_w8a8))
     if weight_type == "Q8_0" and has_w8a8 and (last_row is None or last_row > QUANT_TILED_MAX_ROWS):
         products.append(W8A8)
-    products.append(DEQUANT)
+    if not streaming:
+        products.append(DEQUANT)
     return tuple(products)
 
 

@@ -94,10 +94,11 @@ def test_kernel_rows_cover_the_first_stretch_one_extension_call_runs() -> None:
 
 def test_candidates_per_type_and_band(ops: ModuleType) -> None:
     above = W8A8 if ops.has_w8a8_kernels() else TILED
-    assert quant_choice.candidate_products("int8", 16) == (GEMV, above, DEQUANT)
+    assert quant_choice.candidate_products("int8", 16) == (GEMV, above)
     assert quant_choice.candidate_products("int8", None) == (above, DEQUANT)
-    assert quant_choice.candidate_products("Q8_0", 32) == (GEMV, TILED, DEQUANT)  # x stays float32
+    assert quant_choice.candidate_products("Q8_0", 32) == (GEMV, TILED)  # x stays float32
     assert W8A8 in quant_choice.candidate_products("Q8_0", 64) or not ops.has_w8a8_kernels()
+    assert quant_choice.candidate_products("Q4_K", 16) == (GEMV, TILED)
     assert quant_choice.candidate_products("Q4_K", None) == (GEMV, TILED, DEQUANT)
 
 
