@@ -36,6 +36,7 @@ from kvflow.models.loader import load_model
 from kvflow.models.quantization.gguf_writer import write_gguf
 from kvflow.models.quantization.int8 import Int8Linear
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
+from tests.kernels.test_fused_decode_layer import _drive
 
 # [out, in] shapes small enough to time every band in a few ms (K a multiple of 256: every type applies).
 SHAPES = [(384, 256), (256, 512)]
@@ -249,18 +250,22 @@ def test_an_int8_layers_fused_product_follows_the_plan(ops: ModuleType) -> None:
     assert not quant.quantizes_activation_rows("int8", 20)
 
 
+@pytest.fixture(scope="module")
+def q8_0_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("quant_choice")
+    checkpoint = make_tiny_checkpoint(
+        root / "qwen2", "qwen2", seed=11, hidden_size=256, intermediate_size=512, head_dim=64
+    )
+    return write_gguf(checkpoint, root / "q8.gguf", "Q8_0")
+
+
 def test_a_model_measures_its_types_and_its_fused_layer_follows(
-    ops: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ops: ModuleType, q8_0_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A Q8_0 GGUF model built under auto measures the Q8_0 plan on its layer shapes (into the cache file beside
     the kernels: here a temporary one) and its fused decode layer stops where that plan's extension call does."""
     monkeypatch.setattr(quant_choice, "default_choices_path", lambda: tmp_path / "choices.json")
-    checkpoint = make_tiny_checkpoint(
-        tmp_path / "qwen2", "qwen2", seed=11, hidden_size=256, intermediate_size=512, head_dim=64
-    )
-    model = load_model(
-        write_gguf(checkpoint, tmp_path / "q8.gguf", "Q8_0"), attention_backend="cpu"
-    )
+    model = load_model(q8_0_file, attention_backend="cpu")
     plan = quant_gemm_plan("Q8_0")
     assert plan.choices and all(choice.source == "measured" for choice in plan.choices)
     assert (tmp_path / "choices.json").exists()
@@ -268,3 +273,26 @@ def test_a_model_measures_its_types_and_its_fused_layer_follows(
     max_rows = plan.kernel_rows().max_rows
     assert model.fused_decode is not None
     assert model.fused_decode.max_rows == (limit if max_rows is None else min(limit, max_rows))
+
+
+def test_fused_and_per_op_paths_agree_under_a_plan_other_than_the_static_one(
+    ops: ModuleType, q8_0_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Q8_0 on its GEMV up to 16 rows and on the tiled kernel up to 32 (`gemv_max_rows` 16, `max_rows` 32, where
+    the static plan has 8 and 32): 20 requests decode on the fused layer (steps above 16 rows among them) and on
+    the per-op products alike, bit for bit."""
+    monkeypatch.setenv(
+        QUANT_GEMM_ENV, "static"
+    )  # measure nothing: the plan below stays the process's
+    use_quant_gemm_plan(_plan("Q8_0", GEMV, TILED, DEQUANT))
+    prompt_lens = tuple(3 + index % 7 for index in range(20))
+    fused_model = load_model(q8_0_file, attention_backend="cpu")
+    assert fused_model.fused_decode is not None and fused_model.fused_decode.max_rows == 32
+    fused_outputs, fused_logits, num_fused, fused_rows = _drive(fused_model, prompt_lens)
+    per_op_model = load_model(q8_0_file, attention_backend="cpu")
+    per_op_model.fused_decode = None
+    per_op_outputs, per_op_logits, _, _ = _drive(per_op_model, prompt_lens)
+    assert num_fused >= 10 and max(fused_rows) > 16
+    assert fused_outputs == per_op_outputs
+    for step, (fused, per_op) in enumerate(zip(fused_logits, per_op_logits, strict=True)):
+        assert torch.equal(fused, per_op), f"step {step}"
