@@ -19,6 +19,7 @@ Mixture-of-experts experts keep the static thresholds (`quant.fused_moe`).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -139,14 +140,18 @@ def _measure_plan(
     band_choices: list[KernelChoice] = []
     for first, last in QUANT_GEMM_BANDS:
         rows = last if last is not None else _OPEN_BAND_ROWS
-        operands = _timed_operands(weight_type, shapes, rows, dtype)
+        timed_shapes = _timed_shapes(shapes, rows)
+        # Made on the first timed call only: a cached choice costs no synthetic weights.
+        operands = functools.cache(
+            functools.partial(_timed_operands, weight_type, timed_shapes, rows, dtype)
+        )
         candidates = {
             product: _each(operands, _product_of(weight_type, product))
             for product in candidate_products(weight_type, last)
         }
         for name, product in extra.items():
             candidates[name] = _each(operands, product)
-        key = _choice_key(weight_type, first, last, rows, dtype, operands)
+        key = _choice_key(weight_type, first, last, rows, dtype, timed_shapes)
         band_choices.append(choices.choose(key, candidates, drop_ratio=_DROP_RATIO))
     static = static_quant_plan(weight_type, w8a8_built())
     plan = QuantGemmPlan(
@@ -206,26 +211,35 @@ def synthetic_weight(
 _FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
-def _timed_operands(
-    weight_type: str, shapes: Sequence[tuple[int, int]], rows: int, dtype: torch.dtype
-) -> list[tuple[torch.Tensor, TimedWeight]]:
-    """(x [rows, in] in `dtype`, weight [out', in]) per shape, seeded: `out'` cut so one product stays near
-    `_TIMED_MACS` (a multiple of 64, at least `_MIN_TIMED_OUTPUTS`, at most the layer's)."""
-    generator = torch.Generator().manual_seed(0)
-    operands = []
+def _timed_shapes(shapes: Sequence[tuple[int, int]], rows: int) -> list[tuple[int, int]]:
+    """[out', in] per layer shape: `out'` cut so one product of `rows` rows stays near `_TIMED_MACS` (a multiple of
+    64, at least `_MIN_TIMED_OUTPUTS`, at most the layer's)."""
+    timed = []
     for out_features, in_features in shapes:
         budget = _TIMED_MACS // max(1, rows * in_features)
-        timed_out = min(out_features, max(_MIN_TIMED_OUTPUTS, budget // 64 * 64))
-        x = torch.randn(rows, in_features, generator=generator).to(dtype)
-        operands.append((x, synthetic_weight(weight_type, timed_out, in_features, generator)))
-    return operands
+        timed.append((min(out_features, max(_MIN_TIMED_OUTPUTS, budget // 64 * 64)), in_features))
+    return timed
+
+
+def _timed_operands(
+    weight_type: str, timed_shapes: Sequence[tuple[int, int]], rows: int, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, TimedWeight]]:
+    """(x [rows, in] in `dtype`, a synthetic weight [out', in]) per timed shape, seeded."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(rows, in_features, generator=generator).to(dtype),
+            synthetic_weight(weight_type, out_features, in_features, generator),
+        )
+        for out_features, in_features in timed_shapes
+    ]
 
 
 def _each(
-    operands: list[tuple[torch.Tensor, TimedWeight]], product: Product
+    operands: Callable[[], list[tuple[torch.Tensor, TimedWeight]]], product: Product
 ) -> Callable[[], object]:
     def run() -> None:
-        for x, weight in operands:
+        for x, weight in operands():
             product(x, weight)
 
     return run
@@ -237,10 +251,10 @@ def _choice_key(
     last: int | None,
     rows: int,
     dtype: torch.dtype,
-    operands: list[tuple[torch.Tensor, TimedWeight]],
+    timed_shapes: Sequence[tuple[int, int]],
 ) -> str:
     band = f"{first}-{last}" if last is not None else f"{first}+"
-    timed = ",".join(f"{w.data.shape[0]}x{x.shape[1]}" for x, w in operands)
+    timed = ",".join(f"{out_features}x{in_features}" for out_features, in_features in timed_shapes)
     return (
         f"quant_gemm {weight_type} rows {band} (timed at {rows}) {str(dtype).removeprefix('torch.')} x "
         f"shapes {timed} threads {torch.get_num_threads()} cpu {cpu_model_name()!r}"
