@@ -5,7 +5,8 @@ file's runs) calls `choose_quant_gemm_plans` before the model picks its fast pat
 band of `QUANT_GEMM_BANDS`, every product this build runs for that type (`candidate_products`) is timed on
 synthetic weights of those shapes at the band's last row count (`KernelChoices`: a few ms each, cached beside the
 compiled kernels per CPU model, build, shapes, activation dtype and thread count, so later processes read the
-choice), and the fastest becomes the band's product. The plan is logged once at INFO and made the process's plan for
+choice), and the fastest becomes the band's product, unless the static plan's product measured within
+`KEEP_STATIC_WITHIN` of it (`band_product`). The plan is logged once at INFO and made the process's plan for
 that type, which the per-op products and the fused decode layer's row limit then follow. "static" keeps the static
 plan and measures nothing.
 
@@ -61,6 +62,9 @@ _STREAMING_MAX_ROWS = 64
 # below `_MIN_TIMED_OUTPUTS`): a few ms per candidate, whatever the model's size.
 _TIMED_MACS = 128 * 1024 * 1024
 _MIN_TIMED_OUTPUTS = 256
+# A band keeps the static plan's product unless another one measured more than this much faster: a tie measured on
+# a busy machine (Q8_0 at 9-16 rows on Zen 4: GEMV 9.75, tiled 9.90 ms) does not move a threshold chosen on purpose.
+KEEP_STATIC_WITHIN = 0.05
 # A product whose best of two timed rounds is more than this many times the fastest one's runs no more rounds (the
 # tiled fp32 kernel at prefill sizes costs 4-5x the integer product: most of the measuring time otherwise).
 _DROP_RATIO = 4.0
@@ -157,8 +161,10 @@ def _measure_plan(
     plan = QuantGemmPlan(
         weight_type,
         tuple(
-            (first, last, choice.kernel)
-            for (first, last), choice in zip(QUANT_GEMM_BANDS, band_choices, strict=True)
+            (first, last, band_product(choice, static_product))
+            for (first, last, static_product), choice in zip(
+                static.bands, band_choices, strict=True
+            )
         ),
         static.above_gemv,
         tuple(band_choices),
@@ -175,6 +181,14 @@ def _measure_plan(
         )
     use_quant_gemm_plan(plan)
     return plan
+
+
+def band_product(choice: KernelChoice, static_product: str) -> str:
+    """The product a band runs: the measured fastest, unless the static plan's product measured within
+    `KEEP_STATIC_WITHIN` of it (then that one; the same answer in every process reading the same choice)."""
+    static_ms = choice.times_ms.get(static_product, float("inf"))
+    fastest_ms = choice.times_ms.get(choice.kernel, 0.0)
+    return static_product if static_ms <= (1.0 + KEEP_STATIC_WITHIN) * fastest_ms else choice.kernel
 
 
 def _product_of(weight_type: str, product: str) -> Product:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvflow.kernels import quant, quant_choice
-from kvflow.kernels.choice import KernelChoices, time_candidates
+from kvflow.kernels.choice import KernelChoice, KernelChoices, time_candidates
 from kvflow.kernels.quant_plan import (
     DEQUANT,
     GEMV,
@@ -122,6 +122,16 @@ def test_a_clear_loser_stops_after_two_rounds() -> None:
     times = time_candidates({"fast": fast, "slow": slow}, rounds=5, drop_ratio=4.0)
     assert calls == {"fast": 6, "slow": 3}
     assert times["slow"] > 4.0 * times["fast"]
+
+
+def test_a_band_keeps_the_static_product_unless_another_is_clearly_faster() -> None:
+    def choice(**times_ms: float) -> KernelChoice:
+        return KernelChoice("key", min(times_ms, key=times_ms.__getitem__), times_ms)
+
+    assert quant_choice.band_product(choice(gemv=9.75, tiled=9.90), TILED) == TILED  # a tie
+    assert quant_choice.band_product(choice(gemv=9.0, tiled=9.90), TILED) == GEMV
+    assert quant_choice.band_product(choice(gemv=9.0, tiled=9.90), W8A8) == GEMV  # not measured
+    assert quant_choice.band_product(choice(tiled=9.0, gemv=9.9), TILED) == TILED
 
 
 def _slowed(weight_type: str, product: str) -> quant_choice.Product:
