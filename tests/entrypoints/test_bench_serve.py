@@ -49,15 +49,20 @@ def test_bench_serve_prints_the_table_saves_json_and_plots(
     assert (
         table_value(run.stdout, "Total generated tokens:") == 24 * 6
     )  # ignore_eos: exactly max_tokens
-    for short in ("TTFT", "TPOT", "ITL", "E2EL"):
+    for short in ("TTFT", "TPOT", "E2EL"):
         assert table_value(run.stdout, f"Mean {short} (ms):") > 0
     assert table_value(run.stdout, "P99 E2EL (ms):") >= table_value(run.stdout, "Median E2EL (ms):")
     saved = json.loads(result_file.read_text())
     assert (
         saved["completed"] == 24 and saved["output_lens"] == [6] * 24 and saved["model"] == "hash"
     )
-    # One gap per chunk after the first: at most one per token (a chunk carries several for a client behind).
-    assert all(len(itls) <= 5 for itls in saved["itls"]) and any(saved["itls"])
+    # One gap per chunk after the first: at most one per token. A chunk carries several tokens for a client
+    # behind (on a loaded machine every reply may come in two chunks: no gap at all), so the mean ITL printed is
+    # checked against the gaps saved, not against zero.
+    assert all(len(itls) <= 5 for itls in saved["itls"])
+    gaps = [gap for itls in saved["itls"] for gap in itls]
+    mean_itl_ms = 1000 * sum(gaps) / len(gaps) if gaps else 0.0
+    assert table_value(run.stdout, "Mean ITL (ms):") == pytest.approx(mean_itl_ms, abs=0.01)
     assert plot_file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert server.metric("kvflow:num_requests_running", model_name="hash") == 0
 
