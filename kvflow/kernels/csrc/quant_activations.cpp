@@ -41,12 +41,9 @@ float quantize_block(const float* x, int64_t count, int8_t* quants) {
   return d;
 }
 
-QuantizedActivations::QuantizedActivations(const float* xf, int64_t M, int64_t K_, int64_t xs, int64_t block_,
-                                           int num_threads)
+QuantizedActivations::QuantizedActivations(const float* xf, int64_t M, int64_t K_, int64_t xs, int64_t block_)
     : K(K_), block(block_), quants(static_cast<size_t>(M * K_)), scales(static_cast<size_t>(M * K_ / block_)),
       sums(static_cast<size_t>(M * K_ / 16)), scaled_sums(block_ == kQK ? static_cast<size_t>(M * K_ / 32) : 0) {
-  // Rows are independent: prefill's many rows split between the threads (each row the same either way).
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (M >= kParallelQuantizeRows)
   for (int64_t m = 0; m < M; ++m) {
     int8_t* q = quants.data() + m * K;
     for (int64_t b = 0; b < K / block; ++b)

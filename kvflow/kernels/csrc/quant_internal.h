@@ -84,10 +84,6 @@ inline int64_t padded8(int64_t count) { return (count + 7) / 8 * 8; }
 // same float32 operations as quant.py's quantize_activations_reference, so the quants are identical.
 float quantize_block(const float* x, int64_t count, int8_t* quants);
 
-// From this many x rows on, activation quantization splits the rows between the threads (prefill; a decode step's
-// few rows stay on the calling thread, not worth waking the others for).
-constexpr int64_t kParallelQuantizeRows = 16;
-
 // The rows of x (fp32, `xs` floats apart) quantized per `block` columns, with the per-16 sums of the quants
 // (Q4_K's min term, Q6_K's -32 offset).
 struct QuantizedActivations {
@@ -98,7 +94,7 @@ struct QuantizedActivations {
   // [M, K / 32]: d_x * the sum of each 32 quants (the K-quants' blocks only; Q4_K's min term on VNNI builds).
   std::vector<float> scaled_sums;
 
-  QuantizedActivations(const float* xf, int64_t M, int64_t K_, int64_t xs, int64_t block_, int num_threads = 1);
+  QuantizedActivations(const float* xf, int64_t M, int64_t K_, int64_t xs, int64_t block_);
 };
 
 // Replaces x's rows (fp32, `xs` floats apart) by their quantized values q * d: what the integer GEMV computes

@@ -29,7 +29,7 @@ void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8
   std::vector<float> xf = widen_rows<T>(x, M, K, x_stride, xs);
 #ifdef KVFLOW_QUANT_SIMD
   if (M <= gemv_max_rows && block) {
-    const QuantizedActivations quantized(xf.data(), M, K, xs, block, num_threads);
+    const QuantizedActivations quantized(xf.data(), M, K, xs, block);
     const QuantRows rows{quantized.quants.data(), quantized.scales.data(), quantized.sums.data(),
                          quantized.scaled_sums.empty() ? nullptr : quantized.scaled_sums.data(), K, K / block, K / 16};
 #ifdef KVFLOW_QUANT_VNNI

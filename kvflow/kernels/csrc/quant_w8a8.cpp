@@ -41,16 +41,12 @@ struct ShiftedRowQuantizedX {
   std::vector<uint8_t> quants;  // [M, padded]
   std::vector<float> scales;    // [M] d_x
 
-  ShiftedRowQuantizedX(const float* xf, int64_t M, int64_t K, int64_t xs, int num_threads)
+  ShiftedRowQuantizedX(const float* xf, int64_t M, int64_t K, int64_t xs)
       : padded((K + 63) / 64 * 64), quants(static_cast<size_t>(M * padded), 128), scales(static_cast<size_t>(M)) {
-#pragma omp parallel num_threads(num_threads) if (M >= kParallelQuantizeRows)
-    {
-      std::vector<int8_t> row(static_cast<size_t>(K));
-#pragma omp for schedule(static)
-      for (int64_t m = 0; m < M; ++m) {
-        scales[m] = quantize_block(xf + m * xs, K, row.data());
-        for (int64_t k = 0; k < K; ++k) quants[m * padded + k] = static_cast<uint8_t>(row[k] + 128);
-      }
+    std::vector<int8_t> row(static_cast<size_t>(K));
+    for (int64_t m = 0; m < M; ++m) {
+      scales[m] = quantize_block(xf + m * xs, K, row.data());
+      for (int64_t k = 0; k < K; ++k) quants[m * padded + k] = static_cast<uint8_t>(row[k] + 128);
     }
   }
 };
@@ -104,7 +100,7 @@ void int8_gemm_rows(const int8_t* w, int64_t K, const ShiftedRowQuantizedX& x, c
 
 void int8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,
                     const float* bias, float* y, int num_threads) {
-  const ShiftedRowQuantizedX x(xf, M, K, xs, num_threads);
+  const ShiftedRowQuantizedX x(xf, M, K, xs);
   std::vector<int32_t> shifts(static_cast<size_t>(N));  // 128 * sum(w[n])
   const int64_t block_rows = std::max<int64_t>(kInt8GemmMT, kW8A8XBlockBytes / x.padded);
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, N / kInt8GemmR)));
@@ -230,7 +226,7 @@ void w8a8_gemm_rows(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, con
 template <class Quants>
 void w8a8_gemm_vnni(const float* xf, int64_t M, int64_t K, int64_t xs, const uint8_t* w, int64_t N,
                     const float* bias, float* y, int num_threads) {
-  const ShiftedRowQuantizedX x(xf, M, K, xs, num_threads);
+  const ShiftedRowQuantizedX x(xf, M, K, xs);
   const int64_t num_blocks = K / 32, row_bytes = num_blocks * Quants::kBytes;
   std::vector<float> shift_terms(static_cast<size_t>(N));
   const int64_t block_rows = std::max<int64_t>(Quants::kMT, kW8A8XBlockBytes / x.padded);
