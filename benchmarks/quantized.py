@@ -3,8 +3,9 @@
 Reproduce with `python benchmarks/quantized.py` (45-60 minutes on 2 cores, most of it the batched runs; `--quick`
 for a smoke run of a minute on a tiny shape; `--skip-single` / `--skip-batched` / `--skip-generate` run parts).
 Needs llama.cpp's tools: `tools/build_llama_cpp.sh llama-bench llama-quantize llama-server` (binaries in
-`.cache/llama.cpp/bin`, `--llama-cpp-bin` for another folder); `--skip-llama-cpp` runs the kvflow side alone (the
-quantized files must then exist already, or only int8 / BF16 be asked for).
+`.cache/llama.cpp/bin`, `--llama-cpp-bin` for another folder; llama-server only for the batched workload, so
+`--skip-batched` runs without it); `--skip-llama-cpp` runs the kvflow side alone (the quantized files must then
+exist already, or only int8 / BF16 be asked for).
 
 Checkpoint: random weights shaped like Llama-3.2-1B (hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 KV heads,
 head_dim 64, vocab 128256, tied embeddings, rope_theta 500000, llama3 rope scaling), every matrix a multiple of 256
@@ -273,9 +274,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"torch {torch.__version__}, {threads} threads",
         flush=True,
     )
-    bench, quantize, server = (
-        _llama_binary(args, name) for name in ("llama-bench", "llama-quantize", "llama-server")
-    )
+    bench, quantize = (_llama_binary(args, name) for name in ("llama-bench", "llama-quantize"))
+    # llama-server serves only the batched workload: --skip-batched runs without it.
+    server = None if args.skip_batched else _llama_binary(args, "llama-server")
     shape = settings.shape
     cache = args.cache_dir / shape_key(shape)
     _stderr(f"checkpoint and GGUF files under {cache} ...")

@@ -160,14 +160,19 @@ def test_quantize_activations_reference(qtype: str, dtype: torch.dtype) -> None:
 def test_kernel_activation_quantization_is_exact(
     ops: object, qtype: str, dtype: torch.dtype
 ) -> None:
-    x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(9)).to(dtype) * 3
+    x = torch.randn(6, 1024, generator=torch.Generator().manual_seed(9)).to(dtype) * 3
     x[2, :256] = 0
     x[3, 7] = 1e-30  # a block of one tiny value
     x[3, 8:256] = 0
+    # Halfway quotients (d = 1 exactly): round half to even, on the 16-lane path (AVX-512) as on the scalar one.
+    x[5, :256] = (torch.arange(256) % 16 - 7.5).to(dtype)
+    x[5, 0] = 127
     code = quant._GGML_TYPE_CODES[qtype]
     quants, scales = ops.ggml_quantize_activations(x, code)  # type: ignore[attr-defined]
     expected_quants, expected_scales = quant.quantize_activations_reference(qtype, x)
     assert torch.equal(quants, expected_quants) and torch.equal(scales, expected_scales)
+    halfway = [-6, -6, -4, -4, -2, -2, 0, 0, 2, 2, 4, 4, 6, 6, 8]  # -6.5 ... 7.5 to even
+    assert scales[5, 0] == 1.0 and quants[5, 1:16].tolist() == halfway
 
 
 def _check_product(

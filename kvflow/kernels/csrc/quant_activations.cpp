@@ -11,9 +11,32 @@ namespace quant {
 // same float32 operations as quant.py's quantize_activations_reference, so the quants are identical.
 float quantize_block(const float* x, int64_t count, int8_t* quants) {
   float amax = 0.f;
-  for (int64_t i = 0; i < count; ++i) amax = std::max(amax, std::fabs(x[i]));
+  int64_t i = 0;
+#ifdef KVFLOW_AVX512
+  // 16 lanes at a time, the same float32 operations per element (the maximum is exact in any order and skips
+  // NaN as std::max does; the division is correctly rounded either way; roundscale rounds to nearest-even as
+  // nearbyint does): the quants and d equal the scalar loop's bit for bit, at a fraction of its time (it runs
+  // on one thread before every decode product).
+  __m512 lanes_max = _mm512_setzero_ps();
+  for (; i + 16 <= count; i += 16) lanes_max = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), lanes_max);
+  amax = _mm512_reduce_max_ps(lanes_max);
+#endif
+  for (; i < count; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float d = amax / 127.f;
-  for (int64_t i = 0; i < count; ++i)
+  i = 0;
+#ifdef KVFLOW_AVX512
+  if (d > 0.f) {
+    const __m512 divisor = _mm512_set1_ps(d), high = _mm512_set1_ps(127.f), low = _mm512_set1_ps(-127.f);
+    for (; i + 16 <= count; i += 16) {
+      const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), divisor),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      // Operand order as std::max / std::min's: a NaN quotient clamps to -127, as the scalar loop's does.
+      const __m512 clamped = _mm512_min_ps(_mm512_max_ps(rounded, low), high);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(quants + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(clamped)));
+    }
+  }
+#endif
+  for (; i < count; ++i)
     quants[i] = d > 0.f ? static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / d)))) : 0;
   return d;
 }

@@ -3,22 +3,31 @@
 // writing dequantized weights: threads split the weight rows into contiguous bands, so each weight byte streams
 // from memory once, and each band runs one weight row at a time against register passes of up to 8 x rows.
 //
-// A block kind `Block` provides kElements and kBytes (per block), Acc (its accumulator vector), and
-// `accumulate<MT>(block, rows, b, acc)`, which adds block b of one weight row against MT x rows (`Rows`: FloatRows
-// or QuantRows) into acc[m]. kPairRowsMinK > 0 (Q8_0 on AVX-512) also gives `two_rows`: two weight rows per pass
-// against one x row, each summed exactly as accumulate sums it alone, taken when K >= kPairRowsMinK.
+// A block kind `Block` provides kElements and kBytes (per block), Acc (its accumulator vector), prefetch_bytes()
+// (how far ahead of a block its row is prefetched), and `accumulate<MT>(block, rows, b, acc)`, which adds block b
+// of one weight row against MT x rows (`Rows`: FloatRows or QuantRows) into acc[m]. kPairRowsMinK > 0 (Q8_0 on
+// AVX-512) also gives `two_rows`: two weight rows per pass against one x row, each summed exactly as accumulate
+// sums it alone, taken when K >= kPairRowsMinK.
 #pragma once
 
 #include <omp.h>
 
+#include "cpu_features.h"
 #include "quant_internal.h"
 
 #ifdef KVFLOW_QUANT_SIMD
 namespace kvflow {
 namespace quant {
 
-// How far ahead of the current block each weight row is prefetched.
+// How far ahead of the current block each weight row is prefetched: kPrefetchBytes, or for the K-quant blocks
+// (Q4_K, Q6_K) on AMD CPUs kFarPrefetchBytes (k_quant_prefetch_bytes; benchmarks/RESULTS.md, "Quantized kernels on
+// Zen 4").
 constexpr int kPrefetchBytes = 1024;
+constexpr int kFarPrefetchBytes = 4096;
+inline int k_quant_prefetch_bytes() {
+  static const int bytes = cpu_is_amd() ? kFarPrefetchBytes : kPrefetchBytes;
+  return bytes;
+}
 
 // Accumulator vectors: 8 fp32 lanes (AVX2), 16 on AVX-512 builds for the blocks that use them.
 inline __m256 zero_like(__m256) { return _mm256_setzero_ps(); }
@@ -28,11 +37,11 @@ inline __m512 zero_like(__m512) { return _mm512_setzero_ps(); }
 inline float reduce(__m512 values) { return _mm512_reduce_add_ps(values); }
 #endif
 
-// Prefetches the cache lines of `bytes` bytes at `start` + kPrefetchBytes (every line: a K-quant block spans
-// 3-4 of them, and one prefetch per block left most of each row to the hardware prefetcher).
-inline void prefetch_ahead(const void* start, int bytes) {
+// Prefetches the cache lines of `bytes` bytes at `start` + `distance` (every line: a K-quant block spans 3-4 of
+// them, and one prefetch per block left most of each row to the hardware prefetcher).
+inline void prefetch_ahead(const void* start, int bytes, int distance = kPrefetchBytes) {
   for (int line = 0; line < bytes; line += 64)
-    _mm_prefetch(static_cast<const char*>(start) + kPrefetchBytes + line, _MM_HINT_T0);
+    _mm_prefetch(static_cast<const char*>(start) + distance + line, _MM_HINT_T0);
 }
 
 // Weight rows [n_begin, n_end) against x rows [m0, m0 + MT), one weight row at a time: one sequential stream
@@ -51,13 +60,14 @@ void ggml_band(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const Ro
       y[m0 * N + n_begin + 1] = sum1 + (bias ? bias[n_begin + 1] : 0.f);
     }
   }
+  const int distance = Block::prefetch_bytes();
   for (int64_t n = n_begin; n < n_end; ++n) {
     typename Block::Acc acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = zero_like(acc[m]);
     const uint8_t* row = w + n * row_bytes;
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint8_t* block = row + b * Block::kBytes;
-      prefetch_ahead(block, Block::kBytes);
+      prefetch_ahead(block, Block::kBytes, distance);
       Block::template accumulate<MT>(block, rows, b, acc);
     }
     for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = reduce(acc[m]) + (bias ? bias[n] : 0.f);

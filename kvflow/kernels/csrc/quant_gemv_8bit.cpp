@@ -32,6 +32,7 @@ inline __m256 dot32(const float* x, const __m256 q[4]) {
 // fp32's 24), so acc gathers x * w as the dequantized float32 model's product does, in another order.
 struct Q8_0Block {
   static constexpr int kElements = 32, kBytes = 34;
+  static int prefetch_bytes() { return kPrefetchBytes; }
 #ifdef KVFLOW_AVX512
   // Two weight rows per pass from float32 x of 16 KiB and more (two_rows).
   static constexpr int64_t kPairRowsMinK = 4096;

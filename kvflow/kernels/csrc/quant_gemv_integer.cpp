@@ -27,6 +27,7 @@ struct Q4_0Block {
   using Acc = __m256;
   static constexpr int kElements = 32, kBytes = 18;
   static constexpr int64_t kPairRowsMinK = 0;  // one weight row per pass
+  static int prefetch_bytes() { return kPrefetchBytes; }
   template <int MT>
   static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m256* acc) {
     const float d = fp16_to_float(block);
@@ -64,6 +65,7 @@ inline void q4_k_scales_and_mins_simd(const uint8_t* block, __m128i& scales8, __
 struct Q4_KBlock {
   static constexpr int kElements = 256, kBytes = 144;
   static constexpr int64_t kPairRowsMinK = 0;  // one weight row per pass
+  static int prefetch_bytes() { return k_quant_prefetch_bytes(); }
 #ifdef KVFLOW_QUANT_VNNI
   // AVX-512 VNNI: chunk c's 32 bytes widened to 64 quants [sub-block 2c | 2c + 1], which are x's 64 quants at
   // 64 c in order: one x load, one maddubs and one vpdpwssd (scale [sc_2c x 16 | sc_2c+1 x 16]) per chunk and
@@ -143,6 +145,7 @@ struct Q4_KBlock {
 struct Q6_KBlock {
   static constexpr int kElements = 256, kBytes = 210;
   static constexpr int64_t kPairRowsMinK = 0;  // one weight row per pass
+  static int prefetch_bytes() { return k_quant_prefetch_bytes(); }
 #ifdef KVFLOW_QUANT_VNNI
   // AVX-512 VNNI: 64 quants at a time, elements 128 h + [0, 64) (low nibbles of ql[64 h, 64 h + 64) with qh's
   // bit pairs 0 and 1) and 128 h + [64, 128) (high nibbles with bit pairs 2 and 3), x's 64 quants there in order:
