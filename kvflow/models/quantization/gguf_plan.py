@@ -5,7 +5,9 @@ model dtype. Any other layer holds its weight as one flat uint8 `weight` paramet
 k, v or gate, up) are grouped into runs of one type (Q4_K_M files mix Q4_K and Q6_K inside one fused QKV), each run a
 `[rows, row_bytes]` block matrix (float runs: a `[rows, columns]` matrix in the model dtype) at a 64-byte aligned
 offset, so a layer's bytes are its file tensors' bytes and no dequantized copy exists. `apply` runs one kernel per run
-(`kvflow.kernels.quant.ggml_linear_for`, chosen when the layer is built) and concatenates the runs' outputs.
+(`kvflow.kernels.quant.ggml_linear_for`, chosen when the layer is built) and concatenates the runs' outputs; which
+product each block type runs above the GEMV's rows is measured on the runs' shapes when the plan applies
+(`kvflow.kernels.quant_choice`).
 
 Q5_0 and Q5_K (llama.cpp's Q4_K_M stores Q5_0 where a row is no whole number of 256-element blocks; the Q5_K_S /
 Q5_K_M mixes use Q5_K) have no kernel of their own: `GGUFCheckpoint` converts them as they load to Q8_0 blocks

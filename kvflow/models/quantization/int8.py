@@ -1,12 +1,13 @@
 """Weight-only int8 with one float32 scale per output channel, quantized at load from a float checkpoint.
 
 Every linear layer (fused QKV, output, gate/up and down projections) holds `weight` as int8 `[rows, columns]` and
-`weight_scale` as float32 `[rows]`; its weight loader quantizes each checkpoint shard's rows as they arrive (rows are
-output channels, so a fused layer's shards and a tensor-parallel rank's rows quantize independently; a row-parallel
-rank quantizes its own columns of each row). Activations stay in the model dtype; the kernel widens the int8
-weights in registers (`kvflow.kernels.quant.int8_linear_for`). A mixture-of-experts layer's experts are int8 rows
-the same way (`FusedMoE.quantize_experts("int8", "int8")`, run by the int8 products through `quant.fused_moe`);
-its router stays in the model dtype.
+`weight_scale` as float32 `[rows]`; its weight loader quantizes each checkpoint shard's rows as they arrive (rows
+are output channels, so a fused layer's shards and a tensor-parallel rank's rows quantize independently; a
+row-parallel rank quantizes its own columns of each row). Activations stay in the model dtype; the kernel widens the
+int8 weights in registers (`kvflow.kernels.quant.int8_linear_for`); which product runs above the GEMV's rows is
+measured on the layers' shapes when the plan applies (`kvflow.kernels.quant_choice`). A mixture-of-experts layer's
+experts are int8 rows the same way (`FusedMoE.quantize_experts("int8", "int8")`, run by the int8 products through
+`quant.fused_moe`); its router stays in the model dtype.
 
 The token embedding stays in the model dtype (a lookup reads a few rows). The LM head stays in the model dtype too
 unless `quantize_lm_head`: then it gets an int8 copy with its own scales, re-quantized after every load (it may be
@@ -131,7 +132,7 @@ class Int8Plan:
 
     def apply(self, model: nn.Module) -> None:
         count = 0
-        shapes = set()
+        shapes: set[tuple[int, int]] = set()
         for module in model.modules():
             if isinstance(module, Linear):
                 module.quant_method = Int8Linear(module)
