@@ -98,7 +98,6 @@ class Timers:
 def instrument(model: Any) -> Timers:
     from kvflow.models import fused_decode
     from kvflow.models.attention.cpu_paged import CpuPagedAttention
-    from kvflow.models.decoder_lm import DecoderForCausalLM
     from kvflow.models.layers import mlp, norm, rotary, vocab
     from kvflow.models.layers.linear import Linear
 
@@ -112,7 +111,6 @@ def instrument(model: Any) -> Timers:
     timers.wrap(rotary.RotaryEmbedding, "apply", "rotary")
     timers.wrap(rotary.RotaryEmbedding, "cos_sin", "RoPE tables")
     timers.wrap(fused_decode.FusedDecodeLayers, "run", "fused decode layers")
-    timers.wrap(DecoderForCausalLM, "forward", "whole forward")
     activations = mlp._GATED_ACTIVATIONS
     original = activations["silu"]
 
@@ -176,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             covered = 0.0
             for part, seconds in sorted(timers.seconds.items(), key=lambda item: -item[1]):
-                if part != "whole forward" and part != "fused decode layers":
+                if part != "fused decode layers":
                     covered += seconds
                 print(
                     f"  {seconds:8.3f} s {100 * seconds / timed:5.1f}%  {timers.calls[part]:>6}  {part}"
