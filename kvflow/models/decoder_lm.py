@@ -86,6 +86,7 @@ class DecoderForCausalLM(CheckpointModel):
             scale=(config.query_pre_attn_scalar or config.head_dim) ** -0.5,
             softcap=config.attn_logit_softcapping,
         )
+        self.attention_backend.use_query_dtype(dtype)
         self.model = DecoderModel(
             config,
             self.attention_backend,

@@ -16,6 +16,7 @@ import torch
 from kvflow.models.attention import TorchPagedAttention
 from kvflow.models.attention.cpu_paged import (
     MAX_KERNEL_QUERY_LEN,
+    PREFILL_IN_TORCH_ENV,
     SOFTCAP_IN_TORCH_ENV,
     CpuPagedAttention,
 )
@@ -175,6 +176,54 @@ def test_softcap_in_torch_env_restores_the_torch_route(
             kernel_output = output
         else:
             torch.testing.assert_close(output, kernel_output, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("prefill_in_torch", ["0", "1"])
+@pytest.mark.parametrize("case", ["mixed", "prefill_only", "long"])
+def test_bfloat16_model_attends_prefill_rows_in_the_kernel(
+    ops: object, monkeypatch: pytest.MonkeyPatch, case: str, prefill_in_torch: str
+) -> None:
+    """A bfloat16 model's backend (`use_query_dtype`) gives full-attention prefill rows to the kernel as well, one
+    kernel row per request, unless `PREFILL_IN_TORCH_ENV` restores SDPA for them; either way within one bfloat16
+    ulp (+4e-3) of the exact result, with the same K/V writes as the torch backend. A float32 model keeps SDPA."""
+    monkeypatch.setenv(PREFILL_IN_TORCH_ENV, prefill_in_torch)
+    requests = CASES[case]
+    num_heads, num_kv_heads, head_dim, block_size = SHAPES["gqa7_d64_bs16"]
+    step = _make_step(
+        requests,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        seed=5,
+    )
+    cpu, reference_backend = _backends(num_heads, num_kv_heads, head_dim, None)
+    float32_cpu, _ = _backends(num_heads, num_kv_heads, head_dim, None)
+    cpu.use_query_dtype(torch.bfloat16)
+    float32_cpu.use_query_dtype(torch.float32)
+    metadata = cpu.build_metadata(step.batch)
+    long_rows = any(query_len > MAX_KERNEL_QUERY_LEN for _, query_len in requests)
+    assert long_rows
+    if prefill_in_torch == "1":
+        assert len(metadata.torch_plan.prefills) >= 1
+    else:
+        assert metadata.kernel is not None and not metadata.torch_plan.prefills
+        assert metadata.kernel.token_start.numel() == len(requests)
+    assert len(float32_cpu.build_metadata(step.batch).torch_plan.prefills) >= 1
+    torch_cache = step.cache.clone()
+    output = cpu.forward(step.query, step.step_keys, step.step_values, step.cache, metadata)
+    reference_backend.forward(
+        step.query,
+        step.step_keys,
+        step.step_values,
+        torch_cache,
+        reference_backend.build_metadata(step.batch),
+    )
+    assert torch.equal(step.cache, torch_cache)
+    exact = _dense_reference(step, requests, num_heads, None, None)
+    error = (output.double() - exact).abs()
+    assert bool((error <= exact.abs() * 2.0**-8 + 4e-3).all()), float(error.max())
 
 
 @pytest.mark.parametrize("window", [None, 16])

@@ -51,6 +51,11 @@ class AttentionBackend(ABC):
         """One layer's cache: `[2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]`."""
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
+    def use_query_dtype(self, dtype: torch.dtype) -> None:
+        """Told once, when the model is built, the dtype its queries and KV cache come in (a backend may route rows
+        by it). The default routes nothing by dtype."""
+        return None
+
     @abstractmethod
     def build_metadata(self, batch: BatchInputs, sliding_window: int | None = None) -> Any:
         """Everything the layers need to attend for this batch (built once per forward and window size)."""

@@ -7,14 +7,19 @@ reads only the keys some query may see (a sliding-window layer reads its window,
 the kernel takes:
   * requests with up to `MAX_KERNEL_QUERY_LEN` query tokens (decode steps, speculative verification, tiny
     chunks), always;
-  * longer (prefill) requests when the model soft-caps (SDPA cannot) or the layer has a sliding window (the torch
-    path gathers and masks the whole block table); a full-attention layer without soft-capping leaves them to the
-    torch backend's SDPA, whose GEMMs are faster than the kernel's dot products on a whole sequence.
+  * longer (prefill) requests when the model soft-caps (SDPA cannot), the layer has a sliding window (the torch
+    path gathers and masks the whole block table), or the model runs in bfloat16 (`use_query_dtype`): on the
+    Zen 4 development machine the kernel attends `throughput.py`'s prefill chunks (up to 256 tokens a request, 2048
+    a step) 4-6x faster than the torch path, whose bfloat16 SDPA over gathered, padded and masked groups runs
+    far below its GEMM rate (benchmarks/RESULTS.md, issue 45 item 3). A float32 model's full-attention layers
+    without soft-capping leave them to the torch backend's SDPA, so float32 results stay the reference's.
 Prefill rows the kernel does not take, steps without kernel rows and the cache layout are the torch backend's
 (this class extends it), and without the compiled kernels (`KVFLOW_CPU_KERNELS=0`, no compiler, a non-CPU
 tensor) every row takes the torch path, so the torch backend is both the fallback and the reference.
 `KVFLOW_CPU_ATTENTION_SOFTCAP_IN_TORCH=1` restores the earlier route for soft-capping models (every row in torch),
 for A/B measurements (benchmarks/gemma_attention.py).
+`KVFLOW_CPU_ATTENTION_PREFILL_IN_TORCH=1` restores the earlier route for bfloat16 models (full-attention prefill
+rows in SDPA), for A/B measurements (benchmarks/throughput_ab.py).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 MAX_KERNEL_QUERY_LEN = 16
 # "1": a soft-capping model attends every row in torch (the route before the kernel soft-capped; for A/B runs).
 SOFTCAP_IN_TORCH_ENV = "KVFLOW_CPU_ATTENTION_SOFTCAP_IN_TORCH"
+# "1": a bfloat16 model's full-attention prefill rows go to SDPA (the route before they went to the kernel).
+PREFILL_IN_TORCH_ENV = "KVFLOW_CPU_ATTENTION_PREFILL_IN_TORCH"
 
 
 @dataclass
@@ -86,9 +93,18 @@ class CpuPagedMetadata:
         return rows
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "on", "yes")
+
+
 def softcap_in_torch() -> bool:
     """Whether `SOFTCAP_IN_TORCH_ENV` asks for the earlier route (every row of a soft-capping model in torch)."""
-    return os.environ.get(SOFTCAP_IN_TORCH_ENV, "").strip().lower() in ("1", "true", "on", "yes")
+    return _env_flag(SOFTCAP_IN_TORCH_ENV)
+
+
+def prefill_in_torch() -> bool:
+    """Whether `PREFILL_IN_TORCH_ENV` asks for the earlier route (a bfloat16 model's prefill rows in SDPA)."""
+    return _env_flag(PREFILL_IN_TORCH_ENV)
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -101,6 +117,11 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(**dims)
         # Read once: the A/B switch holds for the backend's life (and costs no lookup per step).
         self._softcap_in_torch = self.softcap is not None and softcap_in_torch()
+        # Whether the kernel takes prefill rows of full-attention layers too (`use_query_dtype`: bfloat16 models).
+        self._prefill_in_kernel = False
+
+    def use_query_dtype(self, dtype: torch.dtype) -> None:
+        self._prefill_in_kernel = dtype is torch.bfloat16 and not prefill_in_torch()
 
     def build_metadata(
         self, batch: BatchInputs, sliding_window: int | None = None
@@ -111,7 +132,9 @@ class CpuPagedAttention(TorchPagedAttention):
         query_start_loc = batch.query_start_loc.to(torch.int64)
         seq_lens = batch.seq_lens.to(torch.int64)
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
-        kernel_takes_prefill = self.softcap is not None or sliding_window is not None
+        kernel_takes_prefill = (
+            self.softcap is not None or sliding_window is not None or self._prefill_in_kernel
+        )
         max_kernel_query_len = batch.num_tokens if kernel_takes_prefill else MAX_KERNEL_QUERY_LEN
         in_kernel = (query_lens >= 1) & (query_lens <= max_kernel_query_len)
         kernel_rows = torch.nonzero(in_kernel).flatten()
