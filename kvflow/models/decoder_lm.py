@@ -85,8 +85,8 @@ class DecoderForCausalLM(CheckpointModel):
             head_dim=config.head_dim,
             scale=(config.query_pre_attn_scalar or config.head_dim) ** -0.5,
             softcap=config.attn_logit_softcapping,
+            dtype=dtype,
         )
-        self.attention_backend.use_query_dtype(dtype)
         self.model = DecoderModel(
             config,
             self.attention_backend,

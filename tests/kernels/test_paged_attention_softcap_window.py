@@ -39,7 +39,11 @@ SHAPES = {  # (num_heads, num_kv_heads, head_dim, block_size)
 
 
 def _backends(
-    num_heads: int, num_kv_heads: int, head_dim: int, softcap: float | None
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    softcap: float | None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[CpuPagedAttention, TorchPagedAttention]:
     dims = dict(
         num_heads=num_heads,
@@ -47,6 +51,7 @@ def _backends(
         head_dim=head_dim,
         scale=head_dim**-0.5,
         softcap=softcap,
+        dtype=dtype,
     )
     return CpuPagedAttention(**dims), TorchPagedAttention(**dims)
 
@@ -183,7 +188,7 @@ def test_softcap_in_torch_env_restores_the_torch_route(
 def test_bfloat16_model_attends_prefill_rows_in_the_kernel(
     ops: object, monkeypatch: pytest.MonkeyPatch, case: str, prefill_in_torch: str
 ) -> None:
-    """A bfloat16 model's backend (`use_query_dtype`) gives full-attention prefill rows to the kernel as well, one
+    """A bfloat16 model's backend (`dtype`) gives full-attention prefill rows to the kernel as well, one
     kernel row per request, unless `PREFILL_IN_TORCH_ENV` restores SDPA for them; either way within one bfloat16
     ulp (+4e-3) of the exact result, with the same K/V writes as the torch backend. A float32 model keeps SDPA."""
     monkeypatch.setenv(PREFILL_IN_TORCH_ENV, prefill_in_torch)
@@ -198,10 +203,8 @@ def test_bfloat16_model_attends_prefill_rows_in_the_kernel(
         dtype=torch.bfloat16,
         seed=5,
     )
-    cpu, reference_backend = _backends(num_heads, num_kv_heads, head_dim, None)
-    float32_cpu, _ = _backends(num_heads, num_kv_heads, head_dim, None)
-    cpu.use_query_dtype(torch.bfloat16)
-    float32_cpu.use_query_dtype(torch.float32)
+    cpu, reference_backend = _backends(num_heads, num_kv_heads, head_dim, None, torch.bfloat16)
+    float32_cpu, _ = _backends(num_heads, num_kv_heads, head_dim, None, torch.float32)
     metadata = cpu.build_metadata(step.batch)
     long_rows = any(query_len > MAX_KERNEL_QUERY_LEN for _, query_len in requests)
     assert long_rows

@@ -31,6 +31,7 @@ class AttentionBackend(ABC):
         head_dim: int,
         scale: float,
         softcap: float | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -43,6 +44,8 @@ class AttentionBackend(ABC):
         # Attention-logit soft-capping (Gemma 2): scores become `tanh(scale * q.k / softcap) * softcap` before
         # the mask and the softmax; None: no capping.
         self.softcap = softcap
+        # The dtype the model's queries and KV cache come in (a backend may route rows by it); None: not known.
+        self.dtype = dtype
 
     @staticmethod
     def kv_cache_shape(
@@ -50,11 +53,6 @@ class AttentionBackend(ABC):
     ) -> tuple[int, ...]:
         """One layer's cache: `[2 (key, value), num_blocks, block_size, num_kv_heads, head_dim]`."""
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-    def use_query_dtype(self, dtype: torch.dtype) -> None:
-        """Told once, when the model is built, the dtype its queries and KV cache come in (a backend may route rows
-        by it). The default routes nothing by dtype."""
-        return None
 
     @abstractmethod
     def build_metadata(self, batch: BatchInputs, sliding_window: int | None = None) -> Any:

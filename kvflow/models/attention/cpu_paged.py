@@ -8,7 +8,7 @@ the kernel takes:
   * requests with up to `MAX_KERNEL_QUERY_LEN` query tokens (decode steps, speculative verification, tiny
     chunks), always;
   * longer (prefill) requests when the model soft-caps (SDPA cannot), the layer has a sliding window (the torch
-    path gathers and masks the whole block table), or the model runs in bfloat16 (`use_query_dtype`): on the
+    path gathers and masks the whole block table), or the model runs in bfloat16 (the backend's `dtype`): on the
     Zen 4 development machine the kernel attends `throughput.py`'s prefill chunks (up to 256 tokens a request, 2048
     a step) 4-6x faster than the torch path, whose bfloat16 SDPA over gathered, padded and masked groups runs
     far below its GEMM rate (benchmarks/RESULTS.md, issue 45 item 3). A float32 model's full-attention layers
@@ -19,7 +19,7 @@ tensor) every row takes the torch path, so the torch backend is both the fallbac
 `KVFLOW_CPU_ATTENTION_SOFTCAP_IN_TORCH=1` restores the earlier route for soft-capping models (every row in torch),
 for A/B measurements (benchmarks/gemma_attention.py).
 `KVFLOW_CPU_ATTENTION_PREFILL_IN_TORCH=1` restores the earlier route for bfloat16 models (full-attention prefill
-rows in SDPA), for A/B measurements (benchmarks/throughput_ab.py).
+rows in SDPA), for A/B measurements (benchmarks/throughput.py, forward_profile.py).
 """
 
 from __future__ import annotations
@@ -117,11 +117,8 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(**dims)
         # Read once: the A/B switch holds for the backend's life (and costs no lookup per step).
         self._softcap_in_torch = self.softcap is not None and softcap_in_torch()
-        # Whether the kernel takes prefill rows of full-attention layers too (`use_query_dtype`: bfloat16 models).
-        self._prefill_in_kernel = False
-
-    def use_query_dtype(self, dtype: torch.dtype) -> None:
-        self._prefill_in_kernel = dtype is torch.bfloat16 and not prefill_in_torch()
+        # Whether the kernel takes prefill rows of full-attention layers too: bfloat16 models.
+        self._prefill_in_kernel = self.dtype is torch.bfloat16 and not prefill_in_torch()
 
     def build_metadata(
         self, batch: BatchInputs, sliding_window: int | None = None

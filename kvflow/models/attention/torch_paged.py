@@ -103,6 +103,7 @@ class TorchPagedAttention(AttentionBackend):
         head_dim: int,
         scale: float,
         softcap: float | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(
             num_heads=num_heads,
@@ -110,6 +111,7 @@ class TorchPagedAttention(AttentionBackend):
             head_dim=head_dim,
             scale=scale,
             softcap=softcap,
+            dtype=dtype,
         )
         self._workspace: dict[int, torch.Tensor] = {}
 
