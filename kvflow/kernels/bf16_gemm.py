@@ -28,7 +28,13 @@ from kvflow.kernels.build import (
     kernels_build_dir,
     load_cpu_kernels,
 )
-from kvflow.kernels.choice import CHOICES_FILE, KernelChoice, KernelChoices, cpu_model_name
+from kvflow.kernels.choice import (
+    CHOICES_FILE,
+    KernelChoice,
+    KernelChoices,
+    cpu_model_name,
+    describe_bands,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -94,19 +100,9 @@ class Bf16GemmPlan:
 
     def describe(self) -> str:
         """One line: each band's product and, where measured, the candidates' times."""
-        parts = []
-        for (first, last, kernel), choice in zip(
-            self.bands, self.choices or [None] * len(self.bands), strict=True
-        ):
-            rows = f"rows {first}-{last}" if last is not None else f"rows {first}+"
-            text = f"{rows} {kernel or TORCH}"
-            if choice is not None:
-                times = ", ".join(
-                    f"{name} {ms:.2f}" for name, ms in sorted(choice.times_ms.items())
-                )
-                text += f" ({choice.source}: {times} ms)"
-            parts.append(text)
-        return "; ".join(parts)
+        return describe_bands(
+            [(first, last, kernel or TORCH) for first, last, kernel in self.bands], self.choices
+        )
 
 
 def gemm_kernel_wins(flags: Collection[str]) -> bool:

@@ -22,7 +22,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -49,6 +49,22 @@ class KernelChoice:
     kernel: str
     times_ms: Mapping[str, float] = field(default_factory=dict)
     source: ChoiceSource = "measured"
+
+
+def describe_bands(
+    bands: Sequence[tuple[int, int | None, str]], choices: Sequence[KernelChoice] | None
+) -> str:
+    """One line for a plan by row band: each band's rows and kernel and, where `choices` (one per band) were
+    measured or read from the cache, the candidates' times in milliseconds."""
+    parts = []
+    for (first, last, kernel), choice in zip(bands, choices or [None] * len(bands), strict=True):
+        rows = f"rows {first}-{last}" if last is not None else f"rows {first}+"
+        text = f"{rows} {kernel}"
+        if choice is not None:
+            times = ", ".join(f"{name} {ms:.2f}" for name, ms in sorted(choice.times_ms.items()))
+            text += f" ({choice.source}: {times} ms)"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def time_candidates(

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvflow.kernels.build import load_cpu_kernels
-from kvflow.kernels.choice import KernelChoice
+from kvflow.kernels.choice import KernelChoice, describe_bands
 
 GEMV = "gemv"
 TILED = "tiled"
@@ -120,20 +120,7 @@ class QuantGemmPlan:
 
     def describe(self) -> str:
         """One line: each band's product and, where measured, the candidates' times."""
-        parts = []
-        for (first, last, product), choice in zip(
-            self.bands, self.choices or [None] * len(self.bands), strict=True
-        ):
-            text = (
-                f"rows {first}-{last} {product}" if last is not None else f"rows {first}+ {product}"
-            )
-            if choice is not None:
-                times = ", ".join(
-                    f"{name} {ms:.2f}" for name, ms in sorted(choice.times_ms.items())
-                )
-                text += f" ({choice.source}: {times} ms)"
-            parts.append(text)
-        return "; ".join(parts)
+        return describe_bands(self.bands, self.choices)
 
 
 def above_gemv_product(weight_type: str, w8a8_built: bool) -> str:
