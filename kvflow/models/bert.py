@@ -35,7 +35,7 @@ from kvflow.models.encoder_config import (
     parse_encoder_config,
 )
 from kvflow.models.layers.linear import Linear
-from kvflow.models.loader import CheckpointModel, resolve_dtype
+from kvflow.models.loader import CheckpointModel, resolve_runner_dtype
 
 if TYPE_CHECKING:
     from kvflow.batch import BatchInputs
@@ -232,14 +232,15 @@ class _EncoderCheckpoint(CheckpointModel):
         device: torch.device,
         tp: TensorParallelGroup | None = None,
     ) -> _EncoderCheckpoint:
-        """The checkpoint folder's encoder with its weights, in `model_config.dtype`, on one rank."""
+        """The checkpoint folder's encoder with its weights, in `model_config.dtype` ("auto": the pooling runner's
+        rule, `resolve_runner_dtype`), on one rank."""
         assert model_info.path is not None, f"model {model_info.name!r} has no checkpoint folder"
         if model_config.quantization is not None:
             raise ValueError(
                 f"quantization={model_config.quantization!r}: encoder models run unquantized"
             )
         config = load_encoder_config(model_info.path)
-        torch_dtype = resolve_dtype(model_config.dtype, config)  # type: ignore[arg-type]
+        torch_dtype = resolve_runner_dtype(model_config.dtype, config, "pooling", device)
         model = cls(config, dtype=torch_dtype, device=device, tp=tp)
         model.load_weights(iterate_safetensors_weights(model_info.path))
         return model.eval()
@@ -536,10 +537,11 @@ _MODEL_CLASSES: dict[str, type[CheckpointModel]] = {
 def load_encoder_model(
     model_path: str | Path, dtype: str = "auto", device: torch.device | str = "cpu"
 ) -> CheckpointModel:
-    """The checkpoint folder's encoder (or classifier) with its weights, in eval mode, in `dtype` ("auto": the
-    checkpoint's `torch_dtype`, float32 without one; or "float32", "bfloat16", "float16")."""
+    """The checkpoint folder's encoder (or classifier) with its weights, in eval mode, in `dtype` ("float32",
+    "bfloat16", "float16", or "auto": the pooling runner's rule, `resolve_runner_dtype`: a float32 checkpoint in
+    bfloat16 on a CPU with native bfloat16, float16 on CUDA, else the checkpoint's `torch_dtype`)."""
     config = load_encoder_config(model_path)
-    torch_dtype = resolve_dtype(dtype, config)  # type: ignore[arg-type]  # reads only `torch_dtype`
+    torch_dtype = resolve_runner_dtype(dtype, config, "pooling", device)
     model = _MODEL_CLASSES[config.architecture](config, dtype=torch_dtype, device=device)
     model.load_weights(iterate_safetensors_weights(model_path))
     return model.eval()
