@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallelGroup
+from kvflow.kernels.encoder_attention import varlen_attention
 from kvflow.models.checkpoint_files import iterate_safetensors_weights
 from kvflow.models.encoder_config import (
     ENCODER_ARCHITECTURES,
@@ -109,7 +110,9 @@ class _EncoderLayer(nn.Module):
     """One post-LN encoder layer: `x = norm(x + attn(x))`, then `x = norm(x + down(act(up(x))))`.
 
     Invariant: attention is unmasked within each sequence (bidirectional) and never crosses sequences, with the
-    scale `1 / sqrt(head_dim)`; every other operation works row by row.
+    scale `1 / sqrt(head_dim)`; every other operation works row by row. Attention runs on the CPU kernel over all
+    the packed sequences at once (`kvflow.kernels.encoder_attention`, row invariant by construction) where it
+    applies, else PyTorch's fused attention per sequence (float32 for a bfloat16 model).
     """
 
     def __init__(self, config: EncoderConfig, dtype: torch.dtype, device: torch.device | str):
@@ -128,15 +131,32 @@ class _EncoderLayer(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(
-        self, hidden_states: torch.Tensor, bounds: list[tuple[int, int]] | None = None
+        self,
+        hidden_states: torch.Tensor,
+        bounds: list[tuple[int, int]] | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layer over packed sequences: `hidden_states` `[total_tokens, hidden]` holds each sequence's rows at
-        its `(start, end)` in `bounds` (None: one sequence of every row). Projections, norms and the activation run
-        on all rows at once (row by row the same: they mix no rows); attention runs per sequence."""
+        its `(start, end)` in `bounds` (None: one sequence of every row; `cu_seqlens`, when given, the same bounds as
+        an int64 tensor of the starts and the last end). Projections, norms and the activation run on all rows at
+        once (row by row the same: they mix no rows); attention runs within each sequence."""
         num_tokens = hidden_states.shape[0]
         if bounds is None:
             bounds = [(0, num_tokens)]
         qkv = self.qkv_proj(hidden_states).view(num_tokens, 3, self.num_heads, self.head_dim)
+        if cu_seqlens is None:
+            cu_seqlens = _cu_seqlens(bounds)
+        query, key, value = qkv.unbind(1)
+        attended = varlen_attention(query, key, value, cu_seqlens, 1.0 / math.sqrt(self.head_dim))
+        if attended is None:
+            attended = self._torch_attention(qkv, bounds)
+        hidden_states = self.attn_norm(hidden_states + self.attn_out(attended))
+        mlp = self.down(self.act(self.up(hidden_states)))
+        return self.mlp_norm(hidden_states + mlp)
+
+    def _torch_attention(self, qkv: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """`[total_tokens, heads * head_dim]` in qkv's dtype: PyTorch's fused attention, one sequence at a time."""
+        num_tokens, dtype = qkv.shape[0], qkv.dtype
         if qkv.dtype is torch.bfloat16:
             # PyTorch's fused CPU attention runs float32 faster than bfloat16 (it widens bfloat16 block by block).
             qkv = qkv.float()
@@ -148,10 +168,7 @@ class _EncoderLayer(nn.Module):
                 query, key, value, scale=1.0 / math.sqrt(self.head_dim)
             )
             attended[start:end] = output[0].transpose(0, 1).reshape(end - start, -1)
-        attended = attended.to(hidden_states.dtype)
-        hidden_states = self.attn_norm(hidden_states + self.attn_out(attended))
-        mlp = self.down(self.act(self.up(hidden_states)))
-        return self.mlp_norm(hidden_states + mlp)
+        return attended.to(dtype)
 
 
 # The three checkpoint projections `qkv_proj` stacks, in shard order (`checkpoint_target` maps the names).
@@ -180,6 +197,11 @@ def _encoder_target(checkpoint_name: str) -> tuple[str, int | None]:
         if count:
             return name, shard
     return checkpoint_name, None
+
+
+def _cu_seqlens(bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """The int64 CPU tensor `[num_seqs + 1]` of the sequences' starts and the last end (the kernel's bounds)."""
+    return torch.tensor([start for start, _ in bounds] + [bounds[-1][1]], dtype=torch.int64)
 
 
 def _strip_base_prefix(checkpoint_name: str) -> str:
@@ -389,8 +411,9 @@ class BertEncoderModel(_EncoderCheckpoint):
         rows are bit for bit what it gets alone: the products never take their few-row algorithms
         (`_RowInvariantLinear`), so a row's result depends on its own values only (the tests check it)."""
         hidden_states = self.embed(input_ids, token_type_ids, bounds)
+        cu_seqlens = _cu_seqlens(bounds)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, bounds)
+            hidden_states = layer(hidden_states, bounds, cu_seqlens)
         return hidden_states
 
     def forward(
