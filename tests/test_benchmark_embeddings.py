@@ -118,3 +118,18 @@ def test_inputs_have_the_lengths_drawn(tmp_path: Path) -> None:
     assert all(16 <= length <= 48 for length in lengths) and len(set(lengths)) > 1
     with pytest.raises(ValueError, match="min-len"):
         benchmark.make_inputs(path, 2, 2, 48)
+
+
+def test_interleaved_ab_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/embeddings_ab.py: the three contenders on the same batches, the previous attention path giving the
+    same embeddings as the kernel up to rounding, and the dtypes each side ran."""
+    ab = importlib.import_module("benchmarks.embeddings_ab")
+    summary = ab.main(
+        ["--quick", "--num-inputs", "6", "--passes", "1", "--cache-dir", str(tmp_path / "cache")]
+    )
+    assert set(summary["embeddings_per_s"]) == set(ab.CONTENDERS)
+    assert all(rate > 0 for rate in summary["embeddings_per_s"].values())
+    kvflow_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert summary["dtypes"] == {"sentence-transformers": "float32", "kvflow": kvflow_dtype}
+    assert all(value > 0.999 for value in summary["min_cosine"].values())
+    assert "kernel / previous" in capsys.readouterr().out
