@@ -5,9 +5,11 @@ Reproduce with `python benchmarks/embeddings.py` (`--model minilm` or `--model q
 `--num-inputs N`; `--quick` is a seconds-long smoke run on tiny shapes). Checkpoints are made once and reused from
 `.cache/embeddings-bench/` (`--cache-dir`).
 
-Models (random weights, real shapes, saved in float32 and run in `--dtype`, float32 unless bfloat16 is asked for:
-sentence-transformers loads the model in it, kvflow's engines get it; written by
-`kvflow.testing.pooling_checkpoints`):
+Models (random weights, real shapes, saved in float32, written by `kvflow.testing.pooling_checkpoints`), run in
+`--dtype`: "auto" (the default) leaves each side its own default, sentence-transformers the checkpoint's float32 and
+kvflow's pooling runner its `dtype="auto"` (bfloat16 on a CPU with native bf16 arithmetic, AVX512_BF16 or AMX;
+float32 on other CPUs); "float32" or "bfloat16" runs every contender in it (sentence-transformers loads the model in
+it, kvflow's engines get it). The dtype each side ran is printed in the table:
 - **minilm**: all-MiniLM-L6-v2's shape: `BertModel`, hidden 384, 6 layers, 12 heads, intermediate 1536, vocabulary
   30522, 512 positions; sentence-transformers mean pooling + normalize, `max_seq_length` 512 (the real model's is
   256; 512 here so that no input is cut).
@@ -30,7 +32,8 @@ Contenders, all alive for the whole run, timed on the whole input list per round
    aiohttp client (`--backend openai-embeddings`) in this process.
 Each round runs the three in a rotated order (drift cancels), after a warm-up of each on the first 4 inputs; the
 figure is inputs / median seconds. The embeddings of 1 and 2 (from their first timed runs) are checked against
-each other (cosine per input, the minimum printed).
+each other (cosine per input, the minimum printed: under "auto", kvflow's default against sentence-transformers'
+float32).
 
 Goals (issue 43), printed with PASS / MISS: kvflow in-process >= 2.0x sentence-transformers; serve >= 0.8 of
 in-process.
@@ -293,7 +296,7 @@ def bench_model(
     settings: Settings,
     engine_args: dict[str, Any],
     with_server: bool,
-    dtype: str = "float32",
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     import torch
     from sentence_transformers import SentenceTransformer
@@ -303,11 +306,17 @@ def bench_model(
 
     texts, lengths = make_inputs(path, settings.num_inputs, settings.min_len, settings.max_len)
     threads_before = torch.get_num_threads()
-    st_model = SentenceTransformer(
-        str(path), device="cpu", model_kwargs={"dtype": getattr(torch, dtype)}
-    )
+    st_kwargs = {} if dtype == "auto" else {"model_kwargs": {"dtype": getattr(torch, dtype)}}
+    st_model = SentenceTransformer(str(path), device="cpu", **st_kwargs)
     engine_args = {**engine_args, "dtype": dtype}
     llm = LLM(str(path), runner="pooling", disable_log_stats=True, **engine_args)
+    # What each side runs in; `kvflow serve` gets the same engine arguments on the same CPU, so the same dtype.
+    kvflow_dtype = _dtype_name(llm.collective_rpc(_worker_model_dtype)[0])
+    dtypes = {
+        CONTENDERS[0]: _dtype_name(next(st_model.parameters()).dtype),
+        CONTENDERS[1]: kvflow_dtype,
+        CONTENDERS[2]: kvflow_dtype,
+    }
     threads = torch.get_num_threads()
     if threads != threads_before:
         raise RuntimeError(
@@ -337,7 +346,17 @@ def bench_model(
         "torch_threads": threads,
         "embeddings_per_s": rates,
         "min_cosine": cosine,
+        "dtypes": {name: dtypes[name] for name in rates},
     }
+
+
+def _worker_model_dtype(worker: Any) -> Any:
+    """On kvflow's worker: the dtype its model's weights are held in."""
+    return next(worker.model.parameters()).dtype
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -358,8 +377,8 @@ def report_table(
     lines = [
         "| model | inputs | tokens | "
         + " | ".join(f"{name} emb/s" for name in CONTENDERS)
-        + " | kvflow / ST | serve / in-process | min cosine |",
-        "|---|---|---|---|---|---|---|---|---|",
+        + " | kvflow / ST | serve / in-process | min cosine | dtype ST / kvflow |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     goals: list[tuple[str, float | None, float]] = []
     for result in results:
@@ -369,7 +388,8 @@ def report_table(
         lines.append(
             f"| {result['model']} | {result['num_inputs']} | {result['input_tokens']} | "
             + " | ".join(_cell(rates.get(name)) for name in CONTENDERS)
-            + f" | {_cell(speedup)} | {_cell(serve_ratio)} | {result['min_cosine']:.7f} |"
+            + f" | {_cell(speedup)} | {_cell(serve_ratio)} | {result['min_cosine']:.7f} | "
+            f"{result['dtypes'][CONTENDERS[0]]} / {result['dtypes'][CONTENDERS[1]]} |"
         )
         goals += [
             (f"{result['model']}: {GOALS[0][0]}", speedup, GOALS[0][1]),
@@ -409,9 +429,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-server", action="store_true", help="skip the kvflow serve contender")
     parser.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="every contender's dtype (the checkpoints are float32)",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="every contender's dtype (the checkpoints are float32); auto: each side's default "
+        "(sentence-transformers float32, kvflow's pooling runner bfloat16 on a CPU with native bf16)",
     )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")

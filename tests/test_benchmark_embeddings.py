@@ -14,6 +14,8 @@ from types import ModuleType
 
 import pytest
 
+from kvflow.models.loader import cpu_has_native_bf16
+
 pytest.importorskip("sentence_transformers")
 
 
@@ -52,7 +54,15 @@ def test_quick_run_measures_every_contender_and_prints_the_goals(
     assert result["num_inputs"] == 8 and 16 <= result["min_len"] <= result["max_len"] <= 64
     assert set(result["embeddings_per_s"]) == set(benchmark.CONTENDERS)
     assert all(rate > 0 for rate in result["embeddings_per_s"].values())
-    assert result["min_cosine"] > 0.9999
+    # The default --dtype auto: sentence-transformers' float32 against kvflow's pooling "auto".
+    kvflow_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert result["dtypes"] == {
+        "sentence-transformers": "float32",
+        "kvflow in-process": kvflow_dtype,
+        "kvflow serve": kvflow_dtype,
+    }
+    assert result["min_cosine"] > (0.999 if kvflow_dtype == "bfloat16" else 0.9999)
+    assert f"| float32 / {kvflow_dtype} |" in out
     assert json.loads(json_path.read_text())["results"][0]["input_tokens"] == result["input_tokens"]
     assert "| minilm | 8 | " in out
     goals = _goal_rows(out)
@@ -71,12 +81,22 @@ def test_quick_decoder_run_without_the_server(
     benchmark = load_benchmark()
     summary = benchmark.main(
         [
-            *("--quick", "--model", "qwen3", "--num-inputs", "4", "--no-server"),
+            *(
+                "--quick",
+                "--model",
+                "qwen3",
+                "--num-inputs",
+                "4",
+                "--no-server",
+                "--dtype",
+                "float32",
+            ),
             *("--cache-dir", str(tmp_path / "cache")),
         ]
     )
     (result,) = summary["results"]
     assert set(result["embeddings_per_s"]) == set(benchmark.CONTENDERS[:2])
+    assert result["dtypes"] == {"sentence-transformers": "float32", "kvflow in-process": "float32"}
     assert result["min_cosine"] > 0.9999
     goals = _goal_rows(capsys.readouterr().out)
     assert goals["qwen3: serve / in-process"] == ["-", ">= 0.8", "SKIP"]
@@ -98,3 +118,18 @@ def test_inputs_have_the_lengths_drawn(tmp_path: Path) -> None:
     assert all(16 <= length <= 48 for length in lengths) and len(set(lengths)) > 1
     with pytest.raises(ValueError, match="min-len"):
         benchmark.make_inputs(path, 2, 2, 48)
+
+
+def test_interleaved_ab_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/embeddings_ab.py: the three contenders on the same batches, the previous attention path giving the
+    same embeddings as the kernel up to rounding, and the dtypes each side ran."""
+    ab = importlib.import_module("benchmarks.embeddings_ab")
+    summary = ab.main(
+        ["--quick", "--num-inputs", "6", "--passes", "1", "--cache-dir", str(tmp_path / "cache")]
+    )
+    assert set(summary["embeddings_per_s"]) == set(ab.CONTENDERS)
+    assert all(rate > 0 for rate in summary["embeddings_per_s"].values())
+    kvflow_dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert summary["dtypes"] == {"sentence-transformers": "float32", "kvflow": kvflow_dtype}
+    assert all(value > 0.999 for value in summary["min_cosine"].values())
+    assert "kernel / previous" in capsys.readouterr().out

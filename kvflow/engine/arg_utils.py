@@ -86,7 +86,8 @@ class EngineArgs:
     )
     dtype: str = _option(
         "auto",
-        "weight and activation dtype ('auto': the checkpoint's)",
+        "weight and activation dtype ('auto': the checkpoint's; the pooling runner serves a float32 checkpoint "
+        "in bfloat16 on a CPU with native bf16, in float16 on CUDA)",
         DTYPES,
     )
     max_model_len: int | None = _option(

@@ -52,6 +52,7 @@ _SOURCES = (
     "quant_linear.cpp",
     "quant_moe.cpp",
     "lora.cpp",
+    "encoder_attention.cpp",
 )
 _CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17")
 _LDFLAGS = ("-fopenmp",)

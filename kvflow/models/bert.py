@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallelGroup
+from kvflow.kernels.encoder_attention import varlen_attention
 from kvflow.models.checkpoint_files import iterate_safetensors_weights
 from kvflow.models.encoder_config import (
     ENCODER_ARCHITECTURES,
@@ -35,7 +36,7 @@ from kvflow.models.encoder_config import (
     parse_encoder_config,
 )
 from kvflow.models.layers.linear import Linear
-from kvflow.models.loader import CheckpointModel, resolve_dtype
+from kvflow.models.loader import CheckpointModel, resolve_runner_dtype
 
 if TYPE_CHECKING:
     from kvflow.batch import BatchInputs
@@ -109,7 +110,9 @@ class _EncoderLayer(nn.Module):
     """One post-LN encoder layer: `x = norm(x + attn(x))`, then `x = norm(x + down(act(up(x))))`.
 
     Invariant: attention is unmasked within each sequence (bidirectional) and never crosses sequences, with the
-    scale `1 / sqrt(head_dim)`; every other operation works row by row.
+    scale `1 / sqrt(head_dim)`; every other operation works row by row. Attention runs on the CPU kernel over all
+    the packed sequences at once (`kvflow.kernels.encoder_attention`, row invariant by construction) where it
+    applies, else PyTorch's fused attention per sequence (float32 for a bfloat16 model).
     """
 
     def __init__(self, config: EncoderConfig, dtype: torch.dtype, device: torch.device | str):
@@ -128,15 +131,32 @@ class _EncoderLayer(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(
-        self, hidden_states: torch.Tensor, bounds: list[tuple[int, int]] | None = None
+        self,
+        hidden_states: torch.Tensor,
+        bounds: list[tuple[int, int]] | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layer over packed sequences: `hidden_states` `[total_tokens, hidden]` holds each sequence's rows at
-        its `(start, end)` in `bounds` (None: one sequence of every row). Projections, norms and the activation run
-        on all rows at once (row by row the same: they mix no rows); attention runs per sequence."""
+        its `(start, end)` in `bounds` (None: one sequence of every row; `cu_seqlens`, when given, the same bounds as
+        an int64 tensor of the starts and the last end). Projections, norms and the activation run on all rows at
+        once (row by row the same: they mix no rows); attention runs within each sequence."""
         num_tokens = hidden_states.shape[0]
         if bounds is None:
             bounds = [(0, num_tokens)]
         qkv = self.qkv_proj(hidden_states).view(num_tokens, 3, self.num_heads, self.head_dim)
+        if cu_seqlens is None:
+            cu_seqlens = _cu_seqlens(bounds)
+        query, key, value = qkv.unbind(1)
+        attended = varlen_attention(query, key, value, cu_seqlens, 1.0 / math.sqrt(self.head_dim))
+        if attended is None:
+            attended = self._torch_attention(qkv, bounds)
+        hidden_states = self.attn_norm(hidden_states + self.attn_out(attended))
+        mlp = self.down(self.act(self.up(hidden_states)))
+        return self.mlp_norm(hidden_states + mlp)
+
+    def _torch_attention(self, qkv: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        """`[total_tokens, heads * head_dim]` in qkv's dtype: PyTorch's fused attention, one sequence at a time."""
+        num_tokens, dtype = qkv.shape[0], qkv.dtype
         if qkv.dtype is torch.bfloat16:
             # PyTorch's fused CPU attention runs float32 faster than bfloat16 (it widens bfloat16 block by block).
             qkv = qkv.float()
@@ -148,10 +168,7 @@ class _EncoderLayer(nn.Module):
                 query, key, value, scale=1.0 / math.sqrt(self.head_dim)
             )
             attended[start:end] = output[0].transpose(0, 1).reshape(end - start, -1)
-        attended = attended.to(hidden_states.dtype)
-        hidden_states = self.attn_norm(hidden_states + self.attn_out(attended))
-        mlp = self.down(self.act(self.up(hidden_states)))
-        return self.mlp_norm(hidden_states + mlp)
+        return attended.to(dtype)
 
 
 # The three checkpoint projections `qkv_proj` stacks, in shard order (`checkpoint_target` maps the names).
@@ -180,6 +197,11 @@ def _encoder_target(checkpoint_name: str) -> tuple[str, int | None]:
         if count:
             return name, shard
     return checkpoint_name, None
+
+
+def _cu_seqlens(bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """The int64 CPU tensor `[num_seqs + 1]` of the sequences' starts and the last end (the kernel's bounds)."""
+    return torch.tensor([start for start, _ in bounds] + [bounds[-1][1]], dtype=torch.int64)
 
 
 def _strip_base_prefix(checkpoint_name: str) -> str:
@@ -232,14 +254,15 @@ class _EncoderCheckpoint(CheckpointModel):
         device: torch.device,
         tp: TensorParallelGroup | None = None,
     ) -> _EncoderCheckpoint:
-        """The checkpoint folder's encoder with its weights, in `model_config.dtype`, on one rank."""
+        """The checkpoint folder's encoder with its weights, in `model_config.dtype` ("auto": the pooling runner's
+        rule, `resolve_runner_dtype`), on one rank."""
         assert model_info.path is not None, f"model {model_info.name!r} has no checkpoint folder"
         if model_config.quantization is not None:
             raise ValueError(
                 f"quantization={model_config.quantization!r}: encoder models run unquantized"
             )
         config = load_encoder_config(model_info.path)
-        torch_dtype = resolve_dtype(model_config.dtype, config)  # type: ignore[arg-type]
+        torch_dtype = resolve_runner_dtype(model_config.dtype, config, "pooling", device)
         model = cls(config, dtype=torch_dtype, device=device, tp=tp)
         model.load_weights(iterate_safetensors_weights(model_info.path))
         return model.eval()
@@ -388,8 +411,9 @@ class BertEncoderModel(_EncoderCheckpoint):
         rows are bit for bit what it gets alone: the products never take their few-row algorithms
         (`_RowInvariantLinear`), so a row's result depends on its own values only (the tests check it)."""
         hidden_states = self.embed(input_ids, token_type_ids, bounds)
+        cu_seqlens = _cu_seqlens(bounds)
         for layer in self.layers:
-            hidden_states = layer(hidden_states, bounds)
+            hidden_states = layer(hidden_states, bounds, cu_seqlens)
         return hidden_states
 
     def forward(
@@ -536,10 +560,11 @@ _MODEL_CLASSES: dict[str, type[CheckpointModel]] = {
 def load_encoder_model(
     model_path: str | Path, dtype: str = "auto", device: torch.device | str = "cpu"
 ) -> CheckpointModel:
-    """The checkpoint folder's encoder (or classifier) with its weights, in eval mode, in `dtype` ("auto": the
-    checkpoint's `torch_dtype`, float32 without one; or "float32", "bfloat16", "float16")."""
+    """The checkpoint folder's encoder (or classifier) with its weights, in eval mode, in `dtype` ("float32",
+    "bfloat16", "float16", or "auto": the pooling runner's rule, `resolve_runner_dtype`: a float32 checkpoint in
+    bfloat16 on a CPU with native bfloat16, float16 on CUDA, else the checkpoint's `torch_dtype`)."""
     config = load_encoder_config(model_path)
-    torch_dtype = resolve_dtype(dtype, config)  # type: ignore[arg-type]  # reads only `torch_dtype`
+    torch_dtype = resolve_runner_dtype(dtype, config, "pooling", device)
     model = _MODEL_CLASSES[config.architecture](config, dtype=torch_dtype, device=device)
     model.load_weights(iterate_safetensors_weights(model_path))
     return model.eval()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from kvflow.kernels.build import cpu_feature_flags
 from kvflow.models.attention import resolve_attention_backend
 from kvflow.models.checkpoint_files import (
     INDEX_FILE,
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from kvflow.config import ModelConfig
     from kvflow.distributed import TensorParallelGroup
     from kvflow.model_info import ModelInfo
+    from kvflow.models.encoder_config import EncoderConfig
     from kvflow.models.hf_config import TransformerConfig
     from kvflow.models.quantization import QuantizationPlan
 
@@ -58,7 +60,9 @@ __all__ = [  # the file reading (checkpoint_files) and name mapping (weight_load
     "iterate_safetensors_weights",
     "load_model",
     "load_weights",
+    "pooling_auto_dtype",
     "resolve_dtype",
+    "resolve_runner_dtype",
     "safetensors_files",
 ]
 
@@ -72,7 +76,11 @@ _DTYPE_ALIASES = {
 }
 
 
-def resolve_dtype(dtype: str, config: TransformerConfig) -> torch.dtype:
+# CPU feature flags (/proc/cpuinfo) of native bfloat16 arithmetic: AVX512_BF16's dot products, AMX's tiles.
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def resolve_dtype(dtype: str, config: TransformerConfig | EncoderConfig) -> torch.dtype:
     """The torch dtype for `dtype`: "auto" is the checkpoint's `torch_dtype` (float32 when it has none)."""
     name = dtype
     if dtype == "auto":
@@ -89,6 +97,59 @@ def resolve_dtype(dtype: str, config: TransformerConfig) -> torch.dtype:
     return _DTYPES[name]
 
 
+def pooling_auto_dtype(
+    checkpoint_dtype: torch.dtype, device_type: str, cpu_native_bf16: bool
+) -> torch.dtype:
+    """The dtype the pooling runner serves a checkpoint in under `dtype="auto"` (vLLM's downcast for pooling
+    models), given the checkpoint's dtype, the device type ("cpu", "cuda") and whether the CPU has native bfloat16
+    arithmetic (`cpu_has_native_bf16`).
+
+    The rule: a float32 checkpoint runs in float16 on CUDA and in bfloat16 on a CPU with native bfloat16 (AVX512_BF16
+    or AMX), and stays float32 on a CPU without it (bfloat16 there is widened in software, slower than float32). A
+    checkpoint already in a 16-bit dtype keeps it. The generation runner never calls this: its "auto" is the
+    checkpoint's dtype.
+    """
+    if checkpoint_dtype is not torch.float32:
+        return checkpoint_dtype
+    if device_type == "cuda":
+        return torch.float16
+    return torch.bfloat16 if device_type == "cpu" and cpu_native_bf16 else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU's feature flags name native bfloat16 arithmetic (AVX512_BF16 or AMX-BF16)."""
+    return bool(cpu_feature_flags() & _NATIVE_BF16_FLAGS)
+
+
+def resolve_runner_dtype(
+    dtype: str,
+    config: TransformerConfig | EncoderConfig,
+    runner: str,
+    device: torch.device | str,
+) -> torch.dtype:
+    """The torch dtype a model of `runner` ("generate" or "pooling") is built in: `resolve_dtype`, except that the
+    pooling runner's "auto" follows `pooling_auto_dtype` (logged at INFO when the checkpoint is float32)."""
+    checkpoint_dtype = resolve_dtype(dtype, config)
+    if dtype != "auto" or runner != "pooling" or checkpoint_dtype is not torch.float32:
+        return checkpoint_dtype
+    device_type = torch.device(device).type
+    native_bf16 = device_type == "cpu" and cpu_has_native_bf16()
+    chosen = pooling_auto_dtype(checkpoint_dtype, device_type, native_bf16)
+    if device_type == "cuda":
+        why = "pooling runner on CUDA"
+    elif native_bf16:
+        why = "pooling runner, native bf16 on this CPU"
+    else:
+        why = "pooling runner, this CPU has no native bf16 arithmetic"
+    logger.info(
+        "dtype auto: float32 checkpoint served in %s (%s)%s",
+        str(chosen).removeprefix("torch."),
+        why,
+        "; pass dtype='float32' for full precision" if chosen is not torch.float32 else "",
+    )
+    return chosen
+
+
 def load_model(
     model_path: str | Path,
     dtype: str = "auto",
@@ -97,6 +158,7 @@ def load_model(
     tp: TensorParallelGroup | None = None,
     quantization: str | None = None,
     quantize_lm_head: bool = False,
+    runner: str = "generate",
 ) -> CheckpointModel:
     """Read the config, build the registered model class, load the weights, and return it in eval mode.
 
@@ -104,7 +166,8 @@ def load_model(
     `kvflow.models.quantization`). `quantization="int8"` quantizes a folder's linear layers as they load
     (`quantize_lm_head`: the LM head too). `attention_backend` "auto" is the C++ decode backend ("cpu") on a CPU with
     the kernels, else "torch". With `tp` of several ranks the model holds this rank's shard of every tensor and only
-    that shard is read (a GGUF file is memory-mapped and each rank copies its part).
+    that shard is read (a GGUF file is memory-mapped and each rank copies its part). `runner` "pooling" resolves
+    `dtype="auto"` by `pooling_auto_dtype` (`resolve_runner_dtype`); "generate" keeps the checkpoint's dtype.
     """
     from kvflow.models.quantization import QUANTIZATION_METHODS, check_quantization
     from kvflow.models.quantization.gguf_file import GGUFCheckpoint, is_gguf_file
@@ -131,7 +194,7 @@ def load_model(
             plan = QUANTIZATION_METHODS.get(quantization)(quantize_lm_head=quantize_lm_head)  # type: ignore[call-arg]
         weights, sliced, bytes_in_file = None, sharded, 0
     model_class = get_model_class([config.architecture])
-    torch_dtype = resolve_dtype(dtype, config)
+    torch_dtype = resolve_runner_dtype(dtype, config, runner, device)
     model = model_class(
         config,
         dtype=torch_dtype,
@@ -197,7 +260,8 @@ class CheckpointModel(nn.Module):
         device: torch.device,
         tp: TensorParallelGroup | None = None,
     ) -> CheckpointModel:
-        """The checkpoint folder's model with its weights (this rank's shards), in `model_config.dtype`."""
+        """The checkpoint folder's model with its weights (this rank's shards), in `model_config.dtype` (for the
+        pooling runner, "auto" as `resolve_runner_dtype` says)."""
         assert model_info.path is not None, f"model {model_info.name!r} has no checkpoint folder"
         return load_model(
             model_info.path,
@@ -206,6 +270,7 @@ class CheckpointModel(nn.Module):
             tp=tp,
             quantization=model_config.quantization,
             quantize_lm_head=model_config.quantize_lm_head,
+            runner=model_config.runner,
         )
 
     def checkpoint_index(self, checkpoint_name: str) -> tuple[slice, ...]:

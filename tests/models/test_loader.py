@@ -12,9 +12,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvflow.kernels.build import cpu_feature_flags
 from kvflow.models.hf_config import TransformerConfig, load_hf_config
 from kvflow.models.llama import LlamaForCausalLM
-from kvflow.models.loader import iterate_safetensors_weights, load_model, resolve_dtype
+from kvflow.models.loader import (
+    cpu_has_native_bf16,
+    iterate_safetensors_weights,
+    load_model,
+    pooling_auto_dtype,
+    resolve_dtype,
+    resolve_runner_dtype,
+)
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 
 
@@ -116,6 +124,56 @@ def test_resolve_dtype(llama_path: Path) -> None:
     assert resolve_dtype("bfloat16", config) == torch.bfloat16
     with pytest.raises(ValueError, match="'int8'"):
         resolve_dtype("int8", config)
+
+
+@pytest.mark.parametrize(
+    ("checkpoint_dtype", "device_type", "native_bf16", "expected"),
+    [
+        (torch.float32, "cpu", True, torch.bfloat16),  # AVX512_BF16 / AMX: native bf16 products
+        (torch.float32, "cpu", False, torch.float32),  # bf16 would be widened in software: slower
+        (torch.float32, "cuda", False, torch.float16),  # vLLM's pooling preference on CUDA
+        (torch.float32, "cuda", True, torch.float16),
+        (torch.bfloat16, "cpu", False, torch.bfloat16),  # a 16-bit checkpoint keeps its dtype
+        (torch.bfloat16, "cuda", False, torch.bfloat16),
+        (torch.float16, "cpu", True, torch.float16),
+    ],
+)
+def test_pooling_auto_dtype_rule(
+    checkpoint_dtype: torch.dtype, device_type: str, native_bf16: bool, expected: torch.dtype
+) -> None:
+    assert pooling_auto_dtype(checkpoint_dtype, device_type, native_bf16) is expected
+
+
+def test_resolve_runner_dtype_downcasts_only_pooling_auto(
+    llama_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = load_hf_config(llama_path)  # float32
+    assert cpu_has_native_bf16() == bool({"avx512_bf16", "amx_bf16"} & cpu_feature_flags())
+    native = cpu_has_native_bf16()
+    with caplog.at_level(logging.INFO, logger="kvflow.models.loader"):
+        pooled = resolve_runner_dtype("auto", config, "pooling", "cpu")
+    assert pooled is (torch.bfloat16 if native else torch.float32)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype auto")]
+    assert lines == [
+        "dtype auto: float32 checkpoint served in bfloat16 (pooling runner, native bf16 on this CPU); pass "
+        "dtype='float32' for full precision"
+        if native
+        else "dtype auto: float32 checkpoint served in float32 (pooling runner, this CPU has no native bf16 "
+        "arithmetic)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvflow.models.loader"):
+        assert resolve_runner_dtype("auto", config, "generate", "cpu") is torch.float32
+        assert resolve_runner_dtype("float32", config, "pooling", "cpu") is torch.float32
+        assert resolve_runner_dtype("float16", config, "pooling", "cpu") is torch.float16
+        bf16_config = _with_dtype(config, "bfloat16")
+        assert resolve_runner_dtype("auto", bf16_config, "pooling", "cpu") is torch.bfloat16
+        # A CUDA device is only named here (no GPU needed): pooling prefers float16 there.
+        assert resolve_runner_dtype("auto", config, "pooling", "cuda") is torch.float16
+    assert [r.getMessage() for r in caplog.records if "dtype auto" in r.getMessage()] == [
+        "dtype auto: float32 checkpoint served in float16 (pooling runner on CUDA); pass dtype='float32' for "
+        "full precision"
+    ]
 
 
 def _with_dtype(config: TransformerConfig, torch_dtype: str | None) -> TransformerConfig:

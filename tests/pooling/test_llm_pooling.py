@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 from kvflow import LLM
+from kvflow.models.loader import cpu_has_native_bf16
 from kvflow.pooling_params import PoolingParams
 from kvflow.testing.pooling_checkpoints import (
     hf_classifier_logits,
@@ -62,12 +64,20 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def bert_embedder(folders: dict[str, Path]) -> LLM:
-    return LLM(
-        str(folders["bert_mean"]), max_num_seqs=8
-    )  # runner "auto": a sentence-transformers folder
+    # runner "auto": a sentence-transformers folder; float32 (the pooling runner's "auto" would be bfloat16 on a
+    # CPU with native bf16) for the comparisons at 1e-5.
+    return LLM(str(folders["bert_mean"]), max_num_seqs=8, dtype="float32")
+
+
+def _model_dtype(worker: Any) -> torch.dtype:
+    """On the worker: the dtype its model's weights are held in."""
+    return next(worker.model.parameters()).dtype
 
 
 def test_auto_runner_and_sentence_transformers_defaults(bert_embedder: LLM) -> None:
+    assert bert_embedder.collective_rpc(_model_dtype) == [
+        torch.float32
+    ]  # an explicit dtype is kept
     model_config = bert_embedder.engine_config.model_config
     assert model_config.runner == "pooling"
     assert model_config.pooling is not None
@@ -100,6 +110,34 @@ def test_embedding_is_bit_identical_alone_and_in_any_batch(bert_embedder: LLM) -
     reversed_batch = bert_embedder.embed(TEXTS[::-1], use_tqdm=False)
     assert batched[1].outputs.embedding == alone
     assert reversed_batch[1].outputs.embedding == alone
+
+
+def test_dtype_auto_serves_float32_checkpoints_in_bfloat16_on_a_native_bf16_cpu(
+    folders: dict[str, Path],
+) -> None:
+    """The pooling runner's "auto" (vLLM's downcast): a float32 encoder and a float32 decoder embedder run in
+    bfloat16 where the CPU has native bf16 arithmetic (this test machine: AVX512_BF16), float32 elsewhere; the same
+    decoder checkpoint generating keeps the checkpoint's float32."""
+    expected = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    encoder = LLM(str(folders["bert_mean"]), max_num_seqs=4)
+    assert encoder.collective_rpc(_model_dtype) == [expected]
+    alone = [encoder.embed(text, use_tqdm=False)[0].outputs.embedding for text in TEXTS]
+    batched = encoder.embed(TEXTS[::-1], use_tqdm=False)
+    assert [output.outputs.embedding for output in batched[::-1]] == alone
+    # bfloat16 against sentence-transformers' float32: this tiny random model agrees to cosine >= 0.9998.
+    for got, reference in zip(alone, st_encode(folders["bert_mean"], TEXTS), strict=True):
+        assert _cosine(np.asarray(got), reference) >= 0.999
+    encoder.shutdown()
+    decoder = LLM(str(folders["qwen3_embed"]), max_num_seqs=4, num_kv_blocks=64)
+    assert decoder.collective_rpc(_model_dtype) == [expected]
+    got = decoder.embed(TEXTS[2], use_tqdm=False)[0].outputs.embedding
+    assert _cosine(np.asarray(got), st_encode(folders["qwen3_embed"], [TEXTS[2]])[0]) >= 0.999
+    decoder.shutdown()
+    generator = LLM(
+        str(folders["qwen3_embed"]), runner="generate", max_num_seqs=4, num_kv_blocks=64
+    )
+    assert generator.collective_rpc(_model_dtype) == [torch.float32]
+    generator.shutdown()
 
 
 def test_normalize_encode_and_token_id_prompts(bert_embedder: LLM) -> None:
@@ -171,7 +209,7 @@ def test_a_folder_sentence_transformers_6_writes(folders: dict[str, Path], tmp_p
         return tmp_path / mode
 
     folder = save("cls")
-    llm = LLM(str(folder), max_num_seqs=4)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4)
     assert llm.engine_config.model_config.pooling.pooler_config.pooling_type == "CLS"  # type: ignore[union-attr]
     got = np.asarray(llm.embed(TEXTS[2], use_tqdm=False)[0].outputs.embedding)
     np.testing.assert_allclose(got, st_encode(folder, [TEXTS[2]])[0], atol=_ATOL)
@@ -186,7 +224,7 @@ def test_matryoshka_dimensions(folders: dict[str, Path], tmp_path: Path) -> None
     config_file.write_text(
         json.dumps({**json.loads(config_file.read_text()), "matryoshka_dimensions": [16, 32, 64]})
     )
-    llm = LLM(str(folder), runner="pooling", max_num_seqs=4)
+    llm = LLM(str(folder), dtype="float32", runner="pooling", max_num_seqs=4)
     full = llm.embed(TEXTS[0], PoolingParams(normalize=False), use_tqdm=False)[0]
     short = llm.embed(TEXTS[0], PoolingParams(dimensions=16), use_tqdm=False)[0]
     expected = torch.nn.functional.normalize(torch.tensor(full.outputs.embedding[:16]), dim=0)
@@ -200,7 +238,7 @@ def test_matryoshka_dimensions(folders: dict[str, Path], tmp_path: Path) -> None
 
 @pytest.mark.parametrize("kind", ["bert_cls", "xlmr_cls"])
 def test_cross_encoder_scores_match_transformers(folders: dict[str, Path], kind: str) -> None:
-    llm = LLM(str(folders[kind]), max_num_seqs=4)
+    llm = LLM(str(folders[kind]), dtype="float32", max_num_seqs=4)
     assert llm.supported_tasks == ("classify", "score", "encode")
     query, documents = TEXTS[0], TEXTS[1:]
     scores = llm.score(query, documents, use_tqdm=False)
@@ -225,7 +263,9 @@ def test_cross_encoder_scores_match_transformers(folders: dict[str, Path], kind:
 def test_decoder_embedder_matches_sentence_transformers(folders: dict[str, Path]) -> None:
     folder = folders["qwen3_embed"]
     # A small token budget: long prompts run in several chunks; LAST pooling keeps chunking and the prefix cache.
-    llm = LLM(str(folder), max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64)
+    llm = LLM(
+        str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_kv_blocks=64
+    )
     config = llm.engine_config
     assert config.model_config.pooling is not None
     assert config.model_config.pooling.pooler_config.pooling_type == "LAST"
@@ -249,7 +289,11 @@ def test_decoder_embedding_is_bit_identical_alone_and_in_any_batch(
     """Without prefix reuse (a hit computes the prompt in two pieces) and with whole prompts per step, a decoder's
     embedding is the same alone and among others: every product of the pooling runner is batch-invariant."""
     llm = LLM(
-        str(folders["qwen3_embed"]), max_num_seqs=4, num_kv_blocks=64, enable_prefix_caching=False
+        str(folders["qwen3_embed"]),
+        dtype="float32",
+        max_num_seqs=4,
+        num_kv_blocks=64,
+        enable_prefix_caching=False,
     )
     alone = [llm.embed(text, use_tqdm=False)[0].outputs.embedding for text in TEXTS]
     batched = llm.embed(TEXTS[::-1], use_tqdm=False)
@@ -259,6 +303,7 @@ def test_decoder_embedding_is_bit_identical_alone_and_in_any_batch(
 def test_decoder_mean_and_all_pooling(folders: dict[str, Path]) -> None:
     llm = LLM(
         str(folders["qwen3_embed"]),
+        dtype="float32",
         max_num_seqs=4,
         pooler_config={"pooling_type": "ALL"},
         num_kv_blocks=64,
@@ -273,6 +318,7 @@ def test_decoder_mean_and_all_pooling(folders: dict[str, Path]) -> None:
     assert states.shape == (len(token_ids), 64)
     llm_mean = LLM(
         str(folders["qwen3_embed"]),
+        dtype="float32",
         max_num_seqs=4,
         pooler_config={"pooling_type": "MEAN", "normalize": False},
         num_kv_blocks=64,
@@ -285,7 +331,7 @@ def test_decoder_mean_and_all_pooling(folders: dict[str, Path]) -> None:
 def test_other_embedders_match_sentence_transformers(folders: dict[str, Path], kind: str) -> None:
     """gte-Qwen2-style (`Qwen2Model`, mean pooling: each prompt whole in one step) and an XLM-RoBERTa encoder
     (CLS pooling)."""
-    llm = LLM(str(folders[kind]), max_num_seqs=4, num_kv_blocks=64)
+    llm = LLM(str(folders[kind]), dtype="float32", max_num_seqs=4, num_kv_blocks=64)
     assert llm.engine_config.model_config.runner == "pooling"
     reference = st_encode(folders[kind], TEXTS)
     for output, expected in zip(llm.embed(TEXTS, use_tqdm=False), reference, strict=True):
@@ -295,7 +341,7 @@ def test_other_embedders_match_sentence_transformers(folders: dict[str, Path], k
 @pytest.mark.parametrize("kind", ["qwen2_cls", "qwen3_cls"])
 def test_decoder_classifier_matches_transformers(folders: dict[str, Path], kind: str) -> None:
     folder = folders[kind]
-    llm = LLM(str(folder), max_num_seqs=4, num_kv_blocks=64)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, num_kv_blocks=64)
     if kind == "qwen3_cls":
         outputs = llm.classify(TEXTS, use_tqdm=False)
         tokenizer = llm.get_tokenizer()
@@ -322,7 +368,7 @@ def test_async_llm_encode(folders: dict[str, Path]) -> None:
 async def _async_llm_encode(folders: dict[str, Path]) -> None:
     from kvflow import AsyncLLM
 
-    async with AsyncLLM(str(folders["bert_mean"]), max_num_seqs=4) as engine:
+    async with AsyncLLM(str(folders["bert_mean"]), dtype="float32", max_num_seqs=4) as engine:
         results = [
             output async for output in engine.encode(TEXTS[0], PoolingParams(task="embed"), "req-1")
         ]

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "encoder_attention.h"
 #include "kernels.h"
 
 namespace {
@@ -786,6 +787,40 @@ void lora_add(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a
   TORCH_CHECK(ok, "token_slots must lie in [-1, num_slots = ", num_slots, ")");
 }
 
+// query / key / value [tokens, heads, head_dim] (head_dim contiguous; one token stride and head stride for the
+// three, as views of one qkv product have), cu_seqlens int64 [num_seqs + 1] from 0 to tokens: bidirectional
+// attention within each sequence, out [tokens, heads * head_dim]; None where the kernel does not apply
+// (encoder_attention.h).
+c10::optional<at::Tensor> varlen_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                           const at::Tensor& cu_seqlens, double scale) {
+  check_cpu(query, "query");
+  check_same_dtype(key, query, "key");
+  check_same_dtype(value, query, "value");
+  TORCH_CHECK(query.dim() == 3 && key.sizes() == query.sizes() && value.sizes() == query.sizes(),
+              "query, key and value must be [tokens, heads, head_dim] of one shape");
+  TORCH_CHECK(query.stride(2) == 1 && key.strides() == query.strides() && value.strides() == query.strides(),
+              "query, key and value must share their strides, head_dim contiguous");
+  TORCH_CHECK(cu_seqlens.device().is_cpu() && cu_seqlens.scalar_type() == at::kLong && cu_seqlens.dim() == 1 &&
+                  cu_seqlens.is_contiguous() && cu_seqlens.numel() >= 1,
+              "cu_seqlens must be a contiguous int64 CPU tensor [num_seqs + 1]");
+  const int64_t tokens = query.size(0), heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_seqs = cu_seqlens.numel() - 1;
+  const int64_t* bounds = cu_seqlens.data_ptr<int64_t>();
+  TORCH_CHECK(bounds[0] == 0 && bounds[num_seqs] == tokens, "cu_seqlens must run from 0 to tokens = ", tokens);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    TORCH_CHECK(bounds[s] <= bounds[s + 1], "cu_seqlens must not decrease");
+  at::Tensor out = at::empty({tokens, heads * head_dim}, query.options());
+  bool ran = false;
+  dispatch(query, [&](auto tag) {
+    using T = decltype(tag);
+    ran = kvflow::varlen_attention<T>(ptr<T>(query), ptr<T>(key), ptr<T>(value), query.stride(0), query.stride(1),
+                                      bounds, num_seqs, heads, head_dim, static_cast<float>(scale), ptr<T>(out),
+                                      at::get_num_threads());
+  });
+  if (!ran) return c10::nullopt;
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -877,6 +912,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ggml_linear_w8a8 exists.
   m.def("has_w8a8_kernels", &kvflow::has_w8a8_kernels);
   m.def("k_quant_interleaved_above_rows", &kvflow::k_quant_interleaved_above_rows);
+  m.def("varlen_attention", &varlen_attention,
+        "bidirectional attention within each packed sequence (encoders); None where the kernel does not apply",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("cu_seqlens"), py::arg("scale"));
+  m.def("varlen_attention_uses_dpbf16", &kvflow::varlen_attention_uses_dpbf16,
+        "whether bfloat16 varlen_attention runs vdpbf16ps on this CPU");
   m.def("has_avx512", []() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;
