@@ -374,6 +374,14 @@ inline void attend_chunks(const bf16* keys, const bf16* values, int64_t vectors,
 }
 #endif
 
+// Asks for data[0 .. count) in the cache, a line at a time.
+template <typename T>
+inline void prefetch_elements(const T* data, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(data);
+  for (int64_t offset = 0; offset < count * static_cast<int64_t>(sizeof(T)); offset += 64)
+    __builtin_prefetch(bytes + offset);
+}
+
 // One item: `tokens` consecutive query tokens of one row (token t at position first_position + t, its query at
 // query + t * q_token_stride, its output at out + t * out_token_stride) against kv head `kv_head`. Vector
 // v = t * group + g is query head kv_head * group + g of token t; it sees keys [lo_t, first_position + t + 1).
@@ -409,10 +417,16 @@ void attend_tile(const T* query, int64_t q_token_stride, int64_t q_head_stride, 
     lo[v] = s.window > 0 ? std::max<int64_t>(0, hi[v] - s.window) : 0;
   }
   const int64_t start = lo[0], end = hi[vectors - 1];
+  const int64_t block_elements = block_size * s.head_dim;
   for (int64_t b = start / block_size; b * block_size < end; ++b) {
     const int64_t base = b * block_size;
     const int64_t first = std::max(start, base) - base, last = std::min(end - base, block_size);
-    const int64_t offset = ((kv_head * s.num_blocks + table[b]) * block_size) * s.head_dim;
+    const int64_t offset = (kv_head * s.num_blocks + table[b]) * block_elements;
+    if (base + block_size < end) {  // the next block's K and V, while this one is attended
+      const int64_t next = (kv_head * s.num_blocks + table[b + 1]) * block_elements;
+      prefetch_elements(key_cache + next, block_elements);
+      prefetch_elements(value_cache + next, block_elements);
+    }
     const T* values = value_cache + offset;
 #ifdef KVFLOW_KEY_LANES
     if constexpr (std::is_same_v<T, bf16>) {
