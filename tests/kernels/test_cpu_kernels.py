@@ -9,6 +9,8 @@ normalised value, then the weight product's rounding), and float32 results by fl
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -158,6 +160,44 @@ def test_rotary_is_bitwise(ops: object, dtype: torch.dtype, num_heads: int, head
     assert fused.is_contiguous()
     assert torch.equal(fused, expected)
     assert torch.equal(ops.rotary(heads, cos, sin), expected)
+
+
+def _same_bits_or_both_nan(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit for bit where `expected` is a number (a denormal's bits included), NaN where it is NaN (the quiet NaN's
+    payload is not torch's either way)."""
+    nan = expected.isnan()
+    assert torch.equal(actual.isnan(), nan)
+    assert torch.equal(actual[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+def test_bfloat16_results_keep_denormals_next_to_nans(ops: Any) -> None:
+    """Results that round to bfloat16 denormals come out as torch's, bit for bit, in vectors that also hold normal
+    lanes, infinities and NaNs (AVX512_BF16's conversion, which the kernels take where it is exact, reads denormal
+    inputs as zero); rows of 40 elements put them in a full and a masked tail vector."""
+    generator = torch.Generator().manual_seed(7)
+    tiny = torch.tensor([1e-39, -3e-40, 5e-41, 2e-39, -1.1e-38, 9e-41]).bfloat16()  # all denormal
+    assert bool((tiny.float().abs() < torch.finfo(torch.float32).tiny).all())
+    hidden = torch.randn(4, 40, generator=generator).bfloat16()
+    residual = torch.randn(4, 40, generator=generator).bfloat16()
+    hidden[0, :6], residual[0, :6] = tiny, tiny  # denormal sums, lanes 0-5
+    hidden[1, 34:40], residual[1, 34:40] = tiny, torch.zeros(6).bfloat16()  # in the tail vector
+    hidden[2, 3], residual[2, 9], hidden[2, 20] = float("nan"), float("inf"), 1e-39
+    weight = torch.randn(40, generator=generator).bfloat16()
+    _, summed = ops.add_rms_norm(hidden, residual, weight, 1e-6)
+    _same_bits_or_both_nan(summed, hidden + residual)
+    # RoPE's products round to bfloat16 one by one: denormal heads times cos/sin stay denormal
+    heads = torch.randn(4, 2, 40, generator=generator).bfloat16()
+    # both halves of a rotated pair tiny: denormal results (lanes 0-5 of token 0, the tail of token 1)
+    heads[0, 0, :6], heads[0, 0, 20:26], heads[2, 0, 7] = tiny, tiny.flip(0), float("nan")
+    heads[1, 1, 14:20], heads[1, 1, 34:40] = tiny, tiny
+    cos = torch.rand(4, 1, 20, generator=generator).bfloat16()
+    sin = torch.rand(4, 1, 20, generator=generator).bfloat16()
+    first, second = heads[..., :20], heads[..., 20:]
+    expected = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    assert bool(
+        (expected.float().abs() < torch.finfo(torch.float32).tiny).logical_and(expected != 0).any()
+    )
+    _same_bits_or_both_nan(ops.rotary(heads, cos, sin), expected)
 
 
 def test_setting_forces_pytorch_paths(ops: object, kernels_off: None) -> None:

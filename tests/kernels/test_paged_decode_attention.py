@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -124,6 +125,9 @@ SHAPES = {  # (num_heads, num_kv_heads, head_dim, block_size)
     "gqa7_d64_bs16": (14, 2, 64, 16),
     "gqa3_d40_bs4": (6, 2, 40, 4),
     "mha_d8_bs5": (4, 4, 8, 5),
+    # blocks of two 16-key chunks, a head of 32 + 8 dim pairs; an odd head_dim (bfloat16 keys are read in pairs)
+    "gqa4_d72_bs32": (8, 2, 72, 32),
+    "gqa2_d9_bs20": (4, 2, 9, 20),
 }
 
 
@@ -170,6 +174,50 @@ def test_cpu_backend_matches_reference(
         assert bool((error <= exact.abs() * 2.0**-8 + 4e-3).all()), float(error.max())
         torch_error = (torch_output.double() - exact).abs()
         assert float(error.max()) <= float(torch_error.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [0, 7])
+def test_a_tokens_result_does_not_depend_on_its_batch_or_tile(
+    ops: Any, dtype: torch.dtype, window: int
+) -> None:
+    """Query token i of a request gets the same output, bit for bit, whether the kernel attends it in a tile of the
+    request's 12 step tokens, alone as a decode row, or as a decode row beside another one."""
+    step = _make_step(
+        [(40, 12)],
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        seed=11,
+    )
+    backend = CpuPagedAttention(num_heads=14, num_kv_heads=2, head_dim=64, scale=0.125)
+    metadata = backend.build_metadata(step.batch, window or None)
+    assert metadata.kernel is not None and metadata.kernel.query_lens is not None  # a tile of 12
+    tiled = backend.forward(step.query, step.step_keys, step.step_values, step.cache, metadata)
+    key_cache, value_cache = step.cache[0], step.cache[1]
+
+    def decode_rows(tokens: list[int]) -> torch.Tensor:
+        out = torch.empty(len(tokens), 14, 64, dtype=dtype)
+        ops.paged_attention(
+            step.query[tokens],
+            key_cache,
+            value_cache,
+            step.batch.block_tables[[0] * len(tokens)].contiguous(),
+            torch.tensor([41 + token for token in tokens], dtype=torch.int32),
+            torch.arange(len(tokens), dtype=torch.int64),
+            None,
+            0.125,
+            window,
+            0.0,
+            out,
+        )
+        return out
+
+    for token in range(12):
+        assert torch.equal(decode_rows([token])[0], tiled[token])
+        assert torch.equal(decode_rows([(token + 5) % 12, token])[1], tiled[token])
 
 
 def test_strided_query_and_prefill_only_batches(ops: object) -> None:

@@ -167,6 +167,135 @@ inline void accumulate_values(int64_t count, const float* p, int64_t p_stride, i
 }
 #endif
 
+struct LaneBuffers;  // the key-lane path's buffers (below, on AVX512_BF16 builds)
+
+#if defined(KVFLOW_AVX512) && defined(__AVX512BF16__)
+// bfloat16 items with keys across the vector lanes: a chunk of up to 16 keys of one block is transposed once per
+// item (each lane one key, each vector one pair of head dims), then every query vector's 16 scores are one register
+// of vdpbf16ps with that vector's pair of query values broadcast: no horizontal sums, and the softmax folds the
+// chunk as one vector. A lane's score is its key's sum over the pairs in order whatever the other lanes hold, and
+// lane j is block position 16c + j, so a token's result depends only on its own query, keys and position (not on
+// its batch, tile or row).
+#define KVFLOW_KEY_LANES 1
+constexpr int64_t kLaneKeys = 16;
+
+// One thread's buffers for the key-lane path.
+struct LaneBuffers {
+  uint32_t* key_pairs;    // [pairs rounded up to 16][kLaneKeys]: the chunk's keys, pair p of key j at p * 16 + j
+  uint32_t* query_pairs;  // [ceil(head_dim / 2)][kMaxVectors]: pair p of the item's vector v at p * 32 + v
+  float* probs;           // [kMaxVectors][kLaneKeys]: the chunk's probabilities, vector v's at v * 16
+};
+
+// The 16 x 16 32-bit transpose of rows[0..16): rows[i] lane j -> rows[j] lane i.
+inline void transpose16x16_epi32(__m512i rows[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + k], 128-bit lane l: element 4l + k of rows i .. i + 3
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
+    const __m512i d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
+    rows[k] = _mm512_shuffle_i32x4(a, c, 0x88);
+    rows[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    rows[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
+    rows[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+}
+
+// keys[0 .. count) (rows of head_dim bf16) into key_pairs[p * 16 + j] = head dims 2p, 2p + 1 of key j, for
+// p < ceil(head_dim / 2); lanes j >= count and dims past head_dim are zero.
+inline void transpose_key_pairs(const bf16* keys, int64_t count, int64_t head_dim, uint32_t* key_pairs) {
+  const int64_t num_pairs = (head_dim + 1) / 2;
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    const int64_t left = head_dim - d;
+    const __mmask32 mask = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
+    __m512i rows[16];
+    for (int64_t j = 0; j < kLaneKeys; ++j)
+      rows[j] = j < count ? _mm512_maskz_loadu_epi16(mask, keys + j * head_dim + d) : _mm512_setzero_si512();
+    transpose16x16_epi32(rows);
+    const int64_t first_pair = d / 2;
+    for (int64_t p = 0; p < 16 && first_pair + p < num_pairs; ++p)
+      _mm512_storeu_si512(key_pairs + (first_pair + p) * kLaneKeys, rows[p]);
+  }
+}
+
+// sums[i] lane j = query vector i . key j, for N vectors whose pairs start at query_pairs (column i).
+template <int N>
+inline void lane_scores_n(const uint32_t* key_pairs, int64_t num_pairs, const uint32_t* query_pairs, __m512 sums[]) {
+  for (int i = 0; i < N; ++i) sums[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const __m512bh keys = (__m512bh)_mm512_loadu_si512(key_pairs + p * kLaneKeys);
+    const uint32_t* q = query_pairs + p * kMaxVectors;
+    for (int i = 0; i < N; ++i)
+      sums[i] = _mm512_dpbf16_ps(sums[i], keys, (__m512bh)_mm512_set1_epi32(static_cast<int>(q[i])));
+  }
+}
+
+// acc[i * acc_stride .. + 16] += sum_j probs[i * 16 + j] * values[j * value_stride .. + 16] for i < N, j in
+// [first, last): as accumulate_values_n, with the probabilities' rows a constant 16 apart.
+template <int N>
+inline void accumulate_lanes_n(const float* probs, int64_t first, int64_t last, const bf16* values,
+                               int64_t value_stride, __mmask16 mask, float* acc, int64_t acc_stride) {
+  __m512 sums[N];
+  for (int i = 0; i < N; ++i) sums[i] = _mm512_loadu_ps(acc + i * acc_stride);
+  for (int64_t j = first; j < last; ++j) {
+    const __m512 value = load16(values + j * value_stride, mask);
+    for (int i = 0; i < N; ++i) sums[i] = _mm512_fmadd_ps(_mm512_set1_ps(probs[i * kLaneKeys + j]), value, sums[i]);
+  }
+  for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + i * acc_stride, sums[i]);
+}
+
+inline void lane_scores(int64_t count, const uint32_t* key_pairs, int64_t num_pairs, const uint32_t* query_pairs,
+                        __m512 sums[]) {
+  switch (count) {
+#define KVFLOW_CASE(n) \
+  case n:              \
+    return lane_scores_n<n>(key_pairs, num_pairs, query_pairs, sums);
+    KVFLOW_CASE(1) KVFLOW_CASE(2) KVFLOW_CASE(3) KVFLOW_CASE(4) KVFLOW_CASE(5) KVFLOW_CASE(6) KVFLOW_CASE(7)
+    KVFLOW_CASE(8)
+#undef KVFLOW_CASE
+  }
+}
+
+inline void accumulate_lanes(int64_t count, const float* probs, int64_t first, int64_t last, const bf16* values,
+                             int64_t value_stride, __mmask16 mask, float* acc, int64_t acc_stride) {
+  switch (count) {
+#define KVFLOW_CASE(n) \
+  case n:              \
+    return accumulate_lanes_n<n>(probs, first, last, values, value_stride, mask, acc, acc_stride);
+    KVFLOW_CASE(1) KVFLOW_CASE(2) KVFLOW_CASE(3) KVFLOW_CASE(4) KVFLOW_CASE(5) KVFLOW_CASE(6) KVFLOW_CASE(7)
+    KVFLOW_CASE(8)
+#undef KVFLOW_CASE
+  }
+}
+
+// Folds one chunk's scores into the vector's running max and sum: lanes outside `visible` get probability 0; all 16
+// probabilities go to probs; returns the factor the vector's accumulator must be scaled by (1 when no lane is
+// visible).
+inline float fold_lanes(__m512 scores, __mmask16 visible, float* probs, float& running_max, float& running_sum) {
+  if (visible == 0) {
+    _mm512_storeu_ps(probs, _mm512_setzero_ps());
+    return 1.f;
+  }
+  const float chunk_max = std::max(running_max, _mm512_mask_reduce_max_ps(visible, scores));
+  const __m512 p = _mm512_maskz_mov_ps(visible, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(chunk_max))));
+  _mm512_storeu_ps(probs, p);
+  // exp(0) is 1 exactly: most chunks leave the max where it was
+  const float correction = chunk_max == running_max ? 1.f : std::exp(running_max - chunk_max);
+  running_sum = running_sum * correction + _mm512_reduce_add_ps(p);
+  running_max = chunk_max;
+  return correction;
+}
+#endif
+
 // Folds one block's scores (keys [first, last) at positions base + j) into vector v's running max and sum:
 // keys outside [lo, hi) get probability 0; scores become probabilities relative to the new running max; returns
 // the factor the vector's accumulator must be scaled by (1 when the block holds no visible key).
@@ -204,6 +333,55 @@ inline float fold_block(float* row, int64_t first, int64_t last, int64_t base, i
   return correction;
 }
 
+#ifdef KVFLOW_KEY_LANES
+// One block of a bfloat16 item (block positions [first, last) at positions base + j; vector v sees [lo[v], hi[v])),
+// 16 block positions at a time (lane j: position 16c + j): the chunk's keys transposed, every vector's scores and
+// softmax fold, then P.V. `lanes.query_pairs` holds the item's query vectors.
+inline void attend_chunks(const bf16* keys, const bf16* values, int64_t vectors, int64_t first, int64_t last,
+                          int64_t base, const int64_t* lo, const int64_t* hi, const AttentionShape& s,
+                          const LaneBuffers& lanes, float* running_max, float* running_sum, float* acc) {
+  const int64_t num_pairs = (s.head_dim + 1) / 2, padded_dim = s.padded_dim;
+  for (int64_t c0 = first / kLaneKeys * kLaneKeys; c0 < last; c0 += kLaneKeys) {
+    const int64_t count = std::min(kLaneKeys, s.block_size - c0);
+    const int64_t chunk_first = std::max(first, c0) - c0, chunk_last = std::min(last, c0 + count) - c0;
+    transpose_key_pairs(keys + c0 * s.head_dim, count, s.head_dim, lanes.key_pairs);
+    for (int64_t v0 = 0; v0 < vectors; v0 += kPvVectors) {
+      const int64_t group = std::min(kPvVectors, vectors - v0);
+      __m512 sums[kPvVectors];
+      lane_scores(group, lanes.key_pairs, num_pairs, lanes.query_pairs + v0, sums);
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t v = v0 + i;
+        __m512 chunk = _mm512_mul_ps(sums[i], _mm512_set1_ps(s.scale));
+        if (s.softcap > 0.f) chunk = softcap16(chunk, s.softcap);
+        const int64_t visible_first = std::max(chunk_first, lo[v] - base - c0);
+        const int64_t visible_last = std::min(chunk_last, hi[v] - base - c0);
+        const __mmask16 visible =
+            visible_first < visible_last ? static_cast<__mmask16>(tail_mask(visible_last) & ~tail_mask(visible_first))
+                                         : static_cast<__mmask16>(0);
+        const float correction =
+            fold_lanes(chunk, visible, lanes.probs + v * kLaneKeys, running_max[v], running_sum[v]);
+        if (correction != 1.f)
+          for (int64_t d = 0; d < padded_dim; ++d) acc[v * padded_dim + d] *= correction;
+      }
+    }
+    const bf16* chunk_values = values + c0 * s.head_dim;
+    for (int64_t d = 0; d < s.head_dim; d += 16)
+      for (int64_t v0 = 0; v0 < vectors; v0 += kPvVectors)
+        accumulate_lanes(std::min(kPvVectors, vectors - v0), lanes.probs + v0 * kLaneKeys, chunk_first, chunk_last,
+                         chunk_values + d, s.head_dim, tail_mask(s.head_dim - d), acc + v0 * padded_dim + d,
+                         padded_dim);
+  }
+}
+#endif
+
+// Asks for data[0 .. count) in the cache, a line at a time.
+template <typename T>
+inline void prefetch_elements(const T* data, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(data);
+  for (int64_t offset = 0; offset < count * static_cast<int64_t>(sizeof(T)); offset += 64)
+    __builtin_prefetch(bytes + offset);
+}
+
 // One item: `tokens` consecutive query tokens of one row (token t at position first_position + t, its query at
 // query + t * q_token_stride, its output at out + t * out_token_stride) against kv head `kv_head`. Vector
 // v = t * group + g is query head kv_head * group + g of token t; it sees keys [lo_t, first_position + t + 1).
@@ -211,7 +389,8 @@ template <typename T>
 void attend_tile(const T* query, int64_t q_token_stride, int64_t q_head_stride, int64_t first_position,
                  int64_t tokens, const T* key_cache, const T* value_cache, const int32_t* table, int64_t kv_head,
                  const AttentionShape& s, T* out, int64_t out_token_stride, float* q_buffer, bf16* q_bf16,
-                 float* acc, float* scores) {
+                 float* acc, float* scores, const LaneBuffers* lanes) {
+  (void)lanes;  // only the key-lane path reads it
   const int64_t q_bf16_stride = (s.head_dim + 31) / 32 * 32;
   const int64_t vectors = tokens * s.group, padded_dim = s.padded_dim, block_size = s.block_size;
   float running_max[kMaxVectors], running_sum[kMaxVectors];
@@ -225,17 +404,37 @@ void attend_tile(const T* query, int64_t q_token_stride, int64_t q_head_stride, 
     }
     if constexpr (std::is_same_v<T, bf16>)
       for (int64_t d = 0; d < q_bf16_stride; ++d) q_bf16[v * q_bf16_stride + d] = d < s.head_dim ? q[d] : bf16{0};
+#ifdef KVFLOW_KEY_LANES
+    if constexpr (std::is_same_v<T, bf16>)
+      for (int64_t p = 0; p < (s.head_dim + 1) / 2; ++p) {
+        const uint32_t high = 2 * p + 1 < s.head_dim ? q[2 * p + 1] : 0;
+        lanes->query_pairs[p * kMaxVectors + v] = q[2 * p] | high << 16;
+      }
+#endif
     running_max[v] = -std::numeric_limits<float>::infinity();
     running_sum[v] = 0.f;
     hi[v] = first_position + t + 1;
     lo[v] = s.window > 0 ? std::max<int64_t>(0, hi[v] - s.window) : 0;
   }
   const int64_t start = lo[0], end = hi[vectors - 1];
+  const int64_t block_elements = block_size * s.head_dim;
   for (int64_t b = start / block_size; b * block_size < end; ++b) {
     const int64_t base = b * block_size;
     const int64_t first = std::max(start, base) - base, last = std::min(end - base, block_size);
-    const int64_t offset = ((kv_head * s.num_blocks + table[b]) * block_size) * s.head_dim;
+    const int64_t offset = (kv_head * s.num_blocks + table[b]) * block_elements;
+    if (base + block_size < end) {  // the next block's K and V, while this one is attended
+      const int64_t next = (kv_head * s.num_blocks + table[b + 1]) * block_elements;
+      prefetch_elements(key_cache + next, block_elements);
+      prefetch_elements(value_cache + next, block_elements);
+    }
     const T* values = value_cache + offset;
+#ifdef KVFLOW_KEY_LANES
+    if constexpr (std::is_same_v<T, bf16>) {
+      attend_chunks(key_cache + offset, values, vectors, first, last, base, lo, hi, s, *lanes, running_max,
+                    running_sum, acc);
+      continue;
+    }
+#endif
     block_scores<T>(key_cache + offset, q_buffer, q_bf16, q_bf16_stride, vectors, first, last, s, scores);
     for (int64_t v = 0; v < vectors; ++v) {
       const float correction =
@@ -294,6 +493,14 @@ void paged_attention(const T* query, int64_t q_token_stride, int64_t q_head_stri
     std::vector<float> q_buffer(vectors * shape.padded_dim), acc(vectors * shape.padded_dim),
         scores(vectors * block_size);
     std::vector<bf16> q_bf16(vectors * ((head_dim + 31) / 32 * 32));
+#ifdef KVFLOW_KEY_LANES
+    std::vector<uint32_t> key_pairs((head_dim + 31) / 32 * 16 * kLaneKeys), query_pairs((head_dim + 1) / 2 * kMaxVectors);
+    std::vector<float> probs(kMaxVectors * kLaneKeys);
+    const LaneBuffers lane_buffers{key_pairs.data(), query_pairs.data(), probs.data()};
+    const LaneBuffers* lanes = &lane_buffers;
+#else
+    const LaneBuffers* lanes = nullptr;
+#endif
     // later tiles of a row see more keys: dynamic scheduling balances them
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -305,7 +512,7 @@ void paged_attention(const T* query, int64_t q_token_stride, int64_t q_head_stri
       attend_tile<T>(query + token * q_token_stride, q_token_stride, q_head_stride, seq_lens[row] - count + first,
                      tokens, key_cache, value_cache, block_tables + row * table_stride, kv_head, shape,
                      out + token * num_heads * head_dim, num_heads * head_dim, q_buffer.data(), q_bf16.data(),
-                     acc.data(), scores.data());
+                     acc.data(), scores.data(), lanes);
     }
   }
 }

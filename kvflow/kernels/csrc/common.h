@@ -84,9 +84,13 @@ inline __m512 load16(const bf16* source, __mmask16 mask = 0xffff) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// Manual round-to-nearest-even rather than AVX512_BF16's vcvtneps2bf16, which flushes denormals: results stay
-// bitwise equal to torch's conversion on every CPU.
+// Round to nearest even, NaN quieted (sign and payload kept), denormals kept: torch's conversion bit for bit on every
+// CPU. With AVX512_BF16, vcvtneps2bf16 does exactly this in one instruction except that it reads denormal inputs as
+// zero, so it takes every vector without a denormal lane (the fpclass test) and the integer form the others.
 inline __m256i float16_to_bf16_bits(__m512 values) {
+#ifdef __AVX512BF16__
+  if (!_mm512_fpclass_ps_mask(values, 0x20)) return (__m256i)_mm512_cvtneps_pbh(values);
+#endif
   __m512i bits = _mm512_castps_si512(values);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
