@@ -239,20 +239,6 @@ inline void lane_scores_n(const uint32_t* key_pairs, int64_t num_pairs, const ui
   }
 }
 
-// acc[i * acc_stride .. + 16] += sum_j probs[i * 16 + j] * values[j * value_stride .. + 16] for i < N, j in
-// [first, last): as accumulate_values_n, with the probabilities' rows a constant 16 apart.
-template <int N>
-inline void accumulate_lanes_n(const float* probs, int64_t first, int64_t last, const bf16* values,
-                               int64_t value_stride, __mmask16 mask, float* acc, int64_t acc_stride) {
-  __m512 sums[N];
-  for (int i = 0; i < N; ++i) sums[i] = _mm512_loadu_ps(acc + i * acc_stride);
-  for (int64_t j = first; j < last; ++j) {
-    const __m512 value = load16(values + j * value_stride, mask);
-    for (int i = 0; i < N; ++i) sums[i] = _mm512_fmadd_ps(_mm512_set1_ps(probs[i * kLaneKeys + j]), value, sums[i]);
-  }
-  for (int i = 0; i < N; ++i) _mm512_storeu_ps(acc + i * acc_stride, sums[i]);
-}
-
 inline void lane_scores(int64_t count, const uint32_t* key_pairs, int64_t num_pairs, const uint32_t* query_pairs,
                         __m512 sums[]) {
   switch (count) {
@@ -265,12 +251,13 @@ inline void lane_scores(int64_t count, const uint32_t* key_pairs, int64_t num_pa
   }
 }
 
+// As accumulate_values: the probabilities' rows are kLaneKeys apart (one 16-key chunk's lanes a row).
 inline void accumulate_lanes(int64_t count, const float* probs, int64_t first, int64_t last, const bf16* values,
                              int64_t value_stride, __mmask16 mask, float* acc, int64_t acc_stride) {
   switch (count) {
 #define KVFLOW_CASE(n) \
   case n:              \
-    return accumulate_lanes_n<n>(probs, first, last, values, value_stride, mask, acc, acc_stride);
+    return accumulate_values_n<n>(probs, kLaneKeys, first, last, values, value_stride, mask, acc, acc_stride);
     KVFLOW_CASE(1) KVFLOW_CASE(2) KVFLOW_CASE(3) KVFLOW_CASE(4) KVFLOW_CASE(5) KVFLOW_CASE(6) KVFLOW_CASE(7)
     KVFLOW_CASE(8)
 #undef KVFLOW_CASE
