@@ -20,8 +20,11 @@ plan:
   memory stay GGUF blocks) so that vector lanes are weight rows, one vpdpbusd adds 64 products against 4 of x's
   quants broadcast, and the scales apply once per 32 (Q4_0, Q4_K) or 16 (Q6_K) columns: the same int8
   activations and integer dots. Q4_0 keeps llama.cpp's per-32 x quants at every M.
-* Q8_0 and int8 (float32 activations; above the W8A8 thresholds below only on CPUs without VNNI), by M: up to
-  `QUANT_GEMV_MAX_ROWS` (decode, speculative verification) the GEMV; up to `QUANT_TILED_MAX_ROWS` (int8:
+* Q8_0 and int8 (Q8_0: x quantized per 32 elements as Q4_0's is, or float32 x under
+  `KVFLOW_Q8_0_ACTIVATIONS=float32`; int8: float32 x; above the W8A8 thresholds below only on CPUs without VNNI),
+  by M: up to `QUANT_GEMV_MAX_ROWS` (decode, speculative verification) the GEMV (Q8_0 on quantized x: integer dots,
+  vpdpbusd on VNNI CPUs, one float multiply-add per block; blocked above 8 rows, no interleaved tiles); up to
+  `QUANT_TILED_MAX_ROWS` (int8:
   `INT8_TILED_MAX_ROWS`) a tiled kernel that dequantizes a few weight rows at a time into a thread-local fp32 tile
   (in cache) and multiplies every activation row against it (the weights still stream once per call); larger M
   (prefill): the whole weight dequantized in C++, then torch's fp32 GEMM.
@@ -32,17 +35,19 @@ plan:
   quants), times d_x * scale[n]. A row's output does not depend on the rows beside it.
 
 Activations: Q4_0, Q4_K and Q6_K products quantize x to int8 first, as llama.cpp does (its `vec_dot_type`: Q8_0
-blocks for Q4_0, Q8_K super-blocks for the K-quants), per block of the weight type: one float32 scale d = amax / 127
-per 32 (Q4_0) or 256 (Q4_K, Q6_K) elements, q = round(x / d) (`quantize_activations_reference`). The GEMV then
-multiplies integers (u8 x s8 pairs into int16, then int32 with the sub-block scales as int16 multipliers) and
-converts to float once per block or super-block. The integer kernels sum each activation row alone, so a request's
-numbers do not depend on how many rows share its step (bit for bit) on either side of the interleaved tiles'
-threshold (the GEMV and the tiles add the same integers in different float orders); the C++ tiled kernel (reachable
-directly) and the reference (`KVFLOW_CPU_KERNELS=0`) multiply the fake-quantized x (`fake_quantize_activations`),
-the same sum up to fp32 summation order.
-Q8_0 keeps fp32 x up to `QUANT_TILED_MAX_ROWS` rows, int8 up to `QUANT_GEMV_MAX_ROWS` (decode), both at every M
-on CPUs without VNNI: their 8-bit quants widen in one instruction, and a Q8_0 model decodes exactly like its float32
-dequantization.
+blocks for Q4_0 and Q8_0, Q8_K super-blocks for the K-quants), per block of the weight type: one float32 scale d =
+amax / 127 per 32 (Q4_0, and Q8_0 by default) or 256 (Q4_K, Q6_K) elements, q = round(x / d)
+(`quantize_activations_reference`). The GEMV then multiplies integers (u8 x s8 pairs into int16, then int32 with the
+sub-block scales as int16 multipliers) and converts to float once per block or super-block. The integer kernels sum
+each activation row alone, so a request's numbers do not depend on how many rows share its step (bit for bit) on
+either side of the interleaved tiles' threshold (the GEMV and the tiles add the same integers in different float
+orders); the C++ tiled kernel (reachable directly) and the reference (`KVFLOW_CPU_KERNELS=0`) multiply the
+fake-quantized x (`fake_quantize_activations`), the same sum up to fp32 summation order. Q8_0 does the same up to
+`QUANT_TILED_MAX_ROWS` rows (its integer dot: 1.05-1.9x the float32-x GEMV's speed on Zen 4, benchmarks/RESULTS.md
+"Q8_0 decode on quantized activations"); `KVFLOW_Q8_0_ACTIVATIONS=float32` keeps float32 x there instead (the
+kernels read the variable at each call; a value other than "int8" or "float32" is a ValueError naming it), so that a
+Q8_0 model decodes exactly like its float32 dequantization. int8 keeps fp32 x up to `QUANT_GEMV_MAX_ROWS` (decode),
+and at every M on CPUs without VNNI.
 
 Mixture-of-experts layers with quantized experts (`fused_moe`, csrc/quant_moe.cpp) run every selected expert's
 gate_up and down products over the tokens that picked it on these same products, chosen by the group's row count
@@ -69,10 +74,12 @@ from kvflow.kernels.quant_plan import (
     GEMV,
     INT8_TILED_MAX_ROWS,
     INTEGER_PRODUCT_TYPES,
+    Q8_0_ACTIVATIONS_ENV,
     QUANT_GEMV_MAX_ROWS,
     QUANT_TILED_MAX_ROWS,
     W8A8,
     KernelRows,
+    q8_0_activations,
     quant_gemm_plan,
 )
 
@@ -82,9 +89,12 @@ __all__ = [
     "INT8_TILED_MAX_ROWS",
     "INT8_TYPE_CODE",
     "INTEGER_PRODUCT_TYPES",
+    "Q8_0_ACTIVATIONS_ENV",
+    "Q8_0_ACTIVATION_BLOCK",
     "QUANT_GEMV_MAX_ROWS",
     "QUANT_TILED_MAX_ROWS",
     "KernelRows",
+    "activation_block_size",
     "dequantize",
     "dequantize_reference",
     "fake_quantize_activations",
@@ -100,6 +110,7 @@ __all__ = [
     "kernel_rows",
     "kernel_type_code",
     "kernels_in_use",
+    "q8_0_activations",
     "quantize_activations_reference",
     "quantizes_activation_rows",
     "run_product",
@@ -112,8 +123,10 @@ GGML_BLOCK_SIZES: dict[str, tuple[int, int]] = {
     "Q4_K": (256, 144),
     "Q6_K": (256, 210),
 }
-# Elements per activation scale for the weight types whose products quantize x to int8 (Q8_0 keeps fp32 x).
+# Elements per activation scale for the weight types whose products always quantize x to int8; Q8_0's quantize it
+# per 32 too unless `KVFLOW_Q8_0_ACTIVATIONS=float32` (`activation_block_size`).
 ACTIVATION_BLOCK_SIZES: dict[str, int] = {"Q4_0": 32, "Q4_K": 256, "Q6_K": 256}
+Q8_0_ACTIVATION_BLOCK = 32
 # The extension's type codes (csrc/kernels.h, `GgmlType`).
 _GGML_TYPE_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_K": 2, "Q6_K": 3}
 # The extension's type code of int8 rows with a float32 scale per row (csrc/kernels.h, `kInt8Weights`).
@@ -241,20 +254,31 @@ def dequantize_reference(qtype: str, blocks: torch.Tensor) -> torch.Tensor:
     return decoded.reshape(rows, columns)
 
 
+def activation_block_size(qtype: str) -> int | None:
+    """Elements per activation scale of `qtype`'s products in this process: `ACTIVATION_BLOCK_SIZES[qtype]`, for
+    Q8_0 32 under `KVFLOW_Q8_0_ACTIVATIONS` "int8" (the default) and None under "float32" (ValueError naming the
+    variable for another value), None for other types."""
+    if qtype == "Q8_0":
+        return Q8_0_ACTIVATION_BLOCK if q8_0_activations() == "int8" else None
+    return ACTIVATION_BLOCK_SIZES.get(qtype)
+
+
 def quantize_activations_reference(
     qtype: str, x: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The activation quantization llama.cpp applies before a `qtype` product (Q4_0: per 32 elements, Q4_K and
-    Q6_K: per 256), in PyTorch: x `[..., K]` (any float dtype, taken as float32) in blocks of
-    `ACTIVATION_BLOCK_SIZES[qtype]`, each with scale d = amax(|x|) / 127 and quants q = round(x / d)
+    """The activation quantization llama.cpp applies before a `qtype` product (Q4_0 and Q8_0: per 32 elements, Q4_K
+    and Q6_K: per 256), in PyTorch: x `[..., K]` (any float dtype, taken as float32) in blocks of
+    `activation_block_size(qtype)`, each with scale d = amax(|x|) / 127 and quants q = round(x / d)
     (round half to even, within [-127, 127]; an all-zero block gets d = 0 and q = 0). Returns int8 `[..., K]` and
-    float32 `[..., K / block]`, equal to the C++ kernels' (the same float32 operations). ValueError for Q8_0 (and
-    unknown types), whose products keep fp32 x, or K not a multiple of the block."""
-    if qtype not in ACTIVATION_BLOCK_SIZES:
+    float32 `[..., K / block]`, equal to the C++ kernels' (the same float32 operations). ValueError for a type
+    whose products keep fp32 x (Q8_0 under `KVFLOW_Q8_0_ACTIVATIONS=float32`), an unknown one, or K not a multiple
+    of the block."""
+    block = activation_block_size(qtype)
+    if block is None:
         raise ValueError(
-            f"{qtype!r} products do not quantize activations (those that do: {sorted(ACTIVATION_BLOCK_SIZES)})"
+            f"{qtype!r} products do not quantize activations (those that do: "
+            f"{sorted([*ACTIVATION_BLOCK_SIZES, 'Q8_0'])}, Q8_0 unless {Q8_0_ACTIVATIONS_ENV}=float32)"
         )
-    block = ACTIVATION_BLOCK_SIZES[qtype]
     if x.shape[-1] % block:
         raise ValueError(
             f"{qtype} quantizes x in blocks of {block}; {x.shape[-1]} features is not a multiple"
@@ -266,12 +290,13 @@ def quantize_activations_reference(
 
 
 def fake_quantize_activations(qtype: str, x: torch.Tensor) -> torch.Tensor:
-    """x `[..., K]` as a `qtype` product sees it, float32: `quantize_activations_reference`'s q * d for Q4_0, Q4_K
-    and Q6_K (what the tiled and dense paths multiply), x.float() for the other types."""
-    if qtype not in ACTIVATION_BLOCK_SIZES:
+    """x `[..., K]` as a `qtype` product sees it, float32: `quantize_activations_reference`'s q * d for Q4_0, Q4_K,
+    Q6_K and Q8_0 (unless `KVFLOW_Q8_0_ACTIVATIONS=float32`; what the tiled and dense paths multiply), x.float()
+    otherwise."""
+    block = activation_block_size(qtype)
+    if block is None:
         return x.float()
     quants, scales = quantize_activations_reference(qtype, x)
-    block = ACTIVATION_BLOCK_SIZES[qtype]
     return (quants.float().unflatten(-1, (-1, block)) * scales.unsqueeze(-1)).flatten(-2)
 
 
@@ -288,8 +313,9 @@ def quantizes_activation_rows(weight_type: str, num_rows: int) -> bool:
     """Whether the kernel product of `weight_type` ("int8" or "Q8_0") on `num_rows` activation rows is W8A8 (x
     quantized per row, integer dots; `fake_quantize_int8_rows` is what it multiplies): the C++ kernels on an AVX-512
     VNNI CPU, where this process's plan (`quant_plan.quant_gemm_plan`) runs W8A8 for that many rows (statically:
-    int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 above `QUANT_TILED_MAX_ROWS`; Q8_0's decode and small batches stay
-    exact against the float32 model). The 4-bit types quantize x per block at every M."""
+    int8 above `QUANT_GEMV_MAX_ROWS` rows, Q8_0 above `QUANT_TILED_MAX_ROWS`; Q8_0's decode and small batches
+    quantize x per 32 instead, or keep it float32 under `KVFLOW_Q8_0_ACTIVATIONS=float32`). The 4-bit types
+    quantize x per block at every M."""
     if weight_type not in ("int8", "Q8_0"):
         raise ValueError(f"weight_type must be one of ['Q8_0', 'int8'], got {weight_type!r}")
     ops = _kernel_ops()
@@ -400,9 +426,10 @@ def ggml_linear(
     x: torch.Tensor, qtype: str, blocks: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """`F.linear(fake_quantize_activations(qtype, x), dequantize_reference(qtype, blocks), bias.float())` in x's
-    dtype, within fp32 accumulation error (x itself, as float32, for Q8_0; int8-quantized per block for Q4_0,
-    Q4_K and Q6_K): x `[..., K]` (float32 or bfloat16), blocks uint8 `[N, ggml_row_bytes(qtype, K)]` contiguous,
-    bias `[N]` or None; `[..., N]` in x's dtype. The C++ kernels when they apply, else that reference."""
+    dtype, within fp32 accumulation error (x int8-quantized per block for Q4_0, Q4_K, Q6_K and Q8_0; x itself, as
+    float32, for Q8_0 under `KVFLOW_Q8_0_ACTIVATIONS=float32`): x `[..., K]` (float32 or bfloat16), blocks uint8
+    `[N, ggml_row_bytes(qtype, K)]` contiguous, bias `[N]` or None; `[..., N]` in x's dtype. The C++ kernels when
+    they apply, else that reference."""
     if _kernel_ops() is not None and _applies(x, blocks):
         return _ggml_linear_kernel(x, qtype, blocks, bias)
     return _ggml_linear_reference(x, qtype, blocks, bias)

@@ -4,7 +4,8 @@ With `KVFLOW_QUANT_GEMM` unset or "auto", a quantization plan that knows its lay
 file's runs) calls `choose_quant_gemm_plans` before the model picks its fast paths: for each weight type and each
 band of `QUANT_GEMM_BANDS`, every product this build runs for that type (`candidate_products`) is timed on
 synthetic weights of those shapes at the band's last row count (`KernelChoices`: a few ms each, cached beside the
-compiled kernels per CPU model, build, shapes, activation dtype and thread count, so later processes read the
+compiled kernels per CPU model, build, shapes, activation dtype, thread count and, for Q8_0,
+`KVFLOW_Q8_0_ACTIVATIONS` (the products run on whichever activations it sets), so later processes read the
 choice), and the fastest becomes the band's product, unless the static plan's product measured within
 `KEEP_STATIC_WITHIN` of it (`band_product`). The plan is logged once at INFO and made the process's plan for
 that type, which the per-op products and the fused decode layer's row limit then follow. "static" keeps the static
@@ -13,7 +14,8 @@ plan and measures nothing.
 Candidates per type: the GEMV (Q4_0 / Q4_K / Q6_K: the integer product, at every band; Q8_0 and int8: up to
 `_STREAMING_MAX_ROWS` rows, its cost growing with M), the extension's product above its GEMV rows (the tiled
 kernel, or for int8 on AVX-512 VNNI builds W8A8), Q8_0's W8A8 (VNNI builds) above `QUANT_TILED_MAX_ROWS` only, so that
-Q8_0's small batches stay exact against the float32 model whatever is measured, and above `_STREAMING_MAX_ROWS`
+Q8_0's small batches keep their activations whatever is measured (quantized per 32 by default, as its decode GEMV's;
+float32, exact against the float32 model, under `KVFLOW_Q8_0_ACTIVATIONS=float32`), and above `_STREAMING_MAX_ROWS`
 rows the dequantized fp32 GEMM.
 Mixture-of-experts experts keep the static thresholds (`quant.fused_moe`).
 """
@@ -41,6 +43,7 @@ from kvflow.kernels.quant_plan import (
     W8A8,
     QuantGemmPlan,
     above_gemv_product,
+    q8_0_activations,
     quant_gemm_choice,
     quant_gemm_plan,
     static_quant_plan,
@@ -268,8 +271,9 @@ def _choice_key(
     timed_shapes: Sequence[tuple[int, int]],
 ) -> str:
     band = f"{first}-{last}" if last is not None else f"{first}+"
+    activations = f" activations {q8_0_activations()}" if weight_type == "Q8_0" else ""
     timed = ",".join(f"{out_features}x{in_features}" for out_features, in_features in timed_shapes)
     return (
-        f"quant_gemm {weight_type} rows {band} (timed at {rows}) {str(dtype).removeprefix('torch.')} x "
+        f"quant_gemm {weight_type}{activations} rows {band} (timed at {rows}) {str(dtype).removeprefix('torch.')} x "
         f"shapes {timed} threads {torch.get_num_threads()} cpu {cpu_model_name()!r}"
     )

@@ -4,12 +4,14 @@ Up to `QUANT_GEMV_MAX_ROWS` rows (decode) every type runs its GEMV. Above, each 
 (`QUANT_GEMM_BANDS`, the bfloat16 plan's bands) runs one of these products (`kvflow.kernels.quant.run_product`):
 
 * `GEMV`: the extension's product with `gemv_max_rows` at the step's row count: for Q4_0 / Q4_K / Q6_K the integer
-  product (blocked GEMV, interleaved tiles on AVX-512 VNNI builds), for Q8_0 and int8 the float32-x GEMV;
+  product (blocked GEMV, interleaved tiles on AVX-512 VNNI builds), for Q8_0 the GEMV on x quantized per 32
+  (integer dots; float32 x under `KVFLOW_Q8_0_ACTIVATIONS=float32`, `q8_0_activations`), for int8 the float32-x GEMV;
 * `TILED`: the extension's product above its `gemv_max_rows`: a thread-local fp32 tile of dequantized weight rows
-  against every x row (Q4_0 / Q4_K / Q6_K on fake-quantized x); for int8 on AVX-512 VNNI builds that same call is
-  W8A8, so there it is named `W8A8`;
+  against every x row (Q4_0 / Q4_K / Q6_K, and Q8_0 unless float32, on fake-quantized x); for int8 on AVX-512
+  VNNI builds that same call is W8A8, so there it is named `W8A8`;
 * `W8A8`: each x row quantized alone, exact int32 dots (Q8_0: `ggml_linear_w8a8`; int8: the call above);
-* `DEQUANT`: the whole weight dequantized in C++, then torch's fp32 GEMM (on fake-quantized x for the 4-bit types).
+* `DEQUANT`: the whole weight dequantized in C++, then torch's fp32 GEMM (on fake-quantized x where the GEMV
+  quantizes x per block).
 
 The static plan (`static_quant_plan`) holds the thresholds measured on Intel and AVX2 EPYCs (benchmarks/RESULTS.md,
 "Quantized products, dispatch and thresholds"); a model built under `KVFLOW_QUANT_GEMM` "auto" (the default) measures
@@ -37,6 +39,10 @@ DEQUANT = "dequant"
 # "static": the thresholds below, measuring nothing.
 QUANT_GEMM_ENV = "KVFLOW_QUANT_GEMM"
 QUANT_GEMM_CHOICES = ("auto", "static")
+# `KVFLOW_Q8_0_ACTIVATIONS`: "int8" (the default): Q8_0 products quantize x per 32 elements; "float32": they keep
+# float32 x (`q8_0_activations`).
+Q8_0_ACTIVATIONS_ENV = "KVFLOW_Q8_0_ACTIVATIONS"
+Q8_0_ACTIVATIONS_CHOICES = ("int8", "float32")
 
 # Up to this many activation rows every type runs its GEMV (decode, speculative verification).
 QUANT_GEMV_MAX_ROWS = 8
@@ -172,6 +178,20 @@ def quant_gemm_choice() -> str:
     if choice not in QUANT_GEMM_CHOICES:
         raise ValueError(
             f"{QUANT_GEMM_ENV}={choice!r} is not one of {', '.join(QUANT_GEMM_CHOICES)}"
+        )
+    return choice
+
+
+def q8_0_activations() -> str:
+    """`KVFLOW_Q8_0_ACTIVATIONS`: "int8" (unset or empty: the default; Q8_0 products quantize x per 32 elements,
+    as Q4_0's do, and multiply integers) or "float32" (x kept in float32: Q8_0 products compute the dequantized
+    float32 model's products); ValueError naming the variable for another value. The C++ kernels read the same
+    variable at each call (csrc/kernels.h `q8_0_int8_activations`), so the per-op products, the fused decode layer
+    and the measured plans follow one setting."""
+    choice = os.environ.get(Q8_0_ACTIVATIONS_ENV, "").strip().lower() or "int8"
+    if choice not in Q8_0_ACTIVATIONS_CHOICES:
+        raise ValueError(
+            f"{Q8_0_ACTIVATIONS_ENV}={choice!r} is not one of {', '.join(Q8_0_ACTIVATIONS_CHOICES)}"
         )
     return choice
 

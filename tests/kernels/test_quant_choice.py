@@ -97,7 +97,8 @@ def test_candidates_per_type_and_band(ops: ModuleType) -> None:
     above = W8A8 if ops.has_w8a8_kernels() else TILED
     assert quant_choice.candidate_products("int8", 16) == (GEMV, above)
     assert quant_choice.candidate_products("int8", None) == (above, DEQUANT)
-    assert quant_choice.candidate_products("Q8_0", 32) == (GEMV, TILED)  # x stays float32
+    # No W8A8 up to 32 rows: x stays quantized per 32 (or float32 under KVFLOW_Q8_0_ACTIVATIONS=float32).
+    assert quant_choice.candidate_products("Q8_0", 32) == (GEMV, TILED)
     assert W8A8 in quant_choice.candidate_products("Q8_0", 64) or not ops.has_w8a8_kernels()
     assert quant_choice.candidate_products("Q4_K", 16) == (GEMV, TILED)
     assert quant_choice.candidate_products("Q4_K", None) == (GEMV, TILED, DEQUANT)
@@ -306,3 +307,20 @@ def test_fused_and_per_op_paths_agree_under_a_plan_other_than_the_static_one(
     assert fused_outputs == per_op_outputs
     for step, (fused, per_op) in enumerate(zip(fused_logits, per_op_logits, strict=True)):
         assert torch.equal(fused, per_op), f"step {step}"
+
+
+def test_q8_0_choices_are_kept_per_activation_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q8_0's products run on quantized or float32 x by KVFLOW_Q8_0_ACTIVATIONS, so its measured choices are cached
+    under the setting (another setting measures afresh); the other types' keys do not name it."""
+    keys = {}
+    for value in ("int8", "float32"):
+        monkeypatch.setenv("KVFLOW_Q8_0_ACTIVATIONS", value)
+        keys[value] = {
+            weight_type: quant_choice._choice_key(weight_type, 9, 16, 16, torch.float32, SHAPES)
+            for weight_type in ("Q8_0", "Q4_0")
+        }
+    assert (
+        keys["int8"]["Q8_0"] != keys["float32"]["Q8_0"]
+        and "activations int8" in keys["int8"]["Q8_0"]
+    )
+    assert keys["int8"]["Q4_0"] == keys["float32"]["Q4_0"]

@@ -121,12 +121,20 @@ def test_kernels_off_gives_reference(kernels_off: None) -> None:
     )
 
 
-@pytest.mark.parametrize("qtype", sorted(quant.ACTIVATION_BLOCK_SIZES))
+# The types whose products quantize x per block by default (Q8_0: unless KVFLOW_Q8_0_ACTIVATIONS=float32).
+QUANTIZING_TYPES = (*sorted(quant.ACTIVATION_BLOCK_SIZES), "Q8_0")
+
+
+@pytest.mark.parametrize("qtype", QUANTIZING_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_activations_reference(qtype: str, dtype: torch.dtype) -> None:
+def test_quantize_activations_reference(
+    qtype: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Against a direct NumPy computation of llama.cpp's rule (d = amax / 127, q = round half to even of x / d);
-    the round trip q * d is within d / 2 of x, and each nonzero block uses the full [-127, 127] range."""
-    block = quant.ACTIVATION_BLOCK_SIZES[qtype]
+    the round trip q * d is within d / 2 of x, and each nonzero block uses the full [-127, 127] range. Q8_0
+    quantizes per 32 by default and not at all under KVFLOW_Q8_0_ACTIVATIONS=float32."""
+    block = quant.activation_block_size(qtype)
+    assert block == quant.ACTIVATION_BLOCK_SIZES.get(qtype, quant.Q8_0_ACTIVATION_BLOCK)
     x = torch.randn(2, 3, 4 * block, generator=torch.Generator().manual_seed(block)).to(dtype) * 5
     x[0, 1, block : 2 * block] = 0  # an all-zero block: d = 0, q = 0
     quants, scales = quant.quantize_activations_reference(qtype, x)
@@ -147,6 +155,8 @@ def test_quantize_activations_reference(qtype: str, dtype: torch.dtype) -> None:
     rounding = x.float().abs() * 2.0**-23  # q * d and the difference, each rounded to float32
     bound = (scales / 2).repeat_interleave(block, dim=-1) + rounding
     assert bool((error <= bound).all())
+    monkeypatch.setenv(quant.Q8_0_ACTIVATIONS_ENV, "float32")
+    assert quant.activation_block_size("Q8_0") is None
     with pytest.raises(ValueError, match="Q8_0"):
         quant.quantize_activations_reference("Q8_0", x)
     assert torch.equal(quant.fake_quantize_activations("Q8_0", x), x.float())  # Q8_0: fp32 x
@@ -155,7 +165,7 @@ def test_quantize_activations_reference(qtype: str, dtype: torch.dtype) -> None:
 # ---- the C++ kernels ----
 
 
-@pytest.mark.parametrize("qtype", sorted(quant.ACTIVATION_BLOCK_SIZES))
+@pytest.mark.parametrize("qtype", QUANTIZING_TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_activation_quantization_is_exact(
     ops: object, qtype: str, dtype: torch.dtype
@@ -458,11 +468,13 @@ def test_integer_gemv_keeps_the_min_term_and_the_offset(
 
 
 def test_q8_0_gemv_on_long_rows_pairs_weight_rows_and_stays_bit_for_bit(
-    ops: object, two_threads: None
+    ops: object, two_threads: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From K = 4096 on (AVX-512 builds) the one-row Q8_0 GEMV runs two weight rows per pass sharing each x load;
-    each row is still summed alone, so a row's output equals the one it gets beside other x rows (the one-row-at-
-    a-time pass) bit for bit, with odd row counts per thread (a row left for the single-row pass) and a bias."""
+    """From K = 4096 on (AVX-512 builds) the one-row float32-x Q8_0 GEMV (KVFLOW_Q8_0_ACTIVATIONS=float32) runs two
+    weight rows per pass sharing each x load; each row is still summed alone, so a row's output equals the one it
+    gets beside other x rows (the one-row-at-a-time pass) bit for bit, with odd row counts per thread (a row left
+    for the single-row pass) and a bias."""
+    monkeypatch.setenv(quant.Q8_0_ACTIVATIONS_ENV, "float32")
     code = quant._GGML_TYPE_CODES["Q8_0"]
     for columns in (4096, 4096 + 32 * 3):
         _, blocks = _blocks("Q8_0", 37, columns, seed=columns)
@@ -473,3 +485,96 @@ def test_q8_0_gemv_on_long_rows_pairs_weight_rows_and_stays_bit_for_bit(
         three = _on_threads(ops.ggml_linear, x, blocks, code, bias, 8)  # type: ignore[attr-defined]
         _check_product(one, x[:1], weight, bias, "Q8_0")
         assert torch.equal(one, three[:1])
+
+
+# ---- Q8_0 on quantized activations (the default) and the float32 switch ----
+
+
+def _q8_0_integer_reference(
+    x: torch.Tensor, blocks: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the Q8_0 integer GEMV computes, in torch: x quantized per 32 exactly as the kernel does, each block's
+    integer dot sum(q_w * q_x) exact (int64), times d_w * d_x as one float32 product per block, the blocks summed in
+    float64; and the float32 summation's error scale: the magnitudes of the partial dots the kernel's lanes hold
+    (4 products each) times the block scale, summed."""
+    quants, x_scales = quant.quantize_activations_reference("Q8_0", x)  # [M, K], [M, K / 32]
+    rows = blocks.shape[0]
+    per_block = blocks.view(rows, -1, 34)
+    w_quants = per_block[..., 2:].contiguous().view(torch.int8).long()  # [N, B, 32]
+    w_scales = per_block[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)  # [N, B]
+    lanes = torch.einsum(
+        "mblk,nblk->mnbl", quants.long().unflatten(-1, (-1, 8, 4)), w_quants.unflatten(-1, (8, 4))
+    )
+    scales = (
+        w_scales[None, :, :] * x_scales[:, None, :]
+    ).double()  # float32, one product per block
+    return (lanes.sum(-1).double() * scales).sum(-1), (
+        lanes.abs().sum(-1).double() * scales.abs()
+    ).sum(-1)
+
+
+def test_q8_0_gemv_runs_integer_dots_on_x_quantized_per_block(
+    ops: object, two_threads: None
+) -> None:
+    """The default Q8_0 GEMV equals the integer reference (x quantized per 32, exact int dots, one float product
+    per block) within float32 summation error, on 1 and 2 threads bit for bit and for a row alone or among up to 8
+    or 20 (blocked) rows; weights with quants at -128 and +127 (|q_w| = 128 needs the unsigned operand's full
+    range) and an all-zero x block."""
+    generator = torch.Generator().manual_seed(3)
+    code = quant.ggml_type_code("Q8_0")
+    for columns in (32, 96, 2048 + 32):
+        _, blocks = _blocks("Q8_0", 37, columns, seed=columns)
+        extremes = blocks.view(37, -1, 34)[:3, :, 2:]
+        extremes[0] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
+        extremes[1] = 127
+        extremes[2, :, ::2] = torch.tensor(-128, dtype=torch.int8).view(torch.uint8)
+        x = torch.randn(20, columns, generator=generator) * 3
+        x[1, :32] = 0
+        x[2] = x[2].abs()  # one sign: the largest sums a block can hold
+        expected, magnitude = _q8_0_integer_reference(x, blocks)
+        alone = None
+        for num_rows in (1, 8, 20):
+            out = _on_threads(ops.ggml_linear, x[:num_rows], blocks, code, None, 20)  # type: ignore[attr-defined]
+            bound = 1e-6 * magnitude[:num_rows] + 1e-30
+            assert bool(((out.double() - expected[:num_rows]).abs() <= bound).all())
+            if alone is None:
+                alone = out
+            assert torch.equal(out[:1], alone)
+
+
+def test_q8_0_activations_switch_picks_the_kernel(
+    ops: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVFLOW_Q8_0_ACTIVATIONS: unset or "int8" runs the integer GEMV (the block reference's numbers), "float32"
+    the float32-x GEMV (the dequantized float32 model's product); the two differ by the activations' quantization
+    error, far above either's float32 rounding. Any other value is a ValueError naming the variable, from the
+    Python side and from the kernels (which read the variable at each call)."""
+    _, blocks = _blocks("Q8_0", 64, 512, seed=4)
+    weight = quant.dequantize_reference("Q8_0", blocks)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(8))
+    code = quant.ggml_type_code("Q8_0")
+    integer, magnitude = _q8_0_integer_reference(x, blocks)
+    exact = F.linear(x.double(), weight.double())
+    outputs = {}
+    for value in (None, "int8", " INT8 ", "float32"):
+        if value is None:
+            monkeypatch.delenv(quant.Q8_0_ACTIVATIONS_ENV, raising=False)
+        else:
+            monkeypatch.setenv(quant.Q8_0_ACTIVATIONS_ENV, value)
+        outputs[value] = ops.ggml_linear(x, blocks, code, None, 8)  # type: ignore[attr-defined]
+        assert torch.equal(quant.ggml_linear(x, "Q8_0", blocks), outputs[value])
+    assert torch.equal(outputs[None], outputs["int8"]) and torch.equal(
+        outputs[None], outputs[" INT8 "]
+    )
+    assert quant.q8_0_activations() == "float32"
+    assert bool(((outputs[None].double() - integer).abs() <= 1e-6 * magnitude).all())
+    float_bound = 1e-6 * (x.abs() @ weight.abs().T).double()
+    assert bool(((outputs["float32"].double() - exact).abs() <= float_bound).all())
+    assert bool(((outputs[None].double() - exact).abs() > 10 * float_bound).any())
+    monkeypatch.setenv(quant.Q8_0_ACTIVATIONS_ENV, "fp16")
+    with pytest.raises(ValueError, match="KVFLOW_Q8_0_ACTIVATIONS"):
+        quant.q8_0_activations()
+    with pytest.raises(ValueError, match="KVFLOW_Q8_0_ACTIVATIONS"):
+        ops.ggml_linear(x, blocks, code, None, 8)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="KVFLOW_Q8_0_ACTIVATIONS"):
+        quant.ggml_linear(x, "Q8_0", blocks)

@@ -86,8 +86,8 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 
 def _teacher_forced_argmax(model: Any, prompt: list[int]) -> torch.Tensor:
-    """Prefilled 8 tokens a step: Q8_0 products of that few rows keep float32 activations (larger ones quantize
-    them, as llama.cpp does: `kvflow.kernels.quant.quantizes_activation_rows`), so only the weights differ."""
+    """Prefilled 8 tokens a step: Q8_0 products of that few rows quantize x per 32 elements, as its decode steps do
+    (larger ones per row, as llama.cpp's prefill does: `kvflow.kernels.quant.quantizes_activation_rows`)."""
     driver = PagedDriver(model, block_size=4, seed=1)
     driver.add_request("a", prompt)
     return driver.prompt_logits("a", [8] * (len(prompt) // 8)).argmax(-1)
@@ -290,8 +290,9 @@ def test_5_bit_blocks_become_q8_0_blocks_exactly_or_within_half_a_q8_0_step(qtyp
 
 @pytest.mark.parametrize("tensor_type", ["Q5_0", "Q5_K"])
 def test_a_5_bit_file_loads_as_q8_0_and_decodes_like_its_weights_dequantized(
-    tmp_path: Path, tensor_type: str
+    tmp_path: Path, tensor_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("KVFLOW_Q8_0_ACTIVATIONS", "float32")  # the float32-x Q8_0 GEMV: exact
     checkpoint = make_tiny_checkpoint(
         tmp_path / "llama", "llama", hidden_size=256, intermediate_size=512, head_dim=64
     )
@@ -307,10 +308,11 @@ def test_a_5_bit_file_loads_as_q8_0_and_decodes_like_its_weights_dequantized(
 
 
 def test_a_q4_k_m_file_with_short_rows_falls_back_to_q5_0_as_llama_cpp_does(
-    checkpoints: dict[str, Path], tmp_path: Path
+    checkpoints: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """64-column rows are no whole 256-element block: llama.cpp's mix stores Q5_0 (and Q8_0 for its Q6_K
     tensors) there; the Gemma 2 file loads and decodes like its weights dequantized."""
+    monkeypatch.setenv("KVFLOW_Q8_0_ACTIVATIONS", "float32")  # the float32-x Q8_0 GEMV: exact
     mix = q4_k_m_type(4, LLAMA_CPP_K_QUANT_FALLBACK)
     path = write_gguf(checkpoints["gemma2"], tmp_path / "mix.gguf", mix)
     file_types = {info.file_qtype for info in GGUFCheckpoint(path).tensor_infos().values()}
@@ -344,12 +346,13 @@ def _q8_0_where_blocks_fit(name: str, shape: tuple[int, int]) -> str:
 
 @pytest.mark.parametrize("family", list(MOE_MAKERS))
 def test_a_mixture_of_experts_file_decodes_like_the_checkpoint_and_its_weights(
-    tmp_path: Path, family: str
+    tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mixtral: router and w1/w3/w2 per expert under `llama`; Qwen2-MoE: the shared expert and its gate, a dense
     layer (`mlp_only_layers`: no router in the file), top-k not renormalised; Qwen3-MoE: renormalised, q/k norms. F32:
     token for token the checkpoint; Q8_0 (experts dequantized at load, the shared expert on its blocks): token for
     token the float32 model of the file's weights."""
+    monkeypatch.setenv("KVFLOW_Q8_0_ACTIVATIONS", "float32")  # the float32-x Q8_0 GEMV: exact
     checkpoint = MOE_MAKERS[family](tmp_path / family)
     path = write_gguf(checkpoint, tmp_path / f"{family}.gguf", "F32")
     assert greedy_tokens(path) == greedy_tokens(checkpoint)

@@ -50,14 +50,21 @@ def mixed_types(name: str, shape: tuple[int, int]) -> str:
     ids=["llama-Q8_0", "qwen2-mixed", "qwen3-Q8_0", "llama3-F16"],
 )
 def test_a_gguf_file_decodes_like_its_weights_dequantized_to_float32(
-    checkpoints: dict[str, Path], tmp_path: Path, arch: str, tensor_type: Any
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    arch: str,
+    tensor_type: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Exact for types whose kernels keep float32 activations (Q8_0 and floats): greedy tokens equal. llama: q/k
+    """Exact for types whose kernels keep float32 activations (floats, and Q8_0 under
+    KVFLOW_Q8_0_ACTIVATIONS=float32; by default its products quantize x per 32 as llama.cpp's do): greedy tokens
+    equal. llama: q/k
     rows un-interleaved; qwen2: biases, a tied head on blocks, Q8_0 and F16 runs inside one fused layer; qwen3:
     q/k norms; llama3: Llama 3 rope scaling read back from llama.cpp's `rope_freqs` tensor (the float checkpoint
     has it as config.json's rope_scaling). The 4-bit types quantize activations (as llama.cpp does): their
     end-to-end check is the default model's perplexity against its dequantized weights
     (tests/test_default_model_quality.py)."""
+    monkeypatch.setenv("KVFLOW_Q8_0_ACTIVATIONS", "float32")  # the float32-x Q8_0 GEMV: exact
     path = write_gguf(checkpoints[arch], tmp_path / f"{arch}.gguf", tensor_type)
     dequantized = dequantized_checkpoint(path, checkpoints[arch], tmp_path / "dequantized")
     assert greedy_tokens(path) == greedy_tokens(dequantized)

@@ -120,8 +120,9 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 
 def test_a_q8_0_file_keeps_its_experts_on_blocks_and_decodes_like_its_weights(
-    checkpoint: Path, tmp_path: Path
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("KVFLOW_Q8_0_ACTIVATIONS", "float32")  # the float32-x Q8_0 GEMV: exact
     path = write_gguf(checkpoint, tmp_path / "q8.gguf", "Q8_0")
     model = load_model(path)
     layers = _experts(model)
@@ -190,10 +191,11 @@ def test_tensor_parallel_q8_0_experts_decode_like_one_rank(
 
 
 def test_q5_0_experts_run_as_q8_0_blocks_like_dense_layers(
-    checkpoint: Path, tmp_path: Path
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Q5_0 experts convert to Q8_0 blocks as they load (exactly: the same fp16 scale, q - 16), as dense Q5_0
     layers do; the file then decodes like its own weights dequantized."""
+    monkeypatch.setenv("KVFLOW_Q8_0_ACTIVATIONS", "float32")  # the float32-x Q8_0 GEMV: exact
     path = write_gguf(
         checkpoint,
         tmp_path / "q5.gguf",
@@ -205,8 +207,11 @@ def test_q5_0_experts_run_as_q8_0_blocks_like_dense_layers(
     assert greedy_tokens(path) == greedy_tokens(dequantized)
 
 
-def test_a_mixtral_q8_0_file_keeps_its_experts_on_blocks(tmp_path: Path) -> None:
+def test_a_mixtral_q8_0_file_keeps_its_experts_on_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Mixtral (`llama` with experts; w1 / w3 / w2 through the model's checkpoint_target) as the Qwen files."""
+    monkeypatch.setenv("KVFLOW_Q8_0_ACTIVATIONS", "float32")  # the float32-x Q8_0 GEMV: exact
     checkpoint = make_mixtral_checkpoint(tmp_path / "mixtral")
     config_file = checkpoint / "config.json"
     config = json.loads(config_file.read_text())

@@ -200,17 +200,23 @@ int64_t ggml_block_bytes(int type);
 // gguf.quants.dequantize does. Threads split the rows.
 void ggml_dequantize(const uint8_t* blocks, int64_t rows, int64_t row_bytes, int type, float* out, int num_threads);
 
-// y [M, N] float32 = x [M, K] (rows x_stride apart; for Q4_0 / Q4_K / Q6_K quantized as below) times the
-// dequantized weight [N, K] (+ bias [N] float32 or nullptr), fp32 accumulation. M <= gemv_max_rows: the products
-// on the blocks (Q4_0 / Q4_K / Q6_K: integer dots); more: the tiled kernel (quant_linear.cpp says which when).
+// y [M, N] float32 = x [M, K] (rows x_stride apart; quantized as below where ggml_activation_block(type) > 0) times
+// the dequantized weight [N, K] (+ bias [N] float32 or nullptr), fp32 accumulation. M <= gemv_max_rows: the
+// products on the blocks (on quantized x: integer dots); more: the tiled kernel (quant_linear.cpp says which when).
 template <typename T>
 void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8_t* w, int64_t N, int type,
                  const float* bias, float* y, int64_t gemv_max_rows, int num_threads);
 
 // Q4_0, Q4_K and Q6_K products quantize x as llama.cpp does, per block of ggml_activation_block(type) columns
-// (32, 256, 256; 0 for Q8_0, whose products keep fp32 x): d = amax / 127, q = round-half-even(x / d) (0 when
-// d = 0). ggml_quantize_activations writes quants [M, K] and scales [M, K / block] (x rows x_stride apart).
+// (32, 256, 256), and Q8_0 per 32 unless q8_0_int8_activations() is false (then 0: fp32 x): d = amax / 127,
+// q = round-half-even(x / d) (0 when d = 0). ggml_quantize_activations writes quants [M, K] and scales
+// [M, K / block] (x rows x_stride apart).
 int64_t ggml_activation_block(int type);
+// Q8_0 products' activations, from the environment at each call: KVFLOW_Q8_0_ACTIVATIONS "int8" (or unset / empty,
+// the default: x quantized per 32 columns, integer dots) or "float32" (fp32 x: exactly the dequantized float32
+// model's products); std::invalid_argument naming the variable for another value.
+constexpr const char* kQ8_0ActivationsEnv = "KVFLOW_Q8_0_ACTIVATIONS";
+bool q8_0_int8_activations();
 template <typename T>
 void ggml_quantize_activations(const T* x, int64_t M, int64_t K, int64_t x_stride, int type, int8_t* quants,
                                float* scales);

@@ -1,7 +1,13 @@
 // Activation quantization: Q4_0, Q4_K and Q6_K products quantize x as llama.cpp does (per 32 / 256 / 256 columns:
-// d = amax / 127, q = round-half-even(x / d)); Q8_0 and int8 keep fp32 x. The integer GEMV and the interleaved
+// d = amax / 127, q = round-half-even(x / d)), and so does Q8_0 (per 32) unless KVFLOW_Q8_0_ACTIVATIONS=float32;
+// int8 keeps fp32 x. The integer GEMV and the interleaved
 // tiles multiply the int8 quants; the tiled product (and quant.py's dequantize + torch path) runs on q * d
 // (fake_quantize_rows), so every M computes the same sum.
+#include <cctype>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
 #include "quant_internal.h"
 
 namespace kvflow {
@@ -77,10 +83,24 @@ void fake_quantize_rows(float* xf, int64_t M, int64_t K, int64_t xs, int64_t blo
 
 using namespace quant;
 
-// Elements per activation scale for `type`: its weight block (32 for Q4_0, 256 for the K-quants); 0 for Q8_0,
-// whose products keep fp32 activations.
+bool q8_0_int8_activations() {
+  const char* value = std::getenv(kQ8_0ActivationsEnv);
+  std::string choice = value ? value : "";
+  const auto blank = [](unsigned char c) { return std::isspace(c) != 0; };
+  choice.erase(choice.begin(), std::find_if_not(choice.begin(), choice.end(), blank));
+  choice.erase(std::find_if_not(choice.rbegin(), choice.rend(), blank).base(), choice.end());
+  for (char& c : choice) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (choice.empty() || choice == "int8") return true;
+  if (choice == "float32") return false;
+  throw std::invalid_argument(std::string(kQ8_0ActivationsEnv) + "='" + (value ? value : "") +
+                              "' is not one of float32, int8");
+}
+
+// Elements per activation scale for `type`: its weight block (32 for Q4_0 and Q8_0, 256 for the K-quants); 0 for
+// Q8_0 under KVFLOW_Q8_0_ACTIVATIONS=float32, whose products then keep fp32 activations.
 int64_t ggml_activation_block(int type) {
   switch (type) {
+    case kGgmlQ8_0: return q8_0_int8_activations() ? 32 : 0;
     case kGgmlQ4_0: return 32;
     case kGgmlQ4_K:
     case kGgmlQ6_K: return kQK;

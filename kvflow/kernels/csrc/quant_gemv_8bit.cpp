@@ -1,6 +1,7 @@
-// The GEMV (quant_gemv.h) for the 8-bit weights, against fp32 x: Q8_0 blocks, each block's quants widened in
-// registers and times d (the exact dequantized weights), dot(x, d q), 16 lanes at a time on AVX-512 builds; and
-// int8 rows with a float32 scale per row, dot(x, q) * scale[n] at the end.
+// The GEMV (quant_gemv.h) for the 8-bit weights: Q8_0 blocks against x quantized per 32 (the default: integer dots,
+// Q8_0IntegerBlock) or against fp32 x (KVFLOW_Q8_0_ACTIVATIONS=float32: each block's quants widened in registers
+// and times d, the exact dequantized weights, dot(x, d q), 16 lanes at a time on AVX-512 builds); and int8 rows
+// with a float32 scale per row against fp32 x, dot(x, q) * scale[n] at the end.
 #include "quant_gemv.h"
 
 #ifdef KVFLOW_QUANT_SIMD
@@ -92,6 +93,36 @@ struct Q8_0Block {
 #endif
 };
 
+// Q8_0 against x quantized per 32 (the default, quant_activations.cpp): d_w * d_x * sum(q_w * q_x) per block, the
+// integer dot on u8 x s8 instructions as |q_w| * (q_x with q_w's sign) (exact: |q_w| <= 128 fits u8 and
+// |q_x| <= 127), one float conversion and multiply-add per block and x row. VNNI: vpdpbusd (256-bit: a Q8_0 block
+// is 32 bytes, and Zen 4 splits 512-bit operations in two anyway); AVX2: maddubs (pairs <= 2 * 128 * 127, no
+// saturation) then madd by ones. Both give the same int32 per block, so every build's results agree.
+struct Q8_0IntegerBlock {
+  using Acc = __m256;
+  static constexpr int kElements = 32, kBytes = 34;
+  static constexpr int64_t kPairRowsMinK = 0;  // one weight row per pass
+  static int prefetch_bytes() { return kPrefetchBytes; }
+  template <int MT>
+  static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m256* acc) {
+    const float d = fp16_to_float(block);
+    const __m256i quants = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
+    const __m256i magnitudes = _mm256_abs_epi8(quants);
+    for (int m = 0; m < MT; ++m) {
+      const __m256i x = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(rows.quants + m * rows.quant_stride + b * kElements));
+      const __m256i signed_x = _mm256_sign_epi8(x, quants);
+#ifdef KVFLOW_QUANT_VNNI
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes, signed_x);
+#else
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), _mm256_set1_epi16(1));
+#endif
+      const __m256 scale = _mm256_set1_ps(d * rows.scales[m * rows.scale_stride + b]);
+      acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[m]);
+    }
+  }
+};
+
 // int8 rows [n_begin, n_end) against x rows [m0, m0 + MT), one weight row at a time (one stream: see ggml_band),
 // scaled once per row.
 #ifdef KVFLOW_AVX512
@@ -158,6 +189,11 @@ void int8_band(const int8_t* w, int64_t K, const float* xf, int64_t xs, const fl
 void q8_0_gemv(const FloatRows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
                int num_threads) {
   ggml_gemv<Q8_0Block>(x, M, K, w, N, bias, y, num_threads);
+}
+
+void q8_0_integer_gemv(const QuantRows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                       float* y, int num_threads) {
+  ggml_gemv<Q8_0IntegerBlock>(x, M, K, w, N, bias, y, num_threads);
 }
 
 void int8_gemv(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,

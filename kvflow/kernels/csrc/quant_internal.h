@@ -184,9 +184,11 @@ struct QuantRows {
   }
 };
 
-// ---- quant_gemv_8bit.cpp: Q8_0 and int8 weights against fp32 x, on the weights as stored ----
+// ---- quant_gemv_8bit.cpp: Q8_0 (against fp32 or quantized x) and int8 weights, on the weights as stored ----
 void q8_0_gemv(const FloatRows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
                int num_threads);
+void q8_0_integer_gemv(const QuantRows& x, int64_t M, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                       float* y, int num_threads);
 void int8_gemv(const float* xf, int64_t M, int64_t K, int64_t xs, const int8_t* w, const float* scale, int64_t N,
                const float* bias, float* y, int num_threads);
 

@@ -7,8 +7,11 @@
 //   so that lanes are weight rows (quant_repack.cpp); above gemv_max_rows the tiled product on the
 //   fake-quantized x (quant_tiled.cpp). Builds without AVX2 + FMA run the portable GEMV (quant_reference.cpp) on
 //   that x up to gemv_max_rows.
-// * Q8_0 (fp32 x): up to gemv_max_rows the GEMV (quant_gemv_8bit.cpp), above it the tiled product;
-//   ggml_linear_w8a8 is its W8A8 form for prefill-sized M (quant_w8a8.cpp, AVX-512 VNNI builds).
+// * Q8_0: x quantized per 32 (the default) as the 4-bit types' is, up to gemv_max_rows the integer GEMV on the
+//   blocks (quant_gemv_8bit.cpp; blocked above 8 rows, no interleaved tiles), above it the tiled product on the
+//   fake-quantized x; under KVFLOW_Q8_0_ACTIVATIONS=float32 fp32 x: up to gemv_max_rows the float GEMV
+//   (quant_gemv_8bit.cpp), above it the tiled product. ggml_linear_w8a8 is its W8A8 form for prefill-sized M
+//   (quant_w8a8.cpp, AVX-512 VNNI builds).
 // * int8 (fp32 x): up to gemv_max_rows the GEMV; above it W8A8 on AMX tiles where usable, else on VNNI, else (no
 //   VNNI) the tiled product.
 //
@@ -32,6 +35,10 @@ void ggml_linear(const T* x, int64_t M, int64_t K, int64_t x_stride, const uint8
     const QuantizedActivations quantized(xf.data(), M, K, xs, block);
     const QuantRows rows{quantized.quants.data(), quantized.scales.data(), quantized.sums.data(),
                          quantized.scaled_sums.empty() ? nullptr : quantized.scaled_sums.data(), K, K / block, K / 16};
+    if (type == kGgmlQ8_0) {  // no interleaved tiles: the blocked GEMV at every M it takes
+      q8_0_integer_gemv(rows, M, K, w, N, bias, y, num_threads);
+      return;
+    }
 #ifdef KVFLOW_QUANT_VNNI
     if (M > kInterleavedAboveRows) {
       interleaved_product(type, rows, M, K, w, N, bias, y, num_threads);

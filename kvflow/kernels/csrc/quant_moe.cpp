@@ -9,8 +9,8 @@
 // tokens computes what `ggml_linear` / `int8_linear` on those M rows computes:
 // * Q4_0 / Q4_K / Q6_K: the integer product at every M (x quantized per block; the GEMV up to
 //   k_quant_interleaved_above_rows() rows, the interleaved tiles above on AVX-512 VNNI builds);
-// * Q8_0: the GEMV (fp32 x) up to gemv_max_rows, the tiled product up to tiled_max_rows, above that W8A8 where
-//   built (has_w8a8_kernels), else the tiled product;
+// * Q8_0: the GEMV up to gemv_max_rows (x quantized per 32, or fp32 x under KVFLOW_Q8_0_ACTIVATIONS=float32), the
+//   tiled product up to tiled_max_rows, above that W8A8 where built (has_w8a8_kernels), else the tiled product;
 // * int8 (kInt8Weights, a float32 scale per row): the GEMV up to gemv_max_rows, above it W8A8 (or tiled).
 // Each result row is multiplied by its routing weight in fp32 and a token's top_k results are added in ascending
 // expert order in fp32, then rounded to T once.
@@ -110,6 +110,7 @@ bool quant_fused_moe(const T* x, int64_t tokens, int64_t hidden, int64_t x_strid
                      int64_t num_experts, int64_t intermediate, const float* topk_weights, const int64_t* topk_ids,
                      int64_t top_k, int64_t gemv_max_rows, int64_t tiled_max_rows, T* out, int num_threads) {
   const int64_t pairs = tokens * top_k;
+  (void)q8_0_int8_activations();  // a bad KVFLOW_Q8_0_ACTIVATIONS throws here, before the experts' threads start
   auto row_bytes = [](int type, int64_t K) {
     return type == kInt8Weights ? K : K / ggml_block_elements(type) * ggml_block_bytes(type);
   };
