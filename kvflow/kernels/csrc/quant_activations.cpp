@@ -1,8 +1,7 @@
 // Activation quantization: Q4_0, Q4_K and Q6_K products quantize x as llama.cpp does (per 32 / 256 / 256 columns:
 // d = amax / 127, q = round-half-even(x / d)), and so does Q8_0 (per 32) unless KVFLOW_Q8_0_ACTIVATIONS=float32;
-// int8 keeps fp32 x. The integer GEMV and the interleaved
-// tiles multiply the int8 quants; the tiled product (and quant.py's dequantize + torch path) runs on q * d
-// (fake_quantize_rows), so every M computes the same sum.
+// int8 keeps fp32 x. The integer GEMV and the interleaved tiles multiply the int8 quants; the tiled product (and
+// quant.py's dequantize + torch path) runs on q * d (fake_quantize_rows), so every M computes the same sum.
 #include <cctype>
 #include <cstdlib>
 #include <stdexcept>
