@@ -578,3 +578,33 @@ def test_q8_0_activations_switch_picks_the_kernel(
         ops.ggml_linear(x, blocks, code, None, 8)  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="KVFLOW_Q8_0_ACTIVATIONS"):
         quant.ggml_linear(x, "Q8_0", blocks)
+
+
+def test_q4_k_products_decode_every_scale_and_min_bit(ops: object, two_threads: None) -> None:
+    """Q4_K blocks of random bytes: every bit pattern of the twelve packed bytes of 6-bit scales and mins (the
+    quantizer's blocks leave many unused), d and dmin finite. The GEMV (its vector decoding of a block's first 16
+    bytes) and the interleaved tiles match the reference, on 1 and 2 threads, and the GEMV's row is the same bit
+    for bit alone or with other x rows."""
+    code = quant._GGML_TYPE_CODES["Q4_K"]
+    generator = torch.Generator().manual_seed(31)
+    rows, columns = 29, 1024
+    blocks = torch.randint(
+        0, 256, (rows, columns // 256, 144), generator=generator, dtype=torch.uint8
+    )
+    halves = (torch.rand(rows, columns // 256, 2, generator=generator) * 0.01 + 1e-4).to(
+        torch.float16
+    )
+    blocks[..., :4] = halves.view(torch.uint8).view(rows, columns // 256, 4)
+    blocks = blocks.view(rows, -1)
+    weight = quant.dequantize_reference("Q4_K", blocks)
+    # sanity: the random scales and mins reach their top bits (>= 32) in both halves of the packing
+    packed = blocks.view(rows, columns // 256, 144)[..., 4:16].long()
+    assert bool(((packed[..., :8] >> 6) != 0).any()) and bool(((packed[..., 8:] >> 4) != 0).any())
+    x = torch.randn(70, columns, generator=generator) + 0.5
+    outputs = []
+    for m in (1, 3, 8, 70):
+        out = _on_threads(ops.ggml_linear, x[:m], blocks, code, None, 100)  # type: ignore[attr-defined]
+        _check_product(out, x[:m], weight, None, "Q4_K")
+        outputs.append(out)
+    for out in outputs[:3]:
+        assert torch.equal(out, outputs[2][: out.shape[0]])

@@ -59,6 +59,20 @@ inline void q4_k_scales_and_mins_simd(const uint8_t* block, __m128i& scales8, __
   mins8 = _mm_set_epi32(0, 0, static_cast<int>(mins_high), static_cast<int>(mins_low));
 }
 
+#ifdef KVFLOW_QUANT_VNNI
+// A Q4_K block's first 16 bytes (dwords [d | dmin, p0, p1, p2]) to its 6-bit scales and mins, bytes 0-7 and 8-15
+// of one vector: the same bits as q4_k_scales_and_mins_simd's words, unpacked in the vector unit (scales low:
+// p0 & 0x3F..; high: p2's low nibbles | p0's top bits; mins likewise from p1, p2's high nibbles, p1's top bits).
+inline __m128i q4_k_head_simd(__m128i head) {
+  const __m128i nibble_words = _mm_shuffle_epi32(head, _MM_SHUFFLE(3, 2, 3, 1));  // p0 p2 p1 p2
+  const __m128i top_words = _mm_shuffle_epi32(head, _MM_SHUFFLE(2, 2, 1, 1));     // p0 p0 p1 p1
+  const __m128i low = _mm_and_si128(_mm_srlv_epi32(nibble_words, _mm_set_epi32(4, 0, 0, 0)),
+                                    _mm_set_epi32(0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F));
+  const __m128i top = _mm_and_si128(_mm_srli_epi32(top_words, 2), _mm_set_epi32(0x30303030, 0, 0x30303030, 0));
+  return _mm_or_si128(low, top);
+}
+#endif
+
 // Q4_K against x quantized per 256: d_w * d_x * sum_j sc_j * dot(q_j, q_x_j) - dmin * d_x * sum_j m_j * sum(q_x_j)
 // over the 8 sub-blocks j of 32, both sums integer (the scales as int16 multipliers, the mins against the
 // per-16 sums of the quants), two float conversions per super-block.
@@ -69,17 +83,22 @@ struct Q4_KBlock {
 #ifdef KVFLOW_QUANT_VNNI
   // AVX-512 VNNI: chunk c's 32 bytes widened to 64 quants [sub-block 2c | 2c + 1], which are x's 64 quants at
   // 64 c in order: one x load, one maddubs and one vpdpwssd (scale [sc_2c x 16 | sc_2c+1 x 16]) per chunk and
-  // x row, a third of the AVX2 path's instructions.
+  // x row, a third of the AVX2 path's instructions. The block's first 16 bytes (d, dmin, the packed scales and
+  // mins) are decoded in one vector register (q4_k_head_simd) and each chunk's scales picked by an in-lane byte
+  // shuffle: on Zen 4 the scalar unpacking, its moves into vector registers and the cross-lane vpermw were a
+  // quarter of a block's time in cache (benchmarks/RESULTS.md, "Q4_K_M decode on Zen 4").
   using Acc = __m512;
   template <int MT>
   static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m512* acc) {
-    const float d = fp16_to_float(block), dmin = fp16_to_float(block + 2);
-    __m128i scales8, mins8;
-    q4_k_scales_and_mins_simd(block, scales8, mins8);
-    const __m512i scales16 = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(scales8));  // s0..s7 in lanes 0-7
+    const __m128i head = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
+    const __m128 d_dmin = _mm_cvtph_ps(head);  // d, dmin in lanes 0, 1
+    const float d = _mm_cvtss_f32(d_dmin);
+    const __m128i scales_mins = q4_k_head_simd(head);
     // dmin * m_j in lanes 0-7: the min term is sum_j (dmin m_j) (d_x sum(q_x_j)), one multiply-add per x row.
     const __m512 dmin_mins = _mm512_zextps256_ps512(
-        _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins8))));
+        _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(d_dmin)),
+                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(scales_mins, scales_mins)))));
+    const __m512i scale_bytes = _mm512_broadcast_i32x4(scales_mins);  // s0..s7 at bytes 0-7 of each lane
     __m512i sums[MT];
     for (int m = 0; m < MT; ++m) sums[m] = _mm512_setzero_si512();
     const int8_t* x = rows.quants + b * kElements;
@@ -88,9 +107,10 @@ struct Q4_KBlock {
       const __m512i bytes =
           _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c)));
       const __m512i quants = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, 0xFFFF0000u, bytes, 4), nibble);
-      const __m512i pick = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>(2 * c)),
-                                                   _mm512_set1_epi16(static_cast<int16_t>(2 * c + 1)));
-      const __m512i scale = _mm512_permutexvar_epi16(pick, scales16);
+      // int16 lanes 0-15 sc_2c, 16-31 sc_2c+1: byte 2c (2c + 1) then a zero byte (shuffle index 0x80).
+      const __m512i pick = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>(0x8000 | 2 * c)),
+                                                   _mm512_set1_epi16(static_cast<int16_t>(0x8000 | (2 * c + 1))));
+      const __m512i scale = _mm512_shuffle_epi8(scale_bytes, pick);
       for (int m = 0; m < MT; ++m) {
         const __m512i xm = _mm512_loadu_si512(x + m * rows.quant_stride + 64 * c);
         sums[m] = _mm512_dpwssd_epi32(sums[m], _mm512_maddubs_epi16(quants, xm), scale);
