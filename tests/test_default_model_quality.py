@@ -206,3 +206,41 @@ def test_quantized_perplexity_on_the_whole_sample(kind: str, tmp_path: Path) -> 
     assert abs(drift) <= QUANTIZED_PERPLEXITY_TOLERANCE[kind], (
         f"{kind}: held-out perplexity {perplexity:.3f}, float32 {recorded['sample_ppl']:.3f}"
     )
+
+
+# Every step of at most this many tokens, so that every product runs the GEMV (decode's kernel), not the prefill ones.
+GEMV_ROWS = 8
+
+
+def test_q8_0_decode_kernel_scores_like_the_float32_model_of_its_own_weights(
+    tmp_path: Path,
+) -> None:
+    """Q8_0's GEMV (decode rows; by default on x quantized per 32, as llama.cpp's) computes the file's model: with
+    steps of at most `GEMV_ROWS` tokens (chunked prefill, one request at a time) every window is scored by the decode
+    kernel alone, and its perplexity is the float32 model's of exactly the file's weights, up to activation
+    quantization. The default windows (prefill-sized steps) run W8A8 and never reach this kernel."""
+    from kvflow.testing.gguf_files import dequantized_checkpoint
+
+    model_dir = ensure_default_model()
+    path = quantized_model("Q8_0", model_dir, tmp_path)
+    llm = LLM(
+        str(path),
+        tokenizer=str(model_dir),
+        max_num_seqs=1,
+        max_num_batched_tokens=GEMV_ROWS,
+        disable_log_stats=True,
+    )
+    try:
+        quantized, _ = kvflow_perplexity(llm, model_dir, QUICK_DOCUMENTS)
+    finally:
+        llm.shutdown()
+    llm = LLM(
+        str(dequantized_checkpoint(path, model_dir, tmp_path / "dequantized")), **_LLM_OPTIONS
+    )
+    try:
+        dequantized, _ = kvflow_perplexity(llm, model_dir, QUICK_DOCUMENTS)
+    finally:
+        llm.shutdown()
+    assert abs(quantized / dequantized - 1) <= ACTIVATION_QUANTIZATION_TOLERANCE, (
+        f"Q8_0 on its GEMV {quantized:.4f}, the float32 model of the file's weights {dequantized:.4f}"
+    )
