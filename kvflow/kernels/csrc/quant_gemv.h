@@ -44,6 +44,28 @@ inline void prefetch_ahead(const void* start, int bytes, int distance = kPrefetc
     _mm_prefetch(static_cast<const char*>(start) + distance + line, _MM_HINT_T0);
 }
 
+// A 32-element block of signed weight quants (|q| <= 128) times d, against x rows quantized per 32 (Q8_0, Q4_0):
+// acc[m] += d * d_x[m] * sum(q_w * q_x[m]), the integer dot taken as |q_w| * (q_x with q_w's sign), u8 x s8
+// (exact: |q_x| <= 127). VNNI: one 256-bit vpdpbusd; AVX2: maddubs (pairs <= 2 * 128 * 127, no saturation) then
+// madd by ones. Both give the same int32, so every build's results agree.
+template <int MT>
+inline void accumulate_signed_block(float d, __m256i quants, const QuantRows& rows, int64_t b, int elements,
+                                    __m256* acc) {
+  const __m256i magnitudes = _mm256_abs_epi8(quants);
+  for (int m = 0; m < MT; ++m) {
+    const __m256i x = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(rows.quants + m * rows.quant_stride + b * elements));
+    const __m256i signed_x = _mm256_sign_epi8(x, quants);
+#ifdef KVFLOW_QUANT_VNNI
+    const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes, signed_x);
+#else
+    const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), _mm256_set1_epi16(1));
+#endif
+    const __m256 scale = _mm256_set1_ps(d * rows.scales[m * rows.scale_stride + b]);
+    acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[m]);
+  }
+}
+
 // Weight rows [n_begin, n_end) against x rows [m0, m0 + MT), one weight row at a time: one sequential stream
 // per thread (the hardware prefetchers follow one stream far better than two rows interleaved).
 template <class Block, int MT, class Rows>

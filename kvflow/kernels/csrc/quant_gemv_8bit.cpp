@@ -93,11 +93,9 @@ struct Q8_0Block {
 #endif
 };
 
-// Q8_0 against x quantized per 32 (the default, quant_activations.cpp): d_w * d_x * sum(q_w * q_x) per block, the
-// integer dot on u8 x s8 instructions as |q_w| * (q_x with q_w's sign) (exact: |q_w| <= 128 fits u8 and
-// |q_x| <= 127), one float conversion and multiply-add per block and x row. VNNI: vpdpbusd (256-bit: a Q8_0 block
-// is 32 bytes, and Zen 4 splits 512-bit operations in two anyway); AVX2: maddubs (pairs <= 2 * 128 * 127, no
-// saturation) then madd by ones. Both give the same int32 per block, so every build's results agree.
+// Q8_0 against x quantized per 32 (the default, quant_activations.cpp): d_w * d_x * sum(q_w * q_x) per block
+// (accumulate_signed_block: 256-bit vpdpbusd on VNNI builds, as a Q8_0 block is 32 bytes and Zen 4 splits
+// 512-bit operations in two anyway), one float conversion and multiply-add per block and x row.
 struct Q8_0IntegerBlock {
   using Acc = __m256;
   static constexpr int kElements = 32, kBytes = 34;
@@ -105,21 +103,8 @@ struct Q8_0IntegerBlock {
   static int prefetch_bytes() { return kPrefetchBytes; }
   template <int MT>
   static void accumulate(const uint8_t* block, const QuantRows& rows, int64_t b, __m256* acc) {
-    const float d = fp16_to_float(block);
     const __m256i quants = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2));
-    const __m256i magnitudes = _mm256_abs_epi8(quants);
-    for (int m = 0; m < MT; ++m) {
-      const __m256i x = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(rows.quants + m * rows.quant_stride + b * kElements));
-      const __m256i signed_x = _mm256_sign_epi8(x, quants);
-#ifdef KVFLOW_QUANT_VNNI
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes, signed_x);
-#else
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, signed_x), _mm256_set1_epi16(1));
-#endif
-      const __m256 scale = _mm256_set1_ps(d * rows.scales[m * rows.scale_stride + b]);
-      acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[m]);
-    }
+    accumulate_signed_block<MT>(fp16_to_float(block), quants, rows, b, kElements, acc);
   }
 };
 

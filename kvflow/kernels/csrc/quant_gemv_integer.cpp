@@ -20,9 +20,8 @@ inline __m256i dot_scaled(__m256i unsigned_bytes, const int8_t* signed_bytes, __
   return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_bytes, x), multipliers);
 }
 
-// Q4_0 against x quantized per 32: d_w * d_x * sum((q_w - 8) * q_x), the -8 applied to the weight bytes and
-// the product taken as |q_w - 8| * (q_x with q_w - 8's sign), maddubs needing one unsigned operand (the same
-// integer as sum(q_w * q_x) - 8 * sum(q_x)).
+// Q4_0 against x quantized per 32: d_w * d_x * sum((q_w - 8) * q_x), the -8 applied to the weight bytes, then
+// the signed block's integer dot (accumulate_signed_block; the same integer as sum(q_w * q_x) - 8 * sum(q_x)).
 struct Q4_0Block {
   using Acc = __m256;
   static constexpr int kElements = 32, kBytes = 18;
@@ -34,14 +33,7 @@ struct Q4_0Block {
     const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2));
     const __m256i both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);  // elements 0-15 | 16-31
     const __m256i quants = _mm256_sub_epi8(low_nibbles(both), _mm256_set1_epi8(8));
-    const __m256i magnitudes = _mm256_abs_epi8(quants), ones = _mm256_set1_epi16(1);
-    for (int m = 0; m < MT; ++m) {
-      const __m256i x = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(rows.quants + m * rows.quant_stride + b * kElements));
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x, quants)), ones);
-      const __m256 scale = _mm256_set1_ps(d * rows.scales[m * rows.scale_stride + b]);
-      acc[m] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dot), acc[m]);
-    }
+    accumulate_signed_block<MT>(d, quants, rows, b, kElements, acc);
   }
 };
 
