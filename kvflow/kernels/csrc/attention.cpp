@@ -186,30 +186,6 @@ struct LaneBuffers {
   float* probs;           // [kMaxVectors][kLaneKeys]: the chunk's probabilities, vector v's at v * 16
 };
 
-// The 16 x 16 32-bit transpose of rows[0..16): rows[i] lane j -> rows[j] lane i.
-inline void transpose16x16_epi32(__m512i rows[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // u[i + k], 128-bit lane l: element 4l + k of rows i .. i + 3
-    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512i a = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), b = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
-    const __m512i c = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
-    const __m512i d = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
-    rows[k] = _mm512_shuffle_i32x4(a, c, 0x88);
-    rows[4 + k] = _mm512_shuffle_i32x4(a, c, 0xDD);
-    rows[8 + k] = _mm512_shuffle_i32x4(b, d, 0x88);
-    rows[12 + k] = _mm512_shuffle_i32x4(b, d, 0xDD);
-  }
-}
-
 // keys[0 .. count) (rows of head_dim bf16) into key_pairs[p * 16 + j] = head dims 2p, 2p + 1 of key j, for
 // p < ceil(head_dim / 2); lanes j >= count and dims past head_dim are zero.
 inline void transpose_key_pairs(const bf16* keys, int64_t count, int64_t head_dim, uint32_t* key_pairs) {
@@ -217,13 +193,14 @@ inline void transpose_key_pairs(const bf16* keys, int64_t count, int64_t head_di
   for (int64_t d = 0; d < head_dim; d += 32) {
     const int64_t left = head_dim - d;
     const __mmask32 mask = left >= 32 ? 0xffffffffu : (1u << left) - 1u;
-    __m512i rows[16];
+    __m512 rows[16];  // pairs of bf16 as 32-bit lanes (float only as the transpose's register type)
     for (int64_t j = 0; j < kLaneKeys; ++j)
-      rows[j] = j < count ? _mm512_maskz_loadu_epi16(mask, keys + j * head_dim + d) : _mm512_setzero_si512();
-    transpose16x16_epi32(rows);
+      rows[j] = j < count ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mask, keys + j * head_dim + d))
+                          : _mm512_setzero_ps();
+    transpose16x16(rows);
     const int64_t first_pair = d / 2;
     for (int64_t p = 0; p < 16 && first_pair + p < num_pairs; ++p)
-      _mm512_storeu_si512(key_pairs + (first_pair + p) * kLaneKeys, rows[p]);
+      _mm512_storeu_si512(key_pairs + (first_pair + p) * kLaneKeys, _mm512_castps_si512(rows[p]));
   }
 }
 

@@ -71,6 +71,33 @@ inline float reduce8(__m256 values) {
 #endif
 
 #ifdef KVFLOW_AVX512
+// v[c] = column c of the 16 x 16 matrix whose rows were v[0 .. 16).
+inline void transpose16x16(__m512 (&v)[16]) {
+  __m512 pairs[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (r0_0, r1_0, r0_1, r1_1) and (r0_2, r1_2, r0_3, r1_3)
+    pairs[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+    pairs[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // v[4i + c], lane L: column 4L + c of rows 4i .. 4i + 3
+    v[4 * i] = _mm512_shuffle_ps(pairs[4 * i], pairs[4 * i + 2], 0x44);
+    v[4 * i + 1] = _mm512_shuffle_ps(pairs[4 * i], pairs[4 * i + 2], 0xEE);
+    v[4 * i + 2] = _mm512_shuffle_ps(pairs[4 * i + 1], pairs[4 * i + 3], 0x44);
+    v[4 * i + 3] = _mm512_shuffle_ps(pairs[4 * i + 1], pairs[4 * i + 3], 0xEE);
+  }
+  __m512 columns[16];
+  for (int c = 0; c < 4; ++c) {
+    const __m512 even01 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0x88);   // lanes 0, 2 of rows 0-3 and 4-7
+    const __m512 odd01 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0xDD);    // lanes 1, 3
+    const __m512 even23 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0x88);
+    const __m512 odd23 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0xDD);
+    columns[c] = _mm512_shuffle_f32x4(even01, even23, 0x88);
+    columns[8 + c] = _mm512_shuffle_f32x4(even01, even23, 0xDD);
+    columns[4 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0x88);
+    columns[12 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0xDD);
+  }
+  for (int c = 0; c < 16; ++c) v[c] = columns[c];
+}
+
 inline __mmask16 tail_mask(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << count) - 1u);
 }
