@@ -38,6 +38,8 @@ TIMEOUT_S = 120.0
 MAX_TOKENS = 16
 ENDLESS = 4000  # a stream with seconds of work left (max_model_len 4096)
 HEADER = "x-kvflow-api-server"
+STREAM_BURST = 4  # streams opened at once by streams_on_both
+BOTH_PROCESSES_TIMEOUT_S = 60.0
 SERVER_ARGS = (
     "hash",
     "--api-server-count",
@@ -106,30 +108,43 @@ def metric_sum(server: RemoteServer, name: str, **labels: str) -> float:
 async def streams_on_both(
     server: RemoteServer, max_tokens: int = ENDLESS
 ) -> AsyncIterator[list[tuple[str, httpx.Response]]]:
-    """Open streaming completions, each on its own connection, until both API processes hold one; yields
-    (API process, response) for every stream opened (its headers read); closes them all at the end."""
+    """Open streaming completions, each on its own connection, in bursts of `STREAM_BURST` at once, until both API
+    processes hold one (a deadline of `BOTH_PROCESSES_TIMEOUT_S` names the failure); yields (API process, response)
+    for every stream opened (its headers read); closes them all at the end.
+    The processes share one listening socket, so which one accepts a connection is the kernel's and the
+    scheduler's choice: one at a time, on a busy machine, the process back from the previous request could take
+    64 in a row (a `make test-latest` run did). Connections that arrive together reach the other process while
+    the first one is busy with its request, and the deadline, not a count, bounds the tries."""
     clients: list[httpx.AsyncClient] = []
     opened: list[tuple[str, httpx.Response]] = []
+
+    async def open_stream(index: int) -> None:
+        client = httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S)
+        clients.append(client)
+        body = {
+            "model": "hash",
+            "prompt": prompt_ids(900 + index),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        request = client.build_request("POST", "/v1/completions", json=body)
+        response = await client.send(request, stream=True)
+        opened.append((response.headers.get(HEADER, "?"), response))
+        assert response.status_code == 200, response.status_code
+
     try:
-        for index in range(64):
-            client = httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT_S)
-            clients.append(client)
-            body = {
-                "model": "hash",
-                "prompt": prompt_ids(900 + index),
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-                "return_token_ids": True,
-            }
-            request = client.build_request("POST", "/v1/completions", json=body)
-            response = await client.send(request, stream=True)
-            assert response.status_code == 200
-            opened.append((response.headers[HEADER], response))
-            if {process for process, _ in opened} == {"0", "1"}:
-                break
-        assert {process for process, _ in opened} == {"0", "1"}, "one process took every connection"
+        deadline = asyncio.get_running_loop().time() + BOTH_PROCESSES_TIMEOUT_S
+        index = 0
+        while {process for process, _ in opened} != {"0", "1"}:
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"timed out waiting until both API processes held a stream ({len(opened)} opened, all on "
+                f"{sorted({process for process, _ in opened})}): one process took every connection"
+            )
+            await asyncio.gather(*(open_stream(index + i) for i in range(STREAM_BURST)))
+            index += STREAM_BURST
         yield opened
     finally:
         for _, response in opened:
