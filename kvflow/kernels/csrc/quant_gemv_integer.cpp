@@ -65,6 +65,20 @@ inline __m128i q4_k_head_simd(__m128i head) {
 }
 #endif
 
+// Bytes [b | b] (the same 32 bytes in both halves) to [b & 0x0F | b >> 4]. GFNI: one affine byte transform whose
+// 8x8 bit matrix (one per 64-bit lane) keeps bits 0-3 in the low half and moves bits 4-7 down in the high half,
+// the same bytes as the shift and mask of builds without it.
+inline __m512i nibbles_low_high(__m512i bytes) {
+#ifdef __GFNI__
+  const __m512i matrices = _mm512_set_epi64(0x1020408000000000LL, 0x1020408000000000LL, 0x1020408000000000LL,
+                                            0x1020408000000000LL, 0x0102040800000000LL, 0x0102040800000000LL,
+                                            0x0102040800000000LL, 0x0102040800000000LL);
+  return _mm512_gf2p8affine_epi64_epi8(bytes, matrices, 0);
+#else
+  return _mm512_and_si512(_mm512_mask_srli_epi16(bytes, 0xFFFF0000u, bytes, 4), _mm512_set1_epi8(0x0F));
+#endif
+}
+
 // Q4_K against x quantized per 256: d_w * d_x * sum_j sc_j * dot(q_j, q_x_j) - dmin * d_x * sum_j m_j * sum(q_x_j)
 // over the 8 sub-blocks j of 32, both sums integer (the scales as int16 multipliers, the mins against the
 // per-16 sums of the quants), two float conversions per super-block.
@@ -94,11 +108,10 @@ struct Q4_KBlock {
     __m512i sums[MT];
     for (int m = 0; m < MT; ++m) sums[m] = _mm512_setzero_si512();
     const int8_t* x = rows.quants + b * kElements;
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
       const __m512i bytes =
           _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c)));
-      const __m512i quants = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, 0xFFFF0000u, bytes, 4), nibble);
+      const __m512i quants = nibbles_low_high(bytes);
       // int16 lanes 0-15 sc_2c, 16-31 sc_2c+1: byte 2c (2c + 1) then a zero byte (shuffle index 0x80).
       const __m512i pick = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>(0x8000 | 2 * c)),
                                                    _mm512_set1_epi16(static_cast<int16_t>(0x8000 | (2 * c + 1))));
