@@ -608,3 +608,37 @@ def test_q4_k_products_decode_every_scale_and_min_bit(ops: object, two_threads: 
         outputs.append(out)
     for out in outputs[:3]:
         assert torch.equal(out, outputs[2][: out.shape[0]])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_gemv_on_random_blocks_is_exact(ops: object, qtype: str, two_threads: None) -> None:
+    """Random-byte Q4_K / Q6_K blocks (every nibble, high-bit pair, 6-bit scale and min pattern; Q6_K scales kept
+    within +-31) with d = dmin = 1, against x rows of small integers whose largest magnitude per 256 is 127, so
+    that x quantizes to itself (d_x = 1): every product, integer dot, float lane and lane sum is an integer below
+    2^24, exact in float32, so the GEMV (M = 1..8 x rows) must equal the float64 product exactly, on 1 and 2
+    threads. 203 weight rows: many row chunks per thread, the last one partial, each decoded as it would be
+    alone."""
+    code = quant._GGML_TYPE_CODES[qtype]
+    rows, columns = 203, 1024
+    block_bytes = quant.GGML_BLOCK_SIZES[qtype][1]
+    generator = torch.Generator().manual_seed(41)
+    blocks = torch.randint(
+        0, 256, (rows, columns // 256, block_bytes), generator=generator, dtype=torch.uint8
+    )
+    one = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)  # d (and Q4_K's dmin) = 1
+    if qtype == "Q4_K":
+        blocks[..., 0:2] = one
+        blocks[..., 2:4] = one
+    else:
+        scales = torch.randint(-31, 32, (rows, columns // 256, 16), generator=generator)
+        blocks[..., 192:208] = scales.to(torch.int8).view(torch.uint8)
+        blocks[..., 208:210] = one
+    blocks = blocks.view(rows, -1)
+    weight = quant.dequantize_reference(qtype, blocks).double()
+    x = torch.randint(-3, 4, (8, columns), generator=generator).float()
+    x[:, ::256] = (
+        127.0 * (1 - 2 * (torch.arange(8) % 2)).float()[:, None]
+    )  # amax 127 in every block of 256
+    for m in range(1, 9):
+        out = _on_threads(ops.ggml_linear, x[:m], blocks, code, None, 8)  # type: ignore[attr-defined]
+        assert torch.equal(out.double(), x[:m].double() @ weight.T)

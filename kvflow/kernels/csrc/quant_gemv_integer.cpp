@@ -65,6 +65,20 @@ inline __m128i q4_k_head_simd(__m128i head) {
 }
 #endif
 
+// Bytes [b | b] (the same 32 bytes in both halves) to [b & 0x0F | b >> 4]. GFNI: one affine byte transform whose
+// 8x8 bit matrix (one per 64-bit lane) keeps bits 0-3 in the low half and moves bits 4-7 down in the high half,
+// the same bytes as the shift and mask of builds without it.
+inline __m512i nibbles_low_high(__m512i bytes) {
+#ifdef __GFNI__
+  const __m512i matrices = _mm512_set_epi64(0x1020408000000000LL, 0x1020408000000000LL, 0x1020408000000000LL,
+                                            0x1020408000000000LL, 0x0102040800000000LL, 0x0102040800000000LL,
+                                            0x0102040800000000LL, 0x0102040800000000LL);
+  return _mm512_gf2p8affine_epi64_epi8(bytes, matrices, 0);
+#else
+  return _mm512_and_si512(_mm512_mask_srli_epi16(bytes, 0xFFFF0000u, bytes, 4), _mm512_set1_epi8(0x0F));
+#endif
+}
+
 // Q4_K against x quantized per 256: d_w * d_x * sum_j sc_j * dot(q_j, q_x_j) - dmin * d_x * sum_j m_j * sum(q_x_j)
 // over the 8 sub-blocks j of 32, both sums integer (the scales as int16 multipliers, the mins against the
 // per-16 sums of the quants), two float conversions per super-block.
@@ -94,11 +108,10 @@ struct Q4_KBlock {
     __m512i sums[MT];
     for (int m = 0; m < MT; ++m) sums[m] = _mm512_setzero_si512();
     const int8_t* x = rows.quants + b * kElements;
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
       const __m512i bytes =
           _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * c)));
-      const __m512i quants = _mm512_and_si512(_mm512_mask_srli_epi16(bytes, 0xFFFF0000u, bytes, 4), nibble);
+      const __m512i quants = nibbles_low_high(bytes);
       // int16 lanes 0-15 sc_2c, 16-31 sc_2c+1: byte 2c (2c + 1) then a zero byte (shuffle index 0x80).
       const __m512i pick = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>(0x8000 | 2 * c)),
                                                    _mm512_set1_epi16(static_cast<int16_t>(0x8000 | (2 * c + 1))));
@@ -151,6 +164,34 @@ struct Q4_KBlock {
 #endif
 };
 
+#ifdef KVFLOW_QUANT_VNNI
+// Q6_K's bits 4-5 for 64 quants from [qh | qh] (the same 32 bytes in both halves): the first 64 of a half take qh's
+// bit pairs 0 (low half) and 1 (high half), the second 64 pairs 2 and 3; GFNI moves each pair to bits 4-5 in one
+// affine byte transform (an 8x8 bit matrix per 64-bit lane), other builds shift each 16-bit lane and mask.
+struct Q6KHighBits {
+  int64_t low_matrix, high_matrix;  // GFNI: the bit pair to bits 4-5
+  int low_count, high_count;        // else: each 16-bit lane shifted by these, left for the first 64, right after
+};
+constexpr Q6KHighBits kQ6KFirstHighBits{0x01020000LL, 0x04080000LL, 4, 2};
+constexpr Q6KHighBits kQ6KSecondHighBits{0x10200000LL, 0x40800000LL, 0, 2};
+
+// (low & nibble) | the high bits `bits` picks from `high`: 64 6-bit quants.
+template <bool kFirst>
+inline __m512i q6_k_quants(__m512i low, __m512i nibble, __m512i high, const Q6KHighBits& bits) {
+#ifdef __GFNI__
+  const __m512i matrices = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi64(bits.low_matrix),
+                                                   _mm512_set1_epi64(bits.high_matrix));
+  const __m512i top = _mm512_gf2p8affine_epi64_epi8(high, matrices, 0);
+#else
+  const __m512i counts = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(static_cast<int16_t>(bits.low_count)),
+                                                 _mm512_set1_epi16(static_cast<int16_t>(bits.high_count)));
+  const __m512i shifted = kFirst ? _mm512_sllv_epi16(high, counts) : _mm512_srlv_epi16(high, counts);
+  const __m512i top = _mm512_and_si512(shifted, _mm512_set1_epi8(0x30));
+#endif
+  return _mm512_ternarylogic_epi32(low, nibble, top, 0xEA);  // (low & nibble) | top
+}
+#endif
+
 // Q6_K against x quantized per 256: d_w * d_x * sum_g sc_g * (dot(q_g, q_x_g) - 32 * sum(q_x_g)) over the 16
 // groups g of 16, all integer (the int8 scales as int16 multipliers; the -32 offset against the per-16 sums of
 // the quants), one float conversion per super-block.
@@ -176,19 +217,14 @@ struct Q6_KBlock {
           reinterpret_cast<const __m256i*>(rows.sums + m * rows.sum_stride + b * (kElements / 16))));
       sums[m] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), x_sums, offset_scales);
     }
-    const __m512i nibble = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
-    // Per 16-bit lane: qh shifted left 4 (low half) / 2 (high half) for the first 64, 0 / right 2 for the next.
-    const __m512i shift_first = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(4), _mm512_set1_epi16(2));
-    const __m512i shift_second = _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_setzero_si512(), _mm512_set1_epi16(2));
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
     const int8_t* x = rows.quants + b * kElements;
     for (int h = 0; h < 2; ++h) {
       const __m512i low = _mm512_loadu_si512(block + 64 * h);
       const __m512i high =
           _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * h)));
-      const __m512i first = _mm512_or_si512(_mm512_and_si512(low, nibble),
-                                            _mm512_and_si512(_mm512_sllv_epi16(high, shift_first), bits45));
-      const __m512i second = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(low, 4), nibble),
-                                             _mm512_and_si512(_mm512_srlv_epi16(high, shift_second), bits45));
+      const __m512i first = q6_k_quants<true>(low, nibble, high, kQ6KFirstHighBits);
+      const __m512i second = q6_k_quants<false>(_mm512_srli_epi16(low, 4), nibble, high, kQ6KSecondHighBits);
       const __m512i group = _mm512_set1_epi16(static_cast<int16_t>(8 * h));
       const __m512i lane_group = _mm512_srli_epi16(
           _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9,
