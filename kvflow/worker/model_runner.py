@@ -19,7 +19,12 @@ from kvflow.worker.prompt_logprobs import (
     compute_prompt_logprobs,
     prompt_logprob_rows,
 )
-from kvflow.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from kvflow.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    build_sampling_metadata,
+    samples_argmax_only,
+)
 from kvflow.worker.states import RequestSlots
 
 if TYPE_CHECKING:
@@ -492,6 +497,12 @@ class ModelRunner:
         num_tokens = self.slots.num_tokens[slot_indices]
         if offsets is not None:
             num_tokens = num_tokens + offsets
+        num_outputs = (num_tokens - self.slots.num_prompt_tokens[slot_indices]).tolist()
+        if all(
+            samples_argmax_only(p, n)  # type: ignore[arg-type]
+            for p, n in zip(params, num_outputs, strict=True)
+        ):
+            return self.sampler.argmax_only(logits)
         metadata = build_sampling_metadata(
             params,  # type: ignore[arg-type]
             token_ids=self.slots.token_ids,
