@@ -325,82 +325,16 @@ class ModelRunner:
         spec_decode_tokens: dict[str, list[int]] | None = None,
     ) -> tuple[BatchInputs, _StepArrays, SpecStep | None]:
         """Build the batch tensors with vectorised gathers over the slot arrays (O(scheduled tokens)), after
-        writing the step's drafts (if any) into the token buffers. A plain decode step (one token per request, no
-        drafts, prompt logprobs, LoRA or further KV cache groups) takes `_prepare_decode_inputs`, the same batch
-        for less work: a one-request decode step spends more time here than in its attention."""
-        req_ids = list(num_scheduled_tokens)
-        slot_indices = np.fromiter(
-            (self._index_of(req_id) for req_id in req_ids), np.int64, len(req_ids)
-        )
-        if (
-            req_ids
-            and not spec_decode_tokens
-            and not self.prompt_logprob_reqs
-            and self.num_kv_groups == 1
-            and self.lora_manager is None
-            and min(num_scheduled_tokens.values()) == max(num_scheduled_tokens.values()) == 1
-        ):
-            decode = self._prepare_decode_inputs(req_ids, slot_indices)
-            if decode is not None:
-                return decode[0], decode[1], None
-        return self._prepare_batch_inputs(
-            req_ids, slot_indices, num_scheduled_tokens, spec_decode_tokens
-        )
-
-    def _prepare_decode_inputs(
-        self, req_ids: list[str], slot_indices: np.ndarray
-    ) -> tuple[BatchInputs, _StepArrays] | None:
-        """The batch of a step in which every request runs exactly its last known token (plain decode), equal field
-        for field (values and dtypes) to `_prepare_batch_inputs`'s, with a third of its array operations: each
-        row is one flat token that samples, at position `num_computed_tokens`. None when some request is not at its
-        last known token or lacks the block (the general path then builds the step, or refuses it)."""
-        slots, block_size = self.slots, self.block_size
-        positions = slots.num_computed_tokens[slot_indices]
-        seq_lens = positions + 1
-        if not np.array_equal(seq_lens, slots.num_tokens[slot_indices]) or bool(
-            (positions // block_size >= slots.num_blocks[slot_indices]).any()
-        ):
-            return None
-        rows = np.arange(len(req_ids), dtype=np.int64)
-        input_ids = slots.token_ids[slot_indices, positions]
-        block_ids = slots.block_table[slot_indices, positions // block_size].astype(np.int64)
-        slot_mapping = block_ids * block_size + positions % block_size
-        arrays = _StepArrays(
-            slot_indices,
-            np.ones(len(req_ids), dtype=np.int64),
-            rows,
-            {req_id: row for row, req_id in enumerate(req_ids)},
-        )
-        device = self.device
-        batch = BatchInputs(
-            req_ids=req_ids,
-            block_size=block_size,
-            input_ids=to_device(input_ids, device),
-            positions=to_device(positions, device),
-            slot_mapping=to_device(slot_mapping, device),
-            query_start_loc=to_device(np.arange(len(req_ids) + 1, dtype=np.int32), device),
-            seq_lens=to_device(seq_lens.astype(np.int32), device),
-            block_tables=to_device(
-                slots.batch_block_tables(slot_indices, seq_lens, block_size), device
-            ),
-            logits_indices=to_device(rows.copy(), device),
-            sampled_req_indices=to_device(rows.copy(), device),
-        )
-        return batch, arrays
-
-    def _prepare_batch_inputs(
-        self,
-        req_ids: list[str],
-        slot_indices: np.ndarray,
-        num_scheduled_tokens: dict[str, int],
-        spec_decode_tokens: dict[str, list[int]] | None,
-    ) -> tuple[BatchInputs, _StepArrays, SpecStep | None]:
-        """Any step's batch (`_prepare_inputs`).
+        writing the step's drafts (if any) into the token buffers.
 
         The comments follow one example: requests [a, b, c] hold slots [3, 0, 1], have [7, 0, 4] tokens computed
         and [2, 5, 3] scheduled, with block_size 4 and block tables a: [5, 9, 1], b: [2, 6], c: [8, 3]; b is the
         first chunk of a 12-token prompt, a and c reach their last known token.
         """
+        req_ids = list(num_scheduled_tokens)
+        slot_indices = np.fromiter(
+            (self._index_of(req_id) for req_id in req_ids), np.int64, len(req_ids)
+        )
         num_scheduled = np.fromiter(num_scheduled_tokens.values(), np.int64, len(req_ids))
         start = self.slots.num_computed_tokens[slot_indices]
         seq_lens = start + num_scheduled  # E.g., [7, 0, 4] + [2, 5, 3] -> [9, 5, 7]

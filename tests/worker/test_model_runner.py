@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -235,86 +234,6 @@ def test_greedy_rows_leave_the_full_sampling_path_only_once_min_tokens_is_met() 
         expected.append(token)
     assert tokens["plain"] == reference_tokens(PROMPT, 5) and tokens["plain"][0] == eos
     assert tokens["min"] == expected and expected[0] != eos
-
-
-def assert_same_batch(fast: BatchInputs, general: BatchInputs) -> None:
-    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens"):
-        assert getattr(fast, name).dtype == getattr(general, name).dtype, name
-        assert torch.equal(getattr(fast, name), getattr(general, name)), name
-    for name in ("block_tables", "logits_indices", "sampled_req_indices"):
-        assert getattr(fast, name).dtype == getattr(general, name).dtype, name
-        assert torch.equal(getattr(fast, name), getattr(general, name)), name
-    assert (fast.req_ids, fast.block_size, fast.other_groups) == (
-        general.req_ids,
-        general.block_size,
-        general.other_groups,
-    )
-    assert fast.lora_token_slots is None and general.lora_token_slots is None
-
-
-def test_decode_steps_build_the_general_paths_batch_for_any_batch_size_in_sequence() -> None:
-    """Plain decode steps take `_prepare_decode_inputs`. Two runners fed the same steps, one with the fast path
-    switched off, must see identical batches (values and dtypes) and sample identical tokens while the batch grows,
-    shrinks, reorders and crosses block boundaries, so nothing of an earlier step leaks into a later one."""
-    fast, general = make_runner(), make_runner()
-    general._prepare_decode_inputs = lambda *args: None  # type: ignore[method-assign]
-    prompts = {"a": PROMPT, "b": [5, 6, 7], "c": list(range(30, 37))}
-    blocks = {"a": [3, 1, 8, 9, 10], "b": [0, 2, 4, 5, 6], "c": [11, 12, 13, 14, 15]}
-    held: dict[str, int] = {}  # request -> tokens computed
-
-    def run(scheduler_output: SchedulerOutput) -> dict[str, list[int]]:
-        outputs = [runner.execute_model(scheduler_output) for runner in (fast, general)]
-        assert_same_batch(last_batch(fast), last_batch(general))
-        assert outputs[0].sampled_token_ids == outputs[1].sampled_token_ids
-        return {r: outputs[0].sampled_token_ids[i] for r, i in outputs[0].req_id_to_index.items()}
-
-    def decode_step(order: list[str]) -> None:
-        entries = []
-        for req_id in order:
-            computed = held[req_id]
-            # A new block whenever the token to write starts one (blocks of 4).
-            new_blocks = (
-                [blocks[req_id][computed // BLOCK_SIZE]] if computed % BLOCK_SIZE == 0 else None
-            )
-            entries.append((req_id, computed, new_blocks, []))
-        run(step(dict.fromkeys(order, 1), cached_reqs=cached(*entries)))
-        for req_id in order:
-            held[req_id] += 1
-
-    def prefill(req_id: str) -> None:
-        prompt = prompts[req_id]
-        run(
-            step(
-                {req_id: len(prompt)},
-                [new(req_id, prompt, blocks[req_id][: -(-len(prompt) // BLOCK_SIZE)])],
-            )
-        )
-        held[req_id] = len(prompt)
-
-    prefill("a")
-    for _ in range(3):
-        decode_step(["a"])  # one request: positions 10, 11, 12 (a new block)
-    prefill("b")
-    decode_step(["b", "a"])
-    decode_step(["a", "b"])
-    prefill("c")
-    for _ in range(4):
-        decode_step(["c", "a", "b"])
-    run(step({}, finished=["b"]))
-    del held["b"]
-    decode_step(["a", "c"])
-    decode_step(["c"])
-    assert fast.slots.get_token_ids("a") == PROMPT + reference_tokens(PROMPT, 11)
-    # Pure functions of the slots: "c" may decode next and both paths agree; "a" has no block for position 20, so
-    # the fast path declines and the general path refuses the step.
-    index_c = np.array([fast.slots.req_id_to_index["c"]], dtype=np.int64)
-    decode = fast._prepare_decode_inputs(["c"], index_c)
-    assert decode is not None
-    assert_same_batch(decode[0], fast._prepare_batch_inputs(["c"], index_c, {"c": 1}, None)[0])
-    index_a = np.array([fast.slots.req_id_to_index["a"]], dtype=np.int64)
-    assert fast._prepare_decode_inputs(["a"], index_a) is None
-    with pytest.raises(AssertionError, match="without KV blocks"):
-        fast._prepare_batch_inputs(["a"], index_a, {"a": 1}, None)
 
 
 def test_chunked_prefill_matches_one_shot_and_reference() -> None:
