@@ -67,7 +67,10 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     import numpy as np
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":  # no copy: `.to` would return this same tensor
+        return tensor
+    return tensor.to(device, non_blocking=True)
 
 
 def child_request_id(parent_request_id: str, index: int) -> str:

@@ -19,7 +19,12 @@ from kvflow.worker.prompt_logprobs import (
     compute_prompt_logprobs,
     prompt_logprob_rows,
 )
-from kvflow.worker.sampler import Sampler, SamplerOutput, build_sampling_metadata
+from kvflow.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    build_sampling_metadata,
+    samples_argmax_only,
+)
 from kvflow.worker.states import RequestSlots
 
 if TYPE_CHECKING:
@@ -136,38 +141,53 @@ class ModelRunner:
         batch, arrays, spec = self._prepare_inputs(
             scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
         )
+        # One inference-mode scope for the forward pass and the sampling (entering one costs as much as a small
+        # step's input preparation); the state update after it runs outside, as it always did.
         with torch.inference_mode():
             model_output = self.model.forward(batch, self.kv_cache)
-        if scheduler_output.has_structured_output_requests:
-            self._deferred_step = (model_output, batch, arrays, spec)
-            return None
-        return self._sample_and_update(model_output, batch, arrays, spec, None)
+            if scheduler_output.has_structured_output_requests:
+                self._deferred_step = (model_output, batch, arrays, spec)
+                return None
+            samples = self._sample_step(model_output, batch, arrays, spec, None)
+        return self._finish_step(batch, arrays, spec, samples)
 
     def sample_tokens(self, grammar_output: GrammarOutput) -> ModelRunnerOutput:
         """Sample the step whose forward pass `execute_model` deferred, masking its structured requests' rows."""
         assert self._deferred_step is not None, "sample_tokens without a deferred forward pass"
         model_output, batch, arrays, spec = self._deferred_step
         self._deferred_step = None
-        return self._sample_and_update(model_output, batch, arrays, spec, grammar_output)
+        with torch.inference_mode():
+            samples = self._sample_step(model_output, batch, arrays, spec, grammar_output)
+        return self._finish_step(batch, arrays, spec, samples)
 
-    def _sample_and_update(
+    def _sample_step(
         self,
         model_output: torch.Tensor,
         batch: BatchInputs,
         arrays: _StepArrays,
         spec: SpecStep | None,
         grammar_output: GrammarOutput | None,
+    ) -> tuple[SamplerOutput, dict[int, list[int]], dict[str, LogprobsLists] | None]:
+        """The step's samples, verified drafts and prompt logprobs (called in inference mode)."""
+        offsets = None if spec is None else spec.sample_offsets
+        sampled = self._sample(model_output, batch, arrays, offsets, grammar_output)
+        verified: dict[int, list[int]] = {}
+        if spec is not None and self.spec_decode is not None:
+            verified = self.spec_decode.verify(model_output, spec, self.sampler)
+        prompt_logprobs = None
+        if arrays.prompt_rows is not None:
+            prompt_logits = model_output[batch.num_sampled :]
+            prompt_logprobs = compute_prompt_logprobs(prompt_logits, arrays.prompt_rows)
+        return sampled, verified, prompt_logprobs
+
+    def _finish_step(
+        self,
+        batch: BatchInputs,
+        arrays: _StepArrays,
+        spec: SpecStep | None,
+        samples: tuple[SamplerOutput, dict[int, list[int]], dict[str, LogprobsLists] | None],
     ) -> ModelRunnerOutput:
-        with torch.inference_mode():
-            offsets = None if spec is None else spec.sample_offsets
-            sampled = self._sample(model_output, batch, arrays, offsets, grammar_output)
-            verified: dict[int, list[int]] = {}
-            if spec is not None and self.spec_decode is not None:
-                verified = self.spec_decode.verify(model_output, spec, self.sampler)
-            prompt_logprobs = None
-            if arrays.prompt_rows is not None:
-                prompt_logits = model_output[batch.num_sampled :]
-                prompt_logprobs = compute_prompt_logprobs(prompt_logits, arrays.prompt_rows)
+        sampled, verified, prompt_logprobs = samples
         output = self._update_states(batch, arrays, sampled, spec, verified)
         output.prompt_logprobs_dict = prompt_logprobs
         return output
@@ -468,7 +488,8 @@ class ModelRunner:
         assert model_output.shape[0] == batch.logits_indices.shape[0], (
             "one row of logits per logits index"
         )
-        model_output = model_output[:num_sampled]  # prompt-logprob rows, if any, follow
+        if model_output.shape[0] != num_sampled:
+            model_output = model_output[:num_sampled]  # prompt-logprob rows follow
         if grammar_output is not None and grammar_output.structured_output_request_ids:
             row_req_ids = [batch.req_ids[row] for row in arrays.sampled_rows.tolist()]
             model_output = apply_grammar_bitmask(model_output, row_req_ids, grammar_output)
@@ -492,6 +513,12 @@ class ModelRunner:
         num_tokens = self.slots.num_tokens[slot_indices]
         if offsets is not None:
             num_tokens = num_tokens + offsets
+        num_outputs = (num_tokens - self.slots.num_prompt_tokens[slot_indices]).tolist()
+        if all(
+            samples_argmax_only(p, n)  # type: ignore[arg-type]
+            for p, n in zip(params, num_outputs, strict=True)
+        ):
+            return self.sampler.argmax_only(logits)
         metadata = build_sampling_metadata(
             params,  # type: ignore[arg-type]
             token_ids=self.slots.token_ids,
@@ -555,7 +582,10 @@ class ModelRunner:
         accept`) to its request's buffer, report the samples and propose the next drafts.
 
         Logprob rows are re-indexed from sampled rows to batch rows (partial prefills get empty rows)."""
-        sampled_np = sampler_output.sampled_token_ids.to("cpu").numpy()
+        sampled_token_ids = sampler_output.sampled_token_ids
+        if sampled_token_ids.device.type != "cpu":
+            sampled_token_ids = sampled_token_ids.cpu()
+        sampled_np = sampled_token_ids.numpy()
         self.slots.num_computed_tokens[arrays.slot_indices] += arrays.num_scheduled
         if spec is not None and self.spec_decode is not None:
             sampled_token_ids = self.spec_decode.accept(spec, sampled_np, verified or {})

@@ -139,7 +139,7 @@ def build_sampling_metadata(
         num_prompt_tokens, dtype=np.int64
     )
     temperature = np.array([p.temperature for p in params], dtype=np.float32)
-    greedy = temperature < _SAMPLING_EPS
+    greedy = _is_greedy(temperature)
     random_rows = ~greedy
     metadata = SamplingMetadata(
         num_rows=num_rows,
@@ -174,6 +174,48 @@ def build_sampling_metadata(
         (k for k in metadata.num_logprobs if k is not None), default=None
     )
     return metadata
+
+
+def _is_greedy(temperature: np.ndarray | np.float32) -> np.ndarray | np.bool_:
+    """Whether a float32 temperature is greedy (one rule for `build_sampling_metadata` and `samples_argmax_only`)."""
+    return temperature < _SAMPLING_EPS
+
+
+def samples_argmax_only(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a row of a request with `params` and `num_output_tokens` outputs so far takes the plain argmax of
+    its logits: greedy, no logprobs, and nothing `build_sampling_metadata` would apply before the argmax.
+
+    Never True where `build_sampling_metadata(...).is_plain_greedy` would be False (a conservative check: it may
+    say False for settings that turn out to change nothing, such as a `min_tokens` ban on ids outside the
+    vocabulary), so a batch of such rows can skip building the metadata: O(1) per row, no tensors.
+    """
+    return bool(
+        _is_greedy(np.float32(params.temperature))
+        and params.logprobs is None
+        and num_output_tokens >= params.min_tokens
+        and params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and not params.allowed_token_ids
+        and not params.bad_words_token_ids
+        and not params.logit_bias
+    )
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (int64), the first maximum, NaN counting as the maximum (as `torch.argmax`).
+
+    A CPU float32 tensor goes through numpy's vectorised argmax, an order of magnitude faster than torch's for
+    vocabulary-sized rows (about 10 us against 110 us for 128256 logits on a Zen 4 core), with the same result.
+    """
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and not logits.requires_grad
+    ):
+        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
 
 
 def _fill_truncation(
@@ -519,14 +561,14 @@ class Sampler:
             return SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), None)
         logits = logits.float()
         if metadata.is_plain_greedy:
-            return SamplerOutput(logits.argmax(dim=-1), None)
+            return SamplerOutput(argmax_rows(logits), None)
         processed = self.process_logits(logits, metadata)
         if metadata.all_greedy:
-            sampled = processed.argmax(dim=-1)
+            sampled = argmax_rows(processed)
         elif metadata.all_random:
             sampled = self._sample_random(processed, metadata)
         else:
-            greedy_ids = processed.argmax(dim=-1)
+            greedy_ids = argmax_rows(processed)
             sampled = torch.where(
                 metadata.greedy, greedy_ids, self._sample_random(processed, metadata)
             )
@@ -536,6 +578,13 @@ class Sampler:
             else compute_logprobs(logits, sampled, metadata)
         )
         return SamplerOutput(sampled, logprobs)
+
+    @staticmethod
+    def argmax_only(logits: torch.Tensor) -> SamplerOutput:
+        """What `__call__` returns for rows that all take the plain argmax (`samples_argmax_only` of each),
+        without their `SamplingMetadata`."""
+        assert logits.dim() == 2, f"logits {tuple(logits.shape)} are not [rows, vocab]"
+        return SamplerOutput(argmax_rows(logits.float()), None)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

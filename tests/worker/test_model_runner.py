@@ -11,6 +11,7 @@ import torch
 from kvflow.batch import BatchInputs
 from kvflow.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from kvflow.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from kvflow.models.hash_model import HashLogitsModel
 from kvflow.sampling_params import SamplingParams
 from kvflow.testing.hash_model import HashModel, next_token, reference_tokens
 from kvflow.worker.model_runner import ModelRunner
@@ -189,6 +190,50 @@ def test_one_shot_prefill_and_decode_match_reference() -> None:
     tokens.append(decode(runner, "a", 13))
     assert tokens == reference_tokens(PROMPT, 5)
     assert runner.slots.get_token_ids("a") == PROMPT + tokens
+
+
+def test_greedy_rows_leave_the_full_sampling_path_only_once_min_tokens_is_met() -> None:
+    """A batch of plain greedy rows skips the sampling metadata (`samples_argmax_only`); a row still below its
+    min_tokens keeps the whole batch on the full path, where its EOS is banned. Both rows must decode as the rule
+    computed without the engine: the banned EOS moves to the next token, then plain greedy argmax."""
+    model = HashLogitsModel()
+    eos = reference_tokens(PROMPT, 1)[
+        0
+    ]  # the plain greedy first token is the EOS: min_tokens bans it
+    runner = ModelRunner(
+        model,
+        max_num_reqs=2,
+        max_model_len=64,
+        block_size=BLOCK_SIZE,
+        num_blocks=64,
+        eos_token_id=eos,
+    )
+    plain = NewRequestData("plain", PROMPT, SamplingParams(temperature=0), ([0, 1, 2, 3],), 0)
+    banned = NewRequestData(
+        "min", PROMPT, SamplingParams(temperature=0, min_tokens=2), ([4, 5, 6, 7],), 0
+    )
+    output = runner.execute_model(step({"plain": 10, "min": 10}, [plain, banned]))
+    tokens = {
+        req_id: list(output.sampled_token_ids[output.req_id_to_index[req_id]])
+        for req_id in ("plain", "min")
+    }
+    for i in range(4):
+        output = runner.execute_model(
+            step(
+                {"plain": 1, "min": 1},
+                cached_reqs=cached(("plain", 10 + i, None, []), ("min", 10 + i, None, [])),
+            )
+        )
+        for req_id in tokens:
+            tokens[req_id] += output.sampled_token_ids[output.req_id_to_index[req_id]]
+    expected: list[int] = []
+    for _ in range(5):
+        token = next_token(PROMPT + expected, model.vocab_size)
+        if len(expected) < 2 and token == eos:
+            token = (token + 1) % model.vocab_size
+        expected.append(token)
+    assert tokens["plain"] == reference_tokens(PROMPT, 5) and tokens["plain"][0] == eos
+    assert tokens["min"] == expected and expected[0] != eos
 
 
 def test_chunked_prefill_matches_one_shot_and_reference() -> None:

@@ -15,8 +15,10 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.worker.sampler import (
     Sampler,
     SamplingMetadata,
+    argmax_rows,
     build_sampling_metadata,
     mix_seed,
+    samples_argmax_only,
 )
 
 CPU = torch.device("cpu")
@@ -523,3 +525,63 @@ def test_fast_path_only_for_plain_greedy_batches() -> None:
         assert not make_metadata(
             [Row(SamplingParams(temperature=0)), Row(params)], 10
         ).is_plain_greedy
+
+
+ARGMAX_ONLY_CASES = [
+    (SamplingParams(temperature=0), 0),
+    (SamplingParams(temperature=1e-7, max_tokens=8, ignore_eos=True), 0),
+    (SamplingParams(temperature=0, min_tokens=2), 2),  # min_tokens reached: nothing left to ban
+    (SamplingParams(temperature=0, min_tokens=2), 1),
+    (SamplingParams(temperature=0, logprobs=0), 0),
+    (SamplingParams(temperature=0, repetition_penalty=1.5), 0),
+    (SamplingParams(temperature=0, frequency_penalty=0.5), 0),
+    (SamplingParams(temperature=0, presence_penalty=-0.5), 0),
+    (SamplingParams(temperature=0, allowed_token_ids=[1, 4]), 0),
+    (SamplingParams(temperature=0, logit_bias={3: 2.0}), 0),
+    (SamplingParams(temperature=0.5), 0),
+    (SamplingParams(), 0),
+]
+
+
+@pytest.mark.parametrize(("params", "num_outputs"), ARGMAX_ONLY_CASES)
+def test_argmax_only_rows_are_plain_greedy_rows(params: SamplingParams, num_outputs: int) -> None:
+    """The runner skips the metadata for rows `samples_argmax_only` accepts: it must never accept one whose
+    metadata would process its logits (a bad word and the float32 temperature rule included)."""
+    row = Row(params, outputs=[5] * num_outputs)
+    expected = make_metadata([row], 10).is_plain_greedy
+    assert samples_argmax_only(params, num_outputs) == expected
+    bad_words = SamplingParams(temperature=0)
+    bad_words.bad_words_token_ids = [[7]]
+    assert not samples_argmax_only(bad_words, 0)
+    assert not make_metadata([Row(bad_words)], 10).is_plain_greedy
+    # Just above the greedy bound in float64 but equal to it in float32: both call it random.
+    at_bound = SamplingParams(temperature=float(np.float32(1e-5)))
+    assert samples_argmax_only(at_bound, 0) == make_metadata([Row(at_bound)], 10).is_plain_greedy
+
+
+def test_argmax_only_matches_the_sampler_on_the_same_rows() -> None:
+    logits = random_logits(5, 300, seed=7)
+    rows = [Row(SamplingParams(temperature=0)) for _ in range(5)]
+    output = Sampler.argmax_only(logits)
+    assert output.logprobs is None and output.sampled_token_ids.dtype == torch.int64
+    assert output.sampled_token_ids.tolist() == sample(rows, logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_agrees_with_torch_on_ties_infinities_and_nan(dtype: torch.dtype) -> None:
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 2.0],  # a tie: the first maximum
+            [-inf, -inf, -inf, -inf],  # every token banned
+            [1.0, nan, 5.0, nan],  # NaN counts as the maximum, the first one wins
+            [inf, 1.0, inf, 0.0],
+            [-0.0, 0.0, -1.0, -2.0],
+        ],
+        dtype=dtype,
+    )
+    big = random_logits(3, 4096, seed=3).to(dtype)
+    for case in (logits, big, big[:, ::2], big[1:]):  # strided and offset views too
+        result = argmax_rows(case)
+        assert result.dtype == torch.int64
+        assert result.tolist() == case.argmax(dim=-1).tolist()
