@@ -104,9 +104,17 @@ def start_engine_core_client(
         mp_client = MPEngineCoreClient(config, model_info, output_handler, dead_handler)
         return mp_client, mp_client.num_kv_blocks
     from kvflow.engine.core_client import InprocEngineCoreClient
+    from kvflow.executor import resolve_executor_backend
 
-    engine_core = build_engine_core(config, model_info)
-    client = InprocEngineCoreClient(engine_core, output_handler, dead_handler)
+    if resolve_executor_backend(config.parallel_config) == "uni":
+        # The model runs in this process: built on the loop thread that steps it (one OpenMP pool, see
+        # `InprocEngineCoreClient.built_on_loop_thread`).
+        client, engine_core = InprocEngineCoreClient.built_on_loop_thread(
+            lambda: build_engine_core(config, model_info), output_handler, dead_handler
+        )
+    else:
+        engine_core = build_engine_core(config, model_info)
+        client = InprocEngineCoreClient(engine_core, output_handler, dead_handler)
     return client, engine_core.executor.num_kv_blocks
 
 

@@ -179,6 +179,42 @@ class InprocEngineCoreClient(EngineCoreClient):
         )
         self._thread.start()
 
+    @classmethod
+    def built_on_loop_thread(
+        cls,
+        build: Callable[[], EngineCore],
+        output_handler: OutputHandler,
+        dead_handler: DeadHandler,
+    ) -> tuple[InprocEngineCoreClient, EngineCore]:
+        """A client whose core `build()` makes on the loop's own thread, which then runs the loop; returns once the
+        core is built, raising what `build` raised (the thread then ends, no dead handler is called).
+
+        Why the thread matters: libgomp keeps one OpenMP thread pool per thread that starts a parallel region, and
+        once it manages more threads than the process has CPUs it lets idle workers spin only ~1000 times before
+        they sleep, so every region of a forward pass pays a futex wake-up. A core built on the caller's thread
+        (model loading, warm-up) and stepped on the loop thread leaves two pools; built and stepped on one thread,
+        the forward's regions keep their workers spinning (decode of a 1B Q4_K_M model: 27-33 against 31-38 ms a
+        token on 2 cores, benchmarks/RESULTS.md)."""
+        client = cls.__new__(cls)
+        client._death = EngineDeath(dead_handler)
+        built: Future[EngineCore] = Future()
+
+        def build_and_run() -> None:
+            try:
+                engine_core = build()
+            except BaseException as exc:  # reaches the caller, which waits on `built`
+                built.set_exception(exc)
+                return
+            client._loop = EngineLoop(engine_core, output_handler, client._death)
+            built.set_result(engine_core)
+            client._loop.run()
+
+        client._thread = threading.Thread(
+            target=build_and_run, name="kvflow-engine-core", daemon=True
+        )
+        client._thread.start()
+        return client, built.result()
+
     # ------------------------------------------------------------------------------------------------ callers
     def call_utility(self, method: str, *args: Any) -> Future[Any]:
         return self.run(lambda core: getattr(core, method)(*args))

@@ -155,3 +155,47 @@ def test_shutdown_is_idempotent_and_later_calls_raise(
     assert len(recorder.dead) == 1
     with pytest.raises(EngineDeadError, match="shut down"):
         client.add_requests([request("late", [1] * 4, 2)])
+
+
+def test_a_core_built_on_the_loop_thread_is_built_and_stepped_there() -> None:
+    """`built_on_loop_thread`: `build()` runs on the loop's thread, the one every later step and call runs on
+    (one OpenMP pool for model loading and forward passes), and the client then serves as any other."""
+    recorder = Recorder()
+    built_on: list[str] = []
+
+    def build() -> EngineCore:
+        built_on.append(threading.current_thread().name)
+        return make_core()
+
+    client, core = InprocEngineCoreClient.built_on_loop_thread(
+        build, recorder.on_outputs, recorder.on_dead
+    )
+    try:
+        assert built_on == ["kvflow-engine-core"]
+        assert threading.current_thread().name != "kvflow-engine-core"
+        assert client.run(lambda engine: (engine, threading.current_thread().name)).result(
+            TIMEOUT_S
+        ) == (core, "kvflow-engine-core")
+        client.add_requests([request("a", [3, 4, 5], 6)])
+        assert recorder.finished_event.wait(TIMEOUT_S), "request a never finished"
+        assert recorder.tokens["a"] == reference_tokens([3, 4, 5], 6)
+        assert recorder.threads == {"kvflow-engine-core"}
+    finally:
+        client.shutdown()
+    assert not client.is_alive()
+
+
+def test_a_failing_build_on_the_loop_thread_raises_in_the_caller_and_leaves_no_thread() -> None:
+    recorder = Recorder()
+    before = {thread.ident for thread in threading.enumerate()}
+
+    def build() -> EngineCore:
+        raise ValueError("max_model_len=131072 does not fit in the KV cache")
+
+    with pytest.raises(ValueError, match="does not fit in the KV cache"):
+        InprocEngineCoreClient.built_on_loop_thread(build, recorder.on_outputs, recorder.on_dead)
+    deadline = time.monotonic() + TIMEOUT_S
+    while {thread.ident for thread in threading.enumerate()} - before:
+        assert time.monotonic() < deadline, "the loop thread of a failed build never ended"
+        time.sleep(0.01)
+    assert recorder.dead == []  # no engine ever ran: nothing died
