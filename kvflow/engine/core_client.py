@@ -198,6 +198,10 @@ class InprocEngineCoreClient(EngineCoreClient):
         client = cls.__new__(cls)
         client._death = EngineDeath(dead_handler)
         built: Future[EngineCore] = Future()
+        caller_gone = threading.Event()
+        start_lock = (
+            threading.Lock()
+        )  # the loop starts, or the interrupted caller is seen: one or the other
 
         def build_and_run() -> None:
             try:
@@ -205,15 +209,32 @@ class InprocEngineCoreClient(EngineCoreClient):
             except BaseException as exc:  # reaches the caller, which waits on `built`
                 built.set_exception(exc)
                 return
-            client._loop = EngineLoop(engine_core, output_handler, client._death)
-            built.set_result(engine_core)
+            with start_lock:
+                if (
+                    caller_gone.is_set()
+                ):  # the caller was interrupted while this built: never started
+                    engine_core.shutdown()
+                    return
+                client._loop = EngineLoop(engine_core, output_handler, client._death)
+                built.set_result(engine_core)
             client._loop.run()
 
         client._thread = threading.Thread(
             target=build_and_run, name="kvflow-engine-core", daemon=True
         )
         client._thread.start()
-        return client, built.result()
+        try:
+            return client, built.result()
+        except BaseException:
+            # Interrupted (Ctrl-C) while the core was being built: the build ends before this raises, so that the
+            # process never exits with torch still running on that thread (which aborts it).
+            with start_lock:
+                caller_gone.set()
+                started = built.done() and built.exception() is None
+            if started:  # interrupted just as the loop started: stop it
+                client.shutdown()
+            client._thread.join()
+            raise
 
     # ------------------------------------------------------------------------------------------------ callers
     def call_utility(self, method: str, *args: Any) -> Future[Any]:
