@@ -15,6 +15,7 @@ from kvflow.engine.core_client import EngineDeadError, InprocEngineCoreClient
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.testing.hash_model import reference_tokens
+from kvflow.testing.waiting import wait_until
 
 TIMEOUT_S = 20.0
 
@@ -194,8 +195,9 @@ def test_a_failing_build_on_the_loop_thread_raises_in_the_caller_and_leaves_no_t
 
     with pytest.raises(ValueError, match="does not fit in the KV cache"):
         InprocEngineCoreClient.built_on_loop_thread(build, recorder.on_outputs, recorder.on_dead)
-    deadline = time.monotonic() + TIMEOUT_S
-    while {thread.ident for thread in threading.enumerate()} - before:
-        assert time.monotonic() < deadline, "the loop thread of a failed build never ended"
-        time.sleep(0.01)
+    wait_until(
+        lambda: not {thread.ident for thread in threading.enumerate()} - before,
+        "the loop thread of a failed build ended",
+        TIMEOUT_S,
+    )
     assert recorder.dead == []  # no engine ever ran: nothing died
