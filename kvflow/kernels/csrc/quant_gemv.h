@@ -37,11 +37,27 @@ inline __m512 zero_like(__m512) { return _mm512_setzero_ps(); }
 inline float reduce(__m512 values) { return _mm512_reduce_add_ps(values); }
 #endif
 
+// Whether weight rows stream with non-temporal prefetches (PREFETCHNTA) instead of into every cache level (T0):
+// on AMD CPUs. A decode step reads every weight once, more bytes than the caches hold, and with T0 each step's
+// stream evicted everything else, so the Python and bookkeeping between the products ran on cold caches; NTA
+// keeps the stream out of the caches' long-lived lines (benchmarks/RESULTS.md, "Weights streamed with
+// non-temporal prefetches on Zen 4"). Intel CPUs keep T0 (measured there with it). Hints only: results are the
+// same either way.
+inline bool weights_prefetch_non_temporal() {
+  static const bool non_temporal = cpu_is_amd();
+  return non_temporal;
+}
+
 // Prefetches the cache lines of `bytes` bytes at `start` + `distance` (every line: a K-quant block spans 3-4 of
-// them, and one prefetch per block left most of each row to the hardware prefetcher).
-inline void prefetch_ahead(const void* start, int bytes, int distance = kPrefetchBytes) {
-  for (int line = 0; line < bytes; line += 64)
-    _mm_prefetch(static_cast<const char*>(start) + distance + line, _MM_HINT_T0);
+// them, and one prefetch per block left most of each row to the hardware prefetcher), NTA or T0 as
+// `non_temporal` says (weights_prefetch_non_temporal, read once per band by the caller).
+inline void prefetch_ahead(const void* start, int bytes, int distance, bool non_temporal) {
+  const char* ahead = static_cast<const char*>(start) + distance;
+  if (non_temporal) {
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+  } else {
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  }
 }
 
 // A 32-element block of signed weight quants (|q| <= 128) times d, against x rows quantized per 32 (Q8_0, Q4_0):
@@ -83,13 +99,14 @@ void ggml_band(const uint8_t* w, int64_t row_bytes, int64_t num_blocks, const Ro
     }
   }
   const int distance = Block::prefetch_bytes();
+  const bool non_temporal = weights_prefetch_non_temporal();
   for (int64_t n = n_begin; n < n_end; ++n) {
     typename Block::Acc acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = zero_like(acc[m]);
     const uint8_t* row = w + n * row_bytes;
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint8_t* block = row + b * Block::kBytes;
-      prefetch_ahead(block, Block::kBytes, distance);
+      prefetch_ahead(block, Block::kBytes, distance, non_temporal);
       Block::template accumulate<MT>(block, rows, b, acc);
     }
     for (int m = 0; m < MT; ++m) y[(m0 + m) * N + n] = reduce(acc[m]) + (bias ? bias[n] : 0.f);

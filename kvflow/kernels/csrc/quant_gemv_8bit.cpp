@@ -59,11 +59,12 @@ struct Q8_0Block {
   static void two_rows(const uint8_t* row0, const uint8_t* row1, int64_t num_blocks, const float* x, float* out0,
                        float* out1) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    const bool non_temporal = weights_prefetch_non_temporal();
     for (int64_t b = 0; b < num_blocks; ++b) {
       const uint8_t* block0 = row0 + b * kBytes;
       const uint8_t* block1 = row1 + b * kBytes;
-      prefetch_ahead(block0, kBytes);
-      prefetch_ahead(block1, kBytes);
+      prefetch_ahead(block0, kBytes, kPrefetchBytes, non_temporal);
+      prefetch_ahead(block1, kBytes, kPrefetchBytes, non_temporal);
       const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
       const __m512 d0 = _mm512_set1_ps(fp16_to_float(block0)), d1 = _mm512_set1_ps(fp16_to_float(block1));
       const __m128i* q0 = reinterpret_cast<const __m128i*>(block0 + 2);
@@ -116,6 +117,7 @@ template <int MT>
 void int8_band(const int8_t* w, int64_t K, const float* xf, int64_t xs, const float* scale, int64_t m0,
                int64_t n_begin, int64_t n_end, const float* bias, float* y, int64_t N) {
   const float* x = xf + m0 * xs;
+  const bool non_temporal = weights_prefetch_non_temporal();
   const __mmask16 tail = tail_mask(K % 16);
   for (int64_t n = n_begin; n < n_end; ++n) {
     const int8_t* row = w + n * K;
@@ -123,7 +125,7 @@ void int8_band(const int8_t* w, int64_t K, const float* xf, int64_t xs, const fl
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+      prefetch_ahead(row + k, 32, kPrefetchBytes, non_temporal);
       const __m128i* quants = reinterpret_cast<const __m128i*>(row + k);
       const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(quants)));
       const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(quants + 1)));
@@ -145,13 +147,14 @@ template <int MT>
 void int8_band(const int8_t* w, int64_t K, const float* xf, int64_t xs, const float* scale, int64_t m0,
                int64_t n_begin, int64_t n_end, const float* bias, float* y, int64_t N) {
   const float* x = xf + m0 * xs;
+  const bool non_temporal = weights_prefetch_non_temporal();
   for (int64_t n = n_begin; n < n_end; ++n) {
     const int8_t* row = w + n * K;
     __m256 acc[MT];
     for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetchBytes, _MM_HINT_T0);
+      prefetch_ahead(row + k, 32, kPrefetchBytes, non_temporal);
       __m256 q[4];
       widen32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)), q);
       for (int m = 0; m < MT; ++m) acc[m] = _mm256_add_ps(acc[m], dot32(x + m * xs + k, q));
