@@ -207,6 +207,7 @@ class FusedDecodeLayers:
         self._windows = tuple(dict.fromkeys(self._layer_windows))
         self._window_groups = [self._windows.index(window) for window in self._layer_windows]
         self._stack: Any = None  # ops.DecodeLayerStack, built at the first step that runs it
+        self._stack_ops: ModuleType | None = None  # the module that built `_stack`
         # Whether steps without LoRA rows take the one-call stack (False: the per-layer calls; for A/B measurements).
         self.use_stack = True
         self.num_heads = num_heads
@@ -375,8 +376,9 @@ class FusedDecodeLayers:
 
     def _layer_stack(self, hidden_states: torch.Tensor, kv_cache: torch.Tensor) -> Any:
         """The `DecodeLayerStack` of these layers (built and checked on first use, for the step's dtype and the cache's
-        kv heads and head size, which never change for a model)."""
-        if self._stack is None:
+        kv heads and head size, which never change for a model; built again when `_ops` was swapped for another
+        build of the kernels, as A/B measurements of two builds do)."""
+        if self._stack is None or self._stack_ops is not self._ops:
             stack = self._ops.DecodeLayerStack(
                 hidden_states.dtype,
                 hidden_states.shape[1],
@@ -407,7 +409,7 @@ class FusedDecodeLayers:
                 else:
                     assert self._weights is not None
                     stack.add_dense_layer(*self._weights[layer_index], group)
-            self._stack = stack
+            self._stack, self._stack_ops = stack, self._ops
         return self._stack
 
     def _layer_lora_args(self) -> list[dict[str, Any]] | None:

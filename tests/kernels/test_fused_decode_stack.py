@@ -2,12 +2,13 @@
 every layer from weights gathered and checked once. It must give what one `decode_layer` / `decode_layer_quantized`
 call per layer gives, bit for bit (dense bfloat16, int8 with a bfloat16 bias the stack keeps a float32 copy of, GGUF
 K-quants in float32, a sliding window), and a weight update copied into the parameters after the stack was
-built must show in its next step (the stack holds the parameters themselves)."""
+built must show in its next step (the stack holds the parameters themselves); a swapped kernel module (A/B of two
+builds) gets its own stack."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -183,3 +184,21 @@ def test_the_stack_checks_its_weights_once_and_each_steps_shapes(ops: ModuleType
         stack.run(torch.ones(rows, hidden), **{**step, "kv_cache": kv_cache[..., :8].contiguous()})
     with pytest.raises(RuntimeError, match="slot_mapping has a slot outside"):
         stack.run(torch.ones(rows, hidden), **{**step, "slot_mapping": torch.tensor([0, 99])})
+
+
+def test_swapping_the_kernel_module_builds_the_stack_again(
+    ops: ModuleType, checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """A/B measurements of two kernel builds swap `FusedDecodeLayers._ops`: the next step must run a stack of the
+    swapped-in module, not the one the first module built."""
+    model = _load(checkpoints, tmp_path, "qwen2-bf16/int8")
+    first_logits, _ = _drive_once(model)
+    first_stack = model.fused_decode._stack
+    other_build = SimpleNamespace(**vars(ops))  # stands for another build: another module object
+    model.fused_decode._ops = other_build
+    second_logits, num_fused = _drive_once(model)
+    assert num_fused >= 10
+    assert model.fused_decode._stack is not first_stack
+    assert model.fused_decode._stack_ops is other_build
+    for step, (first, second) in enumerate(zip(first_logits, second_logits, strict=True)):
+        assert torch.equal(first, second), f"step {step}"
