@@ -20,7 +20,9 @@ fused product keeps its model on the per-op path. A float32 quantized model's pe
 (`RMSNorm.float32_kernel`, set here), which the fused layer calls: torch's float32 RMSNorm sums in another order; so
 do its per-head q/k norms (`RMSNorm.forward_heads`), whose bfloat16 rows always run on that kernel. The layer
 weights are gathered once: weight loaders copy into the parameters in place, so the tensors gathered here always
-hold the loaded values.
+hold the loaded values. A step without LoRA rows is one extension call (`DecodeLayerStack.run`, built from those
+tensors at the first fused step and checked then), which chains `decode_layer` over every layer in C++ exactly as
+the per-layer calls do; a step with adapter rows calls `decode_layer` / `decode_layer_quantized` once per layer.
 """
 
 from __future__ import annotations
@@ -109,7 +111,13 @@ class QuantizedLayerArgs:
         self.runs_per_product = [len(product.runs) for product in products]
         self.intermediate = layer.mlp.down_proj.input_size
 
+    def raw_biases(self) -> list[torch.Tensor]:
+        """Each run's bias in its own dtype (empty: none), as `DecodeLayerStack` keeps them: it holds a float32 copy of
+        any other dtype and refreshes it every step, so weight updates show there too."""
+        return [_no_tensor() if bias is None else bias for bias in self._biases]
+
     def biases(self) -> list[torch.Tensor]:
+        """Each run's float32 bias (empty: none) for `decode_layer_quantized`, converted now if stored otherwise."""
         if not self._convert:
             return self._float_biases
         return [
@@ -163,7 +171,13 @@ def _has_rms_head_norms(layers: Sequence[nn.Module]) -> bool:
 
 
 class FusedDecodeLayers:
-    """Runs a decode-only step's decoder layers through `decode_layer`, one call per layer (see module docstring)."""
+    """Runs a decode-only step's decoder layers through `decode_layer` (see module docstring): a step without LoRA
+    rows in one `DecodeLayerStack.run` call when `use_stack` (the default), else one binding call per layer.
+
+    Invariants: both routes run the same kernels in the same order, so they give equal results bit for bit; the
+    stack, once built, holds the very tensors `_weights` / `_quantized` gather (never copies of them, except the
+    float32 copy of a non-float32 quantized bias, which it refreshes every step).
+    """
 
     def __init__(
         self,
@@ -189,6 +203,13 @@ class FusedDecodeLayers:
         # step with adapter rows: the LoRA manager attaches them after the model is built; their tensors are updated
         # in place, so the gathered ones stay current).
         self._lora_args: list[dict[str, Any]] | None = None
+        # Each layer's window group: the index of its window among the distinct windows in order of first use.
+        self._windows = tuple(dict.fromkeys(self._layer_windows))
+        self._window_groups = [self._windows.index(window) for window in self._layer_windows]
+        self._stack: Any = None  # ops.DecodeLayerStack, built at the first step that runs it
+        self._stack_ops: ModuleType | None = None  # the module that built `_stack`
+        # Whether steps without LoRA rows take the one-call stack (False: the per-layer calls; for A/B measurements).
+        self.use_stack = True
         self.num_heads = num_heads
         self.eps = eps
         self.scale = scale
@@ -290,6 +311,18 @@ class FusedDecodeLayers:
         lora_args = None if lora_token_slots is None else self._layer_lora_args()
         if lora_token_slots is not None and lora_args is None:
             return None  # a product without LoRA slots: the per-op layers run the step
+        if lora_token_slots is None and self.use_stack:
+            window_rows = [rows_by_window[window] for window in self._windows]
+            return self._layer_stack(hidden_states, kv_cache).run(
+                hidden_states,
+                cos,
+                sin,
+                kv_cache,
+                slot_mapping,
+                [rows.block_tables for rows in window_rows],
+                [rows.seq_lens for rows in window_rows],
+                [rows.window for rows in window_rows],
+            )
         residual: torch.Tensor | None = None
         for layer_index in range(len(self._layer_windows)):
             rows = rows_by_window[self._layer_windows[layer_index]]
@@ -340,6 +373,44 @@ class FusedDecodeLayers:
                 )
         assert residual is not None
         return hidden_states, residual
+
+    def _layer_stack(self, hidden_states: torch.Tensor, kv_cache: torch.Tensor) -> Any:
+        """The `DecodeLayerStack` of these layers (built and checked on first use, for the step's dtype and the cache's
+        kv heads and head size, which never change for a model; built again when `_ops` was swapped for another
+        build of the kernels, as A/B measurements of two builds do)."""
+        if self._stack is None or self._stack_ops is not self._ops:
+            stack = self._ops.DecodeLayerStack(
+                hidden_states.dtype,
+                hidden_states.shape[1],
+                self.num_heads,
+                kv_cache.shape[2],
+                kv_cache.shape[5],
+                self.eps,
+                self.scale,
+                0 if self._quantized is not None else kernels.MAX_GEMV_ROWS,
+            )
+            for layer_index, group in enumerate(self._window_groups):
+                if self._quantized is not None:
+                    args = self._quantized[layer_index]
+                    stack.add_quantized_layer(
+                        args.input_norm,
+                        args.post_norm,
+                        args.q_norm,
+                        args.k_norm,
+                        args.weights,
+                        args.types,
+                        args.scales,
+                        args.raw_biases(),
+                        args.gemv_max_rows,
+                        args.runs_per_product,
+                        args.intermediate,
+                        group,
+                    )
+                else:
+                    assert self._weights is not None
+                    stack.add_dense_layer(*self._weights[layer_index], group)
+            self._stack, self._stack_ops = stack, self._ops
+        return self._stack
 
     def _layer_lora_args(self) -> list[dict[str, Any]] | None:
         """Each layer's LoRA slots for `decode_layer` (`lora_a`, `lora_b`, `lora_part_offsets` of qkv, o, gate_up,

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <iterator>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_features.h"
@@ -557,6 +559,267 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_quantized(
   });
 }
 
+// A model's decoder layers for fused decode steps, gathered and checked once (kvflow.models.fused_decode keeps
+// one per model), so that a step is one call: `run` takes only what changes per step and chains decode_layer over
+// every layer exactly as one decode_layer / decode_layer_quantized call per layer would (the same kernels in the
+// same order, each layer's output its next layer's input), so its results equal theirs bit for bit.
+// Invariants: every layer's weights were checked against the dims and dtype given at construction; the tensors
+// are held, so their pointers stay valid and a weight loader's in-place copy into them is seen by the next step;
+// a quantized run's bias in another dtype than float32 has a float32 copy that `run` refreshes before the layers
+// run (as the per-layer call converts it per call). Layer i reads and writes kv_cache[i] and reads the paging of
+// its window group (`window_group`, an index into run's block_tables / seq_lens / windows).
+class DecodeLayerStack {
+ public:
+  DecodeLayerStack(at::ScalarType dtype, int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   double eps, double scale, int64_t gemv_max_rows)
+      : reference_(at::empty({0}, at::TensorOptions().dtype(dtype))),
+        hidden_(hidden),
+        num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        eps_(eps),
+        scale_(scale),
+        gemv_max_rows_(gemv_max_rows) {
+    TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "dtype must be bfloat16 or float32");
+    TORCH_CHECK(hidden > 0 && head_dim > 0 && num_kv_heads > 0 && num_heads > 0 && num_heads % num_kv_heads == 0 &&
+                    num_heads / num_kv_heads <= 32,
+                "num_heads must be a positive multiple of num_kv_heads, at most 32 per kv head");
+  }
+
+  void add_dense_layer(const at::Tensor& input_norm, const at::Tensor& post_norm,
+                       const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                       const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o,
+                       const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up,
+                       const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down,
+                       const c10::optional<at::Tensor>& down_bias, int64_t window_group) {
+    const int64_t intermediate = down.dim() == 2 ? down.size(1) : 0;
+    check_weight(qkv, reference_, qkv_width(), hidden_, "qkv");
+    check_weight(o, reference_, hidden_, num_heads_ * head_dim_, "o");
+    check_weight(gate_up, reference_, 2 * intermediate, hidden_, "gate_up");
+    check_weight(down, reference_, hidden_, intermediate, "down");
+    Layer layer = new_layer(input_norm, post_norm, q_norm, k_norm, intermediate, window_group);
+    layer.held.insert(layer.held.end(), {qkv, o, gate_up, down});
+    for (const auto* bias : {&qkv_bias, &o_bias, &gate_up_bias, &down_bias})
+      if (*bias) layer.held.push_back(**bias);
+    dispatch(reference_, [&](auto tag) {
+      using T = decltype(tag);
+      kvflow::DecodeLayerWeights<T> w = norms<T>(input_norm, post_norm, q_norm, k_norm);
+      w.qkv.dense = ptr<T>(qkv);
+      w.qkv.bias = optional_vector<T>(qkv_bias, reference_, qkv.size(0), "qkv_bias");
+      w.o.dense = ptr<T>(o);
+      w.o.bias = optional_vector<T>(o_bias, reference_, hidden_, "o_bias");
+      w.gate_up.dense = ptr<T>(gate_up);
+      w.gate_up.bias = optional_vector<T>(gate_up_bias, reference_, 2 * intermediate, "gate_up_bias");
+      w.down.dense = ptr<T>(down);
+      w.down.bias = optional_vector<T>(down_bias, reference_, hidden_, "down_bias");
+      weights<T>().push_back(w);
+    });
+    layers_.push_back(std::move(layer));
+  }
+
+  // The lists as decode_layer_quantized takes them, except that a bias may have any floating dtype (a float32
+  // copy is kept; empty: none).
+  void add_quantized_layer(const at::Tensor& input_norm, const at::Tensor& post_norm,
+                           const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+                           const std::vector<at::Tensor>& run_weights, const std::vector<int64_t>& types,
+                           const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& biases,
+                           const std::vector<int64_t>& gemv_max_rows, const std::vector<int64_t>& runs_per_product,
+                           int64_t intermediate, int64_t window_group) {
+    TORCH_CHECK(runs_per_product.size() == 4, "runs_per_product must have 4 entries (qkv, o, gate_up, down)");
+    const size_t total = static_cast<size_t>(runs_per_product[0] + runs_per_product[1] + runs_per_product[2] +
+                                             runs_per_product[3]);
+    TORCH_CHECK(run_weights.size() == total && types.size() == total && scales.size() == total &&
+                    biases.size() == total && gemv_max_rows.size() == total,
+                "weights, types, scales, biases and gemv_max_rows must each have one entry per run (", total, ")");
+    Layer layer = new_layer(input_norm, post_norm, q_norm, k_norm, intermediate, window_group);
+    std::vector<at::Tensor> float_biases;
+    for (const at::Tensor& bias : biases) {
+      if (bias.numel() == 0 || bias.scalar_type() == at::kFloat) {
+        float_biases.push_back(bias);
+        continue;
+      }
+      TORCH_CHECK(bias.device().is_cpu() && bias.dim() == 1, "a run's bias must be a 1-D CPU tensor");
+      at::Tensor copy = at::empty({bias.numel()}, bias.options().dtype(at::kFloat));
+      copy.copy_(bias);
+      bias_copies_.push_back({bias, copy});
+      float_biases.push_back(copy);
+    }
+    layer.held.insert(layer.held.end(), run_weights.begin(), run_weights.end());
+    layer.held.insert(layer.held.end(), scales.begin(), scales.end());
+    layer.held.insert(layer.held.end(), float_biases.begin(), float_biases.end());
+    dispatch(reference_, [&](auto tag) {
+      using T = decltype(tag);
+      kvflow::DecodeLayerWeights<T> w = norms<T>(input_norm, post_norm, q_norm, k_norm);
+      const int64_t K[4] = {hidden_, num_heads_ * head_dim_, hidden_, intermediate};
+      const int64_t N[4] = {qkv_width(), hidden_, 2 * intermediate, hidden_};
+      kvflow::LayerProduct<T>* products[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
+      const char* names[4] = {"qkv", "o", "gate_up", "down"};
+      int64_t first = 0;
+      for (int i = 0; i < 4; ++i) {
+        fill_quant_product(products[i]->runs, &products[i]->num_runs, run_weights, types, scales, float_biases,
+                           gemv_max_rows, first, runs_per_product[i], K[i], N[i], names[i]);
+        first += runs_per_product[i];
+      }
+      weights<T>().push_back(w);
+    });
+    any_quantized_ = true;
+    layers_.push_back(std::move(layer));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // (last layer's out, its residual_out) of a decode-only step, as decode_layer returns them; `block_tables`,
+  // `seq_lens` and `windows` hold one entry per window group (checked as decode_layer checks its own).
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                                         at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                                         const std::vector<at::Tensor>& block_tables,
+                                         const std::vector<at::Tensor>& seq_lens,
+                                         const std::vector<int64_t>& windows) {
+    TORCH_CHECK(!layers_.empty(), "the stack has no layers");
+    check_cpu(hidden, "hidden");
+    check_same_dtype(hidden, reference_, "hidden");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.size(1) == hidden_,
+                "hidden must be contiguous [rows, ", hidden_, "]");
+    const int64_t M = hidden.size(0);
+    TORCH_CHECK(M >= 1 && M <= kvflow::kMaxDecodeLayerRows, "rows must be in [1, ", kvflow::kMaxDecodeLayerRows,
+                "], got ", M);
+    check_same_dtype(kv_cache, hidden, "kv_cache");
+    TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.size(0) >= num_layers() &&
+                    kv_cache.size(1) == 2 && kv_cache.size(2) == num_kv_heads_ && kv_cache.size(5) == head_dim_,
+                "kv_cache must be contiguous [layers, 2, ", num_kv_heads_, ", blocks, block_size, ", head_dim_,
+                "] holding every layer");
+    check_same_dtype(cos, hidden, "cos");
+    check_same_dtype(sin, hidden, "sin");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == M * head_dim_ / 2 &&
+                    sin.numel() == cos.numel(),
+                "cos and sin must be contiguous [rows, 1, head_dim / 2]");
+    TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == M,
+                "slot_mapping must be contiguous int64 [rows]");
+    const size_t num_groups = static_cast<size_t>(num_window_groups_);
+    TORCH_CHECK(block_tables.size() == num_groups && seq_lens.size() == num_groups && windows.size() == num_groups,
+                "block_tables, seq_lens and windows need one entry per window group (", num_groups, ")");
+    const int64_t num_blocks = kv_cache.size(3), block_size = kv_cache.size(4);
+    std::vector<kvflow::DecodeLayerParams> group_params;
+    group_params.reserve(num_groups);
+    for (size_t g = 0; g < num_groups; ++g) {
+      const at::Tensor& tables = block_tables[g];
+      const at::Tensor& lens = seq_lens[g];
+      TORCH_CHECK(tables.dim() == 2 && tables.size(0) == M && tables.stride(1) == 1 &&
+                      tables.scalar_type() == at::kInt,
+                  "block_tables must be int32 [rows, max_blocks] with contiguous rows");
+      TORCH_CHECK(lens.is_contiguous() && lens.scalar_type() == at::kInt && lens.numel() == M,
+                  "seq_lens must be contiguous int32 [rows]");
+      group_params.push_back({M, hidden_, 0, num_heads_, num_kv_heads_, head_dim_, static_cast<float>(eps_),
+                              static_cast<float>(scale_), windows[g], num_blocks, block_size,
+                              ptr<int64_t>(slot_mapping), ptr<int32_t>(tables), tables.stride(0),
+                              ptr<int32_t>(lens), gemv_max_rows_});
+    }
+    kvflow::DecodeLayerParams sizing = group_params[0];
+    sizing.intermediate = max_intermediate_;
+    at::Tensor workspace = at::empty({sizing.workspace_elements()}, hidden.options());
+    at::Tensor scratch =
+        at::empty({any_quantized_ ? sizing.quant_scratch_elements() : 0}, hidden.options().dtype(at::kFloat));
+    // Layer i writes pair i % 2 and reads the other (layer 0 reads `hidden` and no residual).
+    at::Tensor outs[2] = {at::empty_like(hidden), at::empty_like(hidden)};
+    at::Tensor residuals[2] = {at::empty_like(hidden), at::empty_like(hidden)};
+    for (const BiasCopy& bias : bias_copies_) bias.copy.copy_(bias.source);
+    const int64_t layer_stride = kv_cache.stride(0), value_offset = kv_cache.stride(1);
+    bool stored = true;
+    {
+      py::gil_scoped_release no_gil;
+      dispatch(hidden, [&](auto tag) {
+        using T = decltype(tag);
+        const std::vector<kvflow::DecodeLayerWeights<T>>& layer_weights = weights<T>();
+        const int num_threads = at::get_num_threads();
+        const T* layer_in = ptr<T>(hidden);
+        const T* layer_residual = nullptr;
+        for (size_t i = 0; i < layers_.size() && stored; ++i) {
+          kvflow::DecodeLayerParams params = group_params[static_cast<size_t>(layers_[i].window_group)];
+          params.intermediate = layers_[i].intermediate;
+          T* layer_cache = ptr<T>(kv_cache) + static_cast<int64_t>(i) * layer_stride;
+          T* out = ptr<T>(outs[i % 2]);
+          T* residual_out = ptr<T>(residuals[i % 2]);
+          stored = kvflow::decode_layer<T>(params, layer_weights[i], layer_in, layer_residual, ptr<T>(cos),
+                                           ptr<T>(sin), layer_cache, layer_cache + value_offset,
+                                           ptr<T>(workspace), out, residual_out,
+                                           any_quantized_ ? ptr<float>(scratch) : nullptr, num_threads);
+          layer_in = out;
+          layer_residual = residual_out;
+        }
+      });
+    }
+    TORCH_CHECK(stored, "slot_mapping has a slot outside the cache's ", num_blocks * block_size, " slots");
+    const size_t last = (layers_.size() - 1) % 2;
+    return {outs[last], residuals[last]};
+  }
+
+ private:
+  struct Layer {
+    std::vector<at::Tensor> held;  // every tensor the layer's pointers point into
+    int64_t intermediate = 0;
+    int64_t window_group = 0;
+  };
+  struct BiasCopy {
+    at::Tensor source;  // the parameter (bfloat16, float16, ...)
+    at::Tensor copy;    // float32, what the layer's run points to
+  };
+
+  int64_t qkv_width() const { return (num_heads_ + 2 * num_kv_heads_) * head_dim_; }
+
+  // Checks the norms, the intermediate size and the window group; the layer holds the norms.
+  Layer new_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
+                  const c10::optional<at::Tensor>& k_norm, int64_t intermediate, int64_t window_group) {
+    TORCH_CHECK(intermediate > 0, "intermediate must be positive");
+    TORCH_CHECK(window_group >= 0 && window_group <= num_window_groups_,
+                "window groups must be numbered in order of first use from 0");
+    check_weight(input_norm.view({1, -1}), reference_, 1, hidden_, "input_norm");
+    check_weight(post_norm.view({1, -1}), reference_, 1, hidden_, "post_norm");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together (or neither)");
+    Layer layer;
+    layer.held = {input_norm, post_norm};
+    if (q_norm) {
+      check_weight(q_norm->view({1, -1}), reference_, 1, head_dim_, "q_norm");
+      check_weight(k_norm->view({1, -1}), reference_, 1, head_dim_, "k_norm");
+      layer.held.insert(layer.held.end(), {*q_norm, *k_norm});
+    }
+    layer.intermediate = intermediate;
+    layer.window_group = window_group;
+    num_window_groups_ = std::max(num_window_groups_, window_group + 1);
+    max_intermediate_ = std::max(max_intermediate_, intermediate);
+    return layer;
+  }
+
+  template <typename T>
+  static kvflow::DecodeLayerWeights<T> norms(const at::Tensor& input_norm, const at::Tensor& post_norm,
+                                      const c10::optional<at::Tensor>& q_norm,
+                                      const c10::optional<at::Tensor>& k_norm) {
+    kvflow::DecodeLayerWeights<T> w{ptr<T>(input_norm), ptr<T>(post_norm)};
+    w.q_norm = q_norm ? ptr<T>(*q_norm) : nullptr;
+    w.k_norm = k_norm ? ptr<T>(*k_norm) : nullptr;
+    return w;
+  }
+
+  template <typename T>
+  std::vector<kvflow::DecodeLayerWeights<T>>& weights() {
+    if constexpr (std::is_same_v<T, bf16>)
+      return bf16_weights_;
+    else
+      return float_weights_;
+  }
+
+  at::Tensor reference_;  // an empty tensor of the stack's dtype, what checks compare dtypes with
+  int64_t hidden_, num_heads_, num_kv_heads_, head_dim_;
+  double eps_, scale_;
+  int64_t gemv_max_rows_;
+  int64_t num_window_groups_ = 0;
+  int64_t max_intermediate_ = 0;
+  bool any_quantized_ = false;
+  std::vector<Layer> layers_;
+  std::vector<kvflow::DecodeLayerWeights<bf16>> bf16_weights_;  // one per layer (bfloat16 stacks)
+  std::vector<kvflow::DecodeLayerWeights<float>> float_weights_;  // one per layer (float32 stacks)
+  std::vector<BiasCopy> bias_copies_;
+};
+
 // Quantized weights (quant_*.cpp): x [M, K] bfloat16/float32 with contiguous rows; the result is float32 [M, N].
 void check_quant_operands(const at::Tensor& x, const at::Tensor& weight, int64_t K,
                           const c10::optional<at::Tensor>& bias) {
@@ -887,6 +1150,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("lora_token_slots") = py::none(), py::arg("lora_a") = std::vector<at::Tensor>{},
         py::arg("lora_b") = std::vector<at::Tensor>{},
         py::arg("lora_part_offsets") = std::vector<std::vector<int64_t>>{});
+  // module_local: each kernel build loaded in one process (benchmarks/kernel_build_ab.py) keeps its own class.
+  py::class_<DecodeLayerStack>(m, "DecodeLayerStack", py::module_local(),
+                               "a model's decoder layers for fused decode steps, checked once; run: one step")
+      .def(py::init<at::ScalarType, int64_t, int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("dtype"),
+           py::arg("hidden"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("scale"), py::arg("gemv_max_rows"))
+      .def("add_dense_layer", &DecodeLayerStack::add_dense_layer, py::arg("input_norm"), py::arg("post_norm"),
+           py::arg("q_norm"), py::arg("k_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("o_bias"),
+           py::arg("gate_up"), py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"),
+           py::arg("window_group"))
+      .def("add_quantized_layer", &DecodeLayerStack::add_quantized_layer, py::arg("input_norm"),
+           py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"), py::arg("weights"), py::arg("types"),
+           py::arg("scales"), py::arg("biases"), py::arg("gemv_max_rows"), py::arg("runs_per_product"),
+           py::arg("intermediate"), py::arg("window_group"))
+      .def_property_readonly("num_layers", &DecodeLayerStack::num_layers)
+      .def("run", &DecodeLayerStack::run, "every layer of a decode-only step (returns out, residual)",
+           py::arg("hidden"), py::arg("cos"), py::arg("sin"), py::arg("kv_cache"), py::arg("slot_mapping"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("windows"));
   m.def("ggml_dequantize", &ggml_dequantize, "GGUF blocks [rows, row_bytes] -> float32 [rows, columns]",
         py::arg("blocks"), py::arg("type"));
   m.def("ggml_linear", &ggml_linear, "x @ dequantize(blocks).T (+ bias), float32 out", py::arg("x"),
