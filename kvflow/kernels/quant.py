@@ -341,7 +341,7 @@ def dequantize(
     rows (`dequantize(qtype, blocks[ids])`) and fallbacks."""
     _num_columns(qtype, blocks)
     ops = _kernel_ops(require_simd=False)
-    if ops is None or blocks.device.type != "cpu":
+    if ops is None or not blocks.is_cpu:
         decoded = dequantize_reference(qtype, blocks)
     else:
         decoded = ops.ggml_dequantize(blocks.contiguous(), _GGML_TYPE_CODES[qtype])
@@ -359,8 +359,18 @@ def _rows_of(x: torch.Tensor, num_columns: int) -> torch.Tensor:
     """x `[..., K]` as a 2-D `[M, K]` view (copied only when its rows are not contiguous)."""
     if x.shape[-1] != num_columns:
         raise ValueError(f"x has {x.shape[-1]} features, the weight {num_columns} columns")
+    if x.dim() == 2 and x.stride(-1) == 1:
+        return x  # what the reshape would return, without making a view
     rows = x.reshape(-1, num_columns)
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _shaped_like(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A product's `[M, N]` output in x's dtype and leading dims: `out.to(x.dtype).view(*x.shape[:-1], N)`, skipping
+    the cast and the view where they would return `out`'s own values unchanged (x float32, x 2-D)."""
+    if out.dtype is not x.dtype:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -410,14 +420,15 @@ def _ggml_linear_kernel(
     rows = _rows_of(x, _num_columns(qtype, blocks))
     product = quant_gemm_plan(qtype).product_for(rows.shape[0])
     out = run_product(qtype, product, rows, blocks, None, _float_bias(bias))
-    return out.to(x.dtype).view(*x.shape[:-1], blocks.shape[0])
+    return _shaped_like(out, x)
 
 
 def _applies(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    # `is_cpu`, not `.device.type`: no device objects to make on every product's call.
     return (
-        x.device.type == "cpu"
+        x.is_cpu
         and x.dtype in (torch.float32, torch.bfloat16)
-        and packed.device.type == "cpu"
+        and packed.is_cpu
         and packed.is_contiguous()
     )
 
@@ -487,7 +498,7 @@ def _int8_linear_kernel(
     rows = _rows_of(x, qweight.shape[1])
     product = quant_gemm_plan("int8").product_for(rows.shape[0])
     out = run_product("int8", product, rows, qweight, scale.float().contiguous(), _float_bias(bias))
-    return out.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])
+    return _shaped_like(out, x)
 
 
 def _int8_applies(x: torch.Tensor, qweight: torch.Tensor) -> bool:

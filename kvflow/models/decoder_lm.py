@@ -114,6 +114,8 @@ class DecoderForCausalLM(CheckpointModel):
         self.layer_windows = [
             config.layer_sliding_window(i) for i in range(config.num_hidden_layers)
         ]
+        # The distinct windows, in a fixed order: the keys of the metadata `hidden_states` builds per step.
+        self._distinct_windows = tuple(dict.fromkeys(self.layer_windows))
         self.kv_cache_layout = KVCacheLayout(self.layer_windows)
         layout = self.kv_cache_layout
         # Per layer: its KV tensor, and the key of its metadata in the dict `forward` builds (its window, or with
@@ -200,13 +202,14 @@ class DecoderForCausalLM(CheckpointModel):
                 for group_id, window in enumerate(layout.group_windows)
             }
         else:
+            build_metadata = self.attention_backend.build_metadata
             metadata_by_window = {
-                window: self.attention_backend.build_metadata(batch, window)
-                for window in set(self.layer_windows)
+                window: build_metadata(batch, window) for window in self._distinct_windows
             }
-        max_position = int(batch.seq_lens.max()) - 1 if batch.num_reqs else 0
-        cos, sin = self.rotary_emb.cos_sin(batch.positions, self.dtype, max_position)
-        logits_indices = batch.logits_indices.to(torch.int64)
+        cos, sin = self.rotary_emb.cos_sin(batch.positions, self.dtype, _max_position(batch))
+        logits_indices = batch.logits_indices
+        if logits_indices.dtype is not torch.int64:
+            logits_indices = logits_indices.to(torch.int64)
         if self.lora_state is not None:
             self.lora_state.set_step(batch.lora_token_slots, logits_indices)
         hidden_states = self.embed(batch.input_ids)
@@ -269,6 +272,14 @@ class DecoderForCausalLM(CheckpointModel):
                 logits_indices if layer_index == last_layer else None,
             )
         return hidden_states, residual
+
+
+def _max_position(batch: BatchInputs) -> int:
+    """`max(seq_lens) - 1` (0 without requests): the largest position a step's tokens may sit at, read as a
+    Python list (no torch reduction to dispatch: a step's few requests are cheaper to scan in Python)."""
+    if not batch.num_reqs:
+        return 0
+    return max(batch.seq_lens.tolist()) - 1
 
 
 _BASE_MODEL_PREFIXES = ("layers.", "embed_tokens.", "norm.")

@@ -24,7 +24,6 @@ rows in SDPA), for A/B measurements (benchmarks/throughput.py, forward_profile.p
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,13 +118,23 @@ class CpuPagedAttention(TorchPagedAttention):
         self._softcap_in_torch = self.softcap is not None and softcap_in_torch()
         # Whether the kernel takes prefill rows of full-attention layers too: bfloat16 models.
         self._prefill_in_kernel = self.dtype is torch.bfloat16 and not prefill_in_torch()
+        # Decode-only steps of n requests: `query_start_loc` `[0, 1, ..., n]` as a list, and the kernel's
+        # token starts `[0, ..., n - 1]` (int64), by n (see `_decode_only_metadata`).
+        self._decode_starts: dict[int, tuple[list[int], torch.Tensor]] = {}
 
     def build_metadata(
         self, batch: BatchInputs, sliding_window: int | None = None
     ) -> CpuPagedMetadata:
-        device = batch.input_ids.device
-        if device.type != "cpu" or load_cpu_kernels() is None or self._softcap_in_torch:
+        # `is_cpu`, not `.device.type`: no device object to make, in the step's first lines.
+        if not batch.input_ids.is_cpu or load_cpu_kernels() is None or self._softcap_in_torch:
             return CpuPagedMetadata(super().build_metadata(batch, sliding_window), None)
+        decode = self._decode_only_metadata(batch, sliding_window)
+        return decode if decode is not None else self._kernel_metadata(batch, sliding_window)
+
+    def _kernel_metadata(self, batch: BatchInputs, sliding_window: int | None) -> CpuPagedMetadata:
+        """The general path of `build_metadata` once the kernels are in use: the kernel's rows and the torch plan
+        for the rest, for any step."""
+        device = batch.input_ids.device
         query_start_loc = batch.query_start_loc.to(torch.int64)
         seq_lens = batch.seq_lens.to(torch.int64)
         query_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -169,13 +178,59 @@ class CpuPagedAttention(TorchPagedAttention):
             decode=None,
             prefills=prefills,
         )
-        return CpuPagedMetadata(
-            plan,
-            kernel,
-            functools.cache(
-                functools.partial(TorchPagedAttention.build_metadata, self, batch, sliding_window)
-            ),
+        return CpuPagedMetadata(plan, kernel, self._whole_torch_plan_once(batch, sliding_window))
+
+    def _whole_torch_plan_once(
+        self, batch: BatchInputs, sliding_window: int | None
+    ) -> Callable[[], TorchPagedMetadata]:
+        """A callable returning the torch backend's plan for every row of `batch`, built on its first call and
+        the same object after (a closure: cheaper to make per step than `functools.cache(functools.partial(...))`)."""
+        built: list[TorchPagedMetadata] = []
+
+        def whole_torch_plan() -> TorchPagedMetadata:
+            if not built:
+                built.append(TorchPagedAttention.build_metadata(self, batch, sliding_window))
+            return built[0]
+
+        return whole_torch_plan
+
+    def _decode_only_metadata(
+        self, batch: BatchInputs, sliding_window: int | None
+    ) -> CpuPagedMetadata | None:
+        """The metadata of a step whose every request has one query token, built without the general path's
+        per-row index arithmetic; None for any other step, which the general path then builds.
+
+        Invariant: for the steps it takes, it returns what the general path returns, field for field (the same
+        values, dtypes and contiguity; `whole_torch_plan` the same cached torch plan): with every query length 1,
+        every row is a kernel row, there are no prefill groups, and the kernel rows are the batch's own
+        `block_tables` and `seq_lens` (int32) with `token_start = [0, ..., n - 1]`. It recognises such a step by
+        `query_start_loc` holding exactly `[0, 1, ..., n]` (compared as a Python list: no torch op); any other
+        content falls back.
+        """
+        num_reqs = batch.num_reqs
+        if num_reqs == 0 or batch.input_ids.shape[0] != num_reqs:
+            return None
+        starts = self._decode_starts.get(num_reqs)
+        if starts is None:
+            starts = (list(range(num_reqs + 1)), torch.arange(num_reqs, dtype=torch.int64))
+            self._decode_starts[num_reqs] = starts
+        expected_starts, token_start = starts
+        if batch.query_start_loc.tolist() != expected_starts:
+            return None
+        block_tables, seq_lens, slot_mapping = (
+            batch.block_tables,
+            batch.seq_lens,
+            batch.slot_mapping,
         )
+        if block_tables.dtype is not torch.int32 or not block_tables.is_contiguous():
+            block_tables = block_tables.to(torch.int32).contiguous()
+        if seq_lens.dtype is not torch.int32 or not seq_lens.is_contiguous():
+            seq_lens = seq_lens.to(torch.int32).contiguous()
+        if slot_mapping.dtype is not torch.int64:
+            slot_mapping = slot_mapping.to(torch.int64)
+        kernel = CpuKernelRows(token_start, None, block_tables, seq_lens, sliding_window or 0)
+        plan = TorchPagedMetadata(num_reqs, slot_mapping, None, [])
+        return CpuPagedMetadata(plan, kernel, self._whole_torch_plan_once(batch, sliding_window))
 
     def forward(
         self,

@@ -33,10 +33,12 @@ class RMSNorm(nn.Module):
         set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        as_float = hidden_states.float()
+        # float32 rows skip the casts, which would return the same tensor (fewer torch calls, same values).
+        is_float32 = hidden_states.dtype is torch.float32
+        as_float = hidden_states if is_float32 else hidden_states.float()
         variance = as_float.pow(2).mean(-1, keepdim=True)
-        return self.weight * (as_float * torch.rsqrt(variance + self.eps)).to(input_dtype)
+        normalised = as_float * torch.rsqrt(variance + self.eps)
+        return self.weight * (normalised if is_float32 else normalised.to(hidden_states.dtype))
 
     def forward_heads(self, heads: torch.Tensor) -> torch.Tensor:
         """The per-head norm (Qwen3's q/k norm) of `[tokens, heads, head_dim]`: on the C++ kernel where it takes the
@@ -51,11 +53,13 @@ class RMSNorm(nn.Module):
         self, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the residual stream (if any) first; returns `(normalised, new residual)`."""
-        fused = kernels.add_rms_norm(
-            hidden_states, residual, self.weight, self.eps, float32=self.float32_kernel
-        )  # CPU, else None
-        if fused is not None:
-            return fused
+        if self.float32_kernel or hidden_states.dtype is not torch.float32:
+            # float32 rows without `float32_kernel` never take the kernel: no need to ask it.
+            fused = kernels.add_rms_norm(
+                hidden_states, residual, self.weight, self.eps, float32=self.float32_kernel
+            )  # CPU, else None
+            if fused is not None:
+                return fused
         if residual is not None:
             hidden_states = hidden_states + residual
         return self(hidden_states), hidden_states

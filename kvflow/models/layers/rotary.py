@@ -98,6 +98,9 @@ class RotaryEmbedding(nn.Module):
     `[num_cached_positions, rotary_dim // 2]` (`position * inv_freq`, as transformers computes it), built at
     construction for min(max_position, 8192) positions and grown only when a forward reaches past them. `cos_sin` is
     called once per forward; every layer reuses its result, and `apply` reads the rotary width off it.
+    `_tables[dtype]` are those caches cast to `dtype` and shaped `[num_cached_positions, 1, rotary_dim // 2]`, made
+    on the first `cos_sin` in that dtype and dropped whenever the caches change (`_grow`, `Module.to`): a cast is
+    elementwise, so gathering their rows equals casting the gathered float32 rows, bit for bit, in one op a table.
     """
 
     cos_cache: torch.Tensor
@@ -128,6 +131,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer(
             "sin_cache", torch.empty(0, self.rotary_dim // 2, device=device), persistent=False
         )
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._num_cached = 0
         self._grow(max(min(max_position, _INITIAL_CACHED_POSITIONS), 1))
 
     def _grow(self, num_positions: int) -> None:
@@ -135,19 +140,33 @@ class RotaryEmbedding(nn.Module):
         freqs = positions[:, None] * self.inv_freq[None, :]
         self.cos_cache = freqs.cos()
         self.sin_cache = freqs.sin()
+        self._num_cached = num_positions
+        self._tables = {}
+
+    def _apply(self, *args: Any, **kwargs: Any) -> RotaryEmbedding:
+        # `.to(...)`, `.cuda()`, `.half()` move or cast the caches: the cast tables follow them on the next call.
+        self._tables = {}
+        return super()._apply(*args, **kwargs)
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, max_position: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(cos, sin)` for each position as `[num_tokens, 1, rotary_dim // 2]` in `dtype`.
+        """`(cos, sin)` for each position as `[num_tokens, 1, rotary_dim // 2]` in `dtype`, new contiguous
+        tensors.
 
         `max_position`, if known, is the largest entry of `positions`; the cache grows to cover it.
         """
-        if max_position is not None and max_position >= self.cos_cache.shape[0]:
-            self._grow(max(max_position + 1, 2 * self.cos_cache.shape[0]))
-        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+        if max_position is not None and max_position >= self._num_cached:
+            self._grow(max(max_position + 1, 2 * self._num_cached))
+        tables = self._tables.get(dtype)
+        if tables is None:
+            tables = (
+                self.cos_cache.to(dtype).unsqueeze(1).contiguous(),
+                self.sin_cache.to(dtype).unsqueeze(1).contiguous(),
+            )
+            self._tables[dtype] = tables
+        cos_table, sin_table = tables
+        return cos_table.index_select(0, positions), sin_table.index_select(0, positions)
 
     @staticmethod
     def apply(heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -139,4 +139,4 @@ class LMHead(_VocabShard):
             logits = out if out is not None else F.linear(hidden_states, self.weight)
         if self.tp.size > 1:
             logits = self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
-        return logits.float()
+        return logits if logits.dtype is torch.float32 else logits.float()

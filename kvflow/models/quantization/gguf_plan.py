@@ -249,6 +249,10 @@ class GGUFVocab(LinearMethod):
         copy_checked(param.data[: self.vocab.num_vocab_rows], part.data)
 
     def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.dim() == 1:  # the flat batch: no reshape or view to make
+            return quant.dequantize(
+                self.qtype, self.vocab.weight.index_select(0, input_ids), self.dtype
+            )
         rows = self.vocab.weight.index_select(0, input_ids.reshape(-1))
         embedded = quant.dequantize(self.qtype, rows, self.dtype)
         return embedded.view(*input_ids.shape, embedded.shape[-1])
