@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvflow import kernels
 from kvflow.kernels import quant
 from kvflow.models.fused_decode import FusedDecodeLayers
 from kvflow.models.llama import LlamaForCausalLM
@@ -126,7 +127,14 @@ def test_a_float_run_or_the_reference_products_keep_the_per_op_path(
     fused = load_model(write_gguf(checkpoints["qwen2"], tmp_path / "q8.gguf", "Q8_0"))
     assert isinstance(fused.fused_decode, FusedDecodeLayers)
     assert fused.model.layers[0].input_layernorm.float32_kernel
-    assert not fused.model.norm.float32_kernel  # the final norm is outside the fused layers
+    # The final norm too (outside the fused layers, fewer torch ops a step), and it is the kernel's RMSNorm.
+    assert fused.model.norm.float32_kernel
+    hidden = torch.randn(3, fused.model.norm.weight.numel())
+    normed, _ = fused.model.norm.forward_with_residual(hidden, None)
+    expected, _ = kernels.add_rms_norm(
+        hidden, None, fused.model.norm.weight, fused.model.norm.eps, float32=True
+    )
+    assert torch.equal(normed, expected)
     monkeypatch.setattr(
         quant, "_kernel_ops", lambda: None
     )  # products chosen at load: the reference
