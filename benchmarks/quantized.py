@@ -22,6 +22,10 @@ Figures, one after the other in this process (only ratios within one run compare
    (tg128). Format `int8` is kvflow's `LLM(model=FOLDER, quantization="int8")` on the bf16 checkpoint, against
    llama.cpp's Q8_0 file. Each timing alternates with the same decode with the fused decode layer turned off
    (every layer per op, `kvflow.models.fused_decode`): the row "fused layers vs per-op" is that same-run A/B.
+   `--alternate N` adds N rounds of one kvflow decode timing and, right after it, llama-bench's tg alone
+   (`-p 0 -r 1`, kvflow's model loaded and idle): the host's memory bandwidth moves by tens of percent between
+   runs and within one, so the row "N alternated rounds" (the median of each round's ratio) is the steadier
+   comparison.
 2. **prefill** pp512: kvflow's time to first token of one fresh 512-token prompt (`max_tokens=1`, prefix cache
    reset), 512 / seconds, against `llama-bench -p 512 -n 0` (pp512).
 3. **memory**: kvflow's resident weight bytes (every parameter and buffer of the model, each storage once; the KV
@@ -112,6 +116,7 @@ from benchmarks.quantized_runs import (
     kvflow_serve_command,
     llama_bench_command,
     llama_completion_payload,
+    llama_decode_only,
     llama_output_tokens,
     llama_server_command,
     measure_prefill,
@@ -170,6 +175,7 @@ __all__ = [
     "llama_bench_command",
     "llama_completion_payload",
     "llama_cpp_format",
+    "llama_decode_only",
     "llama_output_tokens",
     "llama_server_command",
     "main",
@@ -206,6 +212,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--repeat", type=int, default=None, help="timed repeats (default 3; quick 1)"
+    )
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        default=0,
+        help="then N rounds of kvflow decode and llama-bench tg alone, one right after the other (default 0)",
     )
     parser.add_argument("--skip-llama-cpp", action="store_true", help="kvflow only")
     parser.add_argument("--skip-kvflow", action="store_true", help="llama.cpp only")
@@ -325,8 +337,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.skip_kvflow:
             _stderr(f"kvflow {fmt} decode and prefill ...")
             try:
+                alternate_with = (
+                    llama_decode_only(bench, reference_file, threads, settings.output_len)
+                    if args.alternate and bench is not None and reference_file is not None
+                    else None
+                )
                 report.kvflow = run_kvflow_single(
-                    kvflow_model_kwargs(fmt, files, checkpoint), settings, shape["vocab_size"]
+                    kvflow_model_kwargs(fmt, files, checkpoint),
+                    settings,
+                    shape["vocab_size"],
+                    alternate_with,
+                    args.alternate,
                 )
             except Exception as error:  # report and go on: the other formats still measure
                 report.kvflow_error = f"{type(error).__name__}: {error}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from benchmarks.quantized_checkpoint import Settings
@@ -69,6 +70,17 @@ def markdown_table(
             f"{per_op:.2f} (kvflow per-op) | {_ratio(fused, per_op):.2f} | | | |"
         )
     for report in reports:
+        ratios = report.kvflow.alternated_ratios if report.kvflow else []
+        if not ratios:
+            continue
+        kv_rounds = [kvflow for kvflow, _ in report.kvflow.alternated]  # type: ignore[union-attr]
+        ll_rounds = [llama for _, llama in report.kvflow.alternated]  # type: ignore[union-attr]
+        lines.append(
+            f"| decode tg{output_len} tok/s, {len(ratios)} alternated rounds (medians; ratio: median of rounds' "
+            f"ratios, {min(ratios):.2f}-{max(ratios):.2f}) | {report.fmt} | {statistics.median(kv_rounds):.2f} | "
+            f"{statistics.median(ll_rounds):.2f} | {statistics.median(ratios):.2f} | | | |"
+        )
+    for report in reports:
         kv_prefill = report.kvflow.prefill_tokens_per_s(prefill_len) if report.kvflow else None
         ll_prefill = report.llama.prefill_tokens_per_s if report.llama else None
         label = (
@@ -131,5 +143,13 @@ def print_format(report: FormatReport, bandwidth: float, settings: Settings) -> 
             f"llama.cpp {report.llama_cpp_file} tg{settings.output_len} {ll.decode_tokens_per_s:.2f} tok/s "
             f"({ll.decode_tokens_per_s / floor:.2f} of floor), pp{settings.prefill_len} "
             f"{_cell(ll.prefill_tokens_per_s, 1)} tok/s  [{ll.command}]"
+        )
+    if report.kvflow is not None and report.kvflow.alternated:
+        rounds = ", ".join(
+            f"{kvflow:.2f}/{llama:.2f}" for kvflow, llama in report.kvflow.alternated
+        )
+        parts.append(
+            f"alternated rounds kvflow/llama.cpp tok/s {rounds}: ratio median "
+            f"{statistics.median(report.kvflow.alternated_ratios):.2f}"
         )
     print("; ".join(parts), flush=True)

@@ -233,6 +233,8 @@ class KvflowResult:
     model_dtype: str = ""
     # the same decode with the fused decode layer off (every layer per op), measured after it; empty: no fused path
     per_op_decode_ms_per_token: list[float] = field(default_factory=list)
+    # `--alternate` rounds: (kvflow decode tok/s, llama.cpp tg tok/s) timed one right after the other
+    alternated: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -243,6 +245,11 @@ class KvflowResult:
         if not self.per_op_decode_ms_per_token:
             return None
         return 1000.0 / statistics.median(self.per_op_decode_ms_per_token)
+
+    @property
+    def alternated_ratios(self) -> list[float]:
+        """kvflow / llama.cpp decode of each alternated round."""
+        return [kvflow / llama for kvflow, llama in self.alternated]
 
     def prefill_tokens_per_s(self, prefill_len: int) -> float:
         return prefill_len / statistics.median(self.prefill_s)
@@ -302,10 +309,27 @@ def kvflow_model_kwargs(fmt: str, files: dict[str, Path], checkpoint: Path) -> d
     return {"model": str(files[fmt]), "tokenizer": str(checkpoint)}
 
 
+def llama_decode_only(
+    binary: Path, gguf: Path, threads: int, output_len: int
+) -> Callable[[], float | None]:
+    """A call that runs llama-bench's tg`output_len` alone once (`-p 0 -r 1`) and returns its tok/s."""
+
+    def run() -> float | None:
+        return run_llama_bench(binary, gguf, threads, output_len, 0, 1).decode_tokens_per_s
+
+    return run
+
+
 def run_kvflow_single(
-    model_kwargs: dict[str, Any], settings: Settings, vocab_size: int
+    model_kwargs: dict[str, Any],
+    settings: Settings,
+    vocab_size: int,
+    llama_decode: Callable[[], float | None] | None = None,
+    rounds: int = 0,
 ) -> KvflowResult:
-    """Decode and prefill of one request at a time, and the loaded model's weight bytes."""
+    """Decode and prefill of one request at a time, and the loaded model's weight bytes. With `llama_decode`,
+    then `rounds` alternated rounds: one kvflow decode timing, then `llama_decode()` right after it (the model
+    stays loaded and idle meanwhile), so each round's ratio sees the host's memory bandwidth of that moment."""
     from benchmarks import latency
     from kvflow import LLM
 
@@ -333,12 +357,20 @@ def run_kvflow_single(
                     llm, vocab_size, settings.prompt_len, settings.output_len, 1
                 ).ms_per_token
                 llm.collective_rpc(set_fused_decode(True))
+        alternated: list[tuple[float, float]] = []
+        for _ in range(rounds if llama_decode is not None else 0):
+            round_ms = latency.measure_decode(
+                llm, vocab_size, settings.prompt_len, settings.output_len, 1
+            ).ms_per_token
+            llama_tokens_per_s = llama_decode()  # type: ignore[misc]
+            if llama_tokens_per_s is not None:
+                alternated.append((1000.0 / statistics.median(round_ms), llama_tokens_per_s))
         prefill_s = measure_prefill(llm, vocab_size, settings.prefill_len, settings.repeat)
         (weights,) = llm.collective_rpc(resident_weight_bytes)
         (dtypes,) = llm.collective_rpc(model_dtype)
     finally:
         llm.shutdown()
-    return KvflowResult(decode_ms, prefill_s, weights, dtypes, per_op)
+    return KvflowResult(decode_ms, prefill_s, weights, dtypes, per_op, alternated)
 
 
 def set_fused_decode(enabled: bool) -> Callable[[Any], bool]:

@@ -146,3 +146,23 @@ def test_the_table_puts_kvflow_beside_llama_cpp(quantized: Any) -> None:
     assert any(
         "kvflow serve vs llama-server -np 64" in line and "| 0.50 |" in line for line in lines
     )
+
+
+def test_alternated_rounds_report_the_median_of_each_rounds_ratio(quantized: Any) -> None:
+    """`--alternate N`: each round's kvflow figure is divided by the llama.cpp figure taken right after it; the row
+    gives both sides' medians and the median of those per-round ratios (not the ratio of the medians)."""
+    args = quantized._parse_args(["--quick", "--alternate", "3", "--formats", "Q4_K_M"])
+    assert args.alternate == 3
+    rounds = [(30.0, 40.0), (36.0, 36.0), (33.0, 30.0)]  # ratios 0.75, 1.00, 1.10
+    kvflow = quantized.KvflowResult([100.0], [2.0], 1, "float32", [], rounds)
+    assert kvflow.alternated_ratios == [0.75, 1.0, 1.1]
+    report = quantized.FormatReport("Q4_K_M", "Q4_K_M", 10**9, 10**9, kvflow, None, None)
+    lines = quantized.markdown_table([report], 40e9, 512, 128, [], "Q4_K_M").splitlines()
+    row = next(line for line in lines if "alternated rounds" in line)
+    # medians 33.00 and 36.00 would give 0.92; the rounds' ratios give 1.00
+    assert row.endswith("| Q4_K_M | 33.00 | 36.00 | 1.00 | | | |")
+    assert "3 alternated rounds" in row and "0.75-1.10" in row
+    plain = quantized.KvflowResult([100.0], [2.0], 1, "float32")
+    report.kvflow = plain
+    lines = quantized.markdown_table([report], 40e9, 512, 128, [], "Q4_K_M").splitlines()
+    assert not any("alternated rounds" in line for line in lines)
