@@ -111,13 +111,31 @@ class QuantizedLayerArgs:
         self.runs_per_product = [len(product.runs) for product in products]
         self.intermediate = layer.mlp.down_proj.input_size
 
+    def layer_args(self, *, float_biases: bool) -> tuple[Any, ...]:
+        """The layer's arguments in the order `decode_layer_quantized` and `DecodeLayerStack.add_quantized_layer`
+        both take them (norms, the per-run lists, runs per product, intermediate size). `float_biases`: each run's
+        bias as float32, converted now if stored otherwise (the per-layer call); else in its own dtype (the stack
+        keeps a float32 copy of any other dtype and refreshes it every step, so weight updates show there too)."""
+        return (
+            self.input_norm,
+            self.post_norm,
+            self.q_norm,
+            self.k_norm,
+            self.weights,
+            self.types,
+            self.scales,
+            self.biases() if float_biases else self.raw_biases(),
+            self.gemv_max_rows,
+            self.runs_per_product,
+            self.intermediate,
+        )
+
     def raw_biases(self) -> list[torch.Tensor]:
-        """Each run's bias in its own dtype (empty: none), as `DecodeLayerStack` keeps them: it holds a float32 copy of
-        any other dtype and refreshes it every step, so weight updates show there too."""
+        """Each run's bias in its own dtype (empty: none)."""
         return [_no_tensor() if bias is None else bias for bias in self._biases]
 
     def biases(self) -> list[torch.Tensor]:
-        """Each run's float32 bias (empty: none) for `decode_layer_quantized`, converted now if stored otherwise."""
+        """Each run's float32 bias (empty: none), converted now if stored otherwise."""
         if not self._convert:
             return self._float_biases
         return [
@@ -341,21 +359,10 @@ class FusedDecodeLayers:
             )
             lora = {} if lora_args is None else lora_args[layer_index]
             if self._quantized is not None:
-                args = self._quantized[layer_index]
                 hidden_states, residual = self._ops.decode_layer_quantized(
                     hidden_states,
                     residual,
-                    args.input_norm,
-                    args.post_norm,
-                    args.q_norm,
-                    args.k_norm,
-                    args.weights,
-                    args.types,
-                    args.scales,
-                    args.biases(),
-                    args.gemv_max_rows,
-                    args.runs_per_product,
-                    args.intermediate,
+                    *self._quantized[layer_index].layer_args(float_biases=True),
                     *step,
                     lora_token_slots=lora_token_slots,
                     **lora,
@@ -391,20 +398,8 @@ class FusedDecodeLayers:
             )
             for layer_index, group in enumerate(self._window_groups):
                 if self._quantized is not None:
-                    args = self._quantized[layer_index]
                     stack.add_quantized_layer(
-                        args.input_norm,
-                        args.post_norm,
-                        args.q_norm,
-                        args.k_norm,
-                        args.weights,
-                        args.types,
-                        args.scales,
-                        args.raw_biases(),
-                        args.gemv_max_rows,
-                        args.runs_per_product,
-                        args.intermediate,
-                        group,
+                        *self._quantized[layer_index].layer_args(float_biases=False), group
                     )
                 else:
                     assert self._weights is not None

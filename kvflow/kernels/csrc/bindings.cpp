@@ -367,6 +367,16 @@ struct DecodeLora {
 };
 
 // Checks `lora` against the layer's products (K[i] inputs, N[i] outputs) and puts it into params and weights.
+// The four products' (qkv, o, gate_up, down) input widths K and output widths N for a layer of `p`'s sizes.
+struct ProductDims {
+  int64_t K[4];
+  int64_t N[4];
+};
+ProductDims product_dims(const kvflow::DecodeLayerParams& p) {
+  return {{p.hidden, p.num_heads * p.head_dim, p.hidden, p.intermediate},
+          {p.qkv_width(), p.hidden, 2 * p.intermediate, p.hidden}};
+}
+
 template <typename T>
 void fill_decode_lora(const DecodeLora& lora, const at::Tensor& hidden, const int64_t (&K)[4], const int64_t (&N)[4],
                       kvflow::DecodeLayerParams& params, kvflow::DecodeLayerWeights<T>& weights) {
@@ -419,8 +429,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode_layer(const DecodeStep& step, cons
                                                     at::Tensor& kv_cache, int64_t layer, bool quantized,
                                                     const DecodeLora& lora, MakeWeights&& make_weights) {
   kvflow::DecodeLayerParams params = step.params;
-  const int64_t K[4] = {params.hidden, params.num_heads * params.head_dim, params.hidden, params.intermediate};
-  const int64_t N[4] = {params.qkv_width(), params.hidden, 2 * params.intermediate, params.hidden};
+  const ProductDims dims = product_dims(params);
   at::Tensor workspace = at::empty({params.workspace_elements()}, hidden.options());
   at::Tensor scratch = at::empty({quantized ? params.quant_scratch_elements() : 0}, hidden.options().dtype(at::kFloat));
   at::Tensor out = at::empty_like(hidden);
@@ -429,7 +438,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode_layer(const DecodeStep& step, cons
   dispatch(hidden, [&](auto tag) {
     using T = decltype(tag);
     kvflow::DecodeLayerWeights<T> weights = make_weights(tag);
-    fill_decode_lora<T>(lora, hidden, K, N, params, weights);
+    fill_decode_lora<T>(lora, hidden, dims.K, dims.N, params, weights);
     T* layer_cache = ptr<T>(kv_cache) + layer * step.layer_stride;
     stored = kvflow::decode_layer<T>(params, weights, ptr<T>(hidden), residual ? ptr<T>(*residual) : nullptr,
                                      ptr<T>(cos), ptr<T>(sin), layer_cache, layer_cache + step.value_offset,
@@ -439,6 +448,38 @@ std::tuple<at::Tensor, at::Tensor> run_decode_layer(const DecodeStep& step, cons
   TORCH_CHECK(stored, "slot_mapping has a slot outside the cache's ", params.num_blocks * params.block_size,
               " slots");
   return {out, residual_out};
+}
+
+// A layer's norm pointers (the per-head q/k norms null without), what every layer's DecodeLayerWeights starts from.
+template <typename T>
+kvflow::DecodeLayerWeights<T> layer_norms(const at::Tensor& input_norm, const at::Tensor& post_norm,
+                                          const c10::optional<at::Tensor>& q_norm,
+                                          const c10::optional<at::Tensor>& k_norm) {
+  kvflow::DecodeLayerWeights<T> w{ptr<T>(input_norm), ptr<T>(post_norm)};
+  w.q_norm = q_norm ? ptr<T>(*q_norm) : nullptr;
+  w.k_norm = k_norm ? ptr<T>(*k_norm) : nullptr;
+  return w;
+}
+
+// A dense layer's weights (the products already checked against the layer's sizes; each bias checked here against
+// `like`'s dtype and its product's rows), for decode_layer and DecodeLayerStack alike.
+template <typename T>
+kvflow::DecodeLayerWeights<T> dense_layer_weights(
+    const at::Tensor& like, int64_t hidden, int64_t intermediate, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+    const at::Tensor& qkv, const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o,
+    const c10::optional<at::Tensor>& o_bias, const at::Tensor& gate_up, const c10::optional<at::Tensor>& gate_up_bias,
+    const at::Tensor& down, const c10::optional<at::Tensor>& down_bias) {
+  kvflow::DecodeLayerWeights<T> w = layer_norms<T>(input_norm, post_norm, q_norm, k_norm);
+  w.qkv.dense = ptr<T>(qkv);
+  w.qkv.bias = optional_vector<T>(qkv_bias, like, qkv.size(0), "qkv_bias");
+  w.o.dense = ptr<T>(o);
+  w.o.bias = optional_vector<T>(o_bias, like, hidden, "o_bias");
+  w.gate_up.dense = ptr<T>(gate_up);
+  w.gate_up.bias = optional_vector<T>(gate_up_bias, like, 2 * intermediate, "gate_up_bias");
+  w.down.dense = ptr<T>(down);
+  w.down.bias = optional_vector<T>(down_bias, like, hidden, "down_bias");
+  return w;
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_layer(
@@ -463,18 +504,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const DecodeLora lora{lora_token_slots, lora_a, lora_b, lora_part_offsets};
   return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, false, lora, [&](auto tag) {
     using T = decltype(tag);
-    kvflow::DecodeLayerWeights<T> weights{ptr<T>(input_norm), ptr<T>(post_norm)};
-    weights.q_norm = q_norm ? ptr<T>(*q_norm) : nullptr;
-    weights.k_norm = k_norm ? ptr<T>(*k_norm) : nullptr;
-    weights.qkv.dense = ptr<T>(qkv);
-    weights.qkv.bias = optional_vector<T>(qkv_bias, hidden, qkv.size(0), "qkv_bias");
-    weights.o.dense = ptr<T>(o);
-    weights.o.bias = optional_vector<T>(o_bias, hidden, p.hidden, "o_bias");
-    weights.gate_up.dense = ptr<T>(gate_up);
-    weights.gate_up.bias = optional_vector<T>(gate_up_bias, hidden, 2 * p.intermediate, "gate_up_bias");
-    weights.down.dense = ptr<T>(down);
-    weights.down.bias = optional_vector<T>(down_bias, hidden, p.hidden, "down_bias");
-    return weights;
+    return dense_layer_weights<T>(hidden, p.hidden, p.intermediate, input_norm, post_norm, q_norm, k_norm, qkv,
+                                  qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias);
   });
 }
 
@@ -515,6 +546,39 @@ void fill_quant_product(kvflow::QuantRun* runs, int* num_runs, const std::vector
   *num_runs = static_cast<int>(count);
 }
 
+// The flat per-run lists hold one entry per run of the four products (`runs_per_product`).
+void check_run_lists(const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types,
+                     const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& biases,
+                     const std::vector<int64_t>& gemv_max_rows, const std::vector<int64_t>& runs_per_product) {
+  TORCH_CHECK(runs_per_product.size() == 4, "runs_per_product must have 4 entries (qkv, o, gate_up, down)");
+  const size_t total = static_cast<size_t>(runs_per_product[0] + runs_per_product[1] + runs_per_product[2] +
+                                           runs_per_product[3]);
+  TORCH_CHECK(weights.size() == total && types.size() == total && scales.size() == total &&
+                  biases.size() == total && gemv_max_rows.size() == total,
+              "weights, types, scales, biases and gemv_max_rows must each have one entry per run (", total, ")");
+}
+
+// A quantized layer's weights (the lists checked by check_run_lists; each run checked against its product's K
+// and N here), for decode_layer_quantized and DecodeLayerStack alike.
+template <typename T>
+kvflow::DecodeLayerWeights<T> quantized_layer_weights(
+    const ProductDims& dims, const at::Tensor& input_norm, const at::Tensor& post_norm,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+    const std::vector<at::Tensor>& weights, const std::vector<int64_t>& types, const std::vector<at::Tensor>& scales,
+    const std::vector<at::Tensor>& biases, const std::vector<int64_t>& gemv_max_rows,
+    const std::vector<int64_t>& runs_per_product) {
+  kvflow::DecodeLayerWeights<T> w = layer_norms<T>(input_norm, post_norm, q_norm, k_norm);
+  kvflow::LayerProduct<T>* products[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
+  const char* names[4] = {"qkv", "o", "gate_up", "down"};
+  int64_t first = 0;
+  for (int i = 0; i < 4; ++i) {
+    fill_quant_product(products[i]->runs, &products[i]->num_runs, weights, types, scales, biases, gemv_max_rows,
+                       first, runs_per_product[i], dims.K[i], dims.N[i], names[i]);
+    first += runs_per_product[i];
+  }
+  return w;
+}
+
 // decode_layer with quantized products (q_norm / k_norm as decode_layer's): the four products' runs (qkv, o,
 // gate_up, down) in one flat list each of weights (GGUF blocks, or int8), type codes (kvflow::GgmlType, or
 // kInt8Weights), scales (int8 runs; else empty), float32 biases (empty: none) and the gemv_max_rows each run's
@@ -532,30 +596,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer_quantized(
   const DecodeStep step =
       check_decode_step(hidden, residual, input_norm, post_norm, q_norm, k_norm, intermediate, cos, sin, kv_cache,
                         layer, slot_mapping, block_tables, seq_lens, num_heads, eps, scale, window, 0);
-  const kvflow::DecodeLayerParams& p = step.params;
-  TORCH_CHECK(runs_per_product.size() == 4, "runs_per_product must have 4 entries (qkv, o, gate_up, down)");
-  const size_t total = static_cast<size_t>(runs_per_product[0] + runs_per_product[1] + runs_per_product[2] +
-                                           runs_per_product[3]);
-  TORCH_CHECK(weights.size() == total && types.size() == total && scales.size() == total &&
-                  biases.size() == total && gemv_max_rows.size() == total,
-              "weights, types, scales, biases and gemv_max_rows must each have one entry per run (", total, ")");
+  check_run_lists(weights, types, scales, biases, gemv_max_rows, runs_per_product);
+  const ProductDims dims = product_dims(step.params);
   const DecodeLora lora{lora_token_slots, lora_a, lora_b, lora_part_offsets};
   return run_decode_layer(step, hidden, residual, cos, sin, kv_cache, layer, true, lora, [&](auto tag) {
     using T = decltype(tag);
-    kvflow::DecodeLayerWeights<T> w{ptr<T>(input_norm), ptr<T>(post_norm)};
-    w.q_norm = q_norm ? ptr<T>(*q_norm) : nullptr;
-    w.k_norm = k_norm ? ptr<T>(*k_norm) : nullptr;
-    const int64_t K[4] = {p.hidden, num_heads * p.head_dim, p.hidden, p.intermediate};
-    const int64_t N[4] = {p.qkv_width(), p.hidden, 2 * p.intermediate, p.hidden};
-    kvflow::LayerProduct<T>* products[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
-    const char* names[4] = {"qkv", "o", "gate_up", "down"};
-    int64_t first = 0;
-    for (int i = 0; i < 4; ++i) {
-      fill_quant_product(products[i]->runs, &products[i]->num_runs, weights, types, scales, biases, gemv_max_rows,
-                         first, runs_per_product[i], K[i], N[i], names[i]);
-      first += runs_per_product[i];
-    }
-    return w;
+    return quantized_layer_weights<T>(dims, input_norm, post_norm, q_norm, k_norm, weights, types, scales, biases,
+                                      gemv_max_rows, runs_per_product);
   });
 }
 
@@ -603,16 +650,9 @@ class DecodeLayerStack {
       if (*bias) layer.held.push_back(**bias);
     dispatch(reference_, [&](auto tag) {
       using T = decltype(tag);
-      kvflow::DecodeLayerWeights<T> w = norms<T>(input_norm, post_norm, q_norm, k_norm);
-      w.qkv.dense = ptr<T>(qkv);
-      w.qkv.bias = optional_vector<T>(qkv_bias, reference_, qkv.size(0), "qkv_bias");
-      w.o.dense = ptr<T>(o);
-      w.o.bias = optional_vector<T>(o_bias, reference_, hidden_, "o_bias");
-      w.gate_up.dense = ptr<T>(gate_up);
-      w.gate_up.bias = optional_vector<T>(gate_up_bias, reference_, 2 * intermediate, "gate_up_bias");
-      w.down.dense = ptr<T>(down);
-      w.down.bias = optional_vector<T>(down_bias, reference_, hidden_, "down_bias");
-      weights<T>().push_back(w);
+      weights<T>().push_back(dense_layer_weights<T>(reference_, hidden_, intermediate, input_norm, post_norm, q_norm,
+                                                    k_norm, qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down,
+                                                    down_bias));
     });
     layers_.push_back(std::move(layer));
   }
@@ -625,12 +665,7 @@ class DecodeLayerStack {
                            const std::vector<at::Tensor>& scales, const std::vector<at::Tensor>& biases,
                            const std::vector<int64_t>& gemv_max_rows, const std::vector<int64_t>& runs_per_product,
                            int64_t intermediate, int64_t window_group) {
-    TORCH_CHECK(runs_per_product.size() == 4, "runs_per_product must have 4 entries (qkv, o, gate_up, down)");
-    const size_t total = static_cast<size_t>(runs_per_product[0] + runs_per_product[1] + runs_per_product[2] +
-                                             runs_per_product[3]);
-    TORCH_CHECK(run_weights.size() == total && types.size() == total && scales.size() == total &&
-                    biases.size() == total && gemv_max_rows.size() == total,
-                "weights, types, scales, biases and gemv_max_rows must each have one entry per run (", total, ")");
+    check_run_lists(run_weights, types, scales, biases, gemv_max_rows, runs_per_product);
     Layer layer = new_layer(input_norm, post_norm, q_norm, k_norm, intermediate, window_group);
     std::vector<at::Tensor> float_biases;
     for (const at::Tensor& bias : biases) {
@@ -647,20 +682,18 @@ class DecodeLayerStack {
     layer.held.insert(layer.held.end(), run_weights.begin(), run_weights.end());
     layer.held.insert(layer.held.end(), scales.begin(), scales.end());
     layer.held.insert(layer.held.end(), float_biases.begin(), float_biases.end());
+    kvflow::DecodeLayerParams sizes{};
+    sizes.hidden = hidden_;
+    sizes.intermediate = intermediate;
+    sizes.num_heads = num_heads_;
+    sizes.num_kv_heads = num_kv_heads_;
+    sizes.head_dim = head_dim_;
+    const ProductDims dims = product_dims(sizes);
     dispatch(reference_, [&](auto tag) {
       using T = decltype(tag);
-      kvflow::DecodeLayerWeights<T> w = norms<T>(input_norm, post_norm, q_norm, k_norm);
-      const int64_t K[4] = {hidden_, num_heads_ * head_dim_, hidden_, intermediate};
-      const int64_t N[4] = {qkv_width(), hidden_, 2 * intermediate, hidden_};
-      kvflow::LayerProduct<T>* products[4] = {&w.qkv, &w.o, &w.gate_up, &w.down};
-      const char* names[4] = {"qkv", "o", "gate_up", "down"};
-      int64_t first = 0;
-      for (int i = 0; i < 4; ++i) {
-        fill_quant_product(products[i]->runs, &products[i]->num_runs, run_weights, types, scales, float_biases,
-                           gemv_max_rows, first, runs_per_product[i], K[i], N[i], names[i]);
-        first += runs_per_product[i];
-      }
-      weights<T>().push_back(w);
+      weights<T>().push_back(quantized_layer_weights<T>(dims, input_norm, post_norm, q_norm, k_norm, run_weights,
+                                                        types, scales, float_biases, gemv_max_rows,
+                                                        runs_per_product));
     });
     any_quantized_ = true;
     layers_.push_back(std::move(layer));
@@ -787,16 +820,6 @@ class DecodeLayerStack {
     num_window_groups_ = std::max(num_window_groups_, window_group + 1);
     max_intermediate_ = std::max(max_intermediate_, intermediate);
     return layer;
-  }
-
-  template <typename T>
-  static kvflow::DecodeLayerWeights<T> norms(const at::Tensor& input_norm, const at::Tensor& post_norm,
-                                      const c10::optional<at::Tensor>& q_norm,
-                                      const c10::optional<at::Tensor>& k_norm) {
-    kvflow::DecodeLayerWeights<T> w{ptr<T>(input_norm), ptr<T>(post_norm)};
-    w.q_norm = q_norm ? ptr<T>(*q_norm) : nullptr;
-    w.k_norm = k_norm ? ptr<T>(*k_norm) : nullptr;
-    return w;
   }
 
   template <typename T>
