@@ -20,9 +20,7 @@ from kvflow.models.quantization.gguf_writer import write_gguf
 from kvflow.testing.hf_checkpoints import make_tiny_checkpoint
 from tests.kernels.quant_static import static_quant_plans  # noqa: F401
 from tests.kernels.test_fused_decode_layer import _drive
-
-# Row lengths multiples of 256 so that every K-quant applies.
-SHAPE = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+from tests.kernels.test_fused_decode_quantized import SHAPE  # rows whole K-quant blocks
 
 
 @pytest.fixture(scope="module")
